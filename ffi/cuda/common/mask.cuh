@@ -1,0 +1,82 @@
+// Which keys a query sees, shared by every CUDA kernel: the key range a block of query rows
+// must visit (so whole tiles outside it are never loaded) and the per-element predicate for
+// the tiles that straddle a boundary.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "ffi/params.h"
+
+namespace jax_flashattn::cuda {
+
+// Visibility for one (batch, head): sequence lengths already clamped, window from params.
+struct Visibility {
+  int64_t q_len;   // rows t >= q_len see nothing
+  int64_t kv_len;  // keys s >= kv_len are hidden
+  int64_t window_left, window_right;  // kUnboundedWindow for an open side
+  const bool* mask;                   // element (t, s) at mask_offset + t * row + s * col
+  int64_t mask_offset, mask_row, mask_col;
+
+  __device__ static Visibility make(const AttentionParams& p, int64_t b, int64_t n) {
+    Visibility v;
+    v.q_len = p.seqlen_q;
+    v.kv_len = p.seqlen_k;
+    if (p.q_seqlens != nullptr) v.q_len = clamp(p.q_seqlens[b], p.seqlen_q);
+    if (p.kv_seqlens != nullptr) v.kv_len = clamp(p.kv_seqlens[b], p.seqlen_k);
+    v.window_left = p.window_left;
+    v.window_right = p.window_right;
+    v.mask = p.mask;
+    v.mask_offset = p.mask ? p.mask_strides.offset(b, p.batch_inner, n, 0, 0) : 0;
+    v.mask_row = p.mask_strides.row;
+    v.mask_col = p.mask_strides.col;
+    return v;
+  }
+
+  __device__ static int64_t clamp(int32_t length, int64_t size) {
+    return length < 0 ? 0 : (length > size ? size : length);
+  }
+
+  // Keys [lo, hi) that rows [row_begin, row_end) may see; hi <= lo when none.
+  __device__ void key_range(int64_t row_begin, int64_t row_end, int64_t& lo, int64_t& hi) const {
+    row_end = row_end < q_len ? row_end : q_len;
+    lo = 0;
+    hi = row_end > row_begin ? kv_len : 0;
+    if (window_left != kUnboundedWindow && row_begin - window_left > lo) lo = row_begin - window_left;
+    // The last row, row_end - 1, sees keys up to row_end - 1 + window_right.
+    if (window_right != kUnboundedWindow && row_end + window_right < hi) hi = row_end + window_right;
+  }
+
+  // Whether every (row, key) of the rectangle is visible without looking at elements, so the
+  // per-element predicate can be skipped (the common interior tile).
+  __device__ bool all_visible(int64_t row_begin, int64_t row_end, int64_t key_begin,
+                              int64_t key_end) const {
+    if (mask != nullptr || row_end > q_len || key_end > kv_len) return false;
+    if (window_left != kUnboundedWindow && key_begin < row_end - 1 - window_left) return false;
+    if (window_right != kUnboundedWindow && key_end - 1 > row_begin + window_right) return false;
+    return true;
+  }
+
+  __device__ bool visible(int64_t t, int64_t s) const {
+    if (t >= q_len || s >= kv_len) return false;
+    if (window_left != kUnboundedWindow && s < t - window_left) return false;
+    if (window_right != kUnboundedWindow && s > t + window_right) return false;
+    return mask == nullptr || mask[mask_offset + t * mask_row + s * mask_col];
+  }
+};
+
+// One bias element as float, whatever its storage type.
+__device__ __forceinline__ float load_bias(const void* bias, ElemType type, int64_t offset) {
+  switch (type) {
+    case ElemType::kBFloat16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[offset]);
+    case ElemType::kFloat16:
+      return __half2float(static_cast<const __half*>(bias)[offset]);
+    default:
+      return static_cast<const float*>(bias)[offset];
+  }
+}
+
+}  // namespace jax_flashattn::cuda

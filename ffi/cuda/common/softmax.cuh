@@ -1,0 +1,101 @@
+// Online softmax over mma.sync accumulator fragments.
+//
+// A thread holds, for each 16-row slab of its warp, two rows (lane / 4 and lane / 4 + 8) and
+// two adjacent columns per 8-column tile; the four lanes of a quad share those rows, so row
+// reductions are two xor-shuffles. Scores arrive in units where logit * log2(e) = s * scale,
+// so each probability is exp2(s * scale - max * scale): one FFMA and one MUFU.EX2.
+#pragma once
+
+#include <cmath>
+
+#include "ffi/cuda/common/ptx.cuh"
+
+namespace jax_flashattn::cuda {
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// kRows = 2 per 16-row slab. row_sum holds this thread's partial sums; the quad reduction is
+// deferred to finalize() (the rescaling factors are per row, so partials rescale correctly).
+template <int kSlabs>
+struct OnlineSoftmax {
+  float row_max[kSlabs][2];
+  float row_sum[kSlabs][2];
+
+  __device__ void init() {
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        row_max[m][h] = -INFINITY;
+        row_sum[m][h] = 0.f;
+      }
+  }
+
+  // Turns scores S[kSlabs][kNTiles][4] into unnormalised probabilities in place and rescales
+  // the output accumulators O[kSlabs][kDTiles][4] by exp2(old max - new max). Masked scores
+  // are -inf; a row with no finite score yet keeps max -inf and all-zero probabilities.
+  template <int kNTiles, int kDTiles>
+  __device__ void update(float (&S)[kSlabs][kNTiles][4], float (&O)[kSlabs][kDTiles][4],
+                         float scale) {
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n)
+          tile_max = fmaxf(tile_max, fmaxf(S[m][n][2 * h], S[m][n][2 * h + 1]));
+        const float new_max = fmaxf(row_max[m][h], quad_max(tile_max));
+        // -inf - -inf would be NaN: a row that has seen nothing keeps factor 1 and offset 0.
+        const float offset = new_max == -INFINITY ? 0.f : new_max * scale;
+        const float correction =
+            row_max[m][h] == -INFINITY ? 1.f : ptx::exp2_approx(row_max[m][h] * scale - offset);
+        row_max[m][h] = new_max;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float& s = S[m][n][2 * h + c];
+            s = ptx::exp2_approx(fmaf(s, scale, -offset));
+            sum += s;
+          }
+        row_sum[m][h] = row_sum[m][h] * correction + sum;
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+          O[m][d][2 * h] *= correction;
+          O[m][d][2 * h + 1] *= correction;
+        }
+      }
+  }
+
+  // Normalises O and returns the natural-log lse of each row (-inf and O = 0 for rows that
+  // saw no key).
+  template <int kDTiles>
+  __device__ void finalize(float (&O)[kSlabs][kDTiles][4], float scale, float (&lse)[kSlabs][2]) {
+    constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float sum = quad_sum(row_sum[m][h]);
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        lse[m][h] = sum > 0.f ? (row_max[m][h] * scale + log2f(sum)) * kLn2 : -INFINITY;
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+          O[m][d][2 * h] *= inv;
+          O[m][d][2 * h + 1] *= inv;
+        }
+      }
+  }
+};
+
+}  // namespace jax_flashattn::cuda

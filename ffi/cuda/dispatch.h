@@ -1,0 +1,17 @@
+// Kernel selection for the CUDA handlers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "ffi/params.h"
+
+namespace jax_flashattn::cuda {
+
+enum class ForwardKernel { kSm80, kSimt };
+
+ForwardKernel choose_forward_kernel(const AttentionParams& p);
+
+// Launches the chosen forward kernel on `stream`.
+cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream);
+
+}  // namespace jax_flashattn::cuda

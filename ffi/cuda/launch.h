@@ -1,0 +1,37 @@
+// What the CUDA handlers can launch. Each returns the launch's error (cudaSuccess when
+// queued); none synchronises.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <mutex>
+
+#include "ffi/params.h"
+
+namespace jax_flashattn::cuda {
+
+// Tensor-core forward for bf16/fp16 and head dims that are a multiple of 8 up to kHeadDim.
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_sm80(const AttentionParams& p, cudaStream_t stream);
+
+// CUDA-core forward for any dtype and head dim (float32 arithmetic throughout).
+cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);
+
+// Raises a kernel's dynamic shared-memory limit once per device; thread-safe, so concurrent
+// handlers on several GPUs each set it exactly once.
+template <typename Kernel>
+cudaError_t ensure_smem_limit(Kernel kernel, int bytes) {
+  constexpr int kMaxDevices = 64;
+  static std::once_flag flags[kMaxDevices];
+  static cudaError_t results[kMaxDevices];
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
+  std::call_once(flags[device], [&] {
+    results[device] =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  });
+  return results[device];
+}
+
+}  // namespace jax_flashattn::cuda

@@ -1,0 +1,242 @@
+// FlashAttention-2 forward with mma.sync (sm_80 and newer).
+//
+// One block per (query tile, head, batch). Per K/V tile j:
+//   S = Q K_j^T          (Q fragments in registers, K from swizzled shared memory)
+//   mask + bias          (only on tiles that straddle a boundary)
+//   online softmax       (exp2 with the scale folded into one FFMA)
+//   O += P V_j           (P re-packed from the S accumulators, V via ldmatrix.trans)
+// while tile j + 1 is in flight with cp.async. O is normalised once at the end and written
+// through shared memory with 16-byte stores.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "ffi/cuda/common/mask.cuh"
+#include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/softmax.cuh"
+#include "ffi/params.h"
+
+namespace jax_flashattn::sm80 {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile: XOR with row % 8
+// spreads the 8 rows an ldmatrix phase reads over all 32 banks.
+template <int kSmemDim>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * kSmemDim + ((chunk ^ (row & 7)) << 3);
+}
+
+// Copies rows [0, kRows) x chunks [0, kChunks) of a [rows, head_dim] global tile into shared
+// memory, zero-filling rows >= valid_rows and chunks past head_dim.
+template <typename Traits, int kRows, typename Elem>
+__device__ __forceinline__ void load_tile(Elem* smem, const Elem* global, int64_t row_stride,
+                                          int64_t valid_rows, int64_t head_dim, int tid) {
+  constexpr int kChunks = Traits::kChunks;
+  constexpr int kTotal = kRows * kChunks;
+#pragma unroll
+  for (int i = tid; i < kTotal; i += Traits::kThreads) {
+    const int row = i / kChunks;
+    const int chunk = i % kChunks;
+    const bool valid = row < valid_rows && chunk * 8 < head_dim;
+    const Elem* src = valid ? global + row * row_stride + chunk * 8 : global;
+    ptx::cp_async_16(ptx::smem_address(smem + swizzled<Traits::kSmemDim>(row, chunk)), src,
+                     valid);
+  }
+}
+
+template <typename Elem, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    forward_kernel(const __grid_constant__ AttentionParams p) {
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  constexpr int kSlabs = Traits::kSlabs, kSmemDim = Traits::kSmemDim;
+  constexpr int kKSteps = Traits::kHeadDim / 16;  // QK^T reduction steps
+  constexpr int kNTiles = kBlockN / 8;            // 8-key column tiles of S
+  constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of O
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);                  // [kBlockM][kSmemDim]
+  Elem* sK = sQ + kBlockM * kSmemDim;                            // [kStages][kBlockN][kSmemDim]
+  Elem* sV = sK + Traits::kStages * kBlockN * kSmemDim;          // [kStages][kBlockN][kSmemDim]
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int quad_row = lane / 4, quad_col = 2 * (lane % 4);  // mma accumulator coordinates
+  const int64_t b = blockIdx.x / p.num_heads, n = blockIdx.x % p.num_heads;
+  const int64_t kv_head = n / p.group_size();
+  // Highest query tiles first: under causal masking they have the most keys, so the long
+  // blocks start early and the short ones fill the tail.
+  const int64_t row0 = int64_t(gridDim.y - 1 - blockIdx.y) * kBlockM;
+  const int warp_row0 = warp * kSlabs * 16;
+
+  const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + n * p.q_head_stride;
+  const Elem* k = static_cast<const Elem*>(p.k) + b * p.kv_batch_stride + kv_head * p.kv_head_stride;
+  const Elem* v = static_cast<const Elem*>(p.v) + b * p.kv_batch_stride + kv_head * p.kv_head_stride;
+  Elem* out = static_cast<Elem*>(p.out) + b * p.q_batch_stride + n * p.q_head_stride;
+  float* lse = p.lse + (b * p.num_heads + n) * p.seqlen_q;
+
+  const cuda::Visibility vis = cuda::Visibility::make(p, b, n);
+  int64_t key_lo, key_hi;
+  vis.key_range(row0, row0 + kBlockM, key_lo, key_hi);
+  const int64_t valid_rows = p.seqlen_q - row0 < kBlockM ? p.seqlen_q - row0 : kBlockM;
+
+  if (key_hi <= key_lo) {  // no row of this tile sees a key: O = 0, lse = -inf
+    for (int i = tid; i < valid_rows * Traits::kChunks; i += Traits::kThreads) {
+      const int row = i / Traits::kChunks, chunk = i % Traits::kChunks;
+      if (chunk * 8 < p.head_dim)
+        *reinterpret_cast<uint4*>(out + (row0 + row) * p.q_row_stride + chunk * 8) = uint4{};
+    }
+    for (int row = tid; row < valid_rows; row += Traits::kThreads) lse[row0 + row] = -INFINITY;
+    return;
+  }
+
+  const int64_t tile_begin = key_lo / kBlockN, tile_end = (key_hi + kBlockN - 1) / kBlockN;
+  auto load_kv = [&](int64_t tile, int stage) {
+    const int64_t key0 = tile * kBlockN;
+    load_tile<Traits, kBlockN>(sK + stage * kBlockN * kSmemDim, k + key0 * p.kv_row_stride,
+                               p.kv_row_stride, p.seqlen_k - key0, p.head_dim, tid);
+    load_tile<Traits, kBlockN>(sV + stage * kBlockN * kSmemDim, v + key0 * p.kv_row_stride,
+                               p.kv_row_stride, p.seqlen_k - key0, p.head_dim, tid);
+  };
+
+  // Prologue: Q and the first K/V tile in group 0, the second K/V tile (if any) in group 1.
+  load_tile<Traits, kBlockM>(sQ, q + row0 * p.q_row_stride, p.q_row_stride, valid_rows,
+                             p.head_dim, tid);
+  load_kv(tile_begin, 0);
+  ptx::cp_async_commit();
+  if (tile_begin + 1 < tile_end) load_kv(tile_begin + 1, 1);
+  ptx::cp_async_commit();
+
+  uint32_t q_frag[kSlabs][kKSteps][4];
+  float o_acc[kSlabs][kDTiles][4] = {};
+  cuda::OnlineSoftmax<kSlabs> softmax;
+  softmax.init();
+  // With a bias the scores are moved to the log2 domain before the softmax (the bias must be
+  // added after scaling); without one the scale is folded into the softmax's FFMA.
+  const bool has_bias = p.bias != nullptr;
+  const float scale_log2 = p.scale * kLog2e;
+  const float softmax_scale = has_bias ? 1.f : scale_log2;
+  const int64_t bias_offset = has_bias ? p.bias_strides.offset(b, p.batch_inner, n, 0, 0) : 0;
+
+  // ldmatrix row address pattern: lane l addresses row l % 8 of matrix l / 8.
+  const int ld_row = lane % 8, ld_matrix = lane / 8;
+
+  for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+    const int stage = int((tile - tile_begin) % Traits::kStages);
+    const Elem* sK_stage = sK + stage * kBlockN * kSmemDim;
+    const Elem* sV_stage = sV + stage * kBlockN * kSmemDim;
+    ptx::cp_async_wait<1>();
+    __syncthreads();
+
+    if (tile == tile_begin) {
+#pragma unroll
+      for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          const int row = warp_row0 + m * 16 + (ld_matrix & 1) * 8 + ld_row;
+          ptx::ldmatrix_x4(q_frag[m][ks], ptx::smem_address(sQ + swizzled<kSmemDim>(
+                                                               row, 2 * ks + (ld_matrix >> 1))));
+        }
+    }
+
+    // S = Q K^T
+    float s_acc[kSlabs][kNTiles][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+#pragma unroll
+      for (int np = 0; np < kNTiles / 2; ++np) {
+        uint32_t k_frag[4];
+        const int key = np * 16 + (ld_matrix >> 1) * 8 + ld_row;
+        ptx::ldmatrix_x4(k_frag, ptx::smem_address(sK_stage + swizzled<kSmemDim>(
+                                                                  key, 2 * ks + (ld_matrix & 1))));
+        const uint32_t b0[2] = {k_frag[0], k_frag[1]}, b1[2] = {k_frag[2], k_frag[3]};
+#pragma unroll
+        for (int m = 0; m < kSlabs; ++m) {
+          ptx::mma_m16n8k16<Elem>(s_acc[m][2 * np], q_frag[m][ks], b0);
+          ptx::mma_m16n8k16<Elem>(s_acc[m][2 * np + 1], q_frag[m][ks], b1);
+        }
+      }
+
+    // Bias, then the mask: only tiles that straddle a boundary look at elements.
+    const int64_t key0 = tile * kBlockN;
+    const bool all_visible = vis.all_visible(row0 + warp_row0, row0 + warp_row0 + kSlabs * 16,
+                                             key0, key0 + kBlockN);
+    if (has_bias || !all_visible) {
+#pragma unroll
+      for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int64_t t = row0 + warp_row0 + m * 16 + quad_row + (e / 2) * 8;
+            const int64_t s = key0 + nt * 8 + quad_col + (e % 2);
+            float& score = s_acc[m][nt][e];
+            if (has_bias) {
+              const float bias =
+                  t < p.seqlen_q && s < p.seqlen_k
+                      ? cuda::load_bias(p.bias, p.bias_dtype,
+                                        bias_offset + t * p.bias_strides.row + s * p.bias_strides.col)
+                      : 0.f;
+              score = fmaf(score, scale_log2, bias * kLog2e);
+            }
+            if (!all_visible && !vis.visible(t, s)) score = -INFINITY;
+          }
+    }
+
+    softmax.update(s_acc, o_acc, softmax_scale);
+
+    // O += P V: the S accumulators of key tiles 2kk, 2kk+1 are exactly the A operand layout.
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      uint32_t p_frag[kSlabs][4];
+#pragma unroll
+      for (int m = 0; m < kSlabs; ++m) {
+        p_frag[m][0] = ptx::pack2<Elem>(s_acc[m][2 * kk][0], s_acc[m][2 * kk][1]);
+        p_frag[m][1] = ptx::pack2<Elem>(s_acc[m][2 * kk][2], s_acc[m][2 * kk][3]);
+        p_frag[m][2] = ptx::pack2<Elem>(s_acc[m][2 * kk + 1][0], s_acc[m][2 * kk + 1][1]);
+        p_frag[m][3] = ptx::pack2<Elem>(s_acc[m][2 * kk + 1][2], s_acc[m][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t v_frag[4];
+        const int key = kk * 16 + (ld_matrix & 1) * 8 + ld_row;
+        ptx::ldmatrix_x4_trans(v_frag, ptx::smem_address(sV_stage + swizzled<kSmemDim>(
+                                                                        key, 2 * dp + (ld_matrix >> 1))));
+        const uint32_t b0[2] = {v_frag[0], v_frag[1]}, b1[2] = {v_frag[2], v_frag[3]};
+#pragma unroll
+        for (int m = 0; m < kSlabs; ++m) {
+          ptx::mma_m16n8k16<Elem>(o_acc[m][2 * dp], p_frag[m], b0);
+          ptx::mma_m16n8k16<Elem>(o_acc[m][2 * dp + 1], p_frag[m], b1);
+        }
+      }
+    }
+
+    __syncthreads();  // every warp is done with this stage before it is refilled
+    if (tile + Traits::kStages < tile_end) load_kv(tile + Traits::kStages, stage);
+    ptx::cp_async_commit();  // possibly empty, so wait<1> keeps meaning "this tile landed"
+  }
+
+  // Epilogue: normalise, stage O in the (now idle) Q tile, then 16-byte coalesced stores.
+  float row_lse[kSlabs][2];
+  softmax.finalize(o_acc, softmax_scale, row_lse);
+#pragma unroll
+  for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp_row0 + m * 16 + quad_row + h * 8;
+#pragma unroll
+      for (int d = 0; d < kDTiles; ++d)
+        *reinterpret_cast<uint32_t*>(sQ + swizzled<kSmemDim>(row, d) + quad_col) =
+            ptx::pack2<Elem>(o_acc[m][d][2 * h], o_acc[m][d][2 * h + 1]);
+      if (lane % 4 == 0 && row < valid_rows) lse[row0 + row] = row_lse[m][h];
+    }
+  __syncthreads();
+  for (int i = tid; i < kBlockM * Traits::kChunks; i += Traits::kThreads) {
+    const int row = i / Traits::kChunks, chunk = i % Traits::kChunks;
+    if (row < valid_rows && chunk * 8 < p.head_dim)
+      *reinterpret_cast<uint4*>(out + (row0 + row) * p.q_row_stride + chunk * 8) =
+          *reinterpret_cast<const uint4*>(sQ + swizzled<kSmemDim>(row, chunk));
+  }
+}
+
+}  // namespace jax_flashattn::sm80

@@ -1,0 +1,50 @@
+// CUDA handlers: decode the call and launch on XLA's stream. Never synchronises, never
+// allocates: every buffer the kernels touch is an operand or a result of the call.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "ffi/cuda/dispatch.h"
+#include "ffi/decode.h"
+
+namespace jax_flashattn {
+namespace {
+
+ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::RemainingArgs optional, ffi::Result<ffi::AnyBuffer> out,
+                       ffi::Result<ffi::AnyBuffer> lse, CallAttrs attrs) {
+  AttentionParams p;
+  if (ffi::Error e = DecodeForward(q, k, v, optional, out, lse, attrs, p); e.failure()) return e;
+  if (cudaError_t e = cuda::launch_forward(p, stream); e != cudaSuccess)
+    return ffi::Error::Internal(std::string("jax_flashattn: CUDA forward launch failed: ") +
+                                cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+                        ffi::AnyBuffer d_out, ffi::RemainingArgs optional,
+                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                        ffi::Result<ffi::AnyBuffer> dv, ffi::RemainingRets dbias,
+                        CallAttrs attrs) {
+  AttentionParams p;
+  if (ffi::Error e = DecodeBackward(q, k, v, out, lse, d_out, optional, dq, dk, dv, dbias, attrs,
+                                    p);
+      e.failure())
+    return e;
+  (void)stream;
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "jax_flashattn: the CUDA backward kernels are not built yet");
+}
+
+}  // namespace
+}  // namespace jax_flashattn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_flashattn_forward_cuda, jax_flashattn::ForwardCuda,
+    jax_flashattn::BindForward(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    jax_flashattn_backward_cuda, jax_flashattn::BackwardCuda,
+    jax_flashattn::BindBackward(
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));

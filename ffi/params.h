@@ -1,0 +1,89 @@
+// The one contract between the FFI handlers and every kernel (CPU and CUDA).
+//
+// Handlers decode XLA buffers and attributes into an AttentionParams; kernels read nothing
+// else. Strides are in elements and 64-bit so that offsets past 2^31 elements stay exact.
+#pragma once
+
+#include <cstdint>
+
+// The small helpers below run in host handlers and in CUDA kernels alike.
+#ifdef __CUDACC__
+#define JAX_FLASHATTN_HOST_DEVICE __host__ __device__
+#else
+#define JAX_FLASHATTN_HOST_DEVICE
+#endif
+
+namespace jax_flashattn {
+
+// Element type of q, k, v, out and their gradients (and, separately, of the bias).
+enum class ElemType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// Strides of a tensor that broadcasts to [batch, heads, T, S] (bias, mask). A broadcast
+// dimension has stride 0. The flattened batch index b splits into (b / batch_inner,
+// b % batch_inner): the outer part runs over the dimensions vmap added in front, the inner
+// part over the user's B, which the bias may broadcast on its own.
+struct BroadcastStrides {
+  int64_t batch_outer = 0;
+  int64_t batch_inner = 0;
+  int64_t head = 0;
+  int64_t row = 0;  // query position
+  int64_t col = 0;  // key position
+
+  JAX_FLASHATTN_HOST_DEVICE int64_t offset(int64_t b, int64_t batch_inner_size, int64_t n, int64_t t, int64_t s) const {
+    return (b / batch_inner_size) * batch_outer + (b % batch_inner_size) * batch_inner +
+           n * head + t * row + s * col;
+  }
+};
+
+// Marks an unbounded side of the local window.
+inline constexpr int64_t kUnboundedWindow = -1;
+
+struct AttentionParams {
+  ElemType dtype = ElemType::kFloat32;
+
+  // Sizes. `batch` is the product of every dimension before [T, N, H] (vmap dimensions times
+  // the user's B); `batch_inner` is the user's B, the innermost of those dimensions.
+  int64_t batch = 0;
+  int64_t batch_inner = 1;
+  int64_t seqlen_q = 0;      // T
+  int64_t seqlen_k = 0;      // S
+  int64_t num_heads = 0;     // N
+  int64_t num_kv_heads = 0;  // K, N % K == 0; query head n reads kv head n / (N / K)
+  int64_t head_dim = 0;      // H
+
+  // q, out, d_out, dq: [batch, T, N, H]. k, v, dk, dv: [batch, S, K, H]. lse: [batch, N, T].
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  int64_t kv_batch_stride = 0, kv_row_stride = 0, kv_head_stride = 0;
+
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;  // natural log; -inf for rows that see no key
+
+  // Optional inputs: nullptr when absent.
+  const void* bias = nullptr;  // broadcastable to [batch, N, T, S], added after scaling
+  ElemType bias_dtype = ElemType::kFloat32;
+  BroadcastStrides bias_strides;
+  const bool* mask = nullptr;  // broadcastable to [batch, N, T, S], true = keep
+  BroadcastStrides mask_strides;
+  const int32_t* q_seqlens = nullptr;   // [batch]; rows t >= q_seqlens[b] see no key
+  const int32_t* kv_seqlens = nullptr;  // [batch]; keys s >= kv_seqlens[b] are hidden
+
+  float scale = 1.0f;  // logits = scale * q.k + bias
+  // Query t sees key s iff t - window_left <= s <= t + window_right (each side unbounded when
+  // kUnboundedWindow). Causal attention is window_right == 0.
+  int64_t window_left = kUnboundedWindow;
+  int64_t window_right = kUnboundedWindow;
+
+  // Backward only.
+  const void* d_out = nullptr;  // like q
+  void* dq = nullptr;           // like q
+  void* dk = nullptr;           // like k, summed over the N / K query heads of each kv head
+  void* dv = nullptr;           // like v, likewise
+  float* dbias = nullptr;       // [batch, N, T, S] float32, contiguous; nullptr when no bias
+
+  JAX_FLASHATTN_HOST_DEVICE int64_t group_size() const { return num_heads / num_kv_heads; }
+};
+
+}  // namespace jax_flashattn

@@ -1,0 +1,53 @@
+"""`jax.ffi.ffi_call` wrappers: the only place that knows the FFI targets' operands.
+
+Optional inputs (bias, mask, query and key/value lengths) are passed only when present, in that
+order, and flagged by attributes. `vmap_method="broadcast_all"` gives every operand the vmapped
+dimensions in front; the handlers treat every dimension before [T, N, H] as batch, so a vmapped
+call stays one custom call.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flashattn import _ffi
+
+
+def _optional_operands(bias, mask, q_lens, kv_lens):
+    present = [x for x in (bias, mask, q_lens, kv_lens) if x is not None]
+    flags = dict(has_bias=bias is not None, has_mask=mask is not None,
+                 has_q_seqlens=q_lens is not None, has_kv_seqlens=kv_lens is not None)
+    return present, {k: np.int32(v) for k, v in flags.items()}
+
+
+def _attrs(scale: float, window: tuple[int, int]):
+    return dict(scale=np.float32(scale), window_left=np.int64(window[0]),
+                window_right=np.int64(window[1]))
+
+
+def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple[int, int]):
+    """(out [B, T, N, H] in q's dtype, lse [B, N, T] float32)."""
+    b, t, n, _ = q.shape
+    optional, flags = _optional_operands(bias, mask, q_lens, kv_lens)
+    call = jax.ffi.ffi_call(
+        _ffi.FORWARD_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)),
+        vmap_method="broadcast_all")
+    return call(q, k, v, *optional, **flags, **_attrs(scale, window))
+
+
+def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: float,
+             window: tuple[int, int]):
+    """(dq, dk, dv, dbias) where dbias is the float32 [B, N, T, S] gradient of the logits'
+    bias before any broadcast is summed out, or None without bias."""
+    b, t, n, _ = q.shape
+    s = k.shape[1]
+    optional, flags = _optional_operands(bias, mask, q_lens, kv_lens)
+    results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    if bias is not None:
+        results.append(jax.ShapeDtypeStruct((b, n, t, s), jnp.float32))
+    call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
+    grads = call(q, k, v, out, lse, d_out, *optional, **flags, **_attrs(scale, window))
+    return (*grads[:3], grads[3] if bias is not None else None)

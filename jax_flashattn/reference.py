@@ -1,0 +1,99 @@
+"""Pure-JAX attention with jax_flashattn's exact semantics.
+
+Materialises the [B, N, T, S] logits, so it is only for tests, the main job's check and the
+benchmarks' correctness gate. It takes the same arguments as `jax_flashattn.attention` and
+differs from `jax.nn.dot_product_attention` in one deliberate way: a query row that sees no key
+returns 0 (and its log-sum-exp is -inf) instead of an average of V.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flashattn import _validate
+
+
+def visibility(t_size: int, s_size: int, *, batch: int, is_causal: bool, window, q_lens,
+               kv_lens, mask) -> jax.Array:
+    """Boolean [B, N or 1, T, S]: True where query t may attend to key s."""
+    t = jnp.arange(t_size)[:, None]
+    s = jnp.arange(s_size)[None, :]
+    keep = jnp.ones((t_size, s_size), bool)
+    if is_causal:
+        keep &= s <= t
+    if window is not None:
+        left, right = window
+        keep &= s >= t - left
+        keep &= s <= t + right
+    keep = jnp.broadcast_to(keep, (batch, 1, t_size, s_size))
+    if q_lens is not None:
+        keep &= (jnp.arange(t_size)[None, :] < q_lens[:, None])[:, None, :, None]
+    if kv_lens is not None:
+        keep &= (jnp.arange(s_size)[None, :] < kv_lens[:, None])[:, None, None, :]
+    if mask is not None:
+        keep = keep & mask
+    return keep
+
+
+def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+              query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+              implementation=None, return_residual=False, precision_dtype=jnp.float32,
+              p_dtype=None):
+    """Reference attention computed in `precision_dtype` (float32 by default).
+
+    `p_dtype`, when given, rounds the probabilities P to that dtype before P.V, which models
+    the rounding a tensor-core kernel does: the tests' error budget is measured with it.
+    `implementation` is accepted for signature compatibility and ignored.
+    """
+    del implementation
+    args = _validate.normalize(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+                               query_seq_lengths=query_seq_lengths,
+                               key_value_seq_lengths=key_value_seq_lengths,
+                               local_window_size=local_window_size)
+    q, k, v = (x.astype(precision_dtype) for x in (args.query, args.key, args.value))
+    b, t_size, n, h = q.shape
+    s_size, kv_heads = k.shape[1], k.shape[2]
+    group = n // kv_heads
+    k = jnp.repeat(k, group, axis=2)
+    v = jnp.repeat(v, group, axis=2)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=jax.lax.Precision.HIGHEST)
+    logits = logits * jnp.asarray(args.scale, precision_dtype)
+    if args.bias is not None:
+        logits = logits + args.bias.astype(precision_dtype)
+    keep = visibility(t_size, s_size, batch=b, is_causal=args.is_causal, window=args.window,
+                      q_lens=args.query_seq_lengths, kv_lens=args.key_value_seq_lengths,
+                      mask=args.mask)
+    keep = jnp.broadcast_to(keep, logits.shape)
+    masked = jnp.where(keep, logits, -jnp.inf)
+    row_max = jnp.max(masked, axis=-1, keepdims=True)
+    any_visible = jnp.isfinite(row_max)
+    safe_max = jnp.where(any_visible, row_max, 0)
+    p = jnp.where(keep, jnp.exp(masked - safe_max), 0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(any_visible, denom, 1)
+    if p_dtype is not None:
+        p = p.astype(p_dtype).astype(precision_dtype)
+    out = jnp.einsum("bnts,bsnh->btnh", p, v, precision=jax.lax.Precision.HIGHEST)
+    out = out.astype(args.query.dtype).reshape(args.out_shape)
+    if not return_residual:
+        return out
+    lse = jnp.where(any_visible, safe_max + jnp.log(jnp.where(any_visible, denom, 1)), -jnp.inf)
+    lse = jnp.transpose(lse[..., 0], (0, 2, 1)).astype(jnp.float32)  # [B, N, T] -> [B, T, N]
+    return out, lse.reshape(args.out_shape[:-1])
+
+
+def error_bound(query, key, value, *args, **kwargs) -> float:
+    """Error budget of the testing rule for low-precision inputs.
+
+    Twice the error that the float32 reference makes when it rounds P and the output to the
+    input dtype, measured against the unrounded float32 reference, plus a small absolute term.
+    Inputs are the low-precision arrays the kernel was given; the references upcast them.
+    """
+    dtype = jnp.asarray(query).dtype
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (query, key, value))
+    exact = np.asarray(attention(q, k, v, *args, **kwargs), np.float64)
+    rounded = attention(q, k, v, *args, p_dtype=dtype, **kwargs).astype(dtype)
+    err = np.max(np.abs(np.asarray(rounded, np.float64) - exact), initial=0.0)
+    return float(2 * err + 1e-5 * (np.max(np.abs(exact), initial=0.0) + 1))
