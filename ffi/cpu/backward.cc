@@ -30,10 +30,10 @@ struct QueryHead {
     std::fill(dq.begin(), dq.end(), 0.0f);
     for (int64_t t = 0; t < q_len; ++t) {
       const int64_t offset = q_offset(p, b, t, n);
-      load_row(p.dtype, p.q, offset, h, &q[t * h]);
-      load_row(p.dtype, p.d_out, offset, h, &d_out[t * h]);
+      load_row(p.dtype, p.q, offset, h, q.data() + t * h);
+      load_row(p.dtype, p.d_out, offset, h, d_out.data() + t * h);
       load_row(p.dtype, p.out, offset, h, out_row);
-      delta[t] = dot(&d_out[t * h], out_row, h);
+      delta[t] = dot(d_out.data() + t * h, out_row, h);
       lse2[t] = lse[t] * kLog2e;
     }
   }
@@ -49,8 +49,8 @@ void backward_group(const AttentionParams& p, int64_t b, int64_t kv_head) {
 
   std::vector<float> k(kv_len * h), v(kv_len * h), dk(kv_len * h, 0.0f), dv(kv_len * h, 0.0f);
   for (int64_t s = 0; s < kv_len; ++s) {
-    load_row(p.dtype, p.k, kv_offset(p, b, s, kv_head), h, &k[s * h]);
-    load_row(p.dtype, p.v, kv_offset(p, b, s, kv_head), h, &v[s * h]);
+    load_row(p.dtype, p.k, kv_offset(p, b, s, kv_head), h, k.data() + s * h);
+    load_row(p.dtype, p.v, kv_offset(p, b, s, kv_head), h, v.data() + s * h);
   }
 
   QueryHead head(q_len, h);
@@ -77,26 +77,26 @@ void backward_group(const AttentionParams& p, int64_t b, int64_t kv_head) {
           const int64_t j0 = std::max(k0, range.begin(t));
           const int64_t j1 = std::min(k1, range.end(t));
           if (j0 >= j1) continue;
-          logits.compute(t, &head.q[t * h], k.data(), j0, j1, x.data());
-          const float* q_t = &head.q[t * h];
-          const float* do_t = &head.d_out[t * h];
-          float* dq_t = &head.dq[t * h];
+          const float* q_t = head.q.data() + t * h;
+          const float* do_t = head.d_out.data() + t * h;
+          float* dq_t = head.dq.data() + t * h;
+          logits.compute(t, q_t, k.data(), j0, j1, x.data());
           for (int64_t j = j0; j < j1; ++j) {
             const float prob = std::exp2(x[j - j0] - head.lse2[t]);
             if (prob == 0.0f) continue;
             // dS = P * (dP - D) with dP = dO.v; the scale of dq and dk is applied once at the end.
-            const float ds = prob * (dot(do_t, &v[j * h], h) - head.delta[t]);
+            const float ds = prob * (dot(do_t, v.data() + j * h, h) - head.delta[t]);
             if (dbias != nullptr) dbias[t * s_size + j] = ds;
-            axpy(prob, do_t, &dv[j * h], h);
-            axpy(ds, q_t, &dk[j * h], h);
-            axpy(ds, &k[j * h], dq_t, h);
+            axpy(prob, do_t, dv.data() + j * h, h);
+            axpy(ds, q_t, dk.data() + j * h, h);
+            axpy(ds, k.data() + j * h, dq_t, h);
           }
         }
       }
     }
 
     for (int64_t t = 0; t < q_len; ++t) {
-      float* dq_t = &head.dq[t * h];
+      float* dq_t = head.dq.data() + t * h;
       scale_row(p.scale, dq_t, h);
       store_row(p.dtype, dq_t, h, p.dq, q_offset(p, b, t, n));
     }
@@ -105,9 +105,9 @@ void backward_group(const AttentionParams& p, int64_t b, int64_t kv_head) {
   }
 
   for (int64_t s = 0; s < kv_len; ++s) {
-    scale_row(p.scale, &dk[s * h], h);
-    store_row(p.dtype, &dk[s * h], h, p.dk, kv_offset(p, b, s, kv_head));
-    store_row(p.dtype, &dv[s * h], h, p.dv, kv_offset(p, b, s, kv_head));
+    scale_row(p.scale, dk.data() + s * h, h);
+    store_row(p.dtype, dk.data() + s * h, h, p.dk, kv_offset(p, b, s, kv_head));
+    store_row(p.dtype, dv.data() + s * h, h, p.dv, kv_offset(p, b, s, kv_head));
   }
   for (int64_t s = kv_len; s < s_size; ++s) {
     store_row(p.dtype, zeros.data(), h, p.dk, kv_offset(p, b, s, kv_head));

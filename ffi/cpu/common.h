@@ -22,9 +22,9 @@ inline constexpr float kLog2e = 1.44269504088896340736f;
 inline constexpr float kLn2 = 0.69314718055994530942f;
 inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Width of the fixed-trip-count inner loops below. GCC and Clang vectorise a fixed-width body
-// even at -O2 (their cheap cost model refuses loops that need a runtime remainder), and the dot
-// product needs independent partial sums to vectorise without -ffast-math.
+// Width of the fixed-trip-count inner loops below: GCC's -O2 cost model vectorises only loops
+// that need no scalar remainder, and a dot product vectorises without -ffast-math only when it
+// keeps independent partial sums. Measured no slower at -O3 than wider or unrolled variants.
 inline constexpr int64_t kLanes = 8;
 
 inline float dot(const float* __restrict x, const float* __restrict y, int64_t n) {

@@ -100,7 +100,8 @@ inline void load_row(ElemType type, const void* base, int64_t offset, int64_t n,
 inline void store_row(ElemType type, const float* src, int64_t n, void* base, int64_t offset) {
   switch (type) {
     case ElemType::kFloat32: {
-      std::memcpy(static_cast<float*>(base) + offset, src, sizeof(float) * n);
+      float* dst = static_cast<float*>(base) + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
       return;
     }
     case ElemType::kBFloat16: {

@@ -35,7 +35,7 @@ void online_softmax_update(RowTile& tile, int64_t i, const float* x, int64_t cou
   const float m_new = std::max(tile.m[i], block_max);
   // Every key so far is masked: nothing to add, and 2^(x - m_new) would be NaN.
   if (m_new == kNegInf) return;
-  float* o = &tile.acc[i * h];
+  float* o = tile.acc.data() + i * h;
   const float alpha = std::exp2(tile.m[i] - m_new);  // 0 while m was -inf
   if (alpha != 1.0f) {
     scale_row(alpha, o, h);
@@ -62,10 +62,11 @@ void forward_head(const AttentionParams& p, int64_t b, int64_t n) {
 
   // Float32 copies of this head's valid query rows and its kv head's valid key/value rows.
   std::vector<float> q(q_len * h), k(kv_len * h), v(kv_len * h);
-  for (int64_t t = 0; t < q_len; ++t) load_row(p.dtype, p.q, q_offset(p, b, t, n), h, &q[t * h]);
+  for (int64_t t = 0; t < q_len; ++t)
+    load_row(p.dtype, p.q, q_offset(p, b, t, n), h, q.data() + t * h);
   for (int64_t s = 0; s < kv_len; ++s) {
-    load_row(p.dtype, p.k, kv_offset(p, b, s, kv_head), h, &k[s * h]);
-    load_row(p.dtype, p.v, kv_offset(p, b, s, kv_head), h, &v[s * h]);
+    load_row(p.dtype, p.k, kv_offset(p, b, s, kv_head), h, k.data() + s * h);
+    load_row(p.dtype, p.v, kv_offset(p, b, s, kv_head), h, v.data() + s * h);
   }
 
   RowTile tile(h);
@@ -84,13 +85,13 @@ void forward_head(const AttentionParams& p, int64_t b, int64_t n) {
         const int64_t j0 = std::max(k0, range.begin(t));
         const int64_t j1 = std::min(k1, range.end(t));
         if (j0 >= j1) continue;
-        logits.compute(t, &q[t * h], k.data(), j0, j1, x.data());
+        logits.compute(t, q.data() + t * h, k.data(), j0, j1, x.data());
         online_softmax_update(tile, t - r0, x.data(), j1 - j0, v.data(), j0, h);
       }
     }
     for (int64_t t = r0; t < r1; ++t) {
       const int64_t i = t - r0;
-      float* o = &tile.acc[i * h];
+      float* o = tile.acc.data() + i * h;
       // l > 0 exactly when some key was visible with a finite logit (the max contributes 1).
       if (tile.l[i] > 0.0f) {
         scale_row(1.0f / tile.l[i], o, h);

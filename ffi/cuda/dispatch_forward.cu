@@ -4,6 +4,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <iterator>
+
 #include "ffi/cuda/dispatch.h"
 #include "ffi/cuda/launch.h"
 #include "ffi/cuda/sm80/traits.h"

@@ -17,10 +17,11 @@ cudaError_t launch_forward_sm80(const AttentionParams& p, cudaStream_t stream);
 // CUDA-core forward for any dtype and head dim (float32 arithmetic throughout).
 cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);
 
-// Raises a kernel's dynamic shared-memory limit once per device; thread-safe, so concurrent
-// handlers on several GPUs each set it exactly once.
-template <typename Kernel>
-cudaError_t ensure_smem_limit(Kernel kernel, int bytes) {
+// Raises kKernel's dynamic shared-memory limit once per device; thread-safe, so concurrent
+// handlers on several GPUs each set it exactly once. Keyed on the kernel itself (a template
+// argument), not its type: every forward kernel has the same signature.
+template <auto kKernel>
+cudaError_t ensure_smem_limit(int bytes) {
   constexpr int kMaxDevices = 64;
   static std::once_flag flags[kMaxDevices];
   static cudaError_t results[kMaxDevices];
@@ -29,7 +30,7 @@ cudaError_t ensure_smem_limit(Kernel kernel, int bytes) {
   if (device >= kMaxDevices) return cudaErrorInvalidDevice;
   std::call_once(flags[device], [&] {
     results[device] =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+        cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   });
   return results[device];
 }

@@ -114,11 +114,11 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 template <typename Elem>
 cudaError_t launch(const AttentionParams& p, cudaStream_t stream) {
-  auto kernel = forward_simt_kernel<Elem>;
+  constexpr auto kernel = forward_simt_kernel<Elem>;
   const int64_t smem = kWarps * 2 * p.head_dim * int64_t(sizeof(float));
   constexpr int64_t kMaxSmem = 99 * 1024;
   if (smem > kMaxSmem) return cudaErrorInvalidValue;
-  if (cudaError_t e = ensure_smem_limit(kernel, int(kMaxSmem)); e != cudaSuccess) return e;
+  if (cudaError_t e = ensure_smem_limit<kernel>(int(kMaxSmem)); e != cudaSuccess) return e;
   const int64_t row_blocks = (p.seqlen_q + kWarps - 1) / kWarps;
   if (row_blocks > 65535 || p.batch * p.num_heads > 0x7fffffff) return cudaErrorInvalidConfiguration;
   kernel<<<dim3(unsigned(p.batch * p.num_heads), unsigned(row_blocks)), kWarps * 32, smem,

@@ -11,8 +11,8 @@ namespace jax_flashattn::cuda {
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm80(const AttentionParams& p, cudaStream_t stream) {
   using Traits = sm80::ForwardConfig<kHeadDim>;
-  auto kernel = sm80::forward_kernel<Elem, Traits>;
-  if (cudaError_t e = ensure_smem_limit(kernel, Traits::kSmemBytes); e != cudaSuccess) return e;
+  constexpr auto kernel = sm80::forward_kernel<Elem, Traits>;
+  if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   const int64_t m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   if (m_blocks > 65535 || p.batch * p.num_heads > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const dim3 grid(unsigned(p.batch * p.num_heads), unsigned(m_blocks));

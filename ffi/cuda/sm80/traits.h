@@ -13,13 +13,16 @@ constexpr int smem_dim_for(int head_dim) {
   return head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
 }
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kMinBlocks_>
 struct ForwardTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;  // query rows per block
   static constexpr int kBlockN = kBlockN_;  // keys per K/V tile
   static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = kWarps * 32;
+  // Blocks per SM the register allocation must allow (__launch_bounds__): with more than one,
+  // one block's barrier waits overlap another block's math.
+  static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kStages = 2;  // K/V tiles in flight: compute tile j while j+1 lands
   static constexpr int kSlabs = kBlockM / (16 * kWarps);
   static constexpr int kSmemDim = smem_dim_for(kHeadDim);
@@ -36,28 +39,34 @@ struct ForwardTraits {
 };
 
 // Registers per thread are dominated by Q (kSlabs * kHeadDim / 4 32-bit), O (kSlabs *
-// kHeadDim / 2 floats) and S (kSlabs * kBlockN / 2 floats).
+// kHeadDim / 2 floats) and S (kSlabs * kBlockN / 2 floats); ptxas adds ~70-100 on top (see
+// docs/kernel_notes.md). Each choice below was measured on an H200 against its alternatives.
 template <int kHeadDim>
 struct ForwardConfig;
 
-// Q 8 + O 16 + S 32 registers; smem (128 + 4 * 64) * 64 * 2 = 48 KiB.
+// Two slabs per warp halve the K/V shared-memory reads per FLOP. Q 16 + O 32 + S 64;
+// 230 registers; smem (128 + 4 * 64) * 64 * 2 = 48 KiB.
 template <>
-struct ForwardConfig<32> : ForwardTraits<32, 128, 64, 8> {};
-// Q 16 + O 32 + S 32; smem 48 KiB.
+struct ForwardConfig<32> : ForwardTraits<32, 128, 64, 4, 1> {};
+// Q 32 + O 64 + S 64; 255 registers with ~64 bytes spilled, still 16% faster than one slab
+// per warp (211 vs 182 TFLOP/s at T = 8192); smem 48 KiB.
 template <>
-struct ForwardConfig<64> : ForwardTraits<64, 128, 64, 8> {};
-// Q 24 + O 48 + S 32; smem (128 + 256) * 128 * 2 = 96 KiB.
+struct ForwardConfig<64> : ForwardTraits<64, 128, 64, 4, 1> {};
+// One slab per warp (two would spill): Q 24 + O 48 + S 32; smem (128 + 256) * 128 * 2 =
+// 96 KiB; eight warps share each K/V tile.
 template <>
-struct ForwardConfig<96> : ForwardTraits<96, 128, 64, 8> {};
-// Q 32 + O 64 + S 32; smem 96 KiB, one block of 8 warps per SM.
+struct ForwardConfig<96> : ForwardTraits<96, 128, 64, 8, 1> {};
+// Q 32 + O 64 + S 32; 255 registers, no spills; smem 96 KiB. Beat four-warp blocks at two
+// per SM (230 vs 210 TFLOP/s at T = 8192).
 template <>
-struct ForwardConfig<128> : ForwardTraits<128, 128, 64, 8> {};
-// Q 48 + O 96 + S 8; smem (64 + 64) * 256 * 2 = 64 KiB.
+struct ForwardConfig<128> : ForwardTraits<128, 128, 64, 8, 1> {};
+// Q 48 + O 96 + S 8; smem (64 + 64) * 256 * 2 = 64 KiB; 128 threads at <= 255 registers
+// leave room for two blocks per SM.
 template <>
-struct ForwardConfig<192> : ForwardTraits<192, 64, 16, 4> {};
-// Q 64 + O 128 + S 8; smem 64 KiB.
+struct ForwardConfig<192> : ForwardTraits<192, 64, 16, 4, 1> {};
+// Q 64 + O 128 + S 8 (spills ~136 bytes); smem 64 KiB.
 template <>
-struct ForwardConfig<256> : ForwardTraits<256, 64, 16, 4> {};
+struct ForwardConfig<256> : ForwardTraits<256, 64, 16, 4, 1> {};
 
 // The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first
 // one that is at least as large.
