@@ -66,6 +66,7 @@ add_library(flashattn_cuda STATIC
   ffi/handlers_cuda.cu
   ffi/cuda/dispatch_forward.cu
   ffi/cuda/simt/forward_simt.cu
+  ffi/cuda/simt/backward_simt.cu
   ${_instantiations})
 target_link_libraries(flashattn_cuda PUBLIC flashattn_cpu CUDA::cudart_static)
 target_compile_options(flashattn_cuda PRIVATE

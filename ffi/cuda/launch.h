@@ -17,6 +17,10 @@ cudaError_t launch_forward_sm80(const AttentionParams& p, cudaStream_t stream);
 // CUDA-core forward for any dtype and head dim (float32 arithmetic throughout).
 cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);
 
+// CUDA-core backward for any dtype and head dim: dq (and dbias), then dk and dv, with no
+// atomics, so results are bit-identical across runs.
+cudaError_t launch_backward_simt(const AttentionParams& p, cudaStream_t stream);
+
 // Raises kKernel's dynamic shared-memory limit once per device; thread-safe, so concurrent
 // handlers on several GPUs each set it exactly once. Keyed on the kernel itself (a template
 // argument), not its type: every forward kernel has the same signature.

@@ -4,46 +4,16 @@
 // One warp per query row. Per block of 32 keys each lane scores one key (a full dot product),
 // the warp runs the online-softmax update with shuffles, and then each lane accumulates the
 // output columns h = lane, lane + 32, ... from the 32 broadcast probabilities.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cmath>
 
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/launch.h"
+#include "ffi/cuda/simt/common.cuh"
 
 namespace jax_flashattn::cuda {
 namespace {
 
-constexpr int kWarps = 4;  // query rows per block
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-
-template <typename Elem>
-__device__ __forceinline__ Elem from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-
-__device__ __forceinline__ float warp_max(float x) {
-  for (int offset = 16; offset > 0; offset /= 2)
-    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
-  return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffff, x, offset);
-  return x;
-}
+using namespace simt;
 
 template <typename Elem>
 __global__ void __launch_bounds__(kWarps * 32)
@@ -81,12 +51,10 @@ __global__ void __launch_bounds__(kWarps * 32)
     const int64_t s = base + lane;
     float score = -INFINITY;  // log2-domain logit of key s
     if (s < hi && vis.visible(t, s)) {
-      const Elem* key = k + s * p.kv_row_stride;
-      float dot = 0.f;
-      for (int64_t h = 0; h < H; ++h) dot = fmaf(q_row[h], to_float(key[h]), dot);
+      const float qk = dot_shared(q_row, k + s * p.kv_row_stride, H);
       const float bias =
           p.bias ? load_bias(p.bias, p.bias_dtype, bias_row + s * p.bias_strides.col) : 0.f;
-      score = fmaf(dot, scale_log2, bias * kLog2e);
+      score = fmaf(qk, scale_log2, bias * kLog2e);
     }
     const float new_max = fmaxf(row_max, warp_max(score));
     const float offset = new_max == -INFINITY ? 0.f : new_max;
@@ -94,15 +62,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     const float prob = score == -INFINITY ? 0.f : exp2f(score - offset);
     row_sum = row_sum * correction + warp_sum(prob);
     row_max = new_max;
-    for (int64_t h0 = 0; h0 < H; h0 += 32) {
-      const int64_t h = h0 + lane;
-      float acc = h < H ? o_row[h] * correction : 0.f;
-      for (int j = 0; j < 32; ++j) {
-        const float pj = __shfl_sync(0xffffffff, prob, j);
-        if (pj != 0.f && h < H) acc = fmaf(pj, to_float(v[(base + j) * p.kv_row_stride + h]), acc);
-      }
-      if (h < H) o_row[h] = acc;
-    }
+    for (int64_t h = lane; h < H; h += 32) o_row[h] *= correction;
+    accumulate_rows(o_row, prob, v + base * p.kv_row_stride, p.kv_row_stride, H, lane);
   }
 
   const float inv = row_sum > 0.f ? 1.f / row_sum : 0.f;
@@ -116,9 +77,8 @@ template <typename Elem>
 cudaError_t launch(const AttentionParams& p, cudaStream_t stream) {
   constexpr auto kernel = forward_simt_kernel<Elem>;
   const int64_t smem = kWarps * 2 * p.head_dim * int64_t(sizeof(float));
-  constexpr int64_t kMaxSmem = 99 * 1024;
-  if (smem > kMaxSmem) return cudaErrorInvalidValue;
-  if (cudaError_t e = ensure_smem_limit<kernel>(int(kMaxSmem)); e != cudaSuccess) return e;
+  if (smem > kMaxSmemBytes) return cudaErrorInvalidValue;
+  if (cudaError_t e = ensure_smem_limit<kernel>(int(kMaxSmemBytes)); e != cudaSuccess) return e;
   const int64_t row_blocks = (p.seqlen_q + kWarps - 1) / kWarps;
   if (row_blocks > 65535 || p.batch * p.num_heads > 0x7fffffff) return cudaErrorInvalidConfiguration;
   kernel<<<dim3(unsigned(p.batch * p.num_heads), unsigned(row_blocks)), kWarps * 32, smem,

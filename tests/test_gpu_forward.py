@@ -1,0 +1,113 @@
+"""The forward contract on the CUDA kernels (run with `pytest -m gpu` on an NVIDIA GPU).
+
+Every case first fills freed device memory with NaN, so an output element a kernel forgot to
+write shows up as NaN (XLA's allocator hands the freed block to the next allocation of that
+size), then checks every element against the float32 reference with the error-ratio rule.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flashattn
+from jax_flashattn import reference
+from helpers import assert_attention_close, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
+
+
+def poison(*like):
+    """Fills and frees device blocks of the sizes of the coming outputs with NaN."""
+    blocks = [jnp.full(x.shape, jnp.nan, x.dtype).block_until_ready() for x in like]
+    del blocks
+
+
+def run(q, k, v, *args, **kwargs):
+    out_like = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    poison(*out_like)
+    out, lse = jax.jit(lambda q, k, v: jax_flashattn.attention(
+        q, k, v, *args, implementation="cuda", return_residual=True, **kwargs))(q, k, v)
+    assert np.isfinite(np.asarray(out, np.float32)).all(), "unwritten or NaN output"
+    return out, lse
+
+
+def check(q, k, v, *args, **kwargs):
+    out, lse = run(q, k, v, *args, **kwargs)
+    assert_attention_close(out, q, k, v, *args, **kwargs)
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+    _, lse_ref = reference.attention(q32, k32, v32, *args, return_residual=True, **kwargs)
+    lse, lse_ref = np.asarray(lse), np.asarray(lse_ref)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    finite = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[finite], lse_ref[finite], rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 40, 64, 72, 96, 128, 160, 192, 256, 36])
+def test_head_dims(rng, dtype, head_dim):
+    check(*random_qkv(rng, 2, 77, 131, 4, 2, head_dim, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,s", [(1, 1), (1, 300), (300, 1), (129, 65), (64, 128), (257, 513)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_sizes_and_causal(rng, dtype, t, s, is_causal):
+    check(*random_qkv(rng, 2, t, s, 4, 4, 64, dtype), is_causal=is_causal)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("window", [(0, 0), (5, 3), (64, 0), (0, 100), 17])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_windows(rng, dtype, window, is_causal):
+    check(*random_qkv(rng, 2, 200, 170, 4, 1, 128, dtype), is_causal=is_causal,
+          local_window_size=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_seq_lengths_gqa(rng, dtype):
+    q, k, v = random_qkv(rng, 4, 150, 190, 8, 2, 64, dtype)
+    check(q, k, v, query_seq_lengths=jnp.array([150, 0, 37, 100], jnp.int32),
+          key_value_seq_lengths=jnp.array([190, 5, 0, 64], jnp.int32), is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("bias_shape", [(2, 4, 100, 140), (1, 1, 100, 140), (2, 1, 1, 140),
+                                        (4, 100, 1), (140,)])
+def test_bias(rng, dtype, bias_shape):
+    q, k, v = random_qkv(rng, 2, 100, 140, 4, 2, 128, dtype)
+    bias = jnp.asarray(rng.standard_normal(bias_shape), dtype)
+    check(q, k, v, bias, is_causal=True)
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 4, 100, 140), (1, 1, 100, 140), (2, 1, 1, 140)])
+def test_mask_and_bias(rng, mask_shape):
+    q, k, v = random_qkv(rng, 2, 100, 140, 4, 4, 64, jnp.bfloat16)
+    mask = jnp.asarray(rng.random(mask_shape) > 0.3)
+    bias = jnp.asarray(rng.standard_normal((1, 4, 100, 140)), jnp.float32)
+    check(q, k, v, bias, mask)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_large_logits(rng, dtype):
+    check(*random_qkv(rng, 1, 256, 256, 2, 2, 128, dtype, magnitude=10.0), is_causal=True)
+
+
+def test_long_sequence(rng):
+    q, k, v = random_qkv(rng, 1, 32768, 32768, 2, 1, 128, jnp.bfloat16)
+    out, _ = run(q, k, v, is_causal=True)
+    rows = np.r_[0:64, 16000:16064, 32704:32768]  # the reference on a row subset
+    ref = reference.attention(q[:, rows].astype(jnp.float32), k.astype(jnp.float32),
+                              v.astype(jnp.float32), is_causal=False,
+                              mask=jnp.arange(32768)[None, None, None, :] <= rows[:, None])
+    err = np.max(np.abs(np.asarray(out[:, rows], np.float32) - np.asarray(ref)))
+    assert err < 2e-2, err
+
+
+def test_vmap_is_one_launch(rng):
+    q, k, v = random_qkv(rng, 3, 64, 64, 2, 2, 64, jnp.bfloat16)
+    f = jax.vmap(lambda q, k, v: jax_flashattn.attention(q, k, v, implementation="cuda"))
+    out = jax.jit(f)(q[None].repeat(2, 0), k[None].repeat(2, 0), v[None].repeat(2, 0))
+    assert_attention_close(out[1], q, k, v)
