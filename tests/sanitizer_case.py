@@ -1,0 +1,42 @@
+"""Small forward and backward calls of every CUDA kernel family, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck --kernel-name kns=jax_flashattn python3 tests/sanitizer_case.py
+    compute-sanitizer --tool racecheck --kernel-name kns=jax_flashattn python3 tests/sanitizer_case.py
+
+Shapes are odd (tile edges), with GQA, causal, windows and lengths, so every predicated path
+runs; the script exits non-zero if a result is not finite. (Bias and mask are gated off the
+CUDA path for now: see jax_flashattn/attention.py.)
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_flashattn
+
+
+def main():
+    rng = np.random.default_rng(0)
+    lens = jnp.array([37, 0], jnp.int32)
+    cases = [
+        (jnp.bfloat16, 128, dict(is_causal=True)),
+        (jnp.float16, 72, dict(local_window_size=(20, 5), key_value_seq_lengths=lens)),
+        (jnp.bfloat16, 256, dict(query_seq_lengths=lens)),
+        (jnp.float32, 36, dict(is_causal=True)),
+    ]
+    for dtype, head_dim, kwargs in cases:
+        q = jnp.asarray(rng.standard_normal((2, 77, 4, head_dim)), dtype)
+        k, v = (jnp.asarray(rng.standard_normal((2, 93, 2, head_dim)), dtype) for _ in range(2))
+
+        def loss(q, k, v):
+            out = jax_flashattn.attention(q, k, v, implementation="cuda", **kwargs)
+            return jnp.sum(out.astype(jnp.float32))
+
+        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        for x in (value, *grads):
+            assert np.isfinite(np.asarray(x, np.float32)).all(), (dtype, head_dim, kwargs)
+        print(f"ok: {jnp.dtype(dtype).name} H={head_dim} {sorted(kwargs)}")
+
+
+if __name__ == "__main__":
+    main()
