@@ -1,0 +1,213 @@
+"""Attention TFLOP/s: jax_flashattn against jax.nn.dot_product_attention (cuDNN and XLA).
+
+Every implementation runs in this one process on the same inputs. Each (config, implementation,
+mode) is first checked against the float32 reference (reported FAIL, and not timed, when it is
+wrong), then timed; OOMs and errors are reported in the table and never end the run. The
+method (FLOP counts, the jitted timing loop, the correctness rule) is described at the top of
+jax_flashattn/_bench.py.
+
+    python benchmarks/bench_attention.py --quick                  # < 1 min on an H100/H200
+    python benchmarks/bench_attention.py --out bench_out/full     # standard grid, ~5 min
+    python benchmarks/bench_attention.py --mode fwdbwd --head-dim 128   # ~4 min
+    python benchmarks/bench_attention.py --decode                 # decode preset, K/V TB/s
+
+Most of the time goes to compiling (the XLA baseline above all) and to the correctness
+references, not to the timed runs; --mode both on the whole grid takes ~15 min.
+
+Standard grid (DESIGN.md): bf16 and fp16, B = tokens/T with 16384 tokens, N = 2048/H,
+H in {64, 128, 256}, T = S in {512, ..., 16384}, causal and full. Decode preset: B=8, N=32,
+K=8, H=128, T in {1, 8, 16}, S=65536. Exit status 1 when one of our configs is FAIL or error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+# XLA's C++ warnings (an OOM dumps the allocator's whole state) would bury the progress lines;
+# set TF_CPP_MIN_LOG_LEVEL=0 to see them.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from jax_flashattn import _bench  # noqa: E402
+
+QUICK = dict(dtype=["bf16"], head_dim=[128], seqlen=[1024, 4096, 16384], causal="both")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _names(choices):
+    def parse(text: str) -> list[str]:
+        names = [x for x in text.split(",") if x]
+        bad = [x for x in names if x not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(choices)}")
+        return names
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="a 1-2 minute subset: bf16, H=128, T in {1024, 4096, 16384}, causal "
+                        "and full (flags given explicitly still win)")
+    p.add_argument("--decode", action="store_true",
+                   help="the decode preset (B=8, N=32, K=8, H=128, T in {1, 8, 16}, "
+                        "S=65536) instead of the standard grid; reports K/V TB/s and us")
+    p.add_argument("--mode", choices=("fwd", "fwdbwd", "both"), default="fwd",
+                   help="forward, forward+backward (3.5x forward FLOPs), or both")
+    p.add_argument("--dtype", type=_names(("bf16", "fp16", "fp32")), default=None,
+                   help="comma list (default bf16,fp16)")
+    p.add_argument("--head-dim", type=_ints, default=None, help="comma list (default 64,128,256)")
+    p.add_argument("--seqlen", type=_ints, default=None,
+                   help="comma list of T (default 512,...,16384; decode: 1,8,16)")
+    p.add_argument("--causal", choices=("both", "true", "false"), default=None,
+                   help="causal, full or both (default both)")
+    p.add_argument("--impls", type=_names(_bench.IMPLS), default=list(_bench.IMPLS),
+                   help="comma list of ours,cudnn,xla (cudnn is dropped off a GPU)")
+    p.add_argument("--tokens", type=int, default=_bench.STANDARD_TOKENS,
+                   help="tokens per batch: B = tokens / T (default %(default)s)")
+    p.add_argument("--hidden", type=int, default=_bench.STANDARD_HIDDEN,
+                   help="N = hidden / H (default %(default)s)")
+    p.add_argument("--kv-len", type=int, default=None,
+                   help="decode only: S (default %d)" % _bench.DECODE_SHAPE["kv_len"])
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per case, at most")
+    p.add_argument("--target-ms", type=float, default=None,
+                   help="wall time of one timed run (a jitted loop of calls)")
+    p.add_argument("--sets", type=int, default=None, help="input sets the calls rotate through")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None,
+                   help="directory for results.md, results.json and PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
+    args = p.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            if getattr(args, key) is None and not (args.decode and key in ("head_dim", "seqlen")):
+                setattr(args, key, value)
+    args.dtype = args.dtype or ["bf16", "fp16"]
+    args.causal = args.causal or "both"
+    return args
+
+
+def build_configs(args) -> list[_bench.Config]:
+    if args.decode:
+        return _bench.decode_grid(args.dtype, args.seqlen or _bench.DECODE_SEQLENS, args.kv_len)
+    causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+    return _bench.standard_grid(args.dtype, args.head_dim or _bench.STANDARD_HEAD_DIMS,
+                                args.seqlen or _bench.STANDARD_SEQLENS, causal, args.tokens,
+                                args.hidden)
+
+
+def plot(records, impls, out_dir: str, device: str = "") -> list[str]:
+    """One PNG per (kind, dtype, mode): TFLOP/s (decode: K/V TB/s) against T, one panel per
+    (H, causal), one line per implementation. Points that failed are left out."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots", file=sys.stderr)
+        return []
+    paths = []
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["kind"], r["dtype"], r["mode"]), []).append(r)
+    for (kind, dtype, mode), rs in groups.items():
+        key = "kv_tbps" if kind == "decode" else "tflops"
+        panels = sorted({(r["head_dim"], r["causal"]) for r in rs})
+        heads = sorted({h for h, _ in panels})
+        causals = sorted({c for _, c in panels})
+        fig, axes = plt.subplots(len(heads), len(causals), squeeze=False, sharex=True,
+                                 figsize=(5.5 * len(causals), 3.6 * len(heads)))
+        for (h, causal) in panels:
+            ax = axes[heads.index(h)][causals.index(causal)]
+            for impl in impls:
+                pts = sorted((r["seqlen_q"], r[key]) for r in rs if r["impl"] == impl and
+                             r["head_dim"] == h and r["causal"] == causal and r["status"] == "ok")
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ticks = sorted({r["seqlen_q"] for r in rs})
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"H={h}" + ("" if kind == "decode" else
+                                     (", causal" if causal else ", full")))
+            ax.set_xlabel("T (query length)")
+            ax.set_ylabel("K/V read TB/s" if kind == "decode" else "TFLOP/s")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"{device}: {dtype} {_bench.MODE_TITLES[mode]}"
+                     + (" (decode)" if kind == "decode" else ""))
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{kind}_{dtype}_{mode}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    env = _bench.environment()
+    impls = _bench.available_impls(args.impls)
+    modes = ["fwd", "fwdbwd"] if args.mode == "both" else [args.mode]
+    configs = build_configs(args)
+    overrides = {k: v for k, v in dict(repeats=args.repeats, n_sets=args.sets,
+                                       seed=args.seed).items() if v is not None}
+    if args.target_ms is not None:
+        overrides["target_s"] = args.target_ms / 1e3
+    settings = _bench.TimingSettings.for_backend(**overrides)
+
+    header = _bench.environment_lines(env)
+    header.append(f"implementations: {', '.join(impls)}"
+                  + ("" if "cudnn" in impls or "cudnn" not in args.impls
+                     else " (cudnn needs a GPU)"))
+    header.append(f"timing: median of up to {settings.repeats} runs of a jitted loop over "
+                  f"{settings.n_sets} input sets, ~{settings.target_s * 1e3:g} ms per run; "
+                  "FLOPs 4*B*N*T*S*H forward (/2 causal), 3.5x for forward+backward")
+    for line in header:
+        print(line)
+    print(flush=True)
+
+    records = _bench.run_benchmark(configs, impls, modes, settings,
+                                   progress=not args.no_progress)
+    elapsed = time.perf_counter() - start
+
+    tables = _bench.markdown_tables(records, impls)
+    body = "\n\n".join(f"### {title}\n\n{table}" for title, table in tables)
+    bad = _bench.failures(records)
+    notes = [f"{r['dtype']} T={r['seqlen_q']} H={r['head_dim']} "
+             f"{'causal' if r['causal'] else 'full'} {r['mode']} {r['impl']}: {r['status']}: "
+             f"{r.get('message', '')}" for r in records if r["status"] in ("FAIL", "error")]
+    report = "\n".join(["# Attention benchmark", ""] + [f"- {line}" for line in header]
+                       + [f"- elapsed: {elapsed:.0f} s", "", body])
+    if notes:
+        report += "\n\nFailures and errors:\n\n" + "\n".join(f"- {n}" for n in notes)
+    print(body)
+    if notes:
+        print("\nFailures and errors:")
+        for n in notes:
+            print(f"- {n}")
+    print(f"\nelapsed: {elapsed:.0f} s")
+
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(report + "\n")
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(dict(environment=env, impls=impls, modes=modes, elapsed_s=elapsed,
+                           settings=vars(settings), results=records), f, indent=1)
+        paths = plot(records, impls, args.out, env["device"])
+        print(f"wrote {args.out}/results.md, results.json"
+              + "".join(f", {os.path.basename(p)}" for p in paths))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

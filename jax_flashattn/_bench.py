@@ -1,0 +1,802 @@
+"""Benchmark machinery shared by `benchmarks/bench_attention.py` and `python -m jax_flashattn`.
+
+What is measured
+----------------
+* FLOPs: forward = 4·B·N·T·S·H (the two matmuls), halved when causal; backward = 2.5x
+  forward, so forward+backward counts 3.5x forward (FlashAttention's convention, and the one
+  behind the numbers in DESIGN.md). Decode configs also report the bytes of K and V read.
+* "fwdbwd" is one `jax.vjp` of attention with a fixed random cotangent g: the forward, then
+  dq, dk, dv. That is `jax.value_and_grad` of the scalar loss sum(out * g) minus the loss's own
+  reduction, which would add the same memory pass to every implementation.
+
+How it is timed (`measure`)
+---------------------------
+* One timed run executes one jitted program: a `lax.fori_loop` with a static trip count whose
+  body calls attention once on each of `n_sets` (2 by default) independently drawn input
+  sets, so consecutive calls read different buffers (each set's K and V alone outsize the L2
+  cache on the standard grid) and Python dispatch and the program's launch are paid once per
+  run, not once per call. Nothing is subtracted.
+* Each call depends on the previous call on the same set, so XLA can neither hoist it out of
+  the loop nor overlap it: q[0, 0, 0, 0] is rewritten as `where(isnan(r), r, q[0, 0, 0, 0])`
+  with r the first element of that set's previous output. The value never changes (unless the
+  output is NaN), the cost is one one-element kernel per call, and the full outputs are loop
+  carries returned by the program, so nothing is dead code (the XLA baseline cannot skip dk).
+* Inputs and outputs are donated and fed back, so the program copies nothing.
+* The trip count is picked from a FLOP/byte estimate so that a run lasts about `target_s`;
+  the first run (after a separate, untimed compile) is a warm-up whose outputs feed the
+  correctness check; then the median over `repeats` runs of run time / calls.
+* Every implementation goes through the same loop in the same process, so the ratios are
+  like for like; on a shared, noisy GPU they are what to compare.
+
+Correctness gate (`reference_slice`, `forward_verdict`, `grad_verdict`)
+-----------------------------------------------------------------------
+Before any timing, the output (and gradients) of the warm-up run on input set 0 are compared
+with `reference.attention` in float32 on a slice of the full-size problem: batch entries 0 and
+B-1, the first kv heads (with their query-head groups), and, for the forward check, the first
+and last FORWARD_CHECK_ROWS/2 query rows (all keys; causal masking by the rows' true
+positions). Batch entries, heads and query rows are independent in the forward, so the slice of
+the full-size result must equal the reference on the sliced inputs. The forward+backward
+check needs every query row (dk and dv sum over them) and so covers fewer heads. The references
+run on the host's CPU backend: no GPU compile (and autotuning) per shape, nothing on the GPU
+that is being measured.
+* forward, bf16/fp16: max |out - ref| <= 2 · max |ref_rounded - ref| + 1e-5 (max |ref| + 1),
+  where ref_rounded rounds P and the output to the input dtype: `reference.error_bound`'s
+  rule. float32: max |out - ref| <= 2e-5 (max |ref| + 1), as tests/helpers.py.
+* gradients: per tensor, normwise relative error <= GRAD_RTOL[dtype] and max abs error
+  <= 4 · GRAD_RTOL[dtype] · max |ref| (so that one wrong row cannot hide in the norm).
+* NaN or inf never passes. A failing config is reported as FAIL and not timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import gc
+import math
+import shlex
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_flashattn import reference
+
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+IMPLS = ("ours", "cudnn", "xla")
+MODES = ("fwd", "fwdbwd")
+MODE_TITLES = {"fwd": "forward", "fwdbwd": "forward+backward"}
+BACKWARD_FLOP_FACTOR = 2.5  # backward FLOPs / forward FLOPs
+
+# Standard grid of DESIGN.md.
+STANDARD_TOKENS = 16384
+STANDARD_HIDDEN = 2048
+STANDARD_HEAD_DIMS = (64, 128, 256)
+STANDARD_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+# Decode preset of DESIGN.md: B=8, N=32, K=8, H=128, S=65536.
+DECODE_SEQLENS = (1, 8, 16)
+DECODE_SHAPE = dict(batch=8, num_heads=32, num_kv_heads=8, head_dim=128, kv_len=65536)
+
+# Gradient tolerances (normwise relative error against the float32 reference).
+GRAD_RTOL = {"bf16": 2e-2, "fp16": 1e-2, "fp32": 1e-4}
+# Elements of one float32 [b, n, t, S] logits tensor a reference slice may materialise (on
+# the host CPU): the forward+backward check (every query row) and the forward check (at most
+# FORWARD_CHECK_ROWS query rows). At least one head of one batch entry is always checked.
+DEFAULT_CHECK_BUDGET = 1 << 24
+FORWARD_CHECK_BUDGET = 1 << 23
+FORWARD_CHECK_ROWS = 256
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One attention problem: q [B, T, N, H], k/v [B, S, K, H]."""
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    causal: bool
+    kind: str = "standard"  # "standard" or "decode": picks the table it is reported in
+
+    @property
+    def q_shape(self):
+        return (self.batch, self.seqlen_q, self.num_heads, self.head_dim)
+
+    @property
+    def kv_shape(self):
+        return (self.batch, self.seqlen_k, self.num_kv_heads, self.head_dim)
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def flops(self, mode: str = "fwd") -> float:
+        forward = 4.0 * self.batch * self.num_heads * self.seqlen_q * self.seqlen_k * self.head_dim
+        if self.causal:
+            forward /= 2
+        return forward * (1.0 if mode == "fwd" else 1.0 + BACKWARD_FLOP_FACTOR)
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V one forward call must read."""
+        return 2 * math.prod(self.kv_shape) * jnp.dtype(self.jnp_dtype).itemsize
+
+    def io_bytes(self, mode: str = "fwd") -> int:
+        """A lower bound on the bytes a call moves: q, k, v, out (and their gradients)."""
+        item = jnp.dtype(self.jnp_dtype).itemsize
+        forward = 2 * math.prod(self.q_shape) * item + self.kv_bytes()
+        return forward * (1 if mode == "fwd" else 3)
+
+    def label(self) -> str:
+        gqa = "" if self.num_kv_heads == self.num_heads else f" K={self.num_kv_heads}"
+        return (f"{self.dtype} B={self.batch} T={self.seqlen_q} S={self.seqlen_k} "
+                f"N={self.num_heads}{gqa} H={self.head_dim}{' causal' if self.causal else ''}")
+
+
+def standard_grid(dtypes=("bf16", "fp16"), head_dims=STANDARD_HEAD_DIMS,
+                  seqlens=STANDARD_SEQLENS, causal=(False, True), tokens=STANDARD_TOKENS,
+                  hidden=STANDARD_HIDDEN) -> list[Config]:
+    """B = tokens / T, N = hidden / H, S = T (DESIGN.md's grid)."""
+    configs = []
+    for dtype in dtypes:
+        for h in head_dims:
+            if hidden % h:
+                raise ValueError(f"hidden {hidden} is not a multiple of head dim {h}")
+            for t in seqlens:
+                if tokens % t:
+                    raise ValueError(f"tokens {tokens} is not a multiple of seqlen {t}")
+                for is_causal in causal:
+                    configs.append(Config(tokens // t, t, t, hidden // h, hidden // h, h, dtype,
+                                          bool(is_causal)))
+    return configs
+
+
+def decode_grid(dtypes=("bf16", "fp16"), seqlens=DECODE_SEQLENS, kv_len=None) -> list[Config]:
+    """DESIGN.md's decode preset: a few query tokens against a long, grouped K/V."""
+    d = DECODE_SHAPE
+    return [Config(d["batch"], t, kv_len or d["kv_len"], d["num_heads"], d["num_kv_heads"],
+                   d["head_dim"], dtype, False, kind="decode")
+            for dtype in dtypes for t in seqlens]
+
+
+# ----------------------------------------------------------------------------- implementations
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def ours_implementation() -> str:
+    """Our kernels for the default backend, by name, so a missing build raises rather than
+    silently falling back to XLA."""
+    return "cuda" if on_gpu() else "cpu"
+
+
+def available_impls(requested: Sequence[str]) -> list[str]:
+    """The requested implementations that can run here (cuDNN needs a GPU)."""
+    unknown = [i for i in requested if i not in IMPLS]
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {unknown}; choose from {IMPLS}")
+    return [i for i in requested if i != "cudnn" or on_gpu()]
+
+
+def attention_fn(impl: str, causal: bool) -> Callable:
+    """(q, k, v) -> out for one implementation."""
+    if impl == "ours":
+        import jax_flashattn
+        return functools.partial(jax_flashattn.attention, is_causal=causal,
+                                 implementation=ours_implementation())
+    return functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation=impl)
+
+
+def _call(fn, mode, q, k, v, g):
+    """The outputs one call produces: (out,) or (out, dq, dk, dv)."""
+    if mode == "fwd":
+        return (fn(q, k, v),)
+    out, vjp = jax.vjp(fn, q, k, v)
+    return (out, *vjp(g))
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _flat_normal(key, size, dtype):
+    return jax.random.normal(key, (size,), jnp.float32).astype(dtype)
+
+
+def _normal(key, shape, dtype):
+    """Standard normal `shape` array. Drawn flat, so that every config with the same element
+    count (the whole standard grid has B*T*N*H = tokens*hidden) shares one compiled draw."""
+    return _flat_normal(key, math.prod(shape), dtype).reshape(shape)
+
+
+class Inputs:
+    """`n_sets` independent (q, k, v) sets plus a cotangent g, drawn on the device.
+
+    Runs donate the sets and hand them back; `ensure_alive` redraws them (same seed, same
+    values) when a failed run left them deleted."""
+
+    def __init__(self, cfg: Config, n_sets: int, seed: int = 0):
+        self.cfg, self.n_sets, self.seed = cfg, n_sets, seed
+        self._suspect = False
+        self.sets, self.g = self._draw()
+
+    def _draw(self):
+        cfg = self.cfg
+        keys = jax.random.split(jax.random.key(self.seed), 3 * self.n_sets + 1)
+
+        dtype = jnp.dtype(cfg.jnp_dtype)
+        sets = [tuple(_normal(keys[3 * i + j], shape, dtype) for j, shape in
+                      enumerate((cfg.q_shape, cfg.kv_shape, cfg.kv_shape)))
+                for i in range(self.n_sets)]
+        return sets, _normal(keys[-1], cfg.q_shape, dtype)
+
+    def ensure_alive(self):
+        leaves = jax.tree.leaves((self.sets, self.g))
+        if self._suspect or any(x.is_deleted() for x in leaves):
+            self.sets = self.g = None
+            gc.collect()
+            self.sets, self.g = self._draw()
+            self._suspect = False
+
+    def invalidate(self):
+        """After a failed run: the sets it handed back may carry its error (PJRT propagates an
+        asynchronous failure into the outputs), so the next use redraws them."""
+        self._suspect = True
+
+
+# ----------------------------------------------------------------------------- correctness
+
+
+@dataclasses.dataclass
+class Verdict:
+    ok: bool
+    detail: str
+    metrics: dict
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def forward_verdict(out, exact, rounded, dtype: str) -> Verdict:
+    """`out` (the kernel's) against `exact` (float32 reference) with DESIGN.md's rule; `rounded`
+    is the reference with P and the output rounded to `dtype` (unused for float32)."""
+    out, exact = _f64(out), _f64(exact)
+    scale = float(np.max(np.abs(exact), initial=0.0))
+    if dtype == "fp32":
+        bound = 2e-5 * (scale + 1)
+    else:
+        bound = 2 * float(np.max(np.abs(_f64(rounded) - exact), initial=0.0)) + 1e-5 * (scale + 1)
+    metrics = dict(max_err=None, bound=bound, rel_err=None)
+    if not np.isfinite(out).all():
+        bad = int(np.size(out) - np.isfinite(out).sum())
+        return Verdict(False, f"{bad} non-finite output elements", metrics)
+    err = float(np.max(np.abs(out - exact), initial=0.0))
+    rel = float(np.linalg.norm(out - exact) / max(np.linalg.norm(exact), 1e-30))
+    metrics.update(max_err=err, rel_err=rel)
+    ok = err <= bound
+    return Verdict(ok, f"max err {err:.3g} {'<=' if ok else '>'} bound {bound:.3g} "
+                       f"(rel {rel:.2g})", metrics)
+
+
+def grad_verdict(grads: dict, ref_grads: dict, dtype: str) -> Verdict:
+    """Each gradient against its float32 reference: normwise relative error <= GRAD_RTOL and
+    max abs error <= 4 GRAD_RTOL max |ref|."""
+    rtol = GRAD_RTOL[dtype]
+    metrics, problems, parts = {}, [], []
+    for name, ref in ref_grads.items():
+        got, ref = _f64(grads[name]), _f64(ref)
+        if not np.isfinite(got).all():
+            problems.append(f"{name}: non-finite")
+            metrics[name] = dict(rel_err=None, max_err=None)
+            continue
+        norm = max(np.linalg.norm(ref), 1e-30)
+        rel = float(np.linalg.norm(got - ref) / norm)
+        err = float(np.max(np.abs(got - ref), initial=0.0))
+        err_rel = err / max(float(np.max(np.abs(ref), initial=0.0)), 1e-30)
+        metrics[name] = dict(rel_err=rel, max_err=err, max_err_rel=err_rel)
+        parts.append(f"{name} {rel:.2g}")
+        if rel > rtol or err_rel > 4 * rtol:
+            problems.append(f"{name}: rel {rel:.3g} (tol {rtol:g}), max {err_rel:.3g} of max|ref| "
+                            f"(tol {4 * rtol:g})")
+    if problems:
+        return Verdict(False, "; ".join(problems), metrics)
+    return Verdict(True, "grad rel err " + ", ".join(parts), metrics)
+
+
+@dataclasses.dataclass
+class ReferenceSlice:
+    """The float32 reference on a slice of input set 0; see the module docstring."""
+    batch_index: np.ndarray
+    rows: np.ndarray | None  # query rows checked (None: all)
+    kv_heads: int
+    exact: jax.Array
+    rounded: jax.Array
+    grads: dict | None
+
+    def take(self, cfg: "Config", x, per_query_head: bool = True):
+        """The slice of a full [B, T or S, N or K, H] array that the reference covers."""
+        rows = self.rows if per_query_head else None
+        return _take(x, self.batch_index, rows,
+                     heads=self.kv_heads * (cfg.group if per_query_head else 1))
+
+
+@functools.partial(jax.jit, static_argnames="heads")
+def _take(x, batch_index, rows, *, heads):
+    x = x[batch_index, :, :heads]
+    return x if rows is None else x[:, rows]
+
+
+def _slice_plan(cfg: Config, budget: int, max_rows: int | None):
+    """Batch entries {0, B-1}, query rows (the first and last max_rows/2, or all), and as many
+    kv heads (with their query-head groups) as keep one [b, n, t, S] logits tensor in budget."""
+    batch_index = np.array(sorted({0, cfg.batch - 1}), np.int32)
+    rows = None
+    if max_rows is not None and cfg.seqlen_q > max_rows:
+        half = max_rows // 2
+        rows = np.concatenate([np.arange(half), np.arange(cfg.seqlen_q - half, cfg.seqlen_q)])
+    n_rows = cfg.seqlen_q if rows is None else len(rows)
+    per_kv_head = len(batch_index) * cfg.group * n_rows * cfg.seqlen_k
+    kv_heads = max(1, min(cfg.num_kv_heads, budget // per_kv_head))
+    return batch_index, rows.astype(np.int32) if rows is not None else None, kv_heads
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "dtype"))
+def _reference_forward(q, k, v, rows, *, causal, dtype):
+    """Exact and P-rounded reference outputs for query rows `rows` (causal masks by the rows'
+    true positions, as the full problem would)."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    mask = None
+    if causal:
+        mask = (jnp.arange(k.shape[1])[None, :] <= rows[:, None])[None, None]
+    exact = reference.attention(q, k, v, mask=mask)
+    rounded = reference.attention(q, k, v, mask=mask, p_dtype=DTYPES[dtype])
+    return exact, rounded.astype(DTYPES[dtype])
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "dtype"))
+def _reference_forward_backward(q, k, v, g, *, causal, dtype):
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    f = functools.partial(reference.attention, is_causal=causal)
+    exact, vjp = jax.vjp(f, q, k, v)
+    rounded = reference.attention(q, k, v, is_causal=causal, p_dtype=DTYPES[dtype])
+    grads = dict(zip(("dq", "dk", "dv"), vjp(g.astype(jnp.float32))))
+    return exact, rounded.astype(DTYPES[dtype]), grads
+
+
+def _reference_device():
+    """The references run on the host's CPU backend: no GPU compile (or autotuning) per shape,
+    and nothing on the GPU that is being measured."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return jax.devices()[0]
+
+
+def reference_slice(cfg: Config, inputs: Inputs, with_grads: bool,
+                    budget: int = DEFAULT_CHECK_BUDGET) -> ReferenceSlice:
+    """Forward: up to FORWARD_CHECK_ROWS query rows against all keys. Forward+backward: every
+    row (dk and dv sum over all of them) of fewer heads. Both on the host CPU."""
+    q, k, v = inputs.sets[0]
+    if with_grads:
+        batch_index, rows, kv_heads = _slice_plan(cfg, budget, None)
+    else:
+        batch_index, rows, kv_heads = _slice_plan(cfg, FORWARD_CHECK_BUDGET,
+                                                  FORWARD_CHECK_ROWS)
+    plan = ReferenceSlice(batch_index, rows, kv_heads, None, None, None)
+    sliced = (plan.take(cfg, q), plan.take(cfg, k, False), plan.take(cfg, v, False))
+    device = _reference_device()
+    if with_grads:
+        args = jax.device_put(sliced + (plan.take(cfg, inputs.g),), device)
+        plan.exact, plan.rounded, plan.grads = _reference_forward_backward(
+            *args, causal=cfg.causal, dtype=cfg.dtype)
+    else:
+        all_rows = np.arange(cfg.seqlen_q, dtype=np.int32) if rows is None else rows
+        args = jax.device_put(sliced + (all_rows,), device)
+        plan.exact, plan.rounded = _reference_forward(*args, causal=cfg.causal,
+                                                      dtype=cfg.dtype)
+    jax.block_until_ready((plan.exact, plan.rounded, plan.grads))
+    return plan
+
+
+def check_outputs(cfg: Config, outputs, ref: ReferenceSlice) -> Verdict:
+    """`outputs` = (out,) or (out, dq, dk, dv) of the full-size call on input set 0."""
+    verdict = forward_verdict(ref.take(cfg, outputs[0]), ref.exact, ref.rounded, cfg.dtype)
+    if not verdict.ok or ref.grads is None:
+        return verdict
+    grads = dict(dq=ref.take(cfg, outputs[1]), dk=ref.take(cfg, outputs[2], False),
+                 dv=ref.take(cfg, outputs[3], False))
+    g_verdict = grad_verdict(grads, ref.grads, cfg.dtype)
+    return Verdict(g_verdict.ok, f"{verdict.detail}; {g_verdict.detail}",
+                   dict(verdict.metrics, grads=g_verdict.metrics))
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+@dataclasses.dataclass
+class TimingSettings:
+    target_s: float = 0.025      # wall time of one timed run
+    repeats: int = 7             # timed runs per case (at most)
+    min_repeats: int = 3
+    time_budget_s: float = 0.25  # repeats are cut so that timing one case takes about this
+    n_sets: int = 2              # input sets the calls rotate through
+    max_iters: int = 256
+    seed: int = 0
+    check_budget: int = DEFAULT_CHECK_BUDGET
+    # Rough device speed, only used to pick the trip count before anything has run.
+    est_flops: float = 4e14
+    est_bandwidth: float = 3e12
+
+    @classmethod
+    def for_backend(cls, **overrides):
+        if not on_gpu():
+            overrides = dict(dict(target_s=0.02, repeats=3, min_repeats=2, time_budget_s=0.2,
+                                  n_sets=2, est_flops=2e10, est_bandwidth=1e10), **overrides)
+        return cls(**overrides)
+
+    def iterations(self, cfg: Config, mode: str) -> int:
+        per_call = max(cfg.flops(mode) / self.est_flops, cfg.io_bytes(mode) / self.est_bandwidth)
+        return max(1, min(self.max_iters, math.ceil(self.target_s / (per_call * self.n_sets))))
+
+
+def build_runner(fn: Callable, mode: str, iters: int):
+    """jit(sets, results, g) -> (sets, results): `iters` rounds of one call per set; see the
+    module docstring for why each call depends on the previous one."""
+    def run(sets, results, g):
+        def body(_, carry):
+            sets, results = carry
+            new_sets, new_results = [], []
+            for (q, k, v), previous in zip(sets, results):
+                origin = (0,) * q.ndim
+                r = lax.slice(previous[0], origin, (1,) * q.ndim).astype(q.dtype)
+                e = lax.slice(q, origin, (1,) * q.ndim)
+                q = lax.dynamic_update_slice(q, jnp.where(r != r, r, e), origin)
+                new_sets.append((q, k, v))
+                new_results.append(_call(fn, mode, q, k, v, g))
+            return new_sets, new_results
+        return lax.fori_loop(0, iters, body, (sets, results))
+    return jax.jit(run, donate_argnums=(0, 1))
+
+
+def _empty_results(fn, mode, inputs: Inputs):
+    shapes = jax.eval_shape(functools.partial(_call, fn, mode), *inputs.sets[0], inputs.g)
+    return [tuple(jnp.zeros(s.shape, s.dtype) for s in shapes) for _ in inputs.sets]
+
+
+def is_oom(e: BaseException) -> bool:
+    text = str(e)
+    return any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory",
+                                   "OOM", "Resource exhausted"))
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    text = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def measure(cfg: Config, impl: str, mode: str, inputs: Inputs, ref: ReferenceSlice | None,
+            settings: TimingSettings) -> dict:
+    """Checks, then times one (config, implementation, mode). Never raises: failures come back
+    as status "FAIL" (wrong result), "OOM" or "error", with a message."""
+    record = dict(impl=impl, mode=mode, status="error", message="")
+    results = None
+    try:
+        fn = attention_fn(impl, cfg.causal)
+        iters = settings.iterations(cfg, mode)
+        calls = iters * inputs.n_sets
+        runner = build_runner(fn, mode, iters)
+        inputs.ensure_alive()
+        t0 = time.perf_counter()
+        results = _empty_results(fn, mode, inputs)
+        lowered = runner.lower(inputs.sets, results, inputs.g)
+        record["lower_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        compiled = lowered.compile()
+        record["compile_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        inputs.sets, results = compiled(inputs.sets, results, inputs.g)
+        jax.block_until_ready(results)
+        warm_s = time.perf_counter() - t0
+        record["warmup_s"] = warm_s
+
+        if ref is None:
+            raise RuntimeError("no reference to check against")
+        t0 = time.perf_counter()
+        verdict = check_outputs(cfg, results[0], ref)
+        record["check_s"] = time.perf_counter() - t0
+        record["check"] = dict(verdict.metrics, detail=verdict.detail)
+        if not verdict.ok:
+            record.update(status="FAIL", message=verdict.detail)
+            return record
+
+        repeats = max(settings.min_repeats,
+                      min(settings.repeats, int(settings.time_budget_s / max(warm_s, 1e-9))))
+        per_call = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            inputs.sets, results = compiled(inputs.sets, results, inputs.g)
+            jax.block_until_ready(results)
+            per_call.append((time.perf_counter() - t0) / calls)
+        seconds = statistics.median(per_call)
+        record.update(status="ok", seconds=seconds, times_s=per_call, calls=calls,
+                      iterations=iters, repeats=repeats,
+                      tflops=cfg.flops(mode) / seconds / 1e12,
+                      kv_tbps=cfg.kv_bytes() / seconds / 1e12)
+    except Exception as e:  # noqa: BLE001 - one config must never end the run
+        record.update(status="OOM" if is_oom(e) else "error", message=_short(e))
+        inputs.invalidate()
+        results = None
+        gc.collect()  # a failed run's traceback may hold device buffers
+    return record
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+class Progress:
+    """A progress bar on stderr: rich, else tqdm, when stderr is a terminal; else one plain
+    line per step (readable in logs)."""
+
+    def __init__(self, total: int, description: str = "", enabled: bool = True):
+        self.total, self.done, self.description = total, 0, description
+        self._kind, self._bar = "plain", None
+        self._start = time.perf_counter()
+        if enabled and sys.stderr.isatty():
+            try:
+                from rich.console import Console
+                from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
+                                           TextColumn, TimeElapsedColumn)
+                self._bar = RichProgress(TextColumn("{task.description}"), BarColumn(),
+                                         MofNCompleteColumn(), TimeElapsedColumn(),
+                                         console=Console(stderr=True), transient=False)
+                self._task = self._bar.add_task(description, total=total)
+                self._kind = "rich"
+            except ImportError:
+                try:
+                    from tqdm import tqdm
+                    self._bar = tqdm(total=total, desc=description, file=sys.stderr)
+                    self._kind = "tqdm"
+                except ImportError:
+                    pass
+        self._enabled = enabled
+
+    def __enter__(self):
+        if self._kind == "rich":
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._kind == "rich":
+            self._bar.stop()
+        elif self._kind == "tqdm":
+            self._bar.close()
+
+    def step(self, label: str):
+        """Announces the step about to run."""
+        if self._kind == "rich":
+            self._bar.update(self._task, description=label)
+        elif self._kind == "tqdm":
+            self._bar.set_description(label)
+        elif self._enabled:
+            elapsed = time.perf_counter() - self._start
+            print(f"[{self.done + 1}/{self.total} {elapsed:6.1f}s] {label}", file=sys.stderr,
+                  flush=True)
+
+    def advance(self, n: int = 1):
+        self.done += n
+        if self._kind == "rich":
+            self._bar.advance(self._task, n)
+        elif self._kind == "tqdm":
+            self._bar.update(n)
+
+    def log(self, message: str):
+        if self._kind == "rich":
+            self._bar.console.print(message, markup=False, highlight=False)
+        elif self._kind == "tqdm":
+            self._bar.write(message, file=sys.stderr)
+        elif self._enabled:
+            print(message, file=sys.stderr, flush=True)
+
+
+def config_record(cfg: Config) -> dict:
+    return dict(kind=cfg.kind, dtype=cfg.dtype, batch=cfg.batch, seqlen_q=cfg.seqlen_q,
+                seqlen_k=cfg.seqlen_k, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, causal=cfg.causal)
+
+
+def run_benchmark(configs: Sequence[Config], impls: Sequence[str], modes: Sequence[str],
+                  settings: TimingSettings | None = None, progress: bool = True) -> list[dict]:
+    """Every (config, mode, impl), checked then timed; one flat list of records."""
+    settings = settings or TimingSettings.for_backend()
+    jobs = [(cfg, mode) for cfg in configs for mode in modes
+            if not (cfg.kind == "decode" and mode != "fwd")]
+    records = []
+    with Progress(len(jobs) * len(impls), "attention", enabled=progress) as bar:
+        for cfg in configs:
+            cfg_modes = [m for c, m in jobs if c == cfg]
+            if not cfg_modes:
+                continue
+            inputs = None
+            t_draw = time.perf_counter()
+            try:
+                inputs = Inputs(cfg, settings.n_sets, settings.seed)
+                jax.block_until_ready(inputs.sets)
+                t_draw = time.perf_counter() - t_draw
+            except Exception as e:  # noqa: BLE001
+                failure = dict(status="OOM" if is_oom(e) else "error",
+                               message="drawing inputs: " + _short(e))
+            for mode in cfg_modes:
+                ref, ref_error = None, None
+                t_ref = time.perf_counter()
+                if inputs is not None:
+                    try:
+                        inputs.ensure_alive()
+                        ref = reference_slice(cfg, inputs, mode == "fwdbwd",
+                                              settings.check_budget)
+                        t_ref = time.perf_counter() - t_ref
+                    except Exception as e:  # noqa: BLE001
+                        ref_error = "reference check failed: " + _short(e)
+                        inputs.invalidate()
+                for impl in impls:
+                    bar.step(f"{cfg.label()} {mode} {impl}")
+                    if inputs is None:
+                        record = dict(impl=impl, mode=mode, **failure)
+                    elif ref is None:
+                        record = dict(impl=impl, mode=mode, status="error", message=ref_error)
+                    else:
+                        record = measure(cfg, impl, mode, inputs, ref, settings)
+                    record = dict(config_record(cfg), **record,
+                                  flops=cfg.flops(mode), kv_bytes=cfg.kv_bytes(),
+                                  draw_s=t_draw, reference_s=t_ref)
+                    records.append(record)
+                    bar.log(format_record(cfg, record))
+                    bar.advance()
+                del ref
+            del inputs
+            gc.collect()
+    return records
+
+
+def format_record(cfg: Config, record: dict) -> str:
+    head = f"  {cfg.label()} {record['mode']} {record['impl']}:"
+    if record["status"] != "ok":
+        return f"{head} {record['status']} {record.get('message', '')}"[:400]
+    extra = (f"{record['kv_tbps']:.2f} TB/s, {record['seconds'] * 1e6:.1f} us"
+             if cfg.kind == "decode" else f"{record['tflops']:.4g} TFLOP/s")
+    return f"{head} {extra} (median of {record['repeats']} runs of {record['calls']} calls)"
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def environment() -> dict:
+    """Device, versions, build: the header of every report."""
+    import jax_flashattn
+    device = jax.devices()[0]
+    return dict(
+        device=getattr(device, "device_kind", str(device)), platform=device.platform,
+        device_count=jax.device_count(), jax_version=jax.__version__,
+        jax_flashattn_version=getattr(jax_flashattn, "__version__", "?"),
+        cuda_built=jax_flashattn.cuda_built(),
+        cuda_architectures=list(jax_flashattn.cuda_architectures()),
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        command=_command_line())
+
+
+def _command_line() -> str:
+    python = sys.executable.rsplit("/", 1)[-1] or "python"
+    argv = list(sys.argv)
+    if argv and argv[0].replace("\\", "/").endswith("jax_flashattn/__main__.py"):
+        argv[0:1] = ["-m", "jax_flashattn"]
+    return shlex.join([python] + argv)
+
+
+def environment_lines(env: dict) -> list[str]:
+    archs = ", ".join(env["cuda_architectures"]) or "-"
+    return [f"device: {env['device']} ({env['platform']}, {env['device_count']} device(s))",
+            f"jax {env['jax_version']}, jax_flashattn {env['jax_flashattn_version']}, "
+            f"CUDA kernels built: {env['cuda_built']} (architectures: {archs})",
+            f"date: {env['date']}",
+            f"command: {env['command']}"]
+
+
+def _number(x: float) -> str:
+    if x >= 100:
+        return f"{x:.0f}"
+    if x >= 10:
+        return f"{x:.1f}"
+    return f"{x:.3g}"
+
+
+def _cell(record: dict | None, key: str, scale: float = 1.0) -> str:
+    if record is None:
+        return "-"
+    if record["status"] != "ok":
+        return record["status"]
+    return _number(record[key] * scale)
+
+
+def _ratio(ours: dict | None, base: dict | None, key: str, invert: bool = False) -> str:
+    if not ours or not base or ours["status"] != "ok" or base["status"] != "ok":
+        return "-"
+    r = base[key] / ours[key] if invert else ours[key] / base[key]
+    return f"{r:.2f}"
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---:" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _group(records):
+    """{(kind, dtype, mode): {config key: {impl: record}}}, in first-seen order."""
+    groups: dict = {}
+    for r in records:
+        key = (r["kind"], r["dtype"], r["mode"])
+        ckey = (r["seqlen_q"], r["seqlen_k"], r["head_dim"], r["causal"], r["batch"],
+                r["num_heads"], r["num_kv_heads"])
+        groups.setdefault(key, {}).setdefault(ckey, {})[r["impl"]] = r
+    return groups
+
+
+def markdown_tables(records: Sequence[dict], impls: Sequence[str]) -> list[tuple[str, str]]:
+    """[(title, markdown table)] per (kind, dtype, mode)."""
+    base = "cudnn" if "cudnn" in impls else ("xla" if "xla" in impls else None)
+    tables = []
+    for (kind, dtype, mode), rows_by_config in _group(records).items():
+        first = next(iter(next(iter(rows_by_config.values())).values()))
+        if kind == "decode":
+            title = (f"{dtype} decode {MODE_TITLES[mode]}: B={first['batch']}, "
+                     f"N={first['num_heads']}, K={first['num_kv_heads']}, "
+                     f"H={first['head_dim']}; K/V read TB/s and time per call")
+            header = (["T", "S"] + [f"{i} TB/s" for i in impls] + [f"{i} us" for i in impls])
+            rows = []
+            for (t, s, h, causal, *_), by_impl in rows_by_config.items():
+                rows.append([str(t), str(s)]
+                            + [_cell(by_impl.get(i), "kv_tbps") for i in impls]
+                            + [_cell(by_impl.get(i), "seconds", 1e6) for i in impls])
+                if "ours" in impls and base and base != "ours":
+                    rows[-1].append(_ratio(by_impl.get("ours"), by_impl.get(base), "kv_tbps"))
+            if "ours" in impls and base and base != "ours":
+                header.append(f"ours/{base}")
+        else:
+            tokens = first["batch"] * first["seqlen_q"]
+            title = (f"{dtype} {MODE_TITLES[mode]} TFLOP/s: {tokens} tokens per batch "
+                     f"(B = {tokens}/T), hidden {first['num_heads'] * first['head_dim']} "
+                     f"(N = hidden/H)")
+            header = ["T", "H", "causal"] + [f"{i} TFLOP/s" for i in impls]
+            with_ratio = "ours" in impls and base and base != "ours"
+            if with_ratio:
+                header.append(f"ours/{base}")
+            rows = []
+            for (t, s, h, causal, *_), by_impl in rows_by_config.items():
+                row = [str(t), str(h), "yes" if causal else "no"]
+                row += [_cell(by_impl.get(i), "tflops") for i in impls]
+                if with_ratio:
+                    row.append(_ratio(by_impl.get("ours"), by_impl.get(base), "tflops"))
+                rows.append(row)
+        tables.append((title, _markdown(header, rows)))
+    return tables
+
+
+def failures(records: Sequence[dict], impl: str = "ours") -> list[dict]:
+    return [r for r in records if r["impl"] == impl and r["status"] in ("FAIL", "error")]

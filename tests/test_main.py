@@ -1,0 +1,117 @@
+"""The `python -m jax_flashattn` checks at tiny size, and a CPU smoke test of the benchmark."""
+
+import dataclasses
+import importlib.util
+import json
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_flashattn import _bench
+from jax_flashattn import __main__ as main_job
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load_bench_script():
+    spec = importlib.util.spec_from_file_location("bench_attention",
+                                                  REPO / "benchmarks" / "bench_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_main_checks_pass_at_tiny_size():
+    results = main_job.run_checks("tiny", out=None)
+    assert len(results) == len(main_job.check_specs("tiny"))
+    failed = [f"{spec.name}: {verdict.detail}" for spec, verdict in results if not verdict.ok]
+    assert not failed, "\n".join(failed)
+
+
+def test_main_check_fails_on_a_wrong_kernel(monkeypatch):
+    import jax_flashattn
+    real = jax_flashattn.attention
+    monkeypatch.setattr(jax_flashattn, "attention", lambda *a, **k: real(*a, **k) * 1.01)
+    spec = main_job.check_specs("tiny")[0]
+    assert not main_job.run_check(spec).ok
+
+
+def test_forward_verdict_rejects_nan_and_one_bad_row():
+    rng = np.random.default_rng(0)
+    exact = rng.standard_normal((1, 64, 2, 16)).astype(np.float32)
+    rounded = jnp.asarray(exact, jnp.bfloat16)
+    assert _bench.forward_verdict(rounded, exact, rounded, "bf16").ok
+    assert not _bench.forward_verdict(rounded.at[0, 0, 0, 0].set(jnp.nan), exact, rounded,
+                                      "bf16").ok
+    assert not _bench.forward_verdict(rounded.at[0, 5].set(0), exact, rounded, "bf16").ok
+    ref = dict(dq=exact)
+    assert _bench.grad_verdict(dict(dq=rounded), ref, "bf16").ok
+    assert not _bench.grad_verdict(dict(dq=rounded.at[0, 5].set(0)), ref, "bf16").ok
+
+
+def test_flops_and_grid():
+    grid = _bench.standard_grid()
+    assert len(grid) == 2 * 3 * 6 * 2
+    assert all(c.batch * c.seqlen_q == 16384 and c.num_heads * c.head_dim == 2048 for c in grid)
+    full = _bench.Config(2, 512, 512, 16, 16, 128, "bf16", False)
+    assert full.flops() == 4 * 2 * 16 * 512 * 512 * 128
+    assert dataclasses.replace(full, causal=True).flops() == full.flops() / 2
+    assert full.flops("fwdbwd") == 3.5 * full.flops()
+    decode = _bench.decode_grid(("bf16",), (1,))[0]
+    assert decode.kv_bytes() == 2 * 8 * 65536 * 8 * 128 * 2
+
+
+def test_benchmark_marks_a_wrong_implementation_fail(monkeypatch):
+    real = _bench.attention_fn
+
+    def broken(impl, causal):
+        fn = real(impl, causal)
+        return (lambda q, k, v: fn(q, k, v) + 1) if impl == "ours" else fn
+
+    monkeypatch.setattr(_bench, "attention_fn", broken)
+    cfg = _bench.Config(1, 32, 32, 2, 2, 32, "bf16", True)
+    records = _bench.run_benchmark([cfg], ["ours"], ["fwd"], progress=False)
+    assert [r["status"] for r in records] == ["FAIL"]
+    assert "seconds" not in records[0]
+    assert _bench.failures(records)
+
+
+def test_bench_script_smoke(tmp_path, capsys):
+    bench = _load_bench_script()
+    out = tmp_path / "bench"
+    status = bench.main(["--seqlen", "128", "--head-dim", "64", "--tokens", "256",
+                         "--hidden", "128", "--dtype", "bf16", "--impls", "ours,xla",
+                         "--out", str(out), "--no-progress", "--repeats", "2"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "| T | H | causal | ours TFLOP/s | xla TFLOP/s | ours/xla |" in printed
+    assert "device: " in printed and "command: " in printed
+    report = json.loads((out / "results.json").read_text())
+    assert {r["status"] for r in report["results"]} == {"ok"}
+    assert {(r["impl"], r["causal"]) for r in report["results"]} == {
+        ("ours", False), ("ours", True), ("xla", False), ("xla", True)}
+    assert "ours/xla" in (out / "results.md").read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "standard_bf16_fwd.png").stat().st_size > 0
+
+
+def test_bench_script_decode_smoke(capsys):
+    bench = _load_bench_script()
+    status = bench.main(["--decode", "--seqlen", "2", "--kv-len", "64", "--dtype", "bf16",
+                         "--impls", "ours", "--no-progress", "--repeats", "2"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "ours TB/s" in printed and "ours us" in printed
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--quick"], dict(dtype=["bf16"], head_dim=[128], seqlen=[1024, 4096, 16384])),
+    (["--quick", "--seqlen", "512"], dict(seqlen=[512])),
+    ([], dict(dtype=["bf16", "fp16"], causal="both", mode="fwd")),
+])
+def test_bench_script_arguments(argv, expected):
+    args = _load_bench_script().parse_args(argv)
+    for key, value in expected.items():
+        assert getattr(args, key) == value
