@@ -8,18 +8,18 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jax_flashattn import _ffi, _ops, _validate
+from jax_flashattn import _ffi, _validate, sharding
 
 IMPLEMENTATIONS = (None, "cpu", "cuda", "xla", "cudnn")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _flash(q, k, v, bias, mask, q_lens, kv_lens, scale, window):
-    return _ops.forward(q, k, v, bias, mask, q_lens, kv_lens, scale=scale, window=window)
+    return sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, scale=scale, window=window)
 
 
 def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, scale, window):
-    out, lse = _ops.forward(q, k, v, bias, mask, q_lens, kv_lens, scale=scale, window=window)
+    out, lse = sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, scale=scale, window=window)
     # Only the inputs, the output and the log-sum-exp are saved: the backward recomputes P.
     return (out, lse), (q, k, v, bias, mask, q_lens, kv_lens, out, lse)
 
@@ -27,8 +27,8 @@ def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, scale, window):
 def _flash_bwd(scale, window, residuals, cotangents):
     q, k, v, bias, mask, q_lens, kv_lens, out, lse = residuals
     d_out, _ = cotangents  # the lse output is a residual with no gradient, as in jax.nn
-    dq, dk, dv, dbias = _ops.backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens,
-                                      scale=scale, window=window)
+    dq, dk, dv, dbias = sharding.backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens,
+                                          scale=scale, window=window)
     if bias is not None:
         broadcast_dims = tuple(i for i, size in enumerate(bias.shape) if size == 1)
         dbias = jnp.sum(dbias, axis=broadcast_dims, keepdims=True).astype(bias.dtype)
