@@ -29,9 +29,8 @@ def _flash_bwd(scale, window, residuals, cotangents):
     d_out, _ = cotangents  # the lse output is a residual with no gradient, as in jax.nn
     dq, dk, dv, dbias = sharding.backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens,
                                           scale=scale, window=window)
-    if bias is not None:
-        broadcast_dims = tuple(i for i, size in enumerate(bias.shape) if size == 1)
-        dbias = jnp.sum(dbias, axis=broadcast_dims, keepdims=True).astype(bias.dtype)
+    if bias is not None:  # already summed over bias's broadcast dims by sharding.backward
+        dbias = dbias.astype(bias.dtype)
     return dq, dk, dv, dbias, None, None, None
 
 
