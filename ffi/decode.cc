@@ -1,19 +1,17 @@
 #include "ffi/decode.h"
 
-#include <sstream>
 #include <tuple>
 #include <string>
 
 namespace jax_flashattn {
 namespace {
 
+// Only error paths call this: a valid call builds no strings at all.
 std::string ShapeString(const ffi::AnyBuffer& b) {
-  std::ostringstream os;
-  os << "[";
+  std::string text = "[";
   auto dims = b.dimensions();
-  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
-  os << "]";
-  return os.str();
+  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
+  return text + "]";
 }
 
 ffi::Error Invalid(const std::string& message) {
@@ -44,18 +42,20 @@ ffi::Error BroadcastStridesOf(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q,
                               BroadcastStrides& strides) {
   auto xd = x.dimensions();
   auto qd = q.dimensions();
-  const std::string expect = std::string(name) + " must broadcast to [..., B, N, T, S] with "
-                             "query " + ShapeString(q) + ", got " + ShapeString(x);
-  if (xd.size() != qd.size()) return Invalid(expect);
+  auto mismatch = [&] {
+    return Invalid(std::string(name) + " must broadcast to [..., B, N, T, S] with query " +
+                   ShapeString(q) + ", got " + ShapeString(x));
+  };
+  if (xd.size() != qd.size()) return mismatch();
   const size_t r = xd.size();
   for (size_t i = 0; i + 4 < r; ++i)
-    if (xd[i] != qd[i]) return Invalid(expect);
+    if (xd[i] != qd[i]) return mismatch();
   const int64_t full[4] = {p.batch_inner, p.num_heads, p.seqlen_q, p.seqlen_k};
   int64_t stride[4];
   int64_t running = 1;
   for (int i = 3; i >= 0; --i) {
     const int64_t d = xd[r - 4 + i];
-    if (d != 1 && d != full[i]) return Invalid(expect);
+    if (d != 1 && d != full[i]) return mismatch();
     stride[i] = d == 1 ? 0 : running;
     running *= d;
   }
