@@ -84,16 +84,20 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     return out, lse.reshape(args.out_shape[:-1])
 
 
-def error_bound(query, key, value, *args, **kwargs) -> float:
-    """Error budget of the testing rule for low-precision inputs.
-
-    Twice the error that the float32 reference makes when it rounds P and the output to the
-    input dtype, measured against the unrounded float32 reference, plus a small absolute term.
-    Inputs are the low-precision arrays the kernel was given; the references upcast them.
-    """
-    dtype = jnp.asarray(query).dtype
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in (query, key, value))
-    exact = np.asarray(attention(q, k, v, *args, **kwargs), np.float64)
-    rounded = attention(q, k, v, *args, p_dtype=dtype, **kwargs).astype(dtype)
+def error_budget(exact, rounded) -> float:
+    """DESIGN.md's rule for low-precision results: twice the error the float32 reference makes
+    when it rounds P and the output to the input dtype (`rounded`) against the unrounded
+    reference (`exact`), plus a small absolute term."""
+    exact = np.asarray(exact, np.float64)
     err = np.max(np.abs(np.asarray(rounded, np.float64) - exact), initial=0.0)
     return float(2 * err + 1e-5 * (np.max(np.abs(exact), initial=0.0) + 1))
+
+
+def error_bound(query, key, value, *args, **kwargs) -> float:
+    """`error_budget` for these inputs: the low-precision arrays the kernel was given, which
+    the references upcast."""
+    dtype = jnp.asarray(query).dtype
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (query, key, value))
+    exact = attention(q, k, v, *args, **kwargs)
+    rounded = attention(q, k, v, *args, p_dtype=dtype, **kwargs).astype(dtype)
+    return error_budget(exact, jnp.asarray(rounded, jnp.float32))
