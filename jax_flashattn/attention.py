@@ -37,10 +37,6 @@ def _flash_bwd(scale, window, residuals, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _platform() -> str:
-    return jax.default_backend()
-
-
 # The CUDA kernels' bias/mask path crashed the process in its first GPU test run (host
 # segfault during execution, cause not yet found; see docs/kernel_notes.md). Until it passes
 # the GPU tests, calls with a bias or mask never reach it.
@@ -52,7 +48,7 @@ def _check_implementation(implementation, *, bias_or_mask: bool) -> str:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
-    platform = _platform()
+    platform = jax.default_backend()
     if implementation == "cpu" and platform != "cpu":
         raise ValueError(f"implementation='cpu' needs the CPU backend, but the default backend "
                          f"is {platform!r}")
