@@ -37,13 +37,7 @@ def _flash_bwd(scale, window, residuals, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-# The CUDA kernels' bias/mask path crashed the process in its first GPU test run (host
-# segfault during execution, cause not yet found; see docs/kernel_notes.md). Until it passes
-# the GPU tests, calls with a bias or mask never reach it.
-_CUDA_BIAS_MASK_ENABLED = False
-
-
-def _check_implementation(implementation, *, bias_or_mask: bool) -> str:
+def _check_implementation(implementation) -> str:
     """Resolves `implementation` to "kernels" or a jax.nn implementation name."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
@@ -62,15 +56,6 @@ def _check_implementation(implementation, *, bias_or_mask: bool) -> str:
                              "-C cmake.define.JAX_FLASHATTN_CUDA=ON)")
     if implementation in ("xla", "cudnn"):
         return implementation
-    cuda_gated = platform == "gpu" and bias_or_mask and not _CUDA_BIAS_MASK_ENABLED
-    if implementation == "cuda" and cuda_gated:
-        raise ValueError("implementation='cuda' does not take bias or mask yet (the CUDA "
-                         "bias/mask path is disabled until it passes the GPU tests); use "
-                         "implementation=None to fall back to jax.nn's XLA path")
-    if implementation is None and cuda_gated:
-        warnings.warn("jax_flashattn: bias/mask on the GPU runs through "
-                      "jax.nn.dot_product_attention(implementation='xla') for now", stacklevel=3)
-        return "xla"
     if implementation is None and platform == "gpu" and not _ffi.cuda_built():
         warnings.warn("jax_flashattn was built without CUDA; falling back to "
                       "jax.nn.dot_product_attention(implementation='xla')", stacklevel=3)
@@ -95,7 +80,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     `implementation`: None (our kernels for the default backend), "cpu", "cuda" (our kernels,
     raising if they cannot run), or "xla"/"cudnn" (delegate to jax.nn.dot_product_attention).
     """
-    kind = _check_implementation(implementation, bias_or_mask=bias is not None or mask is not None)
+    kind = _check_implementation(implementation)
     args = _validate.normalize(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                                query_seq_lengths=query_seq_lengths,
                                key_value_seq_lengths=key_value_seq_lengths,

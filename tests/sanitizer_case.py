@@ -4,8 +4,7 @@
     compute-sanitizer --tool racecheck --kernel-name kns=jax_flashattn python3 tests/sanitizer_case.py
 
 Shapes are odd (tile edges), with GQA, causal, windows and lengths, so every predicated path
-runs; the script exits non-zero if a result is not finite. (Bias and mask are gated off the
-CUDA path for now: see jax_flashattn/attention.py.)
+runs; the script exits non-zero if a result is not finite.
 """
 
 import jax
@@ -23,6 +22,8 @@ def main():
         (jnp.float16, 72, dict(local_window_size=(20, 5), key_value_seq_lengths=lens)),
         (jnp.bfloat16, 256, dict(query_seq_lengths=lens)),
         (jnp.float32, 36, dict(is_causal=True)),
+        (jnp.bfloat16, 64, dict(bias=np.ones((4, 77, 1), np.float32),
+                                mask=np.arange(93) % 3 != 1, is_causal=True)),
     ]
     for dtype, head_dim, kwargs in cases:
         q = jnp.asarray(rng.standard_normal((2, 77, 4, head_dim)), dtype)

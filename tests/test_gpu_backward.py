@@ -41,8 +41,6 @@ def test_gqa_odd_sizes(rng, dtype, is_causal):
     check(rng, dtype, 2, 67, 45, 4, 2, 64, is_causal=is_causal)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="CUDA bias/mask path disabled pending a crash fix")
 def test_bias_window_seq_lengths(rng):
     check(rng, jnp.bfloat16, 2, 50, 70, 2, 1, 40, with_bias=True, local_window_size=(9, 4),
           key_value_seq_lengths=jnp.array([70, 0], jnp.int32),

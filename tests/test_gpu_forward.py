@@ -73,22 +73,6 @@ def test_seq_lengths_gqa(rng, dtype):
           key_value_seq_lengths=jnp.array([190, 5, 0, 64], jnp.int32), is_causal=True)
 
 
-# The CUDA bias/mask path is gated off (jax_flashattn/attention.py) after it crashed the
-# process; these stay as strict xfails so lifting the gate without a fix shows up at once.
-bias_mask_gated = pytest.mark.xfail(strict=True, raises=ValueError,
-                                    reason="CUDA bias/mask path disabled pending a crash fix")
-
-
-def test_bias_mask_gate_raises_clearly(rng):
-    q, k, v = random_qkv(rng, 1, 8, 8, 1, 1, 64, jnp.bfloat16)
-    with pytest.raises(ValueError, match="bias or mask"):
-        jax_flashattn.attention(q, k, v, mask=jnp.ones((8, 8), bool), implementation="cuda")
-    with pytest.warns(UserWarning, match="XLA"):
-        out = jax_flashattn.attention(q, k, v, jnp.zeros((8, 8), jnp.float32))
-    assert_attention_close(out, q, k, v, jnp.zeros((8, 8), jnp.float32))
-
-
-@bias_mask_gated
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("bias_shape", [(2, 4, 100, 140), (1, 1, 100, 140), (2, 1, 1, 140),
                                         (4, 100, 1), (140,)])
@@ -98,7 +82,6 @@ def test_bias(rng, dtype, bias_shape):
     check(q, k, v, bias, is_causal=True)
 
 
-@bias_mask_gated
 @pytest.mark.parametrize("mask_shape", [(2, 4, 100, 140), (1, 1, 100, 140), (2, 1, 1, 140)])
 def test_mask_and_bias(rng, mask_shape):
     q, k, v = random_qkv(rng, 2, 100, 140, 4, 4, 64, jnp.bfloat16)
