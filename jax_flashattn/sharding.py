@@ -447,6 +447,9 @@ def _shardings(kind, flags, mesh, plan: _Plan, arg_shapes):
     return [q, kv, kv, q, lse, q] + optional, tuple(results)
 
 
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
 def _partition(kind, flags, scale, window, mesh, arg_shapes, result_shape):
     del result_shape
     if mesh.empty:
@@ -458,7 +461,15 @@ def _partition(kind, flags, scale, window, mesh, arg_shapes, result_shape):
     if flags[0]:
         bias = _unpack(kind, flags, arg_shapes).bias
         bias_shape = tuple(bias.shape)
-    lower = functools.partial(_local, kind, flags, scale, window, plan, bias_shape)
+    local = functools.partial(_local, kind, flags, scale, window, plan, bias_shape)
+
+    def lower(*xs):
+        # XLA calls this after its partitioner has run, inside the caller's context: under
+        # `jax.set_mesh` with Explicit axes, jax >= 0.11 would annotate the local values with
+        # sharding custom calls that nothing lowers any more. Per-device code has no mesh.
+        with jax.sharding.use_abstract_mesh(_NO_MESH):
+            return local(*xs)
+
     return mesh, lower, result_shardings, tuple(arg_shardings)
 
 
