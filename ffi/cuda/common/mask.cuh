@@ -67,6 +67,30 @@ struct Visibility {
   }
 };
 
+// Visibility inside one (row block, key tile) in 32-bit tile-relative coordinates: row r and
+// key c of the tile (0 <= r, c < span) are visible iff r < rows, c < keys and
+// diff_lo <= c - r <= diff_hi. Clamping every bound to [-span, span] keeps each comparison's
+// outcome, so the per-element test is four int32 compares on compile-time column offsets.
+// Sequence lengths and windows only: an elementwise mask is read separately.
+struct TileVisibility {
+  int rows, keys, diff_lo, diff_hi;
+
+  __device__ static TileVisibility make(const Visibility& v, int64_t row0, int64_t key0, int span) {
+    auto clamp = [span](int64_t x) { return int(x < -span ? -span : (x > span ? span : x)); };
+    TileVisibility t;
+    t.rows = clamp(v.q_len - row0);
+    t.keys = clamp(v.kv_len - key0);
+    // Key s = key0 + c sees query t = row0 + r iff t - left <= s <= t + right.
+    t.diff_lo = v.window_left == kUnboundedWindow ? -span : clamp(row0 - key0 - v.window_left);
+    t.diff_hi = v.window_right == kUnboundedWindow ? span : clamp(row0 - key0 + v.window_right);
+    return t;
+  }
+
+  __device__ bool visible(int r, int c) const {
+    return r < rows && c < keys && c - r >= diff_lo && c - r <= diff_hi;
+  }
+};
+
 // One bias element as float, whatever its storage type.
 __device__ __forceinline__ float load_bias(const void* bias, ElemType type, int64_t offset) {
   switch (type) {

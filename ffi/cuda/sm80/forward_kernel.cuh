@@ -1,7 +1,8 @@
 // FlashAttention-2 forward with mma.sync (sm_80 and newer).
 //
 // One block per (query tile, head, batch). Per K/V tile j:
-//   S = Q K_j^T          (Q fragments in registers, K from swizzled shared memory)
+//   S = Q K_j^T          (K from swizzled shared memory; Q fragments kept in registers, or
+//                         re-read from shared memory where registers are short)
 //   mask + bias          (only on tiles that straddle a boundary)
 //   online softmax       (exp2 with the scale folded into one FFMA)
 //   O += P V_j           (P re-packed from the S accumulators, V via ldmatrix.trans)
@@ -28,6 +29,26 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
   return row * kSmemDim + ((chunk ^ (row & 7)) << 3);
 }
 
+// ldmatrix addresses into a swizzled tile whose rows are kSmemDim * 2 bytes and whose start is
+// aligned to that (a power of two). Lane l addresses row `lane_row` (== l % 8 mod 8) and 16-byte
+// chunk `lane_chunk` (0 or 1) of each 16 x 16 operand. Chunk 2 i + c of a row sits at
+// ((2 i + c) ^ row % 8) * 16 = ((c ^ row % 8) * 16) ^ (32 i) bytes into it, so one per-lane base
+// address covers every operand: XOR in 32 i for column step i, add whole rows for row steps.
+// That keeps one register per operand instead of one per (step, operand) for ptxas to hoist.
+template <int kSmemDim>
+struct LdmatrixAddress {
+  static constexpr int kRowBytes = kSmemDim * 2;
+  uint32_t base;
+
+  __device__ LdmatrixAddress(const void* tile, int lane_row, int lane_chunk)
+      : base(ptx::smem_address(tile) + lane_row * kRowBytes + ((lane_chunk ^ (lane_row & 7)) << 4)) {}
+
+  // 16 x 16 operand at rows [16 row_step, +16), columns [16 col_step, +16).
+  __device__ uint32_t operator()(int row_step, int col_step) const {
+    return (base ^ (col_step << 5)) + row_step * 16 * kRowBytes;
+  }
+};
+
 // Copies rows [0, kRows) x chunks [0, kChunks) of a [rows, head_dim] global tile into shared
 // memory, zero-filling rows >= valid_rows and chunks past head_dim.
 template <typename Traits, int kRows, typename Elem>
@@ -46,7 +67,11 @@ __device__ __forceinline__ void load_tile(Elem* smem, const Elem* global, int64_
   }
 }
 
-template <typename Elem, typename Traits>
+// kElementwise: the call has a bias or a boolean mask, read element by element on every tile.
+// Without one, only tiles that straddle a length or window boundary are masked, with int32
+// tile-relative compares; keeping the 64-bit bias/mask indexing out of that instantiation
+// keeps its registers for the accumulators.
+template <typename Elem, typename Traits, bool kElementwise>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     forward_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
@@ -55,7 +80,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kNTiles = kBlockN / 8;            // 8-key column tiles of S
   constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of O
 
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // Aligned to a whole swizzled row (at most 512 bytes) for LdmatrixAddress's XOR.
+  extern __shared__ __align__(512) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);                  // [kBlockM][kSmemDim]
   Elem* sK = sQ + kBlockM * kSmemDim;                            // [kStages][kBlockN][kSmemDim]
   Elem* sV = sK + Traits::kStages * kBlockN * kSmemDim;          // [kStages][kBlockN][kSmemDim]
@@ -107,80 +133,100 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   if (tile_begin + 1 < tile_end) load_kv(tile_begin + 1, 1);
   ptx::cp_async_commit();
 
-  uint32_t q_frag[kSlabs][kKSteps][4];
+  // Q fragments: all k-steps held for the whole loop, or one k-step at a time re-read from
+  // shared memory (which frees the registers for a second slab per warp).
+  constexpr bool kQInRegisters = Traits::kQInRegisters;
+  uint32_t q_frag[kSlabs][kQInRegisters ? kKSteps : 1][4];
   float o_acc[kSlabs][kDTiles][4] = {};
   cuda::OnlineSoftmax<kSlabs> softmax;
   softmax.init();
   // With a bias the scores are moved to the log2 domain before the softmax (the bias must be
   // added after scaling); without one the scale is folded into the softmax's FFMA.
-  const bool has_bias = p.bias != nullptr;
+  const bool has_bias = kElementwise && p.bias != nullptr;
   const float scale_log2 = p.scale * kLog2e;
   const float softmax_scale = has_bias ? 1.f : scale_log2;
-  const int64_t bias_offset = has_bias ? p.bias_strides.offset(b, p.batch_inner, n, 0, 0) : 0;
 
-  // ldmatrix row address pattern: lane l addresses row l % 8 of matrix l / 8.
+  // ldmatrix row address pattern: lane l addresses row l % 8 of matrix l / 8. A operands
+  // (Q) take matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (0-7, 8-15), (8-15, 8-15); the
+  // B operands of two adjacent 8-key tiles (K) take (keys 0-7, k 0-7), (0-7, 8-15),
+  // (8-15, 0-7), (8-15, 8-15); V, transposed, takes keys as rows like Q.
   const int ld_row = lane % 8, ld_matrix = lane / 8;
+  const LdmatrixAddress<kSmemDim> q_address(sQ + warp_row0 * kSmemDim,
+                                            (ld_matrix & 1) * 8 + ld_row, ld_matrix >> 1);
+  auto load_q = [&](int ks, int slot) {
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m) ptx::ldmatrix_x4(q_frag[m][slot], q_address(m, ks));
+  };
 
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     const int stage = int((tile - tile_begin) % Traits::kStages);
-    const Elem* sK_stage = sK + stage * kBlockN * kSmemDim;
-    const Elem* sV_stage = sV + stage * kBlockN * kSmemDim;
+    const LdmatrixAddress<kSmemDim> k_address(sK + stage * kBlockN * kSmemDim,
+                                              (ld_matrix >> 1) * 8 + ld_row, ld_matrix & 1);
+    const LdmatrixAddress<kSmemDim> v_address(sV + stage * kBlockN * kSmemDim,
+                                              (ld_matrix & 1) * 8 + ld_row, ld_matrix >> 1);
     ptx::cp_async_wait<1>();
     __syncthreads();
 
-    if (tile == tile_begin) {
+    if (kQInRegisters && tile == tile_begin) {
 #pragma unroll
-      for (int m = 0; m < kSlabs; ++m)
-#pragma unroll
-        for (int ks = 0; ks < kKSteps; ++ks) {
-          const int row = warp_row0 + m * 16 + (ld_matrix & 1) * 8 + ld_row;
-          ptx::ldmatrix_x4(q_frag[m][ks], ptx::smem_address(sQ + swizzled<kSmemDim>(
-                                                               row, 2 * ks + (ld_matrix >> 1))));
-        }
+      for (int ks = 0; ks < kKSteps; ++ks) load_q(ks, ks);
     }
 
     // S = Q K^T
     float s_acc[kSlabs][kNTiles][4] = {};
 #pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks)
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      if (!kQInRegisters) load_q(ks, 0);
+      const int q_slot = kQInRegisters ? ks : 0;
 #pragma unroll
       for (int np = 0; np < kNTiles / 2; ++np) {
         uint32_t k_frag[4];
-        const int key = np * 16 + (ld_matrix >> 1) * 8 + ld_row;
-        ptx::ldmatrix_x4(k_frag, ptx::smem_address(sK_stage + swizzled<kSmemDim>(
-                                                                  key, 2 * ks + (ld_matrix & 1))));
+        ptx::ldmatrix_x4(k_frag, k_address(np, ks));
         const uint32_t b0[2] = {k_frag[0], k_frag[1]}, b1[2] = {k_frag[2], k_frag[3]};
 #pragma unroll
         for (int m = 0; m < kSlabs; ++m) {
-          ptx::mma_m16n8k16<Elem>(s_acc[m][2 * np], q_frag[m][ks], b0);
-          ptx::mma_m16n8k16<Elem>(s_acc[m][2 * np + 1], q_frag[m][ks], b1);
+          ptx::mma_m16n8k16<Elem>(s_acc[m][2 * np], q_frag[m][q_slot], b0);
+          ptx::mma_m16n8k16<Elem>(s_acc[m][2 * np + 1], q_frag[m][q_slot], b1);
         }
       }
+    }
 
-    // Bias, then the mask: only tiles that straddle a boundary look at elements.
+    // Lengths and windows, then bias and mask: a tile with neither boundary nor elementwise
+    // input looks at no element.
     const int64_t key0 = tile * kBlockN;
     const bool all_visible = vis.all_visible(row0 + warp_row0, row0 + warp_row0 + kSlabs * 16,
                                              key0, key0 + kBlockN);
-    if (has_bias || !all_visible) {
+    if (kElementwise || !all_visible) {
+      const cuda::TileVisibility tile_vis =
+          cuda::TileVisibility::make(vis, row0, key0, kBlockM + kBlockN);
 #pragma unroll
       for (int m = 0; m < kSlabs; ++m)
 #pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int64_t t = row0 + warp_row0 + m * 16 + quad_row + (e / 2) * 8;
-            const int64_t s = key0 + nt * 8 + quad_col + (e % 2);
-            float& score = s_acc[m][nt][e];
-            if (has_bias) {
-              const float bias =
-                  t < p.seqlen_q && s < p.seqlen_k
-                      ? cuda::load_bias(p.bias, p.bias_dtype,
-                                        bias_offset + t * p.bias_strides.row + s * p.bias_strides.col)
-                      : 0.f;
-              score = fmaf(score, scale_log2, bias * kLog2e);
-            }
-            if (!all_visible && !vis.visible(t, s)) score = -INFINITY;
+        for (int h = 0; h < 2; ++h) {
+          const int r = warp_row0 + m * 16 + quad_row + h * 8;
+          [[maybe_unused]] int64_t bias_base = 0, mask_base = 0;
+          if constexpr (kElementwise) {
+            bias_base = has_bias ? p.bias_strides.offset(b, p.batch_inner, n, row0 + r, key0) : 0;
+            mask_base = vis.mask_offset + (row0 + r) * vis.mask_row + key0 * vis.mask_col;
           }
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int c = nt * 8 + quad_col + e;
+              float& score = s_acc[m][nt][2 * h + e];
+              // Visible elements lie inside [seqlen_q, seqlen_k): only they are read.
+              bool keep = tile_vis.visible(r, c);
+              if constexpr (kElementwise) {
+                if (keep && has_bias)
+                  score = fmaf(score, scale_log2,
+                               kLog2e * cuda::load_bias(p.bias, p.bias_dtype,
+                                                        bias_base + c * p.bias_strides.col));
+                if (keep && vis.mask != nullptr) keep = vis.mask[mask_base + c * vis.mask_col];
+              }
+              if (!keep) score = -INFINITY;
+            }
+        }
     }
 
     softmax.update(s_acc, o_acc, softmax_scale);
@@ -199,9 +245,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
         uint32_t v_frag[4];
-        const int key = kk * 16 + (ld_matrix & 1) * 8 + ld_row;
-        ptx::ldmatrix_x4_trans(v_frag, ptx::smem_address(sV_stage + swizzled<kSmemDim>(
-                                                                        key, 2 * dp + (ld_matrix >> 1))));
+        ptx::ldmatrix_x4_trans(v_frag, v_address(kk, dp));
         const uint32_t b0[2] = {v_frag[0], v_frag[1]}, b1[2] = {v_frag[2], v_frag[3]};
 #pragma unroll
         for (int m = 0; m < kSlabs; ++m) {

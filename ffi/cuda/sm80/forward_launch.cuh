@@ -8,16 +8,24 @@
 
 namespace jax_flashattn::cuda {
 
-template <typename Elem, int kHeadDim>
-cudaError_t launch_forward_sm80(const AttentionParams& p, cudaStream_t stream) {
-  using Traits = sm80::ForwardConfig<kHeadDim>;
-  constexpr auto kernel = sm80::forward_kernel<Elem, Traits>;
+template <typename Elem, typename Traits, bool kElementwise>
+cudaError_t launch_forward_sm80_kernel(const AttentionParams& p, cudaStream_t stream) {
+  constexpr auto kernel = sm80::forward_kernel<Elem, Traits, kElementwise>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   const int64_t m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   if (m_blocks > 65535 || p.batch * p.num_heads > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const dim3 grid(unsigned(p.batch * p.num_heads), unsigned(m_blocks));
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+// The mask kind picks the instantiation: with a bias or boolean mask, or with neither.
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_sm80(const AttentionParams& p, cudaStream_t stream) {
+  using Traits = sm80::ForwardConfig<kHeadDim>;
+  if (p.bias != nullptr || p.mask != nullptr)
+    return launch_forward_sm80_kernel<Elem, Traits, true>(p, stream);
+  return launch_forward_sm80_kernel<Elem, Traits, false>(p, stream);
 }
 
 }  // namespace jax_flashattn::cuda
