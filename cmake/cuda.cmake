@@ -60,11 +60,18 @@ foreach(_elem_pair "bf16;__nv_bfloat16" "fp16;__half")
     configure_file(ffi/cuda/instantiations/forward_sm80.cu.in "${_file}" @ONLY)
     list(APPEND _instantiations "${_file}")
   endforeach()
+  # The mma.sync backward (dK/dV pass and dQ pass) per head dim of sm80::kBackwardHeadDims.
+  foreach(HEAD_DIM 32 64 96 128)
+    set(_file "${CMAKE_CURRENT_BINARY_DIR}/instantiations/backward_sm80_${_tag}_hd${HEAD_DIM}.cu")
+    configure_file(ffi/cuda/instantiations/backward_sm80.cu.in "${_file}" @ONLY)
+    list(APPEND _instantiations "${_file}")
+  endforeach()
 endforeach()
 
 add_library(flashattn_cuda STATIC
   ffi/handlers_cuda.cu
   ffi/cuda/dispatch_forward.cu
+  ffi/cuda/dispatch_backward.cu
   ffi/cuda/simt/forward_simt.cu
   ffi/cuda/simt/backward_simt.cu
   ${_instantiations})

@@ -191,8 +191,9 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                           const ffi::AnyBuffer& lse, const ffi::AnyBuffer& d_out,
                           const ffi::RemainingArgs& optional, ffi::Result<ffi::AnyBuffer>& dq,
                           ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv,
-                          const ffi::RemainingRets& dbias, const CallAttrs& attrs,
-                          AttentionParams& p) {
+                          ffi::Result<ffi::AnyBuffer>& dq_accum,
+                          ffi::Result<ffi::AnyBuffer>& delta, const ffi::RemainingRets& dbias,
+                          const CallAttrs& attrs, AttentionParams& p) {
   if (ffi::Error e = DecodeInputs(q, k, v, optional, attrs, p); e.failure()) return e;
   for (auto [buffer, like, what] : {std::tuple{&out, &q, "out"}, {&d_out, &q, "d_out"},
                                     {&*dq, &q, "dq"}, {&*dk, &k, "dk"}, {&*dv, &k, "dv"}}) {
@@ -205,6 +206,16 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   p.dq = dq->untyped_data();
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
+  if (dq_accum->element_type() != ffi::DataType::F32 ||
+      dq_accum->element_count() != q.element_count())
+    return Invalid("dq_accum must be float32 shaped like query " + ShapeString(q) + ", got " +
+                   ShapeString(*dq_accum));
+  if (delta->element_type() != ffi::DataType::F32 ||
+      delta->element_count() != size_t(p.batch * p.num_heads * p.seqlen_q))
+    return Invalid("delta must be float32 [..., N, T], got " + ShapeString(*delta));
+  p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
+  p.delta = static_cast<float*>(delta->untyped_data());
+  p.deterministic = attrs.deterministic != 0;
   if (dbias.size() != size_t(p.bias != nullptr))
     return Invalid("expected a dbias result exactly when bias is given");
   if (p.bias != nullptr) {

@@ -20,6 +20,8 @@ struct CallAttrs {
   int32_t has_mask;
   int32_t has_q_seqlens;
   int32_t has_kv_seqlens;
+  // Backward only (the forward passes 0): dQ without atomics, bit-identical across runs.
+  int32_t deterministic;
 };
 
 // Fills every field of p for a forward call: inputs, the optional inputs (which follow the fixed
@@ -30,14 +32,16 @@ ffi::Error DecodeForward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                          ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& lse,
                          const CallAttrs& attrs, AttentionParams& p);
 
-// The same for a backward call: also out, lse, d_out, dq, dk, dv, and dbias when bias is given.
+// The same for a backward call: also out, lse, d_out, dq, dk, dv, the workspaces dq_accum and
+// delta, and dbias when bias is given.
 ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                           const ffi::AnyBuffer& v, const ffi::AnyBuffer& out,
                           const ffi::AnyBuffer& lse, const ffi::AnyBuffer& d_out,
                           const ffi::RemainingArgs& optional, ffi::Result<ffi::AnyBuffer>& dq,
                           ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv,
-                          const ffi::RemainingRets& dbias, const CallAttrs& attrs,
-                          AttentionParams& p);
+                          ffi::Result<ffi::AnyBuffer>& dq_accum,
+                          ffi::Result<ffi::AnyBuffer>& delta, const ffi::RemainingRets& dbias,
+                          const CallAttrs& attrs, AttentionParams& p);
 
 // The operands, results and attributes of the two targets, after any platform context, so the
 // CPU and CUDA handlers bind exactly the same call.
@@ -66,6 +70,8 @@ auto BindBackward(Binding binding) {
       .template Ret<ffi::AnyBuffer>()  // dq, like q
       .template Ret<ffi::AnyBuffer>()  // dk, like k
       .template Ret<ffi::AnyBuffer>()  // dv, like v
+      .template Ret<ffi::AnyBuffer>()  // workspace: dq_accum float32, shaped like q
+      .template Ret<ffi::AnyBuffer>()  // workspace: delta float32 [..., B, N, T]
       .RemainingRets()                 // dbias? float32 [..., B, N, T, S]
       .template Attrs<CallAttrs>();
 }
@@ -79,7 +85,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_flashattn::CallAttrs,
                                       xla::ffi::StructMember<int32_t>("has_bias"),
                                       xla::ffi::StructMember<int32_t>("has_mask"),
                                       xla::ffi::StructMember<int32_t>("has_q_seqlens"),
-                                      xla::ffi::StructMember<int32_t>("has_kv_seqlens"));
+                                      xla::ffi::StructMember<int32_t>("has_kv_seqlens"),
+                                      xla::ffi::StructMember<int32_t>("deterministic"));
 
 // The four handlers, one per (op, platform); module.cc exposes them to Python.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jax_flashattn_forward_cpu);

@@ -30,11 +30,14 @@ ffi::Error ForwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 ffi::Error BackwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                        ffi::AnyBuffer lse, ffi::AnyBuffer d_out, ffi::RemainingArgs optional,
                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                       ffi::Result<ffi::AnyBuffer> dv, ffi::RemainingRets dbias,
+                       ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_accum,
+                       ffi::Result<ffi::AnyBuffer> delta, ffi::RemainingRets dbias,
                        CallAttrs attrs) {
+  // The workspaces are decoded (so both platforms check the same call) but left untouched: the
+  // CPU kernels keep their float32 scratch per task, and are deterministic already.
   AttentionParams p;
-  if (ffi::Error e = DecodeBackward(q, k, v, out, lse, d_out, optional, dq, dk, dv, dbias, attrs,
-                                    p);
+  if (ffi::Error e = DecodeBackward(q, k, v, out, lse, d_out, optional, dq, dk, dv, dq_accum,
+                                    delta, dbias, attrs, p);
       e.failure())
     return e;
   return RunGuarded([&] { cpu::backward(p); });

@@ -82,6 +82,11 @@ struct AttentionParams {
   void* dk = nullptr;           // like k, summed over the N / K query heads of each kv head
   void* dv = nullptr;           // like v, likewise
   float* dbias = nullptr;       // [batch, N, T, S] float32, contiguous; nullptr when no bias
+  // Workspaces (results of the call, so XLA owns them; the CPU kernels ignore them).
+  float* dq_accum = nullptr;  // like q, float32: dQ summed over key blocks before rounding
+  float* delta = nullptr;     // [batch, N, T] float32: D_t = dO_t . O_t
+  // dQ from its own pass over the keys instead of float32 atomics: bit-identical across runs.
+  bool deterministic = false;
 
   JAX_FLASHATTN_HOST_DEVICE int64_t group_size() const { return num_heads / num_kv_heads; }
 };

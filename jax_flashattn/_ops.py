@@ -22,9 +22,9 @@ def _optional_operands(bias, mask, q_lens, kv_lens):
     return present, {k: np.int32(v) for k, v in flags.items()}
 
 
-def _attrs(scale: float, window: tuple[int, int]):
+def _attrs(scale: float, window: tuple[int, int], deterministic: bool = False):
     return dict(scale=np.float32(scale), window_left=np.int64(window[0]),
-                window_right=np.int64(window[1]))
+                window_right=np.int64(window[1]), deterministic=np.int32(deterministic))
 
 
 def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple[int, int]):
@@ -39,15 +39,25 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple
 
 
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: float,
-             window: tuple[int, int]):
+             window: tuple[int, int], deterministic: bool = False):
     """(dq, dk, dv, dbias) where dbias is the float32 [B, N, T, S] gradient of the logits'
-    bias before any broadcast is summed out, or None without bias."""
+    bias before any broadcast is summed out, or None without bias.
+
+    `deterministic` makes the CUDA kernels compute dQ in its own pass instead of summing it
+    with float32 atomics (bit-identical across runs; the CPU kernels always are). The call's
+    results also carry the CUDA kernels' workspaces, so that XLA owns their memory: a float32
+    dQ accumulator shaped like q and D = rowsum(dO * O) float32 [B, N, T]; they are dropped
+    here (the CPU kernels leave them untouched).
+    """
     b, t, n, _ = q.shape
     s = k.shape[1]
     optional, flags = _optional_operands(bias, mask, q_lens, kv_lens)
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    results.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))  # dq_accum
+    results.append(jax.ShapeDtypeStruct((b, n, t), jnp.float32))  # delta
     if bias is not None:
         results.append(jax.ShapeDtypeStruct((b, n, t, s), jnp.float32))
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
-    grads = call(q, k, v, out, lse, d_out, *optional, **flags, **_attrs(scale, window))
-    return (*grads[:3], grads[3] if bias is not None else None)
+    grads = call(q, k, v, out, lse, d_out, *optional, **flags,
+                 **_attrs(scale, window, deterministic))
+    return (*grads[:3], grads[5] if bias is not None else None)

@@ -271,9 +271,11 @@ def kernel_forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale, window):
     return _vary_like(_over_leading_dims(fn, q.ndim)(*operands), operands)
 
 
-def kernel_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale, window):
+def kernel_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale, window,
+                    deterministic=False):
     """`_ops.backward` for operands with any dims before [T, N, H] (kernel window form)."""
-    fn = functools.partial(_ops.backward, scale=scale, window=window)
+    fn = functools.partial(_ops.backward, scale=scale, window=window,
+                           deterministic=deterministic)
     operands = (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens)
     return _vary_like(_over_leading_dims(fn, q.ndim)(*operands), operands)
 
@@ -331,7 +333,8 @@ def _empty_forward(q):
     return jnp.zeros(q.shape, q.dtype), jnp.full(lse_shape, -jnp.inf, jnp.float32)
 
 
-def block_backward(q, k, v, out, lse, d_out, bias, mask, q_len, kv_len, *, scale, window):
+def block_backward(q, k, v, out, lse, d_out, bias, mask, q_len, kv_len, *, scale, window,
+                   deterministic=False):
     """(dq, dk, dv, dbias over the block [..., N, rows, cols] or None) under a canonical window;
     the same -1 handling as `block_forward`."""
     left, right = window
@@ -343,7 +346,7 @@ def block_backward(q, k, v, out, lse, d_out, bias, mask, q_len, kv_len, *, scale
         dq, dk, dv, dbias = block_backward(
             q[..., 1:, :, :], k, v, out[..., 1:, :, :], lse[..., 1:], d_out[..., 1:, :, :],
             _slice(bias, -2, 1), _slice(mask, -2, 1), _minus_one(q_len), kv_len, scale=scale,
-            window=inner)
+            window=inner, deterministic=deterministic)
         return (_pad_front(dq, -3), dk, dv, None if dbias is None else _pad_front(dbias, -2))
     if left == -1:
         cols = k.shape[-3] - 1
@@ -352,11 +355,12 @@ def block_backward(q, k, v, out, lse, d_out, bias, mask, q_len, kv_len, *, scale
             return _empty_backward(q, k, bias)
         dq, dk, dv, dbias = block_backward(
             q, k[..., 1:, :, :], v[..., 1:, :, :], out, lse, d_out, _slice(bias, -1, 1),
-            _slice(mask, -1, 1), q_len, _minus_one(kv_len), scale=scale, window=inner)
+            _slice(mask, -1, 1), q_len, _minus_one(kv_len), scale=scale, window=inner,
+            deterministic=deterministic)
         return (dq, _pad_front(dk, -3), _pad_front(dv, -3),
                 None if dbias is None else _pad_front(dbias, -1))
     return kernel_backward(q, k, v, out, lse, d_out, bias, mask, q_len, kv_len, scale=scale,
-                           window=_kernel_window(window))
+                           window=_kernel_window(window), deterministic=deterministic)
 
 
 def _empty_backward(q, k, bias):
@@ -574,7 +578,7 @@ def reduce_to(x, shape):
 
 
 def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale,
-                 window: Window, schedule: Schedule, axes):
+                 window: Window, schedule: Schedule, axes, deterministic=False):
     """(dq, dk, dv, dbias summed to bias's shape or None) of local shards under `schedule`,
     from the global out and lse of the forward."""
     devices, ring = schedule.devices, schedule.mode == RING
@@ -602,7 +606,8 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale
                     kv_len=kv_len):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
                 grads = block_backward(qb, kb, vb, ob, lb, dob, bias, mask, q_len, kv_len,
-                                       scale=scale, window=window)
+                                       scale=scale, window=window,
+                                       deterministic=deterministic)
                 return grads[:3] + (() if bias is None else (reduce_to(grads[3], bias.shape),))
 
             def hidden(qb=qb, kb=kb):

@@ -13,22 +13,24 @@ from jax_flashattn import _ffi, _validate, sharding
 IMPLEMENTATIONS = (None, "cpu", "cuda", "xla", "cudnn")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _flash(q, k, v, bias, mask, q_lens, kv_lens, scale, window):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash(q, k, v, bias, mask, q_lens, kv_lens, scale, window, deterministic):
     return sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, scale=scale, window=window)
 
 
-def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, scale, window):
+def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, scale, window, deterministic):
+    del deterministic  # a backward option
     out, lse = sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, scale=scale, window=window)
     # Only the inputs, the output and the log-sum-exp are saved: the backward recomputes P.
     return (out, lse), (q, k, v, bias, mask, q_lens, kv_lens, out, lse)
 
 
-def _flash_bwd(scale, window, residuals, cotangents):
+def _flash_bwd(scale, window, deterministic, residuals, cotangents):
     q, k, v, bias, mask, q_lens, kv_lens, out, lse = residuals
     d_out, _ = cotangents  # the lse output is a residual with no gradient, as in jax.nn
     dq, dk, dv, dbias = sharding.backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens,
-                                          scale=scale, window=window)
+                                          scale=scale, window=window,
+                                          deterministic=deterministic)
     if bias is not None:  # already summed over bias's broadcast dims by sharding.backward
         dbias = dbias.astype(bias.dtype)
     return dq, dk, dv, dbias, None, None, None
@@ -65,7 +67,7 @@ def _check_implementation(implementation) -> str:
 
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-              implementation=None, return_residual=False):
+              implementation=None, return_residual=False, deterministic_backward=False):
     """Scaled dot-product attention with the signature of `jax.nn.dot_product_attention`.
 
     Layout [B, T, N, H] (or [T, N, H]); key and value [B, S, K, H] with N % K == 0 (GQA/MQA
@@ -79,7 +81,18 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
 
     `implementation`: None (our kernels for the default backend), "cpu", "cuda" (our kernels,
     raising if they cannot run), or "xla"/"cudnn" (delegate to jax.nn.dot_product_attention).
+
+    `deterministic_backward` (keyword-only, not in jax.nn): on a GPU, the gradients are
+    bit-identical across runs. By default the tensor-core backward sums dQ over key blocks
+    with float32 atomic adds, whose order varies between runs (last-bit differences); with
+    True it computes dQ in a second pass over the keys instead, which recomputes the scores
+    and dP once more (7 matrix products per tile instead of 5: expect roughly 1.4x the
+    backward's time). The CPU kernels and the GPU's CUDA-core path (float32, head dims the
+    tensor cores do not take) are deterministic either way.
     """
+    if not isinstance(deterministic_backward, bool):
+        raise TypeError(f"deterministic_backward must be a bool, got "
+                        f"{type(deterministic_backward).__name__}")
     kind = _check_implementation(implementation)
     args = _validate.normalize(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                                query_seq_lengths=query_seq_lengths,
@@ -93,7 +106,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
             return_residual=return_residual)
     out, lse = _flash(args.query, args.key, args.value, args.bias, args.mask,
                       args.query_seq_lengths, args.key_value_seq_lengths, args.scale,
-                      args.kernel_window)
+                      args.kernel_window, deterministic_backward)
     out = out.reshape(args.out_shape)
     if not return_residual:
         return out

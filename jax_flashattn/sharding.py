@@ -194,15 +194,17 @@ def _flags(bias, mask, q_lens, kv_lens):
 
 def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window):
     """`_ops.forward` that partitions under jit: (out, lse [..., N, T] float32)."""
-    op = _partitioned("fwd", _flags(bias, mask, q_lens, kv_lens), float(scale), tuple(window))
+    op = _partitioned("fwd", _flags(bias, mask, q_lens, kv_lens), float(scale), tuple(window),
+                      False)
     return tuple(op(q, k, v, *_present(bias, mask, q_lens, kv_lens)))
 
 
-def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: float, window):
+def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: float, window,
+             deterministic: bool = False):
     """`_ops.backward` that partitions under jit: (dq, dk, dv, dbias), where dbias is float32
-    already summed to bias's shape (None without bias)."""
+    already summed to bias's shape (None without bias). `deterministic`: see _ops.backward."""
     flags = _flags(bias, mask, q_lens, kv_lens)
-    op = _partitioned("bwd", flags, float(scale), tuple(window))
+    op = _partitioned("bwd", flags, float(scale), tuple(window), bool(deterministic))
     grads = op(q, k, v, out, lse, d_out, *_present(bias, mask, q_lens, kv_lens))
     return (*grads[:3], grads[3] if bias is not None else None)
 
@@ -258,7 +260,7 @@ def _typed_like(x, like, dims=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned(kind, flags, scale, window):
+def _partitioned(kind, flags, scale, window, deterministic):
     def body(*xs):
         a = _unpack(kind, flags, xs)
         if kind == "fwd":
@@ -269,14 +271,15 @@ def _partitioned(kind, flags, scale, window):
                     _typed_like(lse, a.q, lead + (a.q.ndim - 2, a.q.ndim - 3)))
         dq, dk, dv, dbias = _ring.kernel_backward(a.q, a.k, a.v, a.out, a.lse, a.d_out, a.bias,
                                                   a.mask, a.q_lens, a.kv_lens, scale=scale,
-                                                  window=window)
+                                                  window=window, deterministic=deterministic)
         grads = (_typed_like(dq, a.q), _typed_like(dk, a.k), _typed_like(dv, a.v))
         if a.bias is None:
             return grads
         return grads + (_typed_like(_ring.reduce_to(dbias, a.bias.shape), a.bias),)
 
     op = custom_partitioning(body)
-    op.def_partition(partition=functools.partial(_partition, kind, flags, scale, window),
+    op.def_partition(partition=functools.partial(_partition, kind, flags, scale, window,
+                                                 deterministic),
                      sharding_rule=functools.partial(_sharding_rule, kind, flags))
     op = _broadcasting_vmap(op)
     jitted = jax.jit(op)
@@ -450,7 +453,7 @@ def _shardings(kind, flags, mesh, plan: _Plan, arg_shapes):
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
-def _partition(kind, flags, scale, window, mesh, arg_shapes, result_shape):
+def _partition(kind, flags, scale, window, deterministic, mesh, arg_shapes, result_shape):
     del result_shape
     if mesh.empty:
         devices = sorted(arg_shapes[0].sharding.device_set, key=lambda d: d.id)
@@ -461,7 +464,8 @@ def _partition(kind, flags, scale, window, mesh, arg_shapes, result_shape):
     if flags[0]:
         bias = _unpack(kind, flags, arg_shapes).bias
         bias_shape = tuple(bias.shape)
-    local = functools.partial(_local, kind, flags, scale, window, plan, bias_shape)
+    local = functools.partial(_local, kind, flags, scale, window, deterministic, plan,
+                              bias_shape)
 
     def lower(*xs):
         # XLA calls this after its partitioner has run, inside the caller's context: under
@@ -508,7 +512,7 @@ def _unselect_kv_heads(plan: _Plan, *grads):
     return out
 
 
-def _local(kind, flags, scale, window, plan: _Plan, bias_shape, *xs):
+def _local(kind, flags, scale, window, deterministic, plan: _Plan, bias_shape, *xs):
     """The per-device computation of one partitioned call."""
     a = _unpack(kind, flags, xs)
     k, v = a.k, a.v
@@ -525,13 +529,14 @@ def _local(kind, flags, scale, window, plan: _Plan, bias_shape, *xs):
     if schedule is None:
         dq, dk, dv, dbias = _ring.kernel_backward(a.q, k, v, a.out, a.lse, a.d_out, a.bias,
                                                   a.mask, a.q_lens, a.kv_lens, scale=scale,
-                                                  window=window)
+                                                  window=window, deterministic=deterministic)
         if dbias is not None:
             dbias = _ring.reduce_to(dbias, a.bias.shape)
     else:
         dq, dk, dv, dbias = _ring.seq_backward(
             a.q, k, v, a.out, a.lse, a.d_out, a.bias, a.mask, a.q_lens, a.kv_lens, scale=scale,
-            window=ring_window, schedule=schedule, axes=plan.seq_axes)
+            window=ring_window, schedule=schedule, axes=plan.seq_axes,
+            deterministic=deterministic)
     if not plan.kv_heads_split:
         dk, dv = _unselect_kv_heads(plan, dk, dv)
     if dbias is None:

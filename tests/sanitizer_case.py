@@ -4,7 +4,8 @@
     compute-sanitizer --tool racecheck --kernel-name kns=jax_flashattn python3 tests/sanitizer_case.py
 
 Shapes are odd (tile edges), with GQA, causal, windows and lengths, so every predicated path
-runs; the script exits non-zero if a result is not finite.
+runs, and the tensor-core backward runs in both dQ modes (atomics and deterministic); the
+script exits non-zero if a result is not finite.
 """
 
 import jax
@@ -24,6 +25,12 @@ def main():
         (jnp.float32, 36, dict(is_causal=True)),
         (jnp.bfloat16, 64, dict(bias=np.ones((4, 77, 1), np.float32),
                                 mask=np.arange(93) % 3 != 1, is_causal=True)),
+        # The tensor-core backward's deterministic dQ pass (the cases above use its atomics).
+        (jnp.bfloat16, 128, dict(is_causal=True, deterministic_backward=True)),
+        (jnp.float16, 96, dict(local_window_size=(20, 5), query_seq_lengths=lens,
+                               deterministic_backward=True)),
+        (jnp.bfloat16, 32, dict(bias=np.ones((4, 77, 1), np.float32),
+                                mask=np.arange(93) % 3 != 1, deterministic_backward=True)),
     ]
     for dtype, head_dim, kwargs in cases:
         q = jnp.asarray(rng.standard_normal((2, 77, 4, head_dim)), dtype)

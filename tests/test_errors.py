@@ -210,7 +210,8 @@ def test_valid_edge_arguments_accepted(rng):
 
 FLAGS = dict(has_bias=np.int32(0), has_mask=np.int32(0), has_q_seqlens=np.int32(0),
              has_kv_seqlens=np.int32(0))
-ATTRS = dict(scale=np.float32(0.25), window_left=np.int64(-1), window_right=np.int64(-1))
+ATTRS = dict(scale=np.float32(0.25), window_left=np.int64(-1), window_right=np.int64(-1),
+             deterministic=np.int32(0))
 
 
 def _raw_forward(q, k, v, *optional, out_shape=None, lse_shape=None, lse_dtype=jnp.float32,
@@ -256,13 +257,27 @@ def test_backward_handler_error_is_python_exception(rng):
     out = jax_flashattn.attention(q, k, v)
     lse = jnp.zeros((B, N, T), jnp.float32)
     # Claims a bias but passes none, and asks for a dbias result anyway.
-    results = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-               jax.ShapeDtypeStruct(v.shape, v.dtype),
-               jax.ShapeDtypeStruct((B, N, T, S), jnp.float32))
-    call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, results)
+    grads = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+             jax.ShapeDtypeStruct(v.shape, v.dtype))
+    workspaces = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                  jax.ShapeDtypeStruct((B, N, T), jnp.float32))
+    dbias = jax.ShapeDtypeStruct((B, N, T, S), jnp.float32)
+    call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, grads + workspaces + (dbias,))
     with pytest.raises(jax.errors.JaxRuntimeError, match="jax_flashattn: "):
         jax.block_until_ready(call(q, k, v, out, lse, out, **FLAGS, **ATTRS))
     # d_out with the wrong shape.
-    call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, results[:3])
+    call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, grads + workspaces)
     with pytest.raises(jax.errors.JaxRuntimeError, match="jax_flashattn: "):
         jax.block_until_ready(call(q, k, v, out, lse, out[:, :-1], **FLAGS, **ATTRS))
+    # A dQ accumulator of the wrong dtype.
+    call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET,
+                            grads + (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16), workspaces[1]))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="dq_accum"):
+        jax.block_until_ready(call(q, k, v, out, lse, out, **FLAGS, **ATTRS))
+
+
+@pytest.mark.parametrize("value", [1, None, "yes", np.bool_(True)])
+def test_deterministic_backward_must_be_bool(rng, value):
+    q, k, v = random_qkv(rng, B, T, S, N, K, H, jnp.float32)
+    with pytest.raises(TypeError, match="deterministic_backward"):
+        jax_flashattn.attention(q, k, v, deterministic_backward=value)

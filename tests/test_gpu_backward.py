@@ -1,6 +1,7 @@
 """Gradients through the CUDA kernels (run with `pytest -m gpu` on an NVIDIA GPU)."""
 
 import jax
+import jax.test_util
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -64,3 +65,190 @@ def test_deterministic(rng):
         again = grads(f, q, k, v, None, is_causal=True)
         for a, b in zip(first, again):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------------------------------------
+# The tensor-core backward (bf16/fp16, head dims multiple of 8 up to 128; larger ones and
+# float32 run on the CUDA-core kernels), over the forward tests' shape and mask matrix, in both
+# dQ modes: float32 atomics (default) and the deterministic dQ pass.
+
+LOW_PRECISION = [jnp.bfloat16, jnp.float16]
+# Normwise relative error against the float32 reference: P and dS are rounded to the input
+# dtype before their products (as in every FlashAttention kernel), and the results once more.
+NORMWISE = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 4e-3}
+
+
+def poison(*like):
+    """Fills and frees device blocks of the sizes of the coming results with NaN, so an element
+    a kernel forgot to write shows up as NaN."""
+    blocks = [jnp.full(x.shape, jnp.nan, x.dtype).block_until_ready() for x in like]
+    del blocks
+
+
+def cuda_grads(q, k, v, bias, d_out, *args, deterministic=False, **kwargs):
+    """(dq, dk, dv[, dbias]) through the CUDA kernels for the cotangent d_out."""
+    def f(q, k, v, *b):
+        return jax_flashattn.attention(q, k, v, *b, *args, implementation="cuda",
+                                       deterministic_backward=deterministic, **kwargs)
+    operands = (q, k, v) if bias is None else (q, k, v, bias)
+    poison(*operands, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return jax.jit(lambda *xs: jax.vjp(f, *xs)[1](d_out))(*operands)
+
+
+def reference_grads(q, k, v, bias, d_out, *args, **kwargs):
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, d_out)]
+    operands = tuple(f32[:3]) + (() if bias is None else (jnp.asarray(bias, jnp.float32),))
+
+    def f(q, k, v, *b):
+        return reference.attention(q, k, v, *b, *args, **kwargs)
+    return jax.jit(lambda *xs: jax.vjp(f, *xs)[1](f32[3]))(*operands)
+
+
+def check_grads(rng, q, k, v, bias=None, *args, deterministic=False, **kwargs):
+    """Gradients of q, k, v (and bias) against the float32 reference; returns ours."""
+    d_out = jnp.asarray(rng.standard_normal(q.shape, dtype=np.float32), q.dtype)
+    ours = cuda_grads(q, k, v, bias, d_out, *args, deterministic=deterministic, **kwargs)
+    ref = reference_grads(q, k, v, bias, d_out, *args, **kwargs)
+    tol = NORMWISE[jnp.dtype(q.dtype)]
+    for name, x, a, r in zip(("dq", "dk", "dv", "dbias"), (q, k, v, bias), ours, ref):
+        assert a.shape == x.shape and a.dtype == x.dtype, (name, a.shape, a.dtype)
+        a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
+        assert np.isfinite(a).all(), f"{name}: unwritten or non-finite elements"
+        err = np.linalg.norm(a - r)
+        # The absolute term covers gradients that are zero up to rounding (S = 1: dS = P (dP -
+        # D) with D from the rounded output): 1e-5 per element, summed in quadrature.
+        bound = tol * np.linalg.norm(r) + 1e-5 * np.sqrt(r.size)
+        assert err <= bound, f"{name}: normwise error {err:.3g} exceeds {bound:.3g}"
+    return ours
+
+
+@pytest.fixture(params=[False, True], ids=["atomic", "deterministic"])
+def deterministic(request):
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("head_dim", [32, 64, 72, 96, 128, 192, 256])
+def test_tc_head_dims(rng, dtype, head_dim, deterministic):
+    check_grads(rng, *random_qkv(rng, 2, 77, 131, 4, 2, head_dim, dtype),
+                deterministic=deterministic)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("t,s", [(1, 1), (1, 300), (300, 1), (129, 65), (64, 128), (257, 513)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_tc_sizes_and_causal(rng, dtype, t, s, is_causal, deterministic):
+    check_grads(rng, *random_qkv(rng, 2, t, s, 4, 4, 64, dtype), is_causal=is_causal,
+                deterministic=deterministic)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("t,s", [(100, 230), (230, 100)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tc_gqa_causal_t_ne_s(rng, dtype, t, s, head_dim, deterministic):
+    check_grads(rng, *random_qkv(rng, 2, t, s, 8, 2, head_dim, dtype), is_causal=True,
+                deterministic=deterministic)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("window", [(0, 0), (5, 3), (64, 0), (0, 100), 17])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_tc_windows(rng, dtype, window, is_causal):
+    check_grads(rng, *random_qkv(rng, 2, 200, 170, 4, 1, 128, dtype), is_causal=is_causal,
+                local_window_size=window)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_tc_seq_lengths_zero_rows(rng, dtype, deterministic):
+    q, k, v = random_qkv(rng, 4, 150, 190, 8, 2, 64, dtype)
+    q_lens = np.array([150, 0, 37, 100], np.int32)
+    kv_lens = np.array([190, 5, 0, 64], np.int32)
+    dq, dk, dv = (np.asarray(g, np.float32) for g in check_grads(
+        rng, q, k, v, query_seq_lengths=jnp.asarray(q_lens),
+        key_value_seq_lengths=jnp.asarray(kv_lens), is_causal=True,
+        deterministic=deterministic))
+    for b in range(4):
+        # Padded query rows and keys, and everything of a batch element that sees nothing, get
+        # exactly 0 (never NaN).
+        assert np.all(dq[b, q_lens[b]:] == 0)
+        assert np.all(dk[b, kv_lens[b]:] == 0) and np.all(dv[b, kv_lens[b]:] == 0)
+        if q_lens[b] == 0 or kv_lens[b] == 0:
+            assert np.all(dq[b] == 0) and np.all(dk[b] == 0) and np.all(dv[b] == 0)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tc_large_inputs(rng, dtype, head_dim, deterministic):
+    check_grads(rng, *random_qkv(rng, 1, 256, 256, 2, 2, head_dim, dtype, magnitude=3.0),
+                is_causal=True, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("bias_shape", [(2, 4, 100, 140), (1, 1, 100, 140), (2, 1, 1, 140),
+                                        (4, 100, 1), (140,)])
+def test_tc_bias_gradient(rng, dtype, bias_shape, deterministic):
+    q, k, v = random_qkv(rng, 2, 100, 140, 4, 2, 128, dtype)
+    bias = jnp.asarray(rng.standard_normal(bias_shape), dtype)
+    check_grads(rng, q, k, v, bias, is_causal=True, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 4, 100, 140), (1, 1, 100, 140), (2, 1, 1, 140)])
+def test_tc_mask_and_bias(rng, mask_shape, deterministic):
+    q, k, v = random_qkv(rng, 2, 100, 140, 4, 4, 64, jnp.bfloat16)
+    mask = jnp.asarray(rng.random(mask_shape) > 0.3)
+    bias = jnp.asarray(rng.standard_normal((1, 4, 100, 140)), jnp.float32)
+    check_grads(rng, q, k, v, bias, mask, local_window_size=(40, 9),
+                key_value_seq_lengths=jnp.array([140, 77], jnp.int32),
+                deterministic=deterministic)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tc_deterministic_is_bit_identical(rng, head_dim):
+    q, k, v = random_qkv(rng, 2, 300, 333, 8, 2, head_dim, jnp.bfloat16)
+    d_out = jnp.asarray(rng.standard_normal(q.shape, dtype=np.float32), q.dtype)
+    first = [np.asarray(g).tobytes() for g in cuda_grads(q, k, v, None, d_out, is_causal=True,
+                                                          deterministic=True)]
+    for _ in range(3):
+        again = cuda_grads(q, k, v, None, d_out, is_causal=True, deterministic=True)
+        assert [np.asarray(g).tobytes() for g in again] == first
+
+
+def test_tc_modes_agree(rng):
+    """Both dQ modes compute the same sums, in different orders."""
+    q, k, v = random_qkv(rng, 2, 200, 260, 4, 2, 128, jnp.float16)
+    d_out = jnp.asarray(rng.standard_normal(q.shape, dtype=np.float32), q.dtype)
+    atomic = cuda_grads(q, k, v, None, d_out, deterministic=False)
+    exact = cuda_grads(q, k, v, None, d_out, deterministic=True)
+    for a, b in zip(atomic, exact):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-2, atol=1e-3)
+    # dK and dV come from the same pass in both modes.
+    for a, b in zip(atomic[1:], exact[1:]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_tc_vmap_of_grads(rng):
+    q, k, v = random_qkv(rng, 3, 64, 80, 4, 2, 64, jnp.bfloat16)
+    stack = lambda x: jnp.stack([x, x * 0.5])  # noqa: E731
+    d_out = jnp.asarray(rng.standard_normal((2,) + q.shape, dtype=np.float32), q.dtype)
+
+    def f(q, k, v):
+        return jax_flashattn.attention(q, k, v, is_causal=True, implementation="cuda")
+    _, vjp = jax.vjp(jax.vmap(f), stack(q), stack(k), stack(v))
+    dq, dk, dv = vjp(d_out)
+    _, vjp1 = jax.vjp(f, q * 0.5, k * 0.5, v * 0.5)
+    for a, b in zip((dq[1], dk[1], dv[1]), vjp1(d_out[1])):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=2e-2, atol=2e-2)
+
+
+def test_check_grads_float32():
+    """Finite differences on a small float32 case (the CUDA-core backward)."""
+    rng = np.random.default_rng(0)
+    q, k, v = random_qkv(rng, 1, 5, 7, 2, 1, 8, jnp.float32)
+
+    def f(q, k, v):
+        return jax_flashattn.attention(q, k, v, is_causal=True, implementation="cuda")
+
+    jax.test_util.check_grads(f, (q, k, v), order=1, modes=["rev"], eps=1e-2, atol=5e-2,
+                              rtol=5e-2)

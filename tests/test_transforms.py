@@ -107,6 +107,23 @@ def test_grad_and_jit(rng):
     assert_calls(vg, q, k, v, fwd=1, bwd=1)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_backward_reaches_the_call(rng, deterministic):
+    """The flag is an attribute of the backward custom call only; the CPU kernels give the same
+    gradients either way."""
+    q, k, v = inputs(rng)
+    g = jax.grad(lambda q, k, v: loss(q, k, v, is_causal=True,
+                                      deterministic_backward=deterministic), argnums=(0, 1, 2))
+    compiled = jax.jit(g).lower(q, k, v).compile().as_text()
+    calls = re.findall(r'custom_call_target="(jax_flashattn_\w+)".*?backend_config=(\{[^}]*\})',
+                       compiled)
+    flags = {target: re.search(r"deterministic = (\d)", config).group(1)
+             for target, config in calls}
+    assert flags == {"jax_flashattn_fwd": "0", "jax_flashattn_bwd": str(int(deterministic))}
+    reference = jax.grad(lambda q, k, v: loss(q, k, v, is_causal=True), argnums=(0, 1, 2))
+    close_tree(jax.jit(g)(q, k, v), reference(q, k, v))
+
+
 def loop(fn, batched, in_axes, size):
     """Stacks fn over the vmapped axis: what vmap must equal."""
     outs = []

@@ -14,4 +14,11 @@ ForwardKernel choose_forward_kernel(const AttentionParams& p);
 // Launches the chosen forward kernel on `stream`.
 cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream);
 
+enum class BackwardKernel { kSm80, kSimt };
+
+BackwardKernel choose_backward_kernel(const AttentionParams& p);
+
+// Launches the chosen backward kernels on `stream` (preprocess, passes, dQ conversion).
+cudaError_t launch_backward(const AttentionParams& p, cudaStream_t stream);
+
 }  // namespace jax_flashattn::cuda

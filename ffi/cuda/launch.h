@@ -17,13 +17,20 @@ cudaError_t launch_forward_sm80(const AttentionParams& p, cudaStream_t stream);
 // CUDA-core forward for any dtype and head dim (float32 arithmetic throughout).
 cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);
 
+// Tensor-core backward for bf16/fp16 and head dims that are a multiple of 8 up to kHeadDim:
+// the dK/dV pass (with dQ summed into p.dq_accum by atomics unless p.deterministic), then the
+// dQ pass in deterministic mode. Expects p.delta (and the zeroed accumulator) from the
+// preprocess that launch_backward runs first.
+template <typename Elem, int kHeadDim>
+cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream);
+
 // CUDA-core backward for any dtype and head dim: dq (and dbias), then dk and dv, with no
 // atomics, so results are bit-identical across runs.
 cudaError_t launch_backward_simt(const AttentionParams& p, cudaStream_t stream);
 
 // Raises kKernel's dynamic shared-memory limit once per device; thread-safe, so concurrent
 // handlers on several GPUs each set it exactly once. Keyed on the kernel itself (a template
-// argument), not its type: every forward kernel has the same signature.
+// argument), not its type: every kernel of a family has the same signature.
 template <auto kKernel>
 cudaError_t ensure_smem_limit(int bytes) {
   constexpr int kMaxDevices = 64;

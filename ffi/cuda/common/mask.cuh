@@ -49,6 +49,17 @@ struct Visibility {
     if (window_right != kUnboundedWindow && row_end + window_right < hi) hi = row_end + window_right;
   }
 
+  // Queries [lo, hi) that may see a key of [key_begin, key_end); hi <= lo when none. The
+  // transpose of key_range, for kernels that walk the queries of a block of keys.
+  __device__ void query_range(int64_t key_begin, int64_t key_end, int64_t& lo, int64_t& hi) const {
+    key_end = key_end < kv_len ? key_end : kv_len;
+    lo = 0;
+    hi = key_end > key_begin ? q_len : 0;
+    // Key s is seen by queries t with s - window_right <= t <= s + window_left.
+    if (window_right != kUnboundedWindow && key_begin - window_right > lo) lo = key_begin - window_right;
+    if (window_left != kUnboundedWindow && key_end + window_left < hi) hi = key_end + window_left;
+  }
+
   // Whether every (row, key) of the rectangle is visible without looking at elements, so the
   // per-element predicate can be skipped (the common interior tile).
   __device__ bool all_visible(int64_t row_begin, int64_t row_end, int64_t key_begin,

@@ -94,4 +94,10 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Float32 add to global memory without a return value (the reduction form of atom.add): how
+// the blocks that share a dQ row sum their partial products into the float32 accumulator.
+__device__ __forceinline__ void red_add_f32(float* address, float value) {
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(address), "f"(value) : "memory");
+}
+
 }  // namespace jax_flashattn::ptx
