@@ -67,7 +67,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                           precision=None, module=None, force_fp32_for_softmax=False,
                           einsum_dot_general=None, qk_attn_weights_einsum=None,
                           attn_weights_value_einsum=None, promote_dtype=None, is_causal=False,
-                          *, scale=None, local_window_size=None, implementation=None):
+                          *, scale=None, local_window_size=None, implementation=None,
+                          deterministic_backward=False):
     """Flax-compatible attention through `jax_flashattn.attention` (see the module docstring).
 
     Positional and keyword arguments are those of `flax.linen.dot_product_attention` and
@@ -75,8 +76,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     `[batch..., S, K, H]` with `N % K == 0`, bias/mask broadcastable to `[batch..., N, T, S]`
     (mask nonzero = keep), `is_causal` (top-left aligned), `dtype` (promote q/k/v to it),
     `promote_dtype` (NNX's promotion hook, called as `promote_dtype((q, k, v), dtype=dtype)`).
-    Keyword-only extras: `scale` (default 1/sqrt(H), as in Flax), `local_window_size` and
-    `implementation`, passed to `jax_flashattn.attention`.
+    Keyword-only extras: `scale` (default 1/sqrt(H), as in Flax), `local_window_size`,
+    `implementation` and `deterministic_backward`, passed to `jax_flashattn.attention`.
 
     Returns `[batch..., T, N, H]` in the promoted dtype.
     """
@@ -97,7 +98,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
         mask = _fold_batch(mask if mask.dtype == jnp.bool_ else mask != 0, lead, "mask")
 
     out = _attention(q, k, v, bias, mask, scale=scale, is_causal=is_causal,
-                     local_window_size=local_window_size, implementation=implementation)
+                     local_window_size=local_window_size, implementation=implementation,
+                     deterministic_backward=deterministic_backward)
     if module is not None:
         weights = _attention_weights(q, k, bias, mask, scale=scale, is_causal=is_causal,
                                      local_window_size=local_window_size)
@@ -109,13 +111,14 @@ _SIGNATURE = inspect.signature(dot_product_attention)
 
 
 def make_attention_fn(*, is_causal=False, scale=None, local_window_size=None,
-                      implementation=None):
+                      implementation=None, deterministic_backward=False):
     """An `attention_fn` for Flax modules with these options fixed.
 
     `is_causal=True` makes every call causal (OR-ed with a call's own `is_causal`, since NNX
     passes `is_causal=False` unless asked), so Linen's `MultiHeadDotProductAttention`, which
     never passes `is_causal`, gets the kernels' causal path without a materialised mask.
-    `scale`, `local_window_size` and `implementation` apply unless a call passes its own.
+    `scale`, `local_window_size`, `implementation` and `deterministic_backward` (bit-identical
+    GPU gradients, see `jax_flashattn.attention`) apply unless a call passes its own.
     The returned function has `dot_product_attention`'s signature, which Linen inspects to
     decide which arguments to pass.
     """
@@ -124,8 +127,10 @@ def make_attention_fn(*, is_causal=False, scale=None, local_window_size=None,
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                          f"{implementation!r}")
+    if not isinstance(deterministic_backward, bool):
+        raise TypeError(f"deterministic_backward must be a bool, got {deterministic_backward!r}")
     defaults = dict(scale=scale, local_window_size=local_window_size,
-                    implementation=implementation)
+                    implementation=implementation, deterministic_backward=deterministic_backward)
 
     @functools.wraps(dot_product_attention)
     def attention_fn(*args, **kwargs):

@@ -4,6 +4,7 @@ GPT example (examples/gpt.py) at toy size."""
 import functools
 import importlib.util
 import inspect
+import re
 import pathlib
 import sys
 
@@ -298,6 +299,20 @@ def test_make_attention_fn_signature_and_causal_or():
     assert_trees_close(fn(q, k, v, is_causal=False), causal)  # NNX passes is_causal=False
     with pytest.raises(ValueError, match="implementation"):
         jfa_flax.make_attention_fn(implementation="triton")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_make_attention_fn_deterministic_backward(deterministic):
+    """The option reaches the backward custom call's attributes."""
+    fn = jfa_flax.make_attention_fn(is_causal=True, deterministic_backward=deterministic)
+    q, k, v = _qkv(np.random.default_rng(0), (1,), 6, 6, 2, 2, 8)
+    grad = jax.grad(lambda q: jnp.sum(fn(q, k, v) ** 2))
+    text = jax.jit(grad).lower(q).compile().as_text()
+    config = re.search(r'custom_call_target="jax_flashattn_bwd".*?backend_config=(\{[^}]*\})',
+                       text).group(1)
+    assert re.search(r"deterministic = (\d)", config).group(1) == str(int(deterministic))
+    with pytest.raises(TypeError, match="deterministic_backward"):
+        jfa_flax.make_attention_fn(deterministic_backward=1)
 
 
 # ---------------------------------------------------------------------------------------------
