@@ -33,7 +33,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kDqTiles = Traits::kDqCols / 8;    // 8-wide column tiles of a warp's dQ
   constexpr float kLog2e = 1.4426950408889634f;
 
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // The same symbol as the forward kernel's, so the same (largest) alignment.
+  extern __shared__ __align__(512) unsigned char smem_raw[];
   Elem* sK = reinterpret_cast<Elem*>(smem_raw);            // [kBlockN][kSmemDim]
   Elem* sV = sK + kBlockN * kSmemDim;                      // [kBlockN][kSmemDim]
   Elem* sQ = sV + kBlockN * kSmemDim;                      // [kStages][kBlockM][kSmemDim]

@@ -28,7 +28,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of dQ
   constexpr float kLog2e = 1.4426950408889634f;
 
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  // The same symbol as the forward kernel's, so the same (largest) alignment.
+  extern __shared__ __align__(512) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);          // [kBlockM][kSmemDim]
   Elem* sdO = sQ + kBlockM * kSmemDim;                   // [kBlockM][kSmemDim]
   Elem* sK = sdO + kBlockM * kSmemDim;                   // [kStages][kBlockN][kSmemDim]

@@ -19,7 +19,9 @@ cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream) 
   constexpr auto dq_kernel = sm80::backward_dq_kernel<Elem, Dq>;
   const int64_t key_blocks = (p.seqlen_k + DkDv::kBlockN - 1) / DkDv::kBlockN;
   const int64_t query_blocks = (p.seqlen_q + Dq::kBlockM - 1) / Dq::kBlockM;
-  if (key_blocks > 65535 || query_blocks > 65535 || p.batch * p.num_heads > 0x7fffffff)
+  // Grid y limits: the dK/dV pass always runs, the dQ pass only in deterministic mode.
+  if (key_blocks > 65535 || (p.deterministic && query_blocks > 65535) ||
+      p.batch * p.num_heads > 0x7fffffff)
     return cudaErrorInvalidConfiguration;
   if (key_blocks > 0) {
     if (cudaError_t e = ensure_smem_limit<dkdv_kernel>(DkDv::kSmemBytes); e != cudaSuccess)
