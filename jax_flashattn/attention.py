@@ -86,9 +86,10 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     bit-identical across runs. By default the tensor-core backward sums dQ over key blocks
     with float32 atomic adds, whose order varies between runs (last-bit differences); with
     True it computes dQ in a second pass over the keys instead, which recomputes the scores
-    and dP once more (7 matrix products per tile instead of 5: expect roughly 1.4x the
-    backward's time). The CPU kernels and the GPU's CUDA-core path (float32, head dims the
-    tensor cores do not take) are deterministic either way.
+    and dP once more (7 matrix products per tile instead of 5, so roughly 1.4x the
+    backward's time by that count; not yet measured). The CPU kernels and the GPU's CUDA-core
+    path (float32, head dims the tensor cores do not take) are deterministic either way. It
+    has no effect with implementation="xla" or "cudnn" (jax.nn's own backward).
     """
     if not isinstance(deterministic_backward, bool):
         raise TypeError(f"deterministic_backward must be a bool, got "

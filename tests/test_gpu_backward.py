@@ -202,6 +202,16 @@ def test_tc_mask_and_bias(rng, mask_shape, deterministic):
                 deterministic=deterministic)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_tc_mask_without_bias(rng, dtype, deterministic):
+    """A mask alone: unlike a bias it lets the dK/dV pass skip tiles by causal bounds, then
+    reads the mask per element on the tiles it visits."""
+    q, k, v = random_qkv(rng, 2, 150, 130, 4, 2, 40, dtype)
+    mask = jnp.asarray(rng.random((2, 1, 150, 130)) > 0.4)
+    check_grads(rng, q, k, v, None, mask, is_causal=True,
+                query_seq_lengths=jnp.array([150, 61], jnp.int32), deterministic=deterministic)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_tc_deterministic_is_bit_identical(rng, head_dim):
     q, k, v = random_qkv(rng, 2, 300, 333, 8, 2, head_dim, jnp.bfloat16)
