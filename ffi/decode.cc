@@ -87,10 +87,11 @@ ffi::Error CheckLike(const ffi::AnyBuffer& buffer, const ffi::AnyBuffer& like, c
   return ffi::Error::Success();
 }
 
-ffi::Error CheckLse(const ffi::AnyBuffer& lse, const AttentionParams& p) {
-  if (lse.element_type() != ffi::DataType::F32 ||
-      lse.element_count() != size_t(p.batch * p.num_heads * p.seqlen_q))
-    return Invalid("lse must be float32 [..., N, T], got " + ShapeString(lse));
+// A float32 statistic per (batch, head, query row): lse, or the backward's D.
+ffi::Error CheckRowStats(const ffi::AnyBuffer& x, const AttentionParams& p, const char* name) {
+  if (x.element_type() != ffi::DataType::F32 ||
+      x.element_count() != size_t(p.batch * p.num_heads * p.seqlen_q))
+    return Invalid(std::string(name) + " must be float32 [..., N, T], got " + ShapeString(x));
   return ffi::Error::Success();
 }
 
@@ -180,7 +181,7 @@ ffi::Error DecodeForward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                          const CallAttrs& attrs, AttentionParams& p) {
   if (ffi::Error e = DecodeInputs(q, k, v, optional, attrs, p); e.failure()) return e;
   if (ffi::Error e = CheckLike(*out, q, "out"); e.failure()) return e;
-  if (ffi::Error e = CheckLse(*lse, p); e.failure()) return e;
+  if (ffi::Error e = CheckRowStats(*lse, p, "lse"); e.failure()) return e;
   p.out = out->untyped_data();
   p.lse = static_cast<float*>(lse->untyped_data());
   return ffi::Error::Success();
@@ -199,7 +200,7 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                     {&*dq, &q, "dq"}, {&*dk, &k, "dk"}, {&*dv, &k, "dv"}}) {
     if (ffi::Error e = CheckLike(*buffer, *like, what); e.failure()) return e;
   }
-  if (ffi::Error e = CheckLse(lse, p); e.failure()) return e;
+  if (ffi::Error e = CheckRowStats(lse, p, "lse"); e.failure()) return e;
   p.out = const_cast<void*>(out.untyped_data());
   p.lse = static_cast<float*>(lse.untyped_data());
   p.d_out = d_out.untyped_data();
@@ -210,9 +211,7 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
       dq_accum->element_count() != q.element_count())
     return Invalid("dq_accum must be float32 shaped like query " + ShapeString(q) + ", got " +
                    ShapeString(*dq_accum));
-  if (delta->element_type() != ffi::DataType::F32 ||
-      delta->element_count() != size_t(p.batch * p.num_heads * p.seqlen_q))
-    return Invalid("delta must be float32 [..., N, T], got " + ShapeString(*delta));
+  if (ffi::Error e = CheckRowStats(*delta, p, "delta"); e.failure()) return e;
   p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   p.delta = static_cast<float*>(delta->untyped_data());
   p.deterministic = attrs.deterministic != 0;

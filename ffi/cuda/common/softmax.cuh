@@ -12,6 +12,10 @@
 
 namespace jax_flashattn::cuda {
 
+// exp(x) = exp2(x * kLog2e): how natural-log quantities (logits, lse) enter exp2's domain.
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;  // and back: log2(x) * kLn2 = ln(x)
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
@@ -81,7 +85,6 @@ struct OnlineSoftmax {
   // saw no key).
   template <int kDTiles>
   __device__ void finalize(float (&O)[kSlabs][kDTiles][4], float scale, float (&lse)[kSlabs][2]) {
-    constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
     for (int m = 0; m < kSlabs; ++m)
 #pragma unroll

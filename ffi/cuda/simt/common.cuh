@@ -4,11 +4,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "ffi/cuda/common/softmax.cuh"  // kLog2e, kLn2
+
 namespace jax_flashattn::cuda::simt {
 
 constexpr int kWarps = 4;  // rows (query or key) per block, one warp each
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 // A block's float32 row buffers must fit the opt-in shared memory of every sm_80+ GPU.
 constexpr int64_t kMaxSmemBytes = 99 * 1024;
 

@@ -18,6 +18,7 @@
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/sm80/backward_terms.cuh"
 #include "ffi/cuda/sm80/fragments.cuh"
+#include "ffi/cuda/sm80/smem_tile.cuh"
 #include "ffi/params.h"
 
 namespace jax_flashattn::sm80 {
@@ -31,9 +32,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kSdpTiles = Traits::kSdpCols / 8;  // 8-query column tiles of a warp's S^T
   constexpr int kDkvTiles = Traits::kDkvCols / 8;  // 8-wide column tiles of a warp's dK, dV
   constexpr int kDqTiles = Traits::kDqCols / 8;    // 8-wide column tiles of a warp's dQ
-  constexpr float kLog2e = 1.4426950408889634f;
 
-  // The same symbol as the forward kernel's, so the same (largest) alignment.
+  // Every kernel's smem_raw has the forward's alignment: extern __shared__ declarations of one
+  // name must agree wherever two kernels' headers meet in a translation unit.
   extern __shared__ __align__(512) unsigned char smem_raw[];
   Elem* sK = reinterpret_cast<Elem*>(smem_raw);            // [kBlockN][kSmemDim]
   Elem* sV = sK + kBlockN * kSmemDim;                      // [kBlockN][kSmemDim]
@@ -95,7 +96,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   float dk_acc[kDkvTiles][4] = {};
   float dv_acc[kDkvTiles][4] = {};
-  const float scale_log2 = p.scale * kLog2e;
+  const float scale_log2 = p.scale * cuda::kLog2e;
   const bool accumulate_dq = !p.deterministic && warp < Traits::kDqWarps;
 
   for (int64_t step = 0; step < steps; ++step) {
@@ -239,6 +240,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   __syncthreads();
   Elem* dk = static_cast<Elem*>(p.dk) + kv_offset + key0 * p.kv_row_stride;
   Elem* dv = static_cast<Elem*>(p.dv) + kv_offset + key0 * p.kv_row_stride;
+  // store_tile's loop, fused over dK and dV so they share the index arithmetic.
   for (int i = tid; i < kBlockN * Traits::kChunks; i += Traits::kThreads) {
     const int row = i / Traits::kChunks, chunk = i % Traits::kChunks;
     if (row < valid_keys && chunk * 8 < p.head_dim) {

@@ -14,6 +14,7 @@
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/sm80/backward_terms.cuh"
 #include "ffi/cuda/sm80/fragments.cuh"
+#include "ffi/cuda/sm80/smem_tile.cuh"
 #include "ffi/params.h"
 
 namespace jax_flashattn::sm80 {
@@ -26,9 +27,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kKSteps = Traits::kHeadDim / 16;  // S, dP reduction steps
   constexpr int kNTiles = kBlockN / 8;            // 8-key column tiles of S
   constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of dQ
-  constexpr float kLog2e = 1.4426950408889634f;
 
-  // The same symbol as the forward kernel's, so the same (largest) alignment.
+  // Every kernel's smem_raw has the forward's alignment: extern __shared__ declarations of one
+  // name must agree wherever two kernels' headers meet in a translation unit.
   extern __shared__ __align__(512) unsigned char smem_raw[];
   Elem* sQ = reinterpret_cast<Elem*>(smem_raw);          // [kBlockM][kSmemDim]
   Elem* sdO = sQ + kBlockM * kSmemDim;                   // [kBlockM][kSmemDim]
@@ -55,21 +56,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int64_t valid_rows = p.seqlen_q - row0 < kBlockM ? p.seqlen_q - row0 : kBlockM;
 
   if (key_hi <= key_lo) {  // no row of this tile sees a key: dQ = 0
-    for (int i = tid; i < valid_rows * Traits::kChunks; i += Traits::kThreads) {
-      const int row = i / Traits::kChunks, chunk = i % Traits::kChunks;
-      if (chunk * 8 < p.head_dim)
-        *reinterpret_cast<uint4*>(dq + row * p.q_row_stride + chunk * 8) = uint4{};
-    }
+    zero_rows<Traits>(dq, p.q_row_stride, valid_rows, p.head_dim, tid);
     return;
   }
 
   const int64_t tile_begin = key_lo / kBlockN, tile_end = (key_hi + kBlockN - 1) / kBlockN;
   auto load_kv = [&](int64_t tile, int stage) {
-    const int64_t key0 = tile * kBlockN;
-    load_tile<Traits, kBlockN>(sK + stage * kBlockN * kSmemDim, k + key0 * p.kv_row_stride,
-                               p.kv_row_stride, p.seqlen_k - key0, p.head_dim, tid);
-    load_tile<Traits, kBlockN>(sV + stage * kBlockN * kSmemDim, v + key0 * p.kv_row_stride,
-                               p.kv_row_stride, p.seqlen_k - key0, p.head_dim, tid);
+    load_kv_tile<Traits>(sK + stage * kBlockN * kSmemDim, sV + stage * kBlockN * kSmemDim, k, v,
+                         tile * kBlockN, p, tid);
   };
 
   // Prologue: Q, dO and the first K/V tile in group 0, the second K/V tile in group 1.
@@ -92,7 +86,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   }
 
   float dq_acc[kDTiles][4] = {};
-  const float scale_log2 = p.scale * kLog2e;
+  const float scale_log2 = p.scale * cuda::kLog2e;
 
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     const int stage = int((tile - tile_begin) % Traits::kStages);
@@ -161,12 +155,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           ptx::pack2<Elem>(p.scale * dq_acc[d][2 * h], p.scale * dq_acc[d][2 * h + 1]);
   }
   __syncthreads();
-  for (int i = tid; i < kBlockM * Traits::kChunks; i += Traits::kThreads) {
-    const int row = i / Traits::kChunks, chunk = i % Traits::kChunks;
-    if (row < valid_rows && chunk * 8 < p.head_dim)
-      *reinterpret_cast<uint4*>(dq + row * p.q_row_stride + chunk * 8) =
-          *reinterpret_cast<const uint4*>(sQ + swizzled<kSmemDim>(row, chunk));
-  }
+  store_tile<Traits, kBlockM>(dq, p.q_row_stride, sQ, valid_rows, p.head_dim, tid);
 }
 
 }  // namespace jax_flashattn::sm80

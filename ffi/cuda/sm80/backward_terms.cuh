@@ -10,6 +10,7 @@
 
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/softmax.cuh"  // kLog2e
 #include "ffi/params.h"
 
 namespace jax_flashattn::sm80 {
@@ -34,9 +35,8 @@ struct HeadTerms {
 
   // -lse_t log2(e), or -inf where row t saw no key or lies past T.
   __device__ float neg_lse_log2(const AttentionParams& p, int64_t t) const {
-    constexpr float kLog2e = 1.4426950408889634f;
     const float l = t < p.seqlen_q ? lse[t] : -INFINITY;
-    return l == -INFINITY ? -INFINITY : -l * kLog2e;
+    return l == -INFINITY ? -INFINITY : -l * cuda::kLog2e;
   }
 
   __device__ float row_delta(const AttentionParams& p, int64_t t) const {
@@ -45,9 +45,8 @@ struct HeadTerms {
 
   // log2(e) bias_ts, 0 without a bias or outside [T, S].
   __device__ float bias_log2(const AttentionParams& p, int64_t t, int64_t s) const {
-    constexpr float kLog2e = 1.4426950408889634f;
     if (p.bias == nullptr || t >= p.seqlen_q || s >= p.seqlen_k) return 0.f;
-    return kLog2e * cuda::load_bias(p.bias, p.bias_dtype,
+    return cuda::kLog2e * cuda::load_bias(p.bias, p.bias_dtype,
                                     bias_offset + t * p.bias_strides.row + s * p.bias_strides.col);
   }
 

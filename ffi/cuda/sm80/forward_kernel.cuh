@@ -16,56 +16,11 @@
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/softmax.cuh"
+#include "ffi/cuda/sm80/fragments.cuh"
+#include "ffi/cuda/sm80/smem_tile.cuh"
 #include "ffi/params.h"
 
 namespace jax_flashattn::sm80 {
-
-constexpr float kLog2e = 1.4426950408889634f;
-
-// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile: XOR with row % 8
-// spreads the 8 rows an ldmatrix phase reads over all 32 banks.
-template <int kSmemDim>
-__device__ __forceinline__ int swizzled(int row, int chunk) {
-  return row * kSmemDim + ((chunk ^ (row & 7)) << 3);
-}
-
-// ldmatrix addresses into a swizzled tile whose rows are kSmemDim * 2 bytes and whose start is
-// aligned to that (a power of two). Lane l addresses row `lane_row` (== l % 8 mod 8) and 16-byte
-// chunk `lane_chunk` (0 or 1) of each 16 x 16 operand. Chunk 2 i + c of a row sits at
-// ((2 i + c) ^ row % 8) * 16 = ((c ^ row % 8) * 16) ^ (32 i) bytes into it, so one per-lane base
-// address covers every operand: XOR in 32 i for column step i, add whole rows for row steps.
-// That keeps one register per operand instead of one per (step, operand) for ptxas to hoist.
-template <int kSmemDim>
-struct LdmatrixAddress {
-  static constexpr int kRowBytes = kSmemDim * 2;
-  uint32_t base;
-
-  __device__ LdmatrixAddress(const void* tile, int lane_row, int lane_chunk)
-      : base(ptx::smem_address(tile) + lane_row * kRowBytes + ((lane_chunk ^ (lane_row & 7)) << 4)) {}
-
-  // 16 x 16 operand at rows [16 row_step, +16), columns [16 col_step, +16).
-  __device__ uint32_t operator()(int row_step, int col_step) const {
-    return (base ^ (col_step << 5)) + row_step * 16 * kRowBytes;
-  }
-};
-
-// Copies rows [0, kRows) x chunks [0, kChunks) of a [rows, head_dim] global tile into shared
-// memory, zero-filling rows >= valid_rows and chunks past head_dim.
-template <typename Traits, int kRows, typename Elem>
-__device__ __forceinline__ void load_tile(Elem* smem, const Elem* global, int64_t row_stride,
-                                          int64_t valid_rows, int64_t head_dim, int tid) {
-  constexpr int kChunks = Traits::kChunks;
-  constexpr int kTotal = kRows * kChunks;
-#pragma unroll
-  for (int i = tid; i < kTotal; i += Traits::kThreads) {
-    const int row = i / kChunks;
-    const int chunk = i % kChunks;
-    const bool valid = row < valid_rows && chunk * 8 < head_dim;
-    const Elem* src = valid ? global + row * row_stride + chunk * 8 : global;
-    ptx::cp_async_16(ptx::smem_address(smem + swizzled<Traits::kSmemDim>(row, chunk)), src,
-                     valid);
-  }
-}
 
 // kElementwise: the call has a bias or a boolean mask, read element by element on every tile.
 // Without one, only tiles that straddle a length or window boundary are masked, with int32
@@ -107,22 +62,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int64_t valid_rows = p.seqlen_q - row0 < kBlockM ? p.seqlen_q - row0 : kBlockM;
 
   if (key_hi <= key_lo) {  // no row of this tile sees a key: O = 0, lse = -inf
-    for (int i = tid; i < valid_rows * Traits::kChunks; i += Traits::kThreads) {
-      const int row = i / Traits::kChunks, chunk = i % Traits::kChunks;
-      if (chunk * 8 < p.head_dim)
-        *reinterpret_cast<uint4*>(out + (row0 + row) * p.q_row_stride + chunk * 8) = uint4{};
-    }
+    zero_rows<Traits>(out + row0 * p.q_row_stride, p.q_row_stride, valid_rows, p.head_dim, tid);
     for (int row = tid; row < valid_rows; row += Traits::kThreads) lse[row0 + row] = -INFINITY;
     return;
   }
 
   const int64_t tile_begin = key_lo / kBlockN, tile_end = (key_hi + kBlockN - 1) / kBlockN;
   auto load_kv = [&](int64_t tile, int stage) {
-    const int64_t key0 = tile * kBlockN;
-    load_tile<Traits, kBlockN>(sK + stage * kBlockN * kSmemDim, k + key0 * p.kv_row_stride,
-                               p.kv_row_stride, p.seqlen_k - key0, p.head_dim, tid);
-    load_tile<Traits, kBlockN>(sV + stage * kBlockN * kSmemDim, v + key0 * p.kv_row_stride,
-                               p.kv_row_stride, p.seqlen_k - key0, p.head_dim, tid);
+    load_kv_tile<Traits>(sK + stage * kBlockN * kSmemDim, sV + stage * kBlockN * kSmemDim, k, v,
+                         tile * kBlockN, p, tid);
   };
 
   // Prologue: Q and the first K/V tile in group 0, the second K/V tile (if any) in group 1.
@@ -143,7 +91,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // With a bias the scores are moved to the log2 domain before the softmax (the bias must be
   // added after scaling); without one the scale is folded into the softmax's FFMA.
   const bool has_bias = kElementwise && p.bias != nullptr;
-  const float scale_log2 = p.scale * kLog2e;
+  const float scale_log2 = p.scale * cuda::kLog2e;
   const float softmax_scale = has_bias ? 1.f : scale_log2;
 
   // ldmatrix row address pattern: lane l addresses row l % 8 of matrix l / 8. A operands
@@ -182,12 +130,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       for (int np = 0; np < kNTiles / 2; ++np) {
         uint32_t k_frag[4];
         ptx::ldmatrix_x4(k_frag, k_address(np, ks));
-        const uint32_t b0[2] = {k_frag[0], k_frag[1]}, b1[2] = {k_frag[2], k_frag[3]};
 #pragma unroll
-        for (int m = 0; m < kSlabs; ++m) {
-          ptx::mma_m16n8k16<Elem>(s_acc[m][2 * np], q_frag[m][q_slot], b0);
-          ptx::mma_m16n8k16<Elem>(s_acc[m][2 * np + 1], q_frag[m][q_slot], b1);
-        }
+        for (int m = 0; m < kSlabs; ++m) mma_pair<Elem>(s_acc[m], np, q_frag[m][q_slot], k_frag);
       }
     }
 
@@ -220,7 +164,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
               if constexpr (kElementwise) {
                 if (keep && has_bias)
                   score = fmaf(score, scale_log2,
-                               kLog2e * cuda::load_bias(p.bias, p.bias_dtype,
+                               cuda::kLog2e * cuda::load_bias(p.bias, p.bias_dtype,
                                                         bias_base + c * p.bias_strides.col));
                 if (keep && vis.mask != nullptr) keep = vis.mask[mask_base + c * vis.mask_col];
               }
@@ -236,22 +180,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       uint32_t p_frag[kSlabs][4];
 #pragma unroll
-      for (int m = 0; m < kSlabs; ++m) {
-        p_frag[m][0] = ptx::pack2<Elem>(s_acc[m][2 * kk][0], s_acc[m][2 * kk][1]);
-        p_frag[m][1] = ptx::pack2<Elem>(s_acc[m][2 * kk][2], s_acc[m][2 * kk][3]);
-        p_frag[m][2] = ptx::pack2<Elem>(s_acc[m][2 * kk + 1][0], s_acc[m][2 * kk + 1][1]);
-        p_frag[m][3] = ptx::pack2<Elem>(s_acc[m][2 * kk + 1][2], s_acc[m][2 * kk + 1][3]);
-      }
+      for (int m = 0; m < kSlabs; ++m) pack_a<Elem>(p_frag[m], s_acc[m], kk);
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
         uint32_t v_frag[4];
         ptx::ldmatrix_x4_trans(v_frag, v_address(kk, dp));
-        const uint32_t b0[2] = {v_frag[0], v_frag[1]}, b1[2] = {v_frag[2], v_frag[3]};
 #pragma unroll
-        for (int m = 0; m < kSlabs; ++m) {
-          ptx::mma_m16n8k16<Elem>(o_acc[m][2 * dp], p_frag[m], b0);
-          ptx::mma_m16n8k16<Elem>(o_acc[m][2 * dp + 1], p_frag[m], b1);
-        }
+        for (int m = 0; m < kSlabs; ++m) mma_pair<Elem>(o_acc[m], dp, p_frag[m], v_frag);
       }
     }
 
@@ -275,12 +210,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       if (lane % 4 == 0 && row < valid_rows) lse[row0 + row] = row_lse[m][h];
     }
   __syncthreads();
-  for (int i = tid; i < kBlockM * Traits::kChunks; i += Traits::kThreads) {
-    const int row = i / Traits::kChunks, chunk = i % Traits::kChunks;
-    if (row < valid_rows && chunk * 8 < p.head_dim)
-      *reinterpret_cast<uint4*>(out + (row0 + row) * p.q_row_stride + chunk * 8) =
-          *reinterpret_cast<const uint4*>(sQ + swizzled<kSmemDim>(row, chunk));
-  }
+  store_tile<Traits, kBlockM>(out + row0 * p.q_row_stride, p.q_row_stride, sQ, valid_rows,
+                              p.head_dim, tid);
 }
 
 }  // namespace jax_flashattn::sm80

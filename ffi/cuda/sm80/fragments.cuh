@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include "ffi/cuda/common/ptx.cuh"
-#include "ffi/cuda/sm80/forward_kernel.cuh"  // swizzled(), load_tile()
+#include "ffi/cuda/sm80/smem_tile.cuh"
 
 namespace jax_flashattn::sm80 {
 

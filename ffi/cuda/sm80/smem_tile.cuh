@@ -1,0 +1,95 @@
+// Shared-memory tiles of the mma.sync kernels: the XOR swizzle, ldmatrix addressing, and the
+// copies between global row tiles and swizzled shared tiles (cp.async in, 16-byte stores out).
+#pragma once
+
+#include <cstdint>
+
+#include "ffi/cuda/common/ptx.cuh"
+#include "ffi/params.h"
+
+namespace jax_flashattn::sm80 {
+
+// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled tile: XOR with row % 8
+// spreads the 8 rows an ldmatrix phase reads over all 32 banks.
+template <int kSmemDim>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * kSmemDim + ((chunk ^ (row & 7)) << 3);
+}
+
+// ldmatrix addresses into a swizzled tile whose rows are kSmemDim * 2 bytes and whose start is
+// aligned to that (a power of two). Lane l addresses row `lane_row` (== l % 8 mod 8) and 16-byte
+// chunk `lane_chunk` (0 or 1) of each 16 x 16 operand. Chunk 2 i + c of a row sits at
+// ((2 i + c) ^ row % 8) * 16 = ((c ^ row % 8) * 16) ^ (32 i) bytes into it, so one per-lane base
+// address covers every operand: XOR in 32 i for column step i, add whole rows for row steps.
+// That keeps one register per operand instead of one per (step, operand) for ptxas to hoist.
+template <int kSmemDim>
+struct LdmatrixAddress {
+  static constexpr int kRowBytes = kSmemDim * 2;
+  uint32_t base;
+
+  __device__ LdmatrixAddress(const void* tile, int lane_row, int lane_chunk)
+      : base(ptx::smem_address(tile) + lane_row * kRowBytes + ((lane_chunk ^ (lane_row & 7)) << 4)) {}
+
+  // 16 x 16 operand at rows [16 row_step, +16), columns [16 col_step, +16).
+  __device__ uint32_t operator()(int row_step, int col_step) const {
+    return (base ^ (col_step << 5)) + row_step * 16 * kRowBytes;
+  }
+};
+
+// Copies rows [0, kRows) x chunks [0, kChunks) of a [rows, head_dim] global tile into shared
+// memory, zero-filling rows >= valid_rows and chunks past head_dim.
+template <typename Traits, int kRows, typename Elem>
+__device__ __forceinline__ void load_tile(Elem* smem, const Elem* global, int64_t row_stride,
+                                          int64_t valid_rows, int64_t head_dim, int tid) {
+  constexpr int kChunks = Traits::kChunks;
+  constexpr int kTotal = kRows * kChunks;
+#pragma unroll
+  for (int i = tid; i < kTotal; i += Traits::kThreads) {
+    const int row = i / kChunks;
+    const int chunk = i % kChunks;
+    const bool valid = row < valid_rows && chunk * 8 < head_dim;
+    const Elem* src = valid ? global + row * row_stride + chunk * 8 : global;
+    ptx::cp_async_16(ptx::smem_address(smem + swizzled<Traits::kSmemDim>(row, chunk)), src,
+                     valid);
+  }
+}
+
+// Copies keys [key0, key0 + kBlockN) of K and V (whose rows start at `k` and `v`) into one
+// pipeline stage, zero-filling keys past seqlen_k.
+template <typename Traits, typename Elem>
+__device__ __forceinline__ void load_kv_tile(Elem* sK, Elem* sV, const Elem* k, const Elem* v,
+                                             int64_t key0, const AttentionParams& p, int tid) {
+  load_tile<Traits, Traits::kBlockN>(sK, k + key0 * p.kv_row_stride, p.kv_row_stride,
+                                     p.seqlen_k - key0, p.head_dim, tid);
+  load_tile<Traits, Traits::kBlockN>(sV, v + key0 * p.kv_row_stride, p.kv_row_stride,
+                                     p.seqlen_k - key0, p.head_dim, tid);
+}
+
+// Writes rows [0, valid_rows) x the head_dim columns of a swizzled shared tile of kRows rows to
+// a [rows, head_dim] global tile with 16-byte stores.
+template <typename Traits, int kRows, typename Elem>
+__device__ __forceinline__ void store_tile(Elem* global, int64_t row_stride, const Elem* smem,
+                                           int64_t valid_rows, int64_t head_dim, int tid) {
+  constexpr int kChunks = Traits::kChunks;
+  for (int i = tid; i < kRows * kChunks; i += Traits::kThreads) {
+    const int row = i / kChunks, chunk = i % kChunks;
+    if (row < valid_rows && chunk * 8 < head_dim)
+      *reinterpret_cast<uint4*>(global + row * row_stride + chunk * 8) =
+          *reinterpret_cast<const uint4*>(smem + swizzled<Traits::kSmemDim>(row, chunk));
+  }
+}
+
+// Writes zeros to rows [0, valid_rows) x the head_dim columns of a global tile, 16 bytes at a
+// time (the output of rows that see no key).
+template <typename Traits, typename Elem>
+__device__ __forceinline__ void zero_rows(Elem* global, int64_t row_stride, int64_t valid_rows,
+                                          int64_t head_dim, int tid) {
+  constexpr int kChunks = Traits::kChunks;
+  for (int i = tid; i < valid_rows * kChunks; i += Traits::kThreads) {
+    const int row = i / kChunks, chunk = i % kChunks;
+    if (chunk * 8 < head_dim)
+      *reinterpret_cast<uint4*>(global + row * row_stride + chunk * 8) = uint4{};
+  }
+}
+
+}  // namespace jax_flashattn::sm80
