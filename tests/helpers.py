@@ -27,14 +27,17 @@ def assert_attention_close(out, query, key, value, *args, **kwargs):
     ref = np.asarray(reference.attention(q32, k32, v32, *args, **kwargs), np.float64)
     if jnp.asarray(query).dtype == jnp.float32:
         # float32 rounding of a logit x moves exp(x) by ~eps * |x|: the budget grows with the
-        # largest logit (x10 inputs give logits in the hundreds).
+        # largest logit, bias included (x10 inputs give logits in the hundreds, test_large_bias
+        # biases of 1e4).
         q64, k64 = (np.asarray(x, np.float64) for x in (q32, k32))
         if q64.ndim == 3:
             q64, k64 = q64[None], k64[None]
         group = q64.shape[2] // k64.shape[2]
         scale = kwargs.get("scale") or 1 / np.sqrt(q64.shape[-1])
         logits = np.einsum("btnh,bsnh->bnts", q64, np.repeat(k64, group, axis=2)) * scale
-        logit_size = max(1.0, float(np.max(np.abs(logits), initial=0.0)))
+        bias = args[0] if args else kwargs.get("bias")
+        bias_size = 0.0 if bias is None else float(np.max(np.abs(np.asarray(bias, np.float64))))
+        logit_size = max(1.0, float(np.max(np.abs(logits), initial=0.0)) + bias_size)
         bound = 2e-5 * (np.max(np.abs(ref), initial=0.0) + 1) * logit_size
     else:
         bound = reference.error_bound(query, key, value, *args, **kwargs)
