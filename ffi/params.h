@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 // The small helpers below run in host handlers and in CUDA kernels alike.
 #ifdef __CUDACC__
@@ -35,8 +36,9 @@ struct BroadcastStrides {
   }
 };
 
-// Marks an unbounded side of the local window.
-inline constexpr int64_t kUnboundedWindow = -1;
+// Marks an unbounded side of the local window. Every other value, negative ones included, is
+// a real bound: ring attention's blocks see shifted windows such as s <= t - 1.
+inline constexpr int64_t kUnboundedWindow = std::numeric_limits<int64_t>::min();
 
 struct AttentionParams {
   ElemType dtype = ElemType::kFloat32;

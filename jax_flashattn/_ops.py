@@ -22,12 +22,18 @@ def _optional_operands(bias, mask, q_lens, kv_lens):
     return present, {k: np.int32(v) for k, v in flags.items()}
 
 
-def _attrs(scale: float, window: tuple[int, int], deterministic: bool = False):
-    return dict(scale=np.float32(scale), window_left=np.int64(window[0]),
-                window_right=np.int64(window[1]), deterministic=np.int32(deterministic))
+# ffi/params.h's kUnboundedWindow: any other value, negative ones too, is a real bound.
+UNBOUNDED_WINDOW = np.iinfo(np.int64).min
 
 
-def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple[int, int]):
+def _attrs(scale: float, window: tuple[int | None, int | None], deterministic: bool = False):
+    """window: (left, right), None for an unbounded side."""
+    left, right = (UNBOUNDED_WINDOW if w is None else w for w in window)
+    return dict(scale=np.float32(scale), window_left=np.int64(left),
+                window_right=np.int64(right), deterministic=np.int32(deterministic))
+
+
+def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple):
     """(out [B, T, N, H] in q's dtype, lse [B, N, T] float32)."""
     b, t, n, _ = q.shape
     optional, flags = _optional_operands(bias, mask, q_lens, kv_lens)
@@ -39,7 +45,7 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple
 
 
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: float,
-             window: tuple[int, int], deterministic: bool = False):
+             window: tuple, deterministic: bool = False):
     """(dq, dk, dv, dbias) where dbias is the float32 [B, N, T, S] gradient of the logits'
     bias before any broadcast is summed out, or None without bias.
 

@@ -48,11 +48,6 @@ RING, ROWS, KV_SPLIT = "ring", "rows", "kv_split"
 # ----------------------------------------------------------------------------------------------
 # Window algebra (static)
 
-def window_from_kernel(kernel_window) -> Window:
-    """(left, right) with -1 for unbounded, as `_validate` gives it, to the None form."""
-    return tuple(None if w == -1 else int(w) for w in kernel_window)
-
-
 def shift(window: Window, d: int) -> Window:
     """The window of a block whose keys start d positions after its queries."""
     left, right = window
@@ -265,7 +260,7 @@ def _vary_like(outs, operands):
 
 
 def kernel_forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale, window):
-    """`_ops.forward` for operands with any dims before [T, N, H] (kernel window form)."""
+    """`_ops.forward` for operands with any dims before [T, N, H]."""
     fn = functools.partial(_ops.forward, scale=scale, window=window)
     operands = (q, k, v, bias, mask, q_lens, kv_lens)
     return _vary_like(_over_leading_dims(fn, q.ndim)(*operands), operands)
@@ -273,101 +268,16 @@ def kernel_forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale, window):
 
 def kernel_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale, window,
                     deterministic=False):
-    """`_ops.backward` for operands with any dims before [T, N, H] (kernel window form)."""
+    """`_ops.backward` for operands with any dims before [T, N, H]."""
     fn = functools.partial(_ops.backward, scale=scale, window=window,
                            deterministic=deterministic)
     operands = (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens)
     return _vary_like(_over_leading_dims(fn, q.ndim)(*operands), operands)
 
 
-def _slice(x, dim, start):
-    """x[start:] along dim, or x itself where that dim is broadcast (size 1) or x is None."""
-    if x is None or x.shape[dim] == 1:
-        return x
-    return lax.slice_in_dim(x, start, x.shape[dim], axis=dim % x.ndim)
-
-
-def _pad_front(x, dim, value=0):
-    widths = [(0, 0)] * x.ndim
-    widths[dim % x.ndim] = (1, 0)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _minus_one(lens):
-    return None if lens is None else jnp.maximum(lens - 1, 0)
-
-
-def _kernel_window(window: Window):
-    return tuple(-1 if w is None else w for w in window)
-
-
-def block_forward(q, k, v, bias, mask, q_len, kv_len, *, scale, window):
-    """(out, lse) of q against k/v under a canonical (not hidden) window.
-
-    The kernels read -1 as an unbounded side, so a window side of exactly -1 (s <= t - 1, or
-    s >= t + 1) is run on the block without its first query row (or first key), where it is 0.
-    """
-    left, right = window
-    if right == -1:
-        rows = q.shape[-3] - 1
-        inner = canonical((None if left is None else left - 1, 0), rows, k.shape[-3])
-        if inner == HIDDEN:
-            return _empty_forward(q)
-        out, lse = block_forward(q[..., 1:, :, :], k, v, _slice(bias, -2, 1), _slice(mask, -2, 1),
-                                 _minus_one(q_len), kv_len, scale=scale, window=inner)
-        return _pad_front(out, -3), _pad_front(lse, -1, -jnp.inf)
-    if left == -1:
-        cols = k.shape[-3] - 1
-        inner = canonical((0, None if right is None else right - 1), q.shape[-3], cols)
-        if inner == HIDDEN:
-            return _empty_forward(q)
-        return block_forward(q, k[..., 1:, :, :], v[..., 1:, :, :], _slice(bias, -1, 1),
-                             _slice(mask, -1, 1), q_len, _minus_one(kv_len), scale=scale,
-                             window=inner)
-    return kernel_forward(q, k, v, bias, mask, q_len, kv_len, scale=scale,
-                          window=_kernel_window(window))
-
-
 def _empty_forward(q):
     lse_shape = q.shape[:-3] + (q.shape[-2], q.shape[-3])
     return jnp.zeros(q.shape, q.dtype), jnp.full(lse_shape, -jnp.inf, jnp.float32)
-
-
-def block_backward(q, k, v, out, lse, d_out, bias, mask, q_len, kv_len, *, scale, window,
-                   deterministic=False):
-    """(dq, dk, dv, dbias over the block [..., N, rows, cols] or None) under a canonical window;
-    the same -1 handling as `block_forward`."""
-    left, right = window
-    if right == -1:
-        rows = q.shape[-3] - 1
-        inner = canonical((None if left is None else left - 1, 0), rows, k.shape[-3])
-        if inner == HIDDEN:
-            return _empty_backward(q, k, bias)
-        dq, dk, dv, dbias = block_backward(
-            q[..., 1:, :, :], k, v, out[..., 1:, :, :], lse[..., 1:], d_out[..., 1:, :, :],
-            _slice(bias, -2, 1), _slice(mask, -2, 1), _minus_one(q_len), kv_len, scale=scale,
-            window=inner, deterministic=deterministic)
-        return (_pad_front(dq, -3), dk, dv, None if dbias is None else _pad_front(dbias, -2))
-    if left == -1:
-        cols = k.shape[-3] - 1
-        inner = canonical((0, None if right is None else right - 1), q.shape[-3], cols)
-        if inner == HIDDEN:
-            return _empty_backward(q, k, bias)
-        dq, dk, dv, dbias = block_backward(
-            q, k[..., 1:, :, :], v[..., 1:, :, :], out, lse, d_out, _slice(bias, -1, 1),
-            _slice(mask, -1, 1), q_len, _minus_one(kv_len), scale=scale, window=inner,
-            deterministic=deterministic)
-        return (dq, _pad_front(dk, -3), _pad_front(dv, -3),
-                None if dbias is None else _pad_front(dbias, -1))
-    return kernel_backward(q, k, v, out, lse, d_out, bias, mask, q_len, kv_len, scale=scale,
-                           window=_kernel_window(window), deterministic=deterministic)
-
-
-def _empty_backward(q, k, bias):
-    dbias = None
-    if bias is not None:
-        dbias = jnp.zeros(q.shape[:-3] + (q.shape[-2], q.shape[-3], k.shape[-3]), jnp.float32)
-    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(k), dbias
 
 
 # ----------------------------------------------------------------------------------------------
@@ -551,7 +461,7 @@ def seq_forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale, window: Window,
 
             def run(window, visible, qb=qb, kb=kb, vb=vb, q_len=q_len, kv_len=kv_len):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
-                return block_forward(qb, kb, vb, bias, mask, q_len, kv_len, scale=scale,
+                return kernel_forward(qb, kb, vb, bias, mask, q_len, kv_len, scale=scale,
                                      window=window)
 
             out, lse = _dispatch(block.call, p, run, functools.partial(_empty_forward, qb),
@@ -605,7 +515,7 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale
             def run(window, visible, qb=qb, kb=kb, vb=vb, ob=ob, lb=lb, dob=dob, q_len=q_len,
                     kv_len=kv_len):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
-                grads = block_backward(qb, kb, vb, ob, lb, dob, bias, mask, q_len, kv_len,
+                grads = kernel_backward(qb, kb, vb, ob, lb, dob, bias, mask, q_len, kv_len,
                                        scale=scale, window=window,
                                        deterministic=deterministic)
                 return grads[:3] + (() if bias is None else (reduce_to(grads[3], bias.shape),))

@@ -35,11 +35,11 @@ class Normalized:
     out_shape: tuple[int, ...]  # the caller's query shape: [B, T, N, H] or [T, N, H]
 
     @property
-    def kernel_window(self) -> tuple[int, int]:
-        """(left, right) with -1 for an unbounded side; causal attention is right == 0."""
-        left, right = self.window if self.window is not None else (-1, -1)
+    def kernel_window(self) -> tuple[int | None, int | None]:
+        """(left, right) with None for an unbounded side; causal attention is right <= 0."""
+        left, right = self.window if self.window is not None else (None, None)
         if self.is_causal:
-            right = 0 if right < 0 else min(right, 0)
+            right = 0 if right is None else min(right, 0)
         return left, right
 
 

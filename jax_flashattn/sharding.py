@@ -144,8 +144,7 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
     schedule = ring_schedule(devices, t_local * devices, s_local * devices, is_causal=is_causal,
                              local_window_size=local_window_size, layout=layout,
                              load_balance=load_balance)
-    config = _RingConfig(args.scale, _ring.window_from_kernel(args.kernel_window), schedule,
-                         axes)
+    config = _RingConfig(args.scale, args.kernel_window, schedule, axes)
     out, lse = _ring_call(args.query, args.key, args.value, args.query_seq_lengths,
                           args.key_value_seq_lengths, config)
     out = out.reshape(args.out_shape)
@@ -403,7 +402,6 @@ def _make_plan(kind, flags, window, mesh, arg_shapes) -> _Plan:
     varies = [x.shape[-2:] != (1, 1) for x in (a.bias, a.mask) if x is not None]
     seq_axes, schedule = (), None
     if not any(varies):
-        window_ = _ring.window_from_kernel(window)
         t_axes = take(q_axes[-3], t_len)
         if t_axes:
             devices = math.prod(sizes[x] for x in t_axes)
@@ -414,7 +412,7 @@ def _make_plan(kind, flags, window, mesh, arg_shapes) -> _Plan:
             devices = math.prod(sizes[x] for x in s_axes) if s_axes else 1
             mode, seq_axes = _ring.KV_SPLIT, s_axes
         if seq_axes:
-            schedule = _ring.balanced_schedule(mode, devices, t_len, s_len, window_)
+            schedule = _ring.balanced_schedule(mode, devices, t_len, s_len, window)
     return _Plan(batch, heads, kv_heads_split, num_heads, kv_heads, num_heads // head_split,
                  seq_axes, schedule)
 
@@ -519,13 +517,12 @@ def _local(kind, flags, scale, window, deterministic, plan: _Plan, bias_shape, *
     if not plan.kv_heads_split:
         k, v = _select_kv_heads(plan, k, v)
     schedule = plan.schedule
-    ring_window = _ring.window_from_kernel(window)
     if kind == "fwd":
         if schedule is None:
             return _ring.kernel_forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens,
                                         scale=scale, window=window)
         return _ring.seq_forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, scale=scale,
-                                 window=ring_window, schedule=schedule, axes=plan.seq_axes)
+                                 window=window, schedule=schedule, axes=plan.seq_axes)
     if schedule is None:
         dq, dk, dv, dbias = _ring.kernel_backward(a.q, k, v, a.out, a.lse, a.d_out, a.bias,
                                                   a.mask, a.q_lens, a.kv_lens, scale=scale,
@@ -535,7 +532,7 @@ def _local(kind, flags, scale, window, deterministic, plan: _Plan, bias_shape, *
     else:
         dq, dk, dv, dbias = _ring.seq_backward(
             a.q, k, v, a.out, a.lse, a.d_out, a.bias, a.mask, a.q_lens, a.kv_lens, scale=scale,
-            window=ring_window, schedule=schedule, axes=plan.seq_axes,
+            window=window, schedule=schedule, axes=plan.seq_axes,
             deterministic=deterministic)
     if not plan.kv_heads_split:
         dk, dv = _unselect_kv_heads(plan, dk, dv)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_flashattn
-from jax_flashattn import _ffi
+from jax_flashattn import _ffi, _ops
 from helpers import random_qkv
 
 B, T, S, N, K, H = 2, 8, 10, 4, 2, 16
@@ -210,7 +210,8 @@ def test_valid_edge_arguments_accepted(rng):
 
 FLAGS = dict(has_bias=np.int32(0), has_mask=np.int32(0), has_q_seqlens=np.int32(0),
              has_kv_seqlens=np.int32(0))
-ATTRS = dict(scale=np.float32(0.25), window_left=np.int64(-1), window_right=np.int64(-1),
+ATTRS = dict(scale=np.float32(0.25), window_left=np.int64(_ops.UNBOUNDED_WINDOW),
+             window_right=np.int64(_ops.UNBOUNDED_WINDOW),
              deterministic=np.int32(0))
 
 

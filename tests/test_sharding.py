@@ -289,8 +289,8 @@ def test_causal_work_is_balanced_at_run_time(monkeypatch):
     def counting(q, k, v, bias, mask, q_len, kv_len, *, scale, window):
         rows = jnp.arange(q.shape[-3])[None, :]  # [1, T]
         cols = k.shape[-3] if kv_len is None else kv_len[:, None]  # per batch entry
-        begin = 0 if window[0] == -1 else jnp.maximum(rows - window[0], 0)
-        end = jnp.minimum(cols, k.shape[-3] if window[1] == -1 else rows + window[1] + 1)
+        begin = 0 if window[0] is None else jnp.maximum(rows - window[0], 0)
+        end = jnp.minimum(cols, k.shape[-3] if window[1] is None else rows + window[1] + 1)
         pairs = jnp.maximum(end - begin, 0)
         if q_len is not None:
             pairs = jnp.where(rows < q_len[:, None], pairs, 0)
