@@ -91,13 +91,3 @@ def error_budget(exact, rounded) -> float:
     exact = np.asarray(exact, np.float64)
     err = np.max(np.abs(np.asarray(rounded, np.float64) - exact), initial=0.0)
     return float(2 * err + 1e-5 * (np.max(np.abs(exact), initial=0.0) + 1))
-
-
-def error_bound(query, key, value, *args, **kwargs) -> float:
-    """`error_budget` for these inputs: the low-precision arrays the kernel was given, which
-    the references upcast."""
-    dtype = jnp.asarray(query).dtype
-    q, k, v = (jnp.asarray(x, jnp.float32) for x in (query, key, value))
-    exact = attention(q, k, v, *args, **kwargs)
-    rounded = attention(q, k, v, *args, p_dtype=dtype, **kwargs).astype(dtype)
-    return error_budget(exact, jnp.asarray(rounded, jnp.float32))
