@@ -50,12 +50,12 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import numbers
 
 import flax.linen
 import jax
 import jax.numpy as jnp
 
+from jax_flashattn import reference
 from jax_flashattn.attention import IMPLEMENTATIONS
 from jax_flashattn.attention import attention as _attention
 
@@ -101,8 +101,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                      local_window_size=local_window_size, implementation=implementation,
                      deterministic_backward=deterministic_backward)
     if module is not None:
-        weights = _attention_weights(q, k, bias, mask, scale=scale, is_causal=is_causal,
-                                     local_window_size=local_window_size)
+        weights = reference.attention_weights(q, k, bias, mask, scale=scale,
+                                              is_causal=is_causal,
+                                              local_window_size=local_window_size)
         _sow(module, weights.astype(q.dtype).reshape(lead + weights.shape[1:]))
     return out.reshape(query.shape[:-1] + value.shape[-1:])
 
@@ -220,35 +221,6 @@ def _fold_batch(x, lead: tuple[int, ...], name: str):
             raise ValueError(f"jax_flashattn.flax: {name} of shape {tuple(x.shape)} is not "
                              f"broadcastable to the batch dims {lead} of the query")
     return jnp.broadcast_to(x, lead + rest).reshape((math.prod(lead),) + rest)
-
-
-def _attention_weights(q, k, bias, mask, *, scale, is_causal, local_window_size):
-    """Float32 [B, N, T, S] softmax weights with jax_flashattn's semantics (a row that sees no
-    key is all 0), for sowing; q [B, T, N, H] and k [B, S, K, H] as given to the kernels."""
-    b, t, n, h = q.shape
-    s, kv_heads = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(h) if scale is None else scale
-    grouped = q.astype(jnp.float32).reshape(b, t, kv_heads, n // kv_heads, h)
-    logits = jnp.einsum("btkgh,bskh->bkgts", grouped, k.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST).reshape(b, n, t, s) * scale
-    if bias is not None:
-        logits = logits + bias.astype(jnp.float32)
-    rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
-    keep = jnp.ones((t, s), bool)
-    if is_causal:
-        keep &= cols <= rows
-    if local_window_size is not None:
-        left, right = ((local_window_size, local_window_size)
-                       if isinstance(local_window_size, numbers.Integral) else local_window_size)
-        keep &= (cols >= rows - left) & (cols <= rows + right)
-    if mask is not None:
-        keep = keep & mask
-    logits = jnp.where(keep, logits, -jnp.inf)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.where(keep, jnp.exp(logits - row_max), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    return p / jnp.where(denom > 0, denom, 1.0)
 
 
 def _sow(module, weights):

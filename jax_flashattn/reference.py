@@ -1,7 +1,7 @@
 """Pure-JAX attention with jax_flashattn's exact semantics.
 
-Materialises the [B, N, T, S] logits, so it is only for tests, the main job's check and the
-benchmarks' correctness gate. It takes the same arguments as `jax_flashattn.attention` and
+Materialises the [B, N, T, S] logits, so it is only for tests, the main job's check, the
+benchmarks' correctness gate and the attention weights `jax_flashattn.flax` sows. It takes the same arguments as `jax_flashattn.attention` and
 differs from `jax.nn.dot_product_attention` in one deliberate way: a query row that sees no key
 returns 0 (and its log-sum-exp is -inf) instead of an average of V.
 """
@@ -37,6 +37,40 @@ def visibility(t_size: int, s_size: int, *, batch: int, is_causal: bool, window,
     return keep
 
 
+def _softmax(args: _validate.Normalized, precision_dtype):
+    """(P [B, N, T, S], row max, whether the row sees any key, row sum): P normalised, and 0
+    on a row that sees no key."""
+    q, k = (x.astype(precision_dtype) for x in (args.query, args.key))
+    b, t_size, n, h = q.shape
+    s_size, kv_heads = k.shape[1], k.shape[2]
+    k = jnp.repeat(k, n // kv_heads, axis=2)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=jax.lax.Precision.HIGHEST)
+    logits = logits * jnp.asarray(args.scale, precision_dtype)
+    if args.bias is not None:
+        logits = logits + args.bias.astype(precision_dtype)
+    keep = visibility(t_size, s_size, batch=b, is_causal=args.is_causal, window=args.window,
+                      q_lens=args.query_seq_lengths, kv_lens=args.key_value_seq_lengths,
+                      mask=args.mask)
+    keep = jnp.broadcast_to(keep, logits.shape)
+    masked = jnp.where(keep, logits, -jnp.inf)
+    row_max = jnp.max(masked, axis=-1, keepdims=True)
+    any_visible = jnp.isfinite(row_max)
+    safe_max = jnp.where(any_visible, row_max, 0)
+    p = jnp.where(keep, jnp.exp(masked - safe_max), 0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    return p / jnp.where(any_visible, denom, 1), any_visible, safe_max, denom
+
+
+def attention_weights(query, key, bias=None, mask=None, *, scale=None, is_causal=False,
+                      local_window_size=None) -> jax.Array:
+    """The float32 softmax weights [B, N, T, S] of `attention` (0 on a row that sees no key),
+    for `jax_flashattn.flax` to sow where Flax's attention does."""
+    args = _validate.normalize(query, key, key, bias, mask, scale=scale, is_causal=is_causal,
+                               query_seq_lengths=None, key_value_seq_lengths=None,
+                               local_window_size=local_window_size)
+    return _softmax(args, jnp.float32)[0]
+
+
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               implementation=None, return_residual=False, precision_dtype=jnp.float32,
@@ -52,27 +86,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                                query_seq_lengths=query_seq_lengths,
                                key_value_seq_lengths=key_value_seq_lengths,
                                local_window_size=local_window_size)
-    q, k, v = (x.astype(precision_dtype) for x in (args.query, args.key, args.value))
-    b, t_size, n, h = q.shape
-    s_size, kv_heads = k.shape[1], k.shape[2]
-    group = n // kv_heads
-    k = jnp.repeat(k, group, axis=2)
-    v = jnp.repeat(v, group, axis=2)
-    logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=jax.lax.Precision.HIGHEST)
-    logits = logits * jnp.asarray(args.scale, precision_dtype)
-    if args.bias is not None:
-        logits = logits + args.bias.astype(precision_dtype)
-    keep = visibility(t_size, s_size, batch=b, is_causal=args.is_causal, window=args.window,
-                      q_lens=args.query_seq_lengths, kv_lens=args.key_value_seq_lengths,
-                      mask=args.mask)
-    keep = jnp.broadcast_to(keep, logits.shape)
-    masked = jnp.where(keep, logits, -jnp.inf)
-    row_max = jnp.max(masked, axis=-1, keepdims=True)
-    any_visible = jnp.isfinite(row_max)
-    safe_max = jnp.where(any_visible, row_max, 0)
-    p = jnp.where(keep, jnp.exp(masked - safe_max), 0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(any_visible, denom, 1)
+    p, any_visible, safe_max, denom = _softmax(args, precision_dtype)
+    group = args.query.shape[2] // args.key.shape[2]
+    v = jnp.repeat(args.value.astype(precision_dtype), group, axis=2)
     if p_dtype is not None:
         p = p.astype(p_dtype).astype(precision_dtype)
     out = jnp.einsum("bnts,bsnh->btnh", p, v, precision=jax.lax.Precision.HIGHEST)
