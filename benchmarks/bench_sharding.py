@@ -34,9 +34,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashattn
-from jax_flashattn import sharding
-
-DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+from jax_flashattn import _bench, sharding
+from jax_flashattn._bench import DTYPES
 
 
 def parse_args(argv=None):
@@ -56,11 +55,6 @@ def parse_args(argv=None):
     p.add_argument("--no-single", action="store_true",
                    help="skip the one-device runs of the ring cases (the slowest part)")
     return p.parse_args(argv)
-
-
-def _flops(b, t, s, n, h, causal, mode):
-    fwd = 4.0 * b * n * t * s * h * (0.5 if causal else 1.0)
-    return fwd * (3.5 if mode == "fwdbwd" else 1.0)
 
 
 def _program(attend, mode):
@@ -128,7 +122,7 @@ def main(argv=None) -> int:
     failed = False
 
     def row(case, ndev, b, t, mode, seconds, speedup="", check=""):
-        flops = _flops(b, t, t, n, h, causal, mode)
+        flops = _bench.attention_flops(b, n, t, t, h, causal, mode)
         tf = flops / seconds / 1e12
         print(f"| {case} | {ndev} | {b} x {t} | {mode} | {seconds * 1e3:.1f} | {tf:.3g} | "
               f"{tf / ndev:.3g} | {speedup} | {check} |", flush=True)

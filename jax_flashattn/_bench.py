@@ -74,6 +74,13 @@ MODES = ("fwd", "fwdbwd")
 MODE_TITLES = {"fwd": "forward", "fwdbwd": "forward+backward"}
 BACKWARD_FLOP_FACTOR = 2.5  # backward FLOPs / forward FLOPs
 
+
+def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, mode="fwd") -> float:
+    """DESIGN.md's count: forward 4 B N T S H (half when causal), backward 2.5x forward."""
+    forward = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
+    return forward * (1.0 if mode == "fwd" else 1.0 + BACKWARD_FLOP_FACTOR)
+
+
 # Standard grid of DESIGN.md.
 STANDARD_TOKENS = 16384
 STANDARD_HIDDEN = 2048
@@ -126,10 +133,8 @@ class Config:
         return self.num_heads // self.num_kv_heads
 
     def flops(self, mode: str = "fwd") -> float:
-        forward = 4.0 * self.batch * self.num_heads * self.seqlen_q * self.seqlen_k * self.head_dim
-        if self.causal:
-            forward /= 2
-        return forward * (1.0 if mode == "fwd" else 1.0 + BACKWARD_FLOP_FACTOR)
+        return attention_flops(self.batch, self.num_heads, self.seqlen_q, self.seqlen_k,
+                               self.head_dim, self.causal, mode)
 
     def kv_bytes(self) -> int:
         """Bytes of K and V one forward call must read."""
