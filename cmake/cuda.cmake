@@ -60,6 +60,12 @@ foreach(_elem_pair "bf16;__nv_bfloat16" "fp16;__half")
     configure_file(ffi/cuda/instantiations/forward_sm80.cu.in "${_file}" @ONLY)
     list(APPEND _instantiations "${_file}")
   endforeach()
+  # The Hopper forward per head dim of sm90::kHeadDims (an empty kernel outside sm_90a).
+  foreach(HEAD_DIM 64 128)
+    set(_file "${CMAKE_CURRENT_BINARY_DIR}/instantiations/forward_sm90_${_tag}_hd${HEAD_DIM}.cu")
+    configure_file(ffi/cuda/instantiations/forward_sm90.cu.in "${_file}" @ONLY)
+    list(APPEND _instantiations "${_file}")
+  endforeach()
   # The mma.sync backward (dK/dV pass and dQ pass) per head dim of sm80::kBackwardHeadDims.
   foreach(HEAD_DIM 32 64 96 128)
     set(_file "${CMAKE_CURRENT_BINARY_DIR}/instantiations/backward_sm80_${_tag}_hd${HEAD_DIM}.cu")
@@ -74,8 +80,13 @@ add_library(flashattn_cuda STATIC
   ffi/cuda/dispatch_backward.cu
   ffi/cuda/simt/forward_simt.cu
   ffi/cuda/simt/backward_simt.cu
+  ffi/cuda/sm90/tensor_maps.cu
   ${_instantiations})
 target_link_libraries(flashattn_cuda PUBLIC flashattn_cpu CUDA::cudart_static)
+# The Hopper kernels run only from an sm_90a binary: the dispatcher offers them when one was built.
+if("90a" IN_LIST CMAKE_CUDA_ARCHITECTURES)
+  target_compile_definitions(flashattn_cuda PRIVATE JAX_FLASHATTN_HAS_SM90A)
+endif()
 target_compile_options(flashattn_cuda PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -Xptxas=-warn-spills>)
 

@@ -7,7 +7,7 @@
 
 namespace jax_flashattn::cuda {
 
-enum class ForwardKernel { kSm80, kSimt };
+enum class ForwardKernel { kSm90, kSm80, kSimt };
 
 ForwardKernel choose_forward_kernel(const AttentionParams& p);
 

@@ -1,14 +1,19 @@
-// Picks the forward kernel for a call: the mma.sync family for bf16/fp16 with head dims that
-// are a multiple of 8 up to 256 (on the smallest instantiated head dim that holds it), the
-// CUDA-core kernel for everything else.
+// Picks the forward kernel for a call: on Hopper the TMA + wgmma kernel where it applies, else
+// the mma.sync family for bf16/fp16 with head dims that are a multiple of 8 up to 256 (on the
+// smallest instantiated head dim that holds it), the CUDA-core kernel for everything else.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <iterator>
+#include <mutex>
 
 #include "ffi/cuda/dispatch.h"
 #include "ffi/cuda/launch.h"
 #include "ffi/cuda/sm80/traits.h"
+#include "ffi/cuda/sm90/tensor_maps.h"
+#include "ffi/cuda/sm90/traits.h"
 
 namespace jax_flashattn::cuda {
 namespace {
@@ -23,22 +28,68 @@ cudaError_t launch_sm80_for_head_dim(const AttentionParams& p, cudaStream_t stre
   return launch_forward_sm80<Elem, 256>(p, stream);
 }
 
+template <typename Elem>
+cudaError_t launch_sm90_for_head_dim(const AttentionParams& p, cudaStream_t stream) {
+  if (p.head_dim <= 64) return launch_forward_sm90<Elem, 64>(p, stream);
+  return launch_forward_sm90<Elem, 128>(p, stream);
+}
+
+// Whether the current device is compute capability 9.0 (the only one sm_90a code runs on),
+// asked once per device.
+bool device_is_sm90() {
+  constexpr int kMaxDevices = 64;
+  static std::once_flag flags[kMaxDevices];
+  static bool results[kMaxDevices];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
+  std::call_once(flags[device], [&] {
+    int major = 0, minor = 0;
+    results[device] =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+        major == 9 && minor == 0;
+  });
+  return results[device];
+}
+
+// JAX_FLASHATTN_DISABLE_SM90=1 sends Hopper calls to the mma.sync family (read per call, so a
+// benchmark can compare the two families in one process).
+bool sm90_disabled() {
+  const char* value = std::getenv("JAX_FLASHATTN_DISABLE_SM90");
+  return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
+}
+
+bool sm90_applies(const AttentionParams& p) {
+#ifdef JAX_FLASHATTN_HAS_SM90A
+  const int64_t max_head_dim = sm90::kHeadDims[std::size(sm90::kHeadDims) - 1];
+  return p.bias == nullptr && p.mask == nullptr && p.head_dim <= max_head_dim && p.seqlen_k > 0 &&
+         sm90::tma_compatible(p) && !sm90_disabled() && device_is_sm90();
+#else
+  (void)p;
+  return false;
+#endif
+}
+
 }  // namespace
 
 ForwardKernel choose_forward_kernel(const AttentionParams& p) {
   const bool tensor_core_dtype = p.dtype == ElemType::kBFloat16 || p.dtype == ElemType::kFloat16;
   const int64_t max_head_dim = sm80::kHeadDims[std::size(sm80::kHeadDims) - 1];
-  if (tensor_core_dtype && p.head_dim % 8 == 0 && p.head_dim <= max_head_dim)
-    return ForwardKernel::kSm80;
-  return ForwardKernel::kSimt;
+  if (!tensor_core_dtype || p.head_dim % 8 != 0 || p.head_dim > max_head_dim)
+    return ForwardKernel::kSimt;
+  return sm90_applies(p) ? ForwardKernel::kSm90 : ForwardKernel::kSm80;
 }
 
 cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.num_heads == 0 || p.seqlen_q == 0) return cudaSuccess;
+  const bool bf16 = p.dtype == ElemType::kBFloat16;
   switch (choose_forward_kernel(p)) {
+    case ForwardKernel::kSm90:
+      return bf16 ? launch_sm90_for_head_dim<__nv_bfloat16>(p, stream)
+                  : launch_sm90_for_head_dim<__half>(p, stream);
     case ForwardKernel::kSm80:
-      return p.dtype == ElemType::kBFloat16 ? launch_sm80_for_head_dim<__nv_bfloat16>(p, stream)
-                                            : launch_sm80_for_head_dim<__half>(p, stream);
+      return bf16 ? launch_sm80_for_head_dim<__nv_bfloat16>(p, stream)
+                  : launch_sm80_for_head_dim<__half>(p, stream);
     case ForwardKernel::kSimt:
       return launch_forward_simt(p, stream);
   }

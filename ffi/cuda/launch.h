@@ -14,6 +14,12 @@ namespace jax_flashattn::cuda {
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm80(const AttentionParams& p, cudaStream_t stream);
 
+// TMA + wgmma forward for Hopper (an sm_90a build on a compute capability 9.0 device): bf16/fp16,
+// no bias or boolean mask, head dims that are a multiple of 8 up to kHeadDim, 16-byte aligned
+// tensors (sm90::tma_compatible).
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream);
+
 // CUDA-core forward for any dtype and head dim (float32 arithmetic throughout).
 cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);
 

@@ -43,12 +43,13 @@ struct OnlineSoftmax {
       }
   }
 
-  // Turns scores S[kSlabs][kNTiles][4] into unnormalised probabilities in place and rescales
-  // the output accumulators O[kSlabs][kDTiles][4] by exp2(old max - new max). Masked scores
-  // are -inf; a row with no finite score yet keeps max -inf and all-zero probabilities.
-  template <int kNTiles, int kDTiles>
-  __device__ void update(float (&S)[kSlabs][kNTiles][4], float (&O)[kSlabs][kDTiles][4],
-                         float scale) {
+  // Turns scores S[kSlabs][kNTiles][4] into unnormalised probabilities in place, relative to
+  // the updated row maxima, and returns in `correction` the factor exp2(old max - new max) that
+  // the output accumulated so far must be rescaled by. Masked scores are -inf; a row with no
+  // finite score yet keeps max -inf and all-zero probabilities.
+  template <int kNTiles>
+  __device__ void exponentiate(float (&S)[kSlabs][kNTiles][4], float scale,
+                               float (&correction)[kSlabs][2]) {
 #pragma unroll
     for (int m = 0; m < kSlabs; ++m)
 #pragma unroll
@@ -60,7 +61,7 @@ struct OnlineSoftmax {
         const float new_max = fmaxf(row_max[m][h], quad_max(tile_max));
         // -inf - -inf would be NaN: a row that has seen nothing keeps factor 1 and offset 0.
         const float offset = new_max == -INFINITY ? 0.f : new_max * scale;
-        const float correction =
+        correction[m][h] =
             row_max[m][h] == -INFINITY ? 1.f : ptx::exp2_approx(row_max[m][h] * scale - offset);
         row_max[m][h] = new_max;
         float sum = 0.f;
@@ -72,13 +73,32 @@ struct OnlineSoftmax {
             s = ptx::exp2_approx(fmaf(s, scale, -offset));
             sum += s;
           }
-        row_sum[m][h] = row_sum[m][h] * correction + sum;
+        row_sum[m][h] = row_sum[m][h] * correction[m][h] + sum;
+      }
+  }
+
+  // O[kSlabs][kDTiles][4] *= correction, row by row.
+  template <int kDTiles>
+  __device__ static void rescale(float (&O)[kSlabs][kDTiles][4],
+                                 const float (&correction)[kSlabs][2]) {
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
-          O[m][d][2 * h] *= correction;
-          O[m][d][2 * h + 1] *= correction;
+          O[m][d][2 * h] *= correction[m][h];
+          O[m][d][2 * h + 1] *= correction[m][h];
         }
-      }
+  }
+
+  // Both steps at once, for kernels whose O is not in flight in a tensor-core product.
+  template <int kNTiles, int kDTiles>
+  __device__ void update(float (&S)[kSlabs][kNTiles][4], float (&O)[kSlabs][kDTiles][4],
+                         float scale) {
+    float correction[kSlabs][2];
+    exponentiate(S, scale, correction);
+    rescale(O, correction);
   }
 
   // Normalises O and returns the natural-log lse of each row (-inf and O = 0 for rows that

@@ -1,0 +1,27 @@
+// TMA tensor maps of a forward call, encoded on the host for each launch (a few microseconds,
+// no device memory: they travel as __grid_constant__ kernel parameters).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "ffi/params.h"
+
+namespace jax_flashattn::sm90 {
+
+// q and out [batch, T, N, H], k and v [batch, S, K, H], each viewed as the 4-D tensor
+// {H, heads, rows, batch} (innermost first) and read or written in boxes of 64 head-dim
+// elements x 1 head x `rows` rows x 1 batch entry with the 128-byte swizzle.
+struct ForwardMaps {
+  CUtensorMap q, k, v, out;
+};
+
+// Whether TMA can address the call's tensors: 16-byte aligned base addresses and strides.
+bool tma_compatible(const AttentionParams& p);
+
+// Box rows per map: q_rows for q, kv_rows for k and v, out_rows for out. Fails with
+// cudaErrorInvalidValue when the driver lacks cuTensorMapEncodeTiled or rejects a map.
+cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_rows, int out_rows,
+                                ForwardMaps& maps);
+
+}  // namespace jax_flashattn::sm90

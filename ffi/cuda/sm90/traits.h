@@ -1,0 +1,60 @@
+// Tile configurations of the Hopper (TMA + wgmma) forward kernel, one per instantiated head dim.
+//
+// A block is one producer warpgroup (a single thread issues every TMA load) and kConsumers
+// warpgroups of 64 query rows each. Every tile in shared memory is stored as TMA writes it with
+// the 128-byte swizzle: the head dim split into 64-element spans, each span a [rows][64] array
+// of 128-byte rows, spans one after another. K and V cycle through kStages buffers guarded by
+// full/empty mbarriers.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_flashattn::sm90 {
+
+template <int kHeadDim_, int kBlockN_, int kStages_>
+struct ForwardTraits {
+  static constexpr int kHeadDim = kHeadDim_;  // padded head dim: a whole number of spans
+  static constexpr int kConsumers = 2;        // consumer warpgroups
+  static constexpr int kBlockM = 64 * kConsumers;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kConsumerWarps = 4 * kConsumers;
+  // setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 of the SM's 65536 registers. The producer
+  // only computes coordinates; the consumers hold S (kBlockN / 2), O (kHeadDim / 2) and P
+  // (kBlockN / 4) registers per thread.
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+
+  static constexpr int kSpanElems = 64;                 // 128 bytes of 2-byte elements
+  static constexpr int kSpans = kHeadDim / kSpanElems;  // TMA boxes per tile
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile
+  // Q, kStages K tiles and kStages V tiles, 1024-byte aligned each (the swizzle pattern
+  // repeats every 8 rows of 128 bytes), then the barriers; plus 1024 bytes to align the start.
+  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
+
+  static_assert(kHeadDim % kSpanElems == 0, "tiles are whole 128-byte swizzle spans");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N is a multiple of 16 up to 256");
+  static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles stay 1024-byte aligned");
+  static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
+  static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536,
+                "the register budgets fit the register file");
+};
+
+template <int kHeadDim>
+struct ForwardConfig;
+
+// S and P: 64 + 32 registers, O 32; smem 16 + 4 x 16 KiB = 81 KiB.
+template <>
+struct ForwardConfig<64> : ForwardTraits<64, 128, 2> {};
+// S and P: 64 + 32 registers, O 64; smem 32 + 4 x 32 KiB = 161 KiB.
+template <>
+struct ForwardConfig<128> : ForwardTraits<128, 128, 2> {};
+
+// The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one
+// that is at least as large (TMA zero-fills the columns past it).
+inline constexpr int kHeadDims[] = {64, 128};
+
+}  // namespace jax_flashattn::sm90
