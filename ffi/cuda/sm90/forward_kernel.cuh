@@ -10,8 +10,10 @@
 //   O += P_j V_j               wgmma, P from registers
 // with the products of two tiles in flight together: S_{j+1} = Q K_{j+1}^T is issued before
 // O += P_j V_j, and the softmax of S_{j+1} runs while P_j V_j is still computing; only the
-// rescaling of O waits for it. O is normalised once, staged in the consumer's rows of the Q
-// tile and written with a TMA store (which also clips rows past T).
+// rescaling of O waits for it. The two consumer warpgroups take turns issuing their products
+// (ping-pong on named barriers), so one's softmax runs under the other's tensor-core work. O
+// is normalised once, staged in the consumer's rows of the Q tile and written with a TMA
+// store (which also clips rows past T).
 #pragma once
 
 #include <cuda.h>
@@ -204,6 +206,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ptx::wgmma_rs<kHeadDim, Elem>(o_acc[0], p_frag[kk], v_desc(stage, kk));
     ptx::wgmma_commit_group();
   };
+  // Ping-pong: consumer c issues its products only while it holds the turn (named barrier
+  // kTurnBarrier + c, completed by the other consumer's hand-over) and hands it over right after
+  // issuing. Each consumer issues num_tiles + 1 times; consumer 1 gives consumer 0 the first
+  // turn and skips its last hand-over, so every barrier sees as many arrivals as waits.
+  static_assert(Traits::kConsumers == 2, "the ping-pong alternates two consumer warpgroups");
+  constexpr int kTurnBarrier = 1 + Traits::kConsumers;  // after the epilogue barriers 1, 2
+  const auto take_turn = [&] { ptx::named_barrier_sync(kTurnBarrier + consumer, 256); };
+  const auto hand_over = [&] { ptx::named_barrier_arrive(kTurnBarrier + 1 - consumer, 256); };
   const auto release = [&](uint64_t& barrier) {
     if (lane == 0) ptx::mbarrier_arrive(bar(barrier));
   };
@@ -230,9 +240,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int kk = 0; kk < kPSteps; ++kk) sm80::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
   };
 
+  if (consumer == 1) hand_over();
   ptx::mbarrier_wait(bar(bars.q_full), 0);
   ptx::mbarrier_wait(bar(bars.k_full[0]), 0);
+  take_turn();
   issue_qk(0);
+  hand_over();
   ptx::wgmma_wait<0>();
   fence_s();
   release(bars.k_empty[0]);
@@ -245,9 +258,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int stage = j % kStages, prev = (j - 1) % kStages;
     pack_p();
     ptx::mbarrier_wait(bar(bars.k_full[stage]), (j / kStages) & 1);
-    issue_qk(stage);
     ptx::mbarrier_wait(bar(bars.v_full[prev]), ((j - 1) / kStages) & 1);
+    take_turn();
+    issue_qk(stage);
     issue_pv(prev);
+    hand_over();
     ptx::wgmma_wait<1>();  // S_j landed; P_{j-1} V_{j-1} may still be running
     fence_s();
     release(bars.k_empty[stage]);
@@ -261,7 +276,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   pack_p();
   const int last = (num_tiles - 1) % kStages;
   ptx::mbarrier_wait(bar(bars.v_full[last]), ((num_tiles - 1) / kStages) & 1);
+  take_turn();
   issue_pv(last);
+  if (consumer == 0) hand_over();
   ptx::wgmma_wait<0>();
   fence_o();
 
