@@ -52,4 +52,22 @@ cudaError_t ensure_smem_limit(int bytes) {
   return results[device];
 }
 
+// The current device's multiprocessor count (the grid of persistent kernels), asked once per
+// device.
+inline cudaError_t multiprocessor_count(int& count) {
+  constexpr int kMaxDevices = 64;
+  static std::once_flag flags[kMaxDevices];
+  static cudaError_t results[kMaxDevices];
+  static int counts[kMaxDevices];
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
+  std::call_once(flags[device], [&] {
+    results[device] =
+        cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device);
+  });
+  count = counts[device];
+  return results[device];
+}
+
 }  // namespace jax_flashattn::cuda

@@ -100,6 +100,14 @@ struct TileVisibility {
   __device__ bool visible(int r, int c) const {
     return r < rows && c < keys && c - r >= diff_lo && c - r <= diff_hi;
   }
+
+  // The visible columns of row r as [lo, hi] (empty when lo > hi): two per-row bounds, so a
+  // kernel masks each element with two compares against compile-time column offsets.
+  __device__ void columns(int r, int& lo, int& hi) const {
+    lo = r + diff_lo > 0 ? r + diff_lo : 0;
+    hi = r + diff_hi < keys - 1 ? r + diff_hi : keys - 1;
+    if (r >= rows) hi = lo - 1;
+  }
 };
 
 // One bias element as float, whatever its storage type.

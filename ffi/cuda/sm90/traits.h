@@ -1,7 +1,7 @@
 // Tile configurations of the Hopper (TMA + wgmma) forward kernel, one per instantiated head dim.
 //
-// A block is one producer warpgroup (a single thread issues every TMA load) and kConsumers
-// warpgroups of 64 query rows each. Every tile in shared memory is stored as TMA writes it with
+// A block (one per SM, persistent) is one producer warpgroup (a single thread issues every TMA
+// load) and kConsumers warpgroups of 64 query rows each. Every tile in shared memory is stored as TMA writes it with
 // the 128-byte swizzle: the head dim split into 64-element spans, each span a [rows][64] array
 // of 128-byte rows, spans one after another. K and V cycle through kStages buffers guarded by
 // full/empty mbarriers.
@@ -28,12 +28,12 @@ struct ForwardTraits {
 
   static constexpr int kSpanElems = 64;                 // 128 bytes of 2-byte elements
   static constexpr int kSpans = kHeadDim / kSpanElems;  // TMA boxes per tile
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // also the O staging tile
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile
-  // Q, kStages K tiles and kStages V tiles, 1024-byte aligned each (the swizzle pattern
+  // Q, O, kStages K tiles and kStages V tiles, 1024-byte aligned each (the swizzle pattern
   // repeats every 8 rows of 128 bytes), then the barriers; plus 1024 bytes to align the start.
-  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
+  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);
+  static constexpr int kSmemBytes = 2 * kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
 
   static_assert(kHeadDim % kSpanElems == 0, "tiles are whole 128-byte swizzle spans");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N is a multiple of 16 up to 256");
@@ -46,10 +46,10 @@ struct ForwardTraits {
 template <int kHeadDim>
 struct ForwardConfig;
 
-// S and P: 64 + 32 registers, O 32; smem 16 + 4 x 16 KiB = 81 KiB.
+// S and P: 64 + 32 registers, O 32; smem 2 x 16 + 4 x 16 KiB = 97 KiB.
 template <>
 struct ForwardConfig<64> : ForwardTraits<64, 128, 2> {};
-// S and P: 64 + 32 registers, O 64; smem 32 + 4 x 32 KiB = 161 KiB.
+// S and P: 64 + 32 registers, O 64; smem 2 x 32 + 4 x 32 KiB = 193 KiB.
 template <>
 struct ForwardConfig<128> : ForwardTraits<128, 128, 2> {};
 

@@ -1,0 +1,57 @@
+// Work tiles of the persistent Hopper forward: one per (query block, head, batch). A block
+// walks tiles blockIdx.x, blockIdx.x + gridDim.x, ... so consecutive tiles of one block share
+// no state but the pipeline, and the producer can load the next tile's Q while the consumers
+// finish the current one.
+#pragma once
+
+#include <cstdint>
+
+#include "ffi/cuda/common/mask.cuh"
+#include "ffi/params.h"
+
+namespace jax_flashattn::sm90 {
+
+// 32-bit indices (the launch checks T < 2^31 and batch * heads < 2^31): registers are what
+// the consumers are short of.
+struct ForwardTile {
+  int b, n, kv_head;
+  int row0;          // first query row of the block
+  int tile_begin;    // first K/V tile the block visits
+  int num_kv_tiles;  // 0 when no row of the block sees a key
+  cuda::Visibility vis;
+};
+
+template <int kBlockM, int kBlockN>
+struct TileScheduler {
+  int64_t m_blocks, heads_times_batch, num_tiles;
+
+  __device__ static TileScheduler make(const AttentionParams& p) {
+    TileScheduler s;
+    s.m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+    s.heads_times_batch = p.batch * p.num_heads;
+    s.num_tiles = s.m_blocks * s.heads_times_batch;
+    return s;
+  }
+
+  // Highest query blocks first, over every (batch, head): under causal masking they have the
+  // most keys, so the long tiles start early and the short ones fill the tail.
+  __device__ ForwardTile tile(const AttentionParams& p, int64_t index) const {
+    ForwardTile t;
+    const int bh = int(index % heads_times_batch), heads = int(p.num_heads);
+    t.b = bh / heads;
+    t.n = bh % heads;
+    t.kv_head = t.n / int(p.group_size());
+    t.row0 = int(m_blocks - 1 - index / heads_times_batch) * kBlockM;
+    t.vis = cuda::Visibility::make(p, t.b, t.n);
+    // The Hopper kernel runs without an elementwise mask (the dispatcher's rule); saying so
+    // lets the compiler drop the mask's fields and tests.
+    t.vis.mask = nullptr;
+    int64_t key_lo, key_hi;
+    t.vis.key_range(t.row0, t.row0 + kBlockM, key_lo, key_hi);
+    t.tile_begin = key_hi > key_lo ? int(key_lo / kBlockN) : 0;
+    t.num_kv_tiles = key_hi > key_lo ? int((key_hi + kBlockN - 1) / kBlockN) - t.tile_begin : 0;
+    return t;
+  }
+};
+
+}  // namespace jax_flashattn::sm90
