@@ -3,8 +3,9 @@
 // Persistent: one block per SM walks the (kBlockM-row query block, head, batch) tiles of
 // TileScheduler. Warpgroup 0 is the producer: one thread issues every TMA load, per tile Q and
 // then K_j, V_j into a ring of kStages buffers, each guarded by a full barrier (the load
-// landed) and an empty barrier (every consumer warp is done with it); Q has the same pair, so
-// the next tile's Q loads while the consumers finish the current one. Warpgroups 1.. are
+// landed) and an empty barrier (every consumer warp is done with it); Q has its own ring of
+// kQStages, so the next tile's Q and first K/V tiles load while the consumers compute the
+// current one. Warpgroups 1.. are
 // consumers of 64 query rows each; per K/V tile j they compute
 //   S_j = Q K_j^T              wgmma, both operands in shared memory
 //   mask                       only on tiles that straddle a length or window boundary
@@ -42,7 +43,7 @@ namespace jax_flashattn::sm90 {
 
 template <typename Traits>
 struct ForwardBarriers {
-  uint64_t q_full, q_empty;
+  uint64_t q_full[Traits::kQStages], q_empty[Traits::kQStages];
   uint64_t k_full[Traits::kStages], v_full[Traits::kStages];
   uint64_t k_empty[Traits::kStages], v_empty[Traits::kStages];
 };
@@ -88,27 +89,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr uint32_t kRowBytes = 128;     // one swizzle span of one row
   constexpr uint32_t kGroupBytes = 8 * kRowBytes;  // 8-row core-matrix groups (descriptor SBO)
 
-  // Tiles at 1024-byte boundaries (the 128-byte swizzle's period): Q, O, K stages, V stages,
-  // then the barriers.
+  // Tiles at 1024-byte boundaries (the 128-byte swizzle's period): Q stages, O, K stages,
+  // V stages, then the barriers.
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_address = ptx::smem_address(smem_raw);
   const uint32_t base = (raw_address + 1023) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw_address);
-  const uint32_t sQ = base, sO_offset = Traits::kQBytes;
-  const auto sK = [&](int stage) { return base + 2 * Traits::kQBytes + stage * Traits::kKVBytes; };
+  constexpr int kQStages = Traits::kQStages;
+  constexpr uint32_t sO_offset = kQStages * Traits::kQBytes;
+  constexpr uint32_t sKV_offset = sO_offset + Traits::kQBytes;
+  const auto sQ = [&](int stage) { return base + stage * Traits::kQBytes; };
+  const auto sK = [&](int stage) { return base + sKV_offset + stage * Traits::kKVBytes; };
   const auto sV = [&](int stage) {
-    return base + 2 * Traits::kQBytes + (kStages + stage) * Traits::kKVBytes;
+    return base + sKV_offset + (kStages + stage) * Traits::kKVBytes;
   };
-  auto& bars = *reinterpret_cast<ForwardBarriers<Traits>*>(
-      smem + 2 * Traits::kQBytes + 2 * kStages * Traits::kKVBytes);
+  auto& bars = *reinterpret_cast<ForwardBarriers<Traits>*>(smem + sKV_offset +
+                                                           2 * kStages * Traits::kKVBytes);
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
 
   const int tid = threadIdx.x;
   const TileScheduler<kBlockM, kBlockN> scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
 
   if (tid == 0) {
-    ptx::mbarrier_init(bar(bars.q_full), 1);
-    ptx::mbarrier_init(bar(bars.q_empty), Traits::kConsumerWarps);
+    for (int s = 0; s < kQStages; ++s) {
+      ptx::mbarrier_init(bar(bars.q_full[s]), 1);
+      ptx::mbarrier_init(bar(bars.q_empty[s]), Traits::kConsumerWarps);
+    }
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(bar(bars.k_full[s]), 1);
       ptx::mbarrier_init(bar(bars.v_full[s]), 1);
@@ -121,20 +127,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const int warpgroup = tid / 128;
   if (warpgroup == 0) {
-    // Producer: Q (a one-buffer ring) and K/V (kStages buffers) for every tile with keys.
+    // Producer: Q (kQStages buffers) and K/V (kStages buffers) for every tile with keys.
     ptx::setmaxnreg_dec<Traits::kProducerRegisters>();
     if (tid != 0) return;
-    RingPosition<1> q_ring;
+    RingPosition<kQStages> q_ring;
     RingPosition<kStages> kv_ring;
     for (int64_t index = blockIdx.x; index < scheduler.num_tiles; index += gridDim.x) {
       const ForwardTile t = scheduler.tile(p, index);
       if (t.num_kv_tiles == 0) continue;
       const int batch = t.b, head = t.n, kv = t.kv_head;
-      if (q_ring.refill()) ptx::mbarrier_wait(bar(bars.q_empty), q_ring.previous_phase());
-      ptx::mbarrier_arrive_expect_tx(bar(bars.q_full), Traits::kQBytes);
+      const int q_stage = q_ring.stage();
+      if (q_ring.refill()) ptx::mbarrier_wait(bar(bars.q_empty[q_stage]), q_ring.previous_phase());
+      ptx::mbarrier_arrive_expect_tx(bar(bars.q_full[q_stage]), Traits::kQBytes);
       for (int span = 0; span < kSpans; ++span)
-        ptx::tma_load_4d(sQ + span * kBlockM * kRowBytes, &maps.q, bar(bars.q_full),
-                         span * kSpanElems, head, t.row0, batch);
+        ptx::tma_load_4d(sQ(q_stage) + span * kBlockM * kRowBytes, &maps.q,
+                         bar(bars.q_full[q_stage]), span * kSpanElems, head, t.row0, batch);
       ++q_ring.count;
       for (int j = 0; j < t.num_kv_tiles; ++j, ++kv_ring.count) {
         const int stage = kv_ring.stage();
@@ -164,10 +171,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // Descriptors. Q and K are K-major (head dim contiguous): k-step ks lies in span ks / 4, 32
   // bytes per step into each 128-byte row. V is MN-major for O += P V (head dim contiguous,
   // keys along the reduction): k-step kk is 16 rows down, spans kBlockN rows apart (LBO).
-  const auto q_desc = [&](int ks) {
-    return ptx::smem_descriptor_sw128(
-        sQ + (ks / 4) * kBlockM * kRowBytes + wg_row0 * kRowBytes + (ks % 4) * 32, 16,
-        kGroupBytes);
+  const auto q_desc = [&](uint32_t q_tile, int ks) {  // q_tile: this warpgroup's rows
+    return ptx::smem_descriptor_sw128(q_tile + (ks / 4) * kBlockM * kRowBytes + (ks % 4) * 32, 16,
+                                      kGroupBytes);
   };
   const auto k_desc = [&](int stage, int ks) {
     return ptx::smem_descriptor_sw128(
@@ -195,12 +201,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) ptx::fence_register(o_acc[0][t][e]);
   };
-  const auto issue_qk = [&](int stage) {  // S = Q K^T, overwriting S
+  const auto issue_qk = [&](uint32_t q_tile, int stage) {  // S = Q K^T, overwriting S
     fence_s();
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
-      ptx::wgmma_ss<kBlockN, Elem>(s_acc[0], q_desc(ks), k_desc(stage, ks), ks > 0);
+      ptx::wgmma_ss<kBlockN, Elem>(s_acc[0], q_desc(q_tile, ks), k_desc(stage, ks), ks > 0);
     ptx::wgmma_commit_group();
   };
   const auto issue_pv = [&](int stage) {  // O += P V
@@ -230,7 +236,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   if (consumer == 1) hand_over();
-  RingPosition<1> q_ring;
+  RingPosition<kQStages> q_ring;
   RingPosition<kStages> kv_ring;
   for (int64_t index = blockIdx.x; index < scheduler.num_tiles; index += gridDim.x) {
     const ForwardTile t = scheduler.tile(p, index);
@@ -267,10 +273,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[0][d][e] = 0.f;
 
-    ptx::mbarrier_wait(bar(bars.q_full), q_ring.phase());
+    const int q_stage = q_ring.stage();
+    const uint32_t q_tile = sQ(q_stage) + wg_row0 * kRowBytes;
+    ptx::mbarrier_wait(bar(bars.q_full[q_stage]), q_ring.phase());
     ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
     take_turn();
-    issue_qk(kv_ring.stage());
+    issue_qk(q_tile, kv_ring.stage());
     hand_over();
     ptx::wgmma_wait<0>();
     fence_s();
@@ -287,7 +295,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
       ptx::mbarrier_wait(bar(bars.v_full[prev.stage()]), prev.phase());
       take_turn();
-      issue_qk(kv_ring.stage());
+      issue_qk(q_tile, kv_ring.stage());
       issue_pv(prev.stage());
       hand_over();
       ptx::wgmma_wait<1>();  // S_j landed; P_{j-1} V_{j-1} may still be running
@@ -308,7 +316,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::wgmma_wait<0>();
     fence_o();
     release(bars.v_empty[kv_ring.stage()]);
-    release(bars.q_empty);  // this tile's S products, Q's only readers, are done
+    release(bars.q_empty[q_stage]);  // this tile's S products, Q's only readers, are done
     ++kv_ring.count;
     ++q_ring.count;
 

@@ -18,6 +18,8 @@ struct ForwardTraits {
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  // Q tiles in flight: with two, the next tile's Q lands while the current one computes.
+  static constexpr int kQStages = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
   // setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 of the SM's 65536 registers. The producer
@@ -30,10 +32,12 @@ struct ForwardTraits {
   static constexpr int kSpans = kHeadDim / kSpanElems;  // TMA boxes per tile
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // also the O staging tile
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile
-  // Q, O, kStages K tiles and kStages V tiles, 1024-byte aligned each (the swizzle pattern
-  // repeats every 8 rows of 128 bytes), then the barriers; plus 1024 bytes to align the start.
-  static constexpr int kBarrierBytes = 8 * (2 + 4 * kStages);
-  static constexpr int kSmemBytes = 2 * kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
+  // kQStages Q tiles, O, kStages K tiles and kStages V tiles, 1024-byte aligned each (the
+  // swizzle pattern repeats every 8 rows of 128 bytes), then the barriers; plus 1024 bytes to
+  // align the start.
+  static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages);
+  static constexpr int kSmemBytes =
+      (kQStages + 1) * kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
 
   static_assert(kHeadDim % kSpanElems == 0, "tiles are whole 128-byte swizzle spans");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N is a multiple of 16 up to 256");
@@ -46,10 +50,10 @@ struct ForwardTraits {
 template <int kHeadDim>
 struct ForwardConfig;
 
-// S and P: 64 + 32 registers, O 32; smem 2 x 16 + 4 x 16 KiB = 97 KiB.
+// S and P: 64 + 32 registers, O 32; smem 3 x 16 + 4 x 16 KiB = 113 KiB.
 template <>
 struct ForwardConfig<64> : ForwardTraits<64, 128, 2> {};
-// S and P: 64 + 32 registers, O 64; smem 2 x 32 + 4 x 32 KiB = 193 KiB.
+// S and P: 64 + 32 registers, O 64; smem 3 x 32 + 4 x 32 KiB = 225 KiB.
 template <>
 struct ForwardConfig<128> : ForwardTraits<128, 128, 2> {};
 
