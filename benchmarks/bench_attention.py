@@ -171,6 +171,8 @@ def main(argv=None) -> int:
     header.append(f"timing: median of up to {settings.repeats} runs of a jitted loop over "
                   f"{settings.n_sets} input sets, ~{settings.target_s * 1e3:g} ms per run; "
                   "FLOPs 4*B*N*T*S*H forward (/2 causal), 3.5x for forward+backward")
+    if "ours" in impls:
+        header.append("our forward kernel: " + _bench.forward_kernel_summary(configs))
     for line in header:
         print(line)
     print(flush=True)

@@ -8,6 +8,11 @@
 #include <vector>
 
 #include "ffi/decode.h"
+#ifdef JAX_FLASHATTN_WITH_CUDA
+#include <stdexcept>
+
+#include "ffi/cuda/dispatch.h"
+#endif
 
 namespace nb = nanobind;
 
@@ -29,6 +34,43 @@ std::vector<std::string> CudaArchitectures() {
   return archs;
 }
 
+#ifdef JAX_FLASHATTN_WITH_CUDA
+// The forward kernel family the CUDA dispatcher picks on CUDA device `device` for a call of
+// this shape and dtype (0 float32, 1 bfloat16, 2 float16), assuming contiguous, aligned
+// buffers as XLA allocates them.
+std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t seqlen_k,
+                              bool has_bias, bool has_mask) {
+  using jax_flashattn::ElemType;
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device) != cudaSuccess)
+    throw std::invalid_argument("no CUDA device " + std::to_string(device));
+  alignas(256) static const char buffer[16] = {};
+  jax_flashattn::AttentionParams p;
+  p.dtype = static_cast<ElemType>(dtype);
+  p.batch = p.num_heads = p.num_kv_heads = p.seqlen_q = 1;
+  p.seqlen_k = seqlen_k;
+  p.head_dim = head_dim;
+  p.q_head_stride = p.kv_head_stride = p.q_row_stride = p.kv_row_stride = head_dim;
+  p.q_batch_stride = head_dim;
+  p.kv_batch_stride = seqlen_k * head_dim;
+  p.q = p.k = p.v = buffer;
+  p.out = const_cast<char*>(buffer);
+  p.bias = has_bias ? buffer : nullptr;
+  p.mask = has_mask ? reinterpret_cast<const bool*>(buffer) : nullptr;
+  const jax_flashattn::cuda::ForwardKernel kernel = jax_flashattn::cuda::choose_forward_kernel(p);
+  cudaSetDevice(previous);
+  switch (kernel) {
+    case jax_flashattn::cuda::ForwardKernel::kSm90:
+      return "sm90";
+    case jax_flashattn::cuda::ForwardKernel::kSm80:
+      return "sm80";
+    case jax_flashattn::cuda::ForwardKernel::kSimt:
+      return "simt";
+  }
+  return "unknown";
+}
+#endif
+
 }  // namespace
 
 NB_MODULE(_jax_flashattn, m) {
@@ -47,4 +89,7 @@ NB_MODULE(_jax_flashattn, m) {
     return registrations;
   });
   m.def("cuda_architectures", &CudaArchitectures);
+#ifdef JAX_FLASHATTN_WITH_CUDA
+  m.def("cuda_forward_kernel", &CudaForwardKernel);
+#endif
 }

@@ -706,6 +706,20 @@ def environment() -> dict:
         command=_command_line())
 
 
+def forward_kernel_summary(configs) -> str:
+    """The dispatcher's forward kernel family per (dtype, head dim) of the configs, e.g.
+    "bf16 H=128 sm90, bf16 H=256 sm80"."""
+    import jax_flashattn
+    seen = {}
+    for cfg in configs:
+        key = (cfg.dtype, cfg.head_dim)
+        if key not in seen:
+            q = jax.ShapeDtypeStruct(cfg.q_shape, cfg.jnp_dtype)
+            k = jax.ShapeDtypeStruct(cfg.kv_shape, cfg.jnp_dtype)
+            seen[key] = jax_flashattn.forward_kernel(q, k)
+    return ", ".join(f"{d} H={h} {kernel}" for (d, h), kernel in seen.items())
+
+
 def _command_line() -> str:
     python = sys.executable.rsplit("/", 1)[-1] or "python"
     argv = list(sys.argv)

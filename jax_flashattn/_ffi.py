@@ -24,3 +24,25 @@ def cuda_built() -> bool:
 def cuda_architectures() -> list[str]:
     """The GPU architectures the CUDA kernels were compiled for (empty without CUDA)."""
     return list(_ext.cuda_architectures())
+
+
+_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+
+def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
+    """Which forward kernel family `attention` runs for these inputs on `device` (default: the
+    first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync), "simt" (CUDA cores) on
+    an NVIDIA GPU, "cpu" on the host. Reads only shapes and dtypes (arrays or
+    jax.ShapeDtypeStruct); contiguous inputs as XLA lays them out are assumed."""
+    dtype = jax.numpy.dtype(query.dtype).name
+    if dtype not in _DTYPE_CODES:
+        raise TypeError(f"query must be float32, bfloat16 or float16, got {dtype}")
+    device = jax.devices()[0] if device is None else device
+    if device.platform == "cpu":
+        return "cpu"
+    if device.platform != "gpu" or not cuda_built():
+        raise ValueError(f"device must be a CPU or an NVIDIA GPU with jax_flashattn's CUDA kernels "
+                         f"built, got {device}")
+    return _ext.cuda_forward_kernel(device.local_hardware_id, _DTYPE_CODES[dtype],
+                                    query.shape[-1], key.shape[-3], bias is not None,
+                                    mask is not None)

@@ -282,3 +282,9 @@ def test_deterministic_backward_must_be_bool(rng, value):
     q, k, v = random_qkv(rng, B, T, S, N, K, H, jnp.float32)
     with pytest.raises(TypeError, match="deterministic_backward"):
         jax_flashattn.attention(q, k, v, deterministic_backward=value)
+
+
+def test_forward_kernel_query_rejects_other_dtypes():
+    q = jax.ShapeDtypeStruct((2, 10, 4, 64), jnp.int8)
+    with pytest.raises(TypeError, match="query"):
+        jax_flashattn.forward_kernel(q, q)

@@ -363,3 +363,8 @@ def test_numpy_inputs(rng):
     out = jax_flashattn.attention(q, k, v)
     assert isinstance(out, jax.Array)
     assert_attention_close(out, q, k, v)
+
+
+def test_forward_kernel_query_on_cpu():
+    q = jax.ShapeDtypeStruct((2, 10, 4, 64), jnp.bfloat16)
+    assert jax_flashattn.forward_kernel(q, q, device=jax.devices("cpu")[0]) == "cpu"

@@ -109,3 +109,28 @@ def test_vmap_is_one_launch(rng):
     f = jax.vmap(lambda q, k, v: jax_flashattn.attention(q, k, v, implementation="cuda"))
     out = jax.jit(f)(q[None].repeat(2, 0), k[None].repeat(2, 0), v[None].repeat(2, 0))
     assert_attention_close(out[1], q, k, v)
+
+
+def test_dispatch_is_visible():
+    """forward_kernel reports the family the dispatcher launches: the Hopper kernel on compute
+    capability 9.0 (when the install has sm_90a) without bias or mask at head dims <= 128."""
+    device = jax.devices()[0]
+    q = jax.ShapeDtypeStruct((2, 100, 4, 128), jnp.bfloat16)
+    big = jax.ShapeDtypeStruct((2, 100, 4, 256), jnp.bfloat16)
+    hopper = device.compute_capability == "9.0" and "90a" in jax_flashattn.cuda_architectures()
+    assert jax_flashattn.forward_kernel(q, q) == ("sm90" if hopper else "sm80")
+    assert jax_flashattn.forward_kernel(q, q, bias=q) == "sm80"
+    assert jax_flashattn.forward_kernel(big, big) == "sm80"
+    f32 = jax.ShapeDtypeStruct((2, 100, 4, 64), jnp.float32)
+    assert jax_flashattn.forward_kernel(f32, f32) == "simt"
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(17, 5)),
+                                    dict(key_value_seq_lengths=np.array([150, 0], np.int32))])
+def test_mma_sync_family_where_hopper_kernel_exists(rng, monkeypatch, kwargs):
+    """JAX_FLASHATTN_DISABLE_SM90 sends calls to the mma.sync family, which must stay correct on
+    the Hopper GPUs that would otherwise run the wgmma kernel (a no-op elsewhere)."""
+    monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    q = jax.ShapeDtypeStruct((2, 100, 4, 128), jnp.bfloat16)
+    assert jax_flashattn.forward_kernel(q, q) == "sm80"
+    check(*random_qkv(rng, 2, 200, 300, 4, 2, 128, jnp.bfloat16), **kwargs)
