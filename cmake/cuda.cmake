@@ -83,8 +83,19 @@ add_library(flashattn_cuda STATIC
   ffi/cuda/sm90/tensor_maps.cu
   ${_instantiations})
 target_link_libraries(flashattn_cuda PUBLIC flashattn_cpu CUDA::cudart_static)
-# The Hopper kernels run only from an sm_90a binary: the dispatcher offers them when one was built.
-if("90a" IN_LIST CMAKE_CUDA_ARCHITECTURES)
+# The Hopper kernels run only from an sm_90a image: the dispatcher offers them when the build
+# has one ("90a", "90a-real", "90a-virtual") and no plain sm_90 image the driver might load
+# instead (whose copy of those kernels is empty).
+set(_has_90a FALSE)
+set(_has_90 FALSE)
+foreach(_arch IN LISTS CMAKE_CUDA_ARCHITECTURES)
+  if(_arch MATCHES "^90a($|-)")
+    set(_has_90a TRUE)
+  elseif(_arch MATCHES "^90($|-)")
+    set(_has_90 TRUE)
+  endif()
+endforeach()
+if(_has_90a AND NOT _has_90)
   target_compile_definitions(flashattn_cuda PRIVATE JAX_FLASHATTN_HAS_SM90A)
 endif()
 target_compile_options(flashattn_cuda PRIVATE

@@ -36,14 +36,12 @@ std::vector<std::string> CudaArchitectures() {
 
 #ifdef JAX_FLASHATTN_WITH_CUDA
 // The forward kernel family the CUDA dispatcher picks on CUDA device `device` for a call of
-// this shape and dtype (0 float32, 1 bfloat16, 2 float16), assuming contiguous, aligned
-// buffers as XLA allocates them.
+// this shape and dtype (0 float32, 1 bfloat16, 2 float16) with the default scale, assuming
+// contiguous, aligned buffers as XLA allocates them. Leaves the current device alone.
 std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t seqlen_k,
                               bool has_bias, bool has_mask) {
   using jax_flashattn::ElemType;
-  int previous = 0;
-  if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device) != cudaSuccess)
-    throw std::invalid_argument("no CUDA device " + std::to_string(device));
+  if (dtype < 0 || dtype > 2) throw std::invalid_argument("dtype code must be 0, 1 or 2");
   alignas(256) static const char buffer[16] = {};
   jax_flashattn::AttentionParams p;
   p.dtype = static_cast<ElemType>(dtype);
@@ -57,8 +55,8 @@ std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t s
   p.out = const_cast<char*>(buffer);
   p.bias = has_bias ? buffer : nullptr;
   p.mask = has_mask ? reinterpret_cast<const bool*>(buffer) : nullptr;
-  const jax_flashattn::cuda::ForwardKernel kernel = jax_flashattn::cuda::choose_forward_kernel(p);
-  cudaSetDevice(previous);
+  const jax_flashattn::cuda::ForwardKernel kernel =
+      jax_flashattn::cuda::choose_forward_kernel(p, device);
   switch (kernel) {
     case jax_flashattn::cuda::ForwardKernel::kSm90:
       return "sm90";

@@ -48,6 +48,11 @@ def test_bias_window_seq_lengths(rng):
           query_seq_lengths=jnp.array([31, 50], jnp.int32))
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_zero_and_negative_scale(rng, scale):
+    check(rng, jnp.bfloat16, 2, 67, 45, 4, 2, 64, is_causal=True, scale=scale)
+
+
 def test_zero_length_rows_give_zero_gradients(rng):
     q, k, v = random_qkv(rng, 2, 16, 16, 2, 2, 32, jnp.bfloat16)
     lens = jnp.array([0, 16], jnp.int32)

@@ -111,6 +111,14 @@ def test_vmap_is_one_launch(rng):
     assert_attention_close(out[1], q, k, v)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("scale", [0.0, -0.5, 0.3])
+def test_scales(rng, dtype, scale):
+    """Masked scores are -inf: a zero or negative scale must not turn them into NaN or inf
+    (the tensor-core softmax needs scale > 0, so the dispatcher sends the rest elsewhere)."""
+    check(*random_qkv(rng, 2, 100, 130, 4, 2, 128, dtype), scale=scale, is_causal=True)
+
+
 def test_dispatch_is_visible():
     """forward_kernel reports the family the dispatcher launches: the Hopper kernel on compute
     capability 9.0 (when the install has sm_90a) without bias or mask at head dims <= 128."""

@@ -9,7 +9,8 @@ namespace jax_flashattn::cuda {
 
 enum class ForwardKernel { kSm90, kSm80, kSimt };
 
-ForwardKernel choose_forward_kernel(const AttentionParams& p);
+// The forward kernel a call runs on CUDA device `device` (the current device for a launch).
+ForwardKernel choose_forward_kernel(const AttentionParams& p, int device);
 
 // Launches the chosen forward kernel on `stream`.
 cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream);

@@ -1,6 +1,6 @@
 // Picks the backward kernels for a call: the mma.sync family for bf16/fp16 with head dims that
 // are a multiple of 8 up to the largest instantiated one (on the smallest instantiated head
-// dim that holds it), the CUDA-core kernels for everything else. The mma.sync path is three
+// dim that holds it) and a scale > 0, the CUDA-core kernels for everything else. The mma.sync path is three
 // stream-ordered steps: preprocess (D, zeroed dQ accumulator), the passes, dQ conversion.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -49,7 +49,9 @@ BackwardKernel choose_backward_kernel(const AttentionParams& p) {
   const bool tensor_core_dtype = p.dtype == ElemType::kBFloat16 || p.dtype == ElemType::kFloat16;
   const int64_t max_head_dim =
       sm80::kBackwardHeadDims[std::size(sm80::kBackwardHeadDims) - 1];
-  if (tensor_core_dtype && p.head_dim > 0 && p.head_dim % 8 == 0 && p.head_dim <= max_head_dim)
+  // scale > 0: the recomputed P multiplies masked (-inf) scores by the scale.
+  if (tensor_core_dtype && p.head_dim > 0 && p.head_dim % 8 == 0 && p.head_dim <= max_head_dim &&
+      p.scale > 0.f)
     return BackwardKernel::kSm80;
   return BackwardKernel::kSimt;
 }

@@ -1,6 +1,8 @@
 // Picks the forward kernel for a call: on Hopper the TMA + wgmma kernel where it applies, else
 // the mma.sync family for bf16/fp16 with head dims that are a multiple of 8 up to 256 (on the
 // smallest instantiated head dim that holds it), the CUDA-core kernel for everything else.
+// A scale <= 0 also takes the CUDA-core kernel: the tensor-core softmax takes the row maximum
+// before scaling and multiplies masked (-inf) scores by the scale, which needs scale > 0.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -34,14 +36,13 @@ cudaError_t launch_sm90_for_head_dim(const AttentionParams& p, cudaStream_t stre
   return launch_forward_sm90<Elem, 128>(p, stream);
 }
 
-// Whether the current device is compute capability 9.0 (the only one sm_90a code runs on),
+// Whether CUDA device `device` is compute capability 9.0 (the only one sm_90a code runs on),
 // asked once per device.
-bool device_is_sm90() {
+bool device_is_sm90(int device) {
   constexpr int kMaxDevices = 64;
   static std::once_flag flags[kMaxDevices];
   static bool results[kMaxDevices];
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device >= kMaxDevices) return false;
+  if (device < 0 || device >= kMaxDevices) return false;
   std::call_once(flags[device], [&] {
     int major = 0, minor = 0;
     results[device] =
@@ -52,38 +53,47 @@ bool device_is_sm90() {
   return results[device];
 }
 
-// JAX_FLASHATTN_DISABLE_SM90=1 sends Hopper calls to the mma.sync family (read per call, so a
-// benchmark can compare the two families in one process).
+// JAX_FLASHATTN_DISABLE_SM90=1 sends Hopper calls to the mma.sync family. Read per call, so a
+// benchmark or test can compare the two families in one process; change it only while no
+// attention call runs (getenv does not synchronise with a concurrent setenv).
 bool sm90_disabled() {
   const char* value = std::getenv("JAX_FLASHATTN_DISABLE_SM90");
   return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
 }
 
-bool sm90_applies(const AttentionParams& p) {
+bool sm90_applies(const AttentionParams& p, int device) {
 #ifdef JAX_FLASHATTN_HAS_SM90A
   const int64_t max_head_dim = sm90::kHeadDims[std::size(sm90::kHeadDims) - 1];
-  return p.bias == nullptr && p.mask == nullptr && p.head_dim <= max_head_dim && p.seqlen_k > 0 &&
-         sm90::tma_compatible(p) && !sm90_disabled() && device_is_sm90();
+  // The tile scheduler's 32-bit rows and (batch, head) indices, with a tile of margin.
+  constexpr int64_t kIndexLimit = 0x7fffffff - 256;
+  return p.bias == nullptr && p.mask == nullptr && p.head_dim <= max_head_dim &&
+         p.seqlen_k > 0 && p.seqlen_q <= kIndexLimit && p.seqlen_k <= kIndexLimit &&
+         p.batch * p.num_heads <= kIndexLimit && sm90::tma_compatible(p) &&
+         sm90::tensor_maps_available() && !sm90_disabled() && device_is_sm90(device);
 #else
   (void)p;
+  (void)device;
   return false;
 #endif
 }
 
 }  // namespace
 
-ForwardKernel choose_forward_kernel(const AttentionParams& p) {
+ForwardKernel choose_forward_kernel(const AttentionParams& p, int device) {
   const bool tensor_core_dtype = p.dtype == ElemType::kBFloat16 || p.dtype == ElemType::kFloat16;
   const int64_t max_head_dim = sm80::kHeadDims[std::size(sm80::kHeadDims) - 1];
-  if (!tensor_core_dtype || p.head_dim % 8 != 0 || p.head_dim > max_head_dim)
+  if (!tensor_core_dtype || p.head_dim <= 0 || p.head_dim % 8 != 0 ||
+      p.head_dim > max_head_dim || !(p.scale > 0.f))
     return ForwardKernel::kSimt;
-  return sm90_applies(p) ? ForwardKernel::kSm90 : ForwardKernel::kSm80;
+  return sm90_applies(p, device) ? ForwardKernel::kSm90 : ForwardKernel::kSm80;
 }
 
 cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.num_heads == 0 || p.seqlen_q == 0) return cudaSuccess;
   const bool bf16 = p.dtype == ElemType::kBFloat16;
-  switch (choose_forward_kernel(p)) {
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  switch (choose_forward_kernel(p, device)) {
     case ForwardKernel::kSm90:
       return bf16 ? launch_sm90_for_head_dim<__nv_bfloat16>(p, stream)
                   : launch_sm90_for_head_dim<__half>(p, stream);

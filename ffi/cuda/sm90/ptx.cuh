@@ -1,7 +1,7 @@
 // One wrapper per Hopper (sm_90a) PTX instruction the wgmma kernels use: mbarriers, TMA
 // (cp.async.bulk.tensor), wgmma and setmaxnreg. Callers compile them only for sm_90a (see
-// kSm90Compiled in forward_kernel.cuh); the wgmma operand lists are spelled out because
-// inline asm takes no arrays.
+// JAX_FLASHATTN_SM90_BODY in forward_kernel.cuh); the wgmma operand lists are spelled out
+// because inline asm takes no arrays.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -64,6 +64,8 @@ bool strides_aligned16(int64_t head_stride, int64_t row_stride, int64_t batch_st
 
 }  // namespace
 
+bool tensor_maps_available() { return encode_tiled() != nullptr; }
+
 bool tma_compatible(const AttentionParams& p) {
   return aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out) &&
          strides_aligned16(p.q_head_stride, p.q_row_stride, p.q_batch_stride) &&

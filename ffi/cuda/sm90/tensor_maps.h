@@ -19,6 +19,9 @@ struct ForwardMaps {
 // Whether TMA can address the call's tensors: 16-byte aligned base addresses and strides.
 bool tma_compatible(const AttentionParams& p);
 
+// Whether the driver provides cuTensorMapEncodeTiled (looked up once).
+bool tensor_maps_available();
+
 // Box rows per map: q_rows for q, kv_rows for k and v, out_rows for out. Fails with
 // cudaErrorInvalidValue when the driver lacks cuTensorMapEncodeTiled or rejects a map.
 cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_rows, int out_rows,

@@ -11,8 +11,8 @@
 
 namespace jax_flashattn::sm90 {
 
-// 32-bit indices (the launch checks T < 2^31 and batch * heads < 2^31): registers are what
-// the consumers are short of.
+// 32-bit indices (the dispatcher and the launch keep T, S and batch * heads a tile below
+// 2^31): registers are what the consumers are short of.
 struct ForwardTile {
   int b, n, kv_head;
   int row0;          // first query row of the block
