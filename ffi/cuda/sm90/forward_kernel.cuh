@@ -5,8 +5,7 @@
 // then K_j, V_j into a ring of kStages buffers, each guarded by a full barrier (the load
 // landed) and an empty barrier (every consumer warp is done with it); Q has its own ring of
 // kQStages, so the next tile's Q and first K/V tiles load while the consumers compute the
-// current one. Warpgroups 1.. are
-// consumers of 64 query rows each; per K/V tile j they compute
+// current one. Warpgroups 1.. are consumers of 64 query rows each; per K/V tile j they compute
 //   S_j = Q K_j^T              wgmma, both operands in shared memory
 //   mask                       only on tiles that straddle a length or window boundary
 //   P_j = exp2(S_j - max)      online softmax, the scale folded into one FFMA
