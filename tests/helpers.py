@@ -9,12 +9,22 @@ from jax_flashattn import reference
 
 
 def random_qkv(rng, b, t, s, n, k, h, dtype, magnitude=1.0):
-    """Normal q [B, T, N, H], k/v [B, S, K, H] in `dtype` (b=None gives unbatched arrays)."""
-    lead = () if b is None else (b,)
+    """Normal q [*lead, T, N, H], k/v [*lead, S, K, H] in `dtype`; lead is (b,) for an int b,
+    () for b=None (unbatched arrays), b itself for a tuple (extra leading dims, as vmap or
+    Flax add)."""
+    lead = () if b is None else tuple(b) if isinstance(b, tuple) else (b,)
     q = rng.standard_normal(lead + (t, n, h), dtype=np.float32) * magnitude
     kk = rng.standard_normal(lead + (s, k, h), dtype=np.float32) * magnitude
     v = rng.standard_normal(lead + (s, k, h), dtype=np.float32)
     return tuple(jnp.asarray(x, dtype) for x in (q, kk, v))
+
+
+def poison(*like):
+    """Fills and frees device blocks of the sizes (and dtypes) of the coming results with NaN:
+    XLA's allocator hands a freed block to the next allocation of that size, so a result element
+    a kernel forgot to write shows up as NaN."""
+    blocks = [jnp.full(x.shape, jnp.nan, x.dtype).block_until_ready() for x in like]
+    del blocks
 
 
 def assert_attention_close(out, query, key, value, *args, **kwargs):

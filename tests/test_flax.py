@@ -19,6 +19,7 @@ import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jax_flashattn.flax as jfa_flax  # noqa: E402
+from helpers import random_qkv  # noqa: E402
 
 B, T, F, HEADS = 2, 16, 32, 4
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
@@ -226,15 +227,9 @@ def test_nnx_dropout_in_training_raises(inputs):
 # The function itself: Flax's arguments and conventions
 
 
-def _qkv(rng, lead, t, s, n, k, h):
-    q = rng.standard_normal(lead + (t, n, h), dtype=np.float32)
-    kv = rng.standard_normal((2,) + lead + (s, k, h), dtype=np.float32)
-    return jnp.asarray(q), jnp.asarray(kv[0]), jnp.asarray(kv[1])
-
-
 @pytest.mark.parametrize("lead", [(), (2, 3)])
 def test_function_batch_dims_bias_and_float_mask(rng, lead):
-    q, k, v = _qkv(rng, lead, 5, 7, 4, 4, 8)
+    q, k, v = random_qkv(rng, lead, 5, 7, 4, 4, 8, jnp.float32)
     bias = jnp.asarray(rng.standard_normal((4, 5, 7), dtype=np.float32))
     mask = jnp.asarray(rng.random(lead[-1:] + (1, 5, 7)) < 0.6, jnp.float32)
     mask = mask.at[..., 0].set(1.0)  # every query row sees a key
@@ -245,7 +240,7 @@ def test_function_batch_dims_bias_and_float_mask(rng, lead):
 
 
 def test_function_gqa_and_positional_args(rng):
-    q, k, v = _qkv(rng, (2,), 6, 6, 6, 2, 8)
+    q, k, v = random_qkv(rng, (2,), 6, 6, 6, 2, 8, jnp.float32)
     mask = nnx.make_causal_mask(jnp.ones((2, 6)))
     # Positionally: bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic.
     out = jfa_flax.dot_product_attention(q, k, v, None, mask, True, None, 0.0, False)
@@ -253,7 +248,7 @@ def test_function_gqa_and_positional_args(rng):
 
 
 def test_function_dtype_promotion(rng):
-    q, k, v = _qkv(rng, (2,), 8, 8, 2, 2, 16)
+    q, k, v = random_qkv(rng, (2,), 8, 8, 2, 2, 16, jnp.float32)
     out = jfa_flax.dot_product_attention(q, k, v, dtype=jnp.bfloat16)
     assert out.dtype == jnp.bfloat16
     out = jfa_flax.dot_product_attention(q.astype(jnp.bfloat16), k, v)  # promotes to float32
@@ -262,7 +257,7 @@ def test_function_dtype_promotion(rng):
 
 def test_function_fully_masked_row_returns_zero(rng):
     """The documented difference: Flax averages V over a row that sees no key; we return 0."""
-    q, k, v = _qkv(rng, (1,), 3, 4, 1, 1, 8)
+    q, k, v = random_qkv(rng, (1,), 3, 4, 1, 1, 8, jnp.float32)
     mask = jnp.ones((1, 1, 3, 4), bool).at[0, 0, 1].set(False)
     out = np.asarray(jfa_flax.dot_product_attention(q, k, v, mask=mask))
     ref = np.asarray(nn.dot_product_attention(q, k, v, mask=mask))
@@ -272,7 +267,7 @@ def test_function_fully_masked_row_returns_zero(rng):
 
 
 def test_function_dropout_and_custom_einsums_raise(rng):
-    q, k, v = _qkv(rng, (1,), 4, 4, 2, 2, 8)
+    q, k, v = random_qkv(rng, (1,), 4, 4, 2, 2, 8, jnp.float32)
     with pytest.raises(NotImplementedError, match="attention dropout"):
         jfa_flax.dot_product_attention(q, k, v, dropout_rate=0.5, deterministic=False,
                                        dropout_rng=jax.random.key(0))
@@ -294,7 +289,7 @@ def test_make_attention_fn_signature_and_causal_or():
                  "qk_attn_weights_einsum", "attn_weights_value_einsum", "is_causal"):
         assert name in params  # Linen passes only the arguments it finds here
     rng = np.random.default_rng(0)
-    q, k, v = _qkv(rng, (1,), 5, 5, 2, 2, 8)
+    q, k, v = random_qkv(rng, (1,), 5, 5, 2, 2, 8, jnp.float32)
     causal = jfa_flax.dot_product_attention(q, k, v, is_causal=True)
     assert_trees_close(fn(q, k, v, is_causal=False), causal)  # NNX passes is_causal=False
     with pytest.raises(ValueError, match="implementation"):
@@ -305,7 +300,7 @@ def test_make_attention_fn_signature_and_causal_or():
 def test_make_attention_fn_deterministic_backward(deterministic):
     """The option reaches the backward custom call's attributes."""
     fn = jfa_flax.make_attention_fn(is_causal=True, deterministic_backward=deterministic)
-    q, k, v = _qkv(np.random.default_rng(0), (1,), 6, 6, 2, 2, 8)
+    q, k, v = random_qkv(np.random.default_rng(0), (1,), 6, 6, 2, 2, 8, jnp.float32)
     grad = jax.grad(lambda q: jnp.sum(fn(q, k, v) ** 2))
     text = jax.jit(grad).lower(q).compile().as_text()
     config = re.search(r'custom_call_target="jax_flashattn_bwd".*?backend_config=(\{[^}]*\})',

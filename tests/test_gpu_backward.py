@@ -8,7 +8,7 @@ import pytest
 
 import jax_flashattn
 from jax_flashattn import reference
-from helpers import random_qkv
+from helpers import poison, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -81,13 +81,6 @@ LOW_PRECISION = [jnp.bfloat16, jnp.float16]
 # Normwise relative error against the float32 reference: P and dS are rounded to the input
 # dtype before their products (as in every FlashAttention kernel), and the results once more.
 NORMWISE = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 4e-3}
-
-
-def poison(*like):
-    """Fills and frees device blocks of the sizes of the coming results with NaN, so an element
-    a kernel forgot to write shows up as NaN."""
-    blocks = [jnp.full(x.shape, jnp.nan, x.dtype).block_until_ready() for x in like]
-    del blocks
 
 
 def cuda_grads(q, k, v, bias, d_out, *args, deterministic=False, **kwargs):
