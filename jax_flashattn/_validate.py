@@ -100,6 +100,21 @@ def _seq_lengths(x, name: str, batch: int) -> jax.Array | None:
     return x.astype(jnp.int32)
 
 
+IMPLEMENTATIONS = (None, "cpu", "cuda", "xla", "cudnn")
+
+
+def check_options(*, is_causal=False, implementation=None, deterministic_backward=False):
+    """The static options of `attention`, checked where they are given (also when
+    jax_flashattn.flax.make_attention_fn fixes them, before any call)."""
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
+                         f"{implementation!r}")
+    if not isinstance(deterministic_backward, bool):
+        raise TypeError(f"deterministic_backward must be a bool, got {deterministic_backward!r}")
+
+
 def _window(local_window_size) -> tuple[int, int] | None:
     if local_window_size is None:
         return None
@@ -153,8 +168,7 @@ def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                          f"key {_describe(key)}")
     if n % kv_heads:
         raise ValueError(f"query heads N={n} must be a multiple of key/value heads K={kv_heads}")
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    check_options(is_causal=is_causal)
 
     target = (b, n, t, s)
     if bias is not None:

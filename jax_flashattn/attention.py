@@ -10,7 +10,6 @@ import jax.numpy as jnp
 
 from jax_flashattn import _ffi, _validate, sharding
 
-IMPLEMENTATIONS = (None, "cpu", "cuda", "xla", "cudnn")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
@@ -40,10 +39,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _check_implementation(implementation) -> str:
-    """Resolves `implementation` to "kernels" or a jax.nn implementation name."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
-                         f"{implementation!r}")
+    """Resolves `implementation` (already checked to be one of _validate.IMPLEMENTATIONS) to
+    "kernels" or a jax.nn implementation name."""
     platform = jax.default_backend()
     if implementation == "cpu" and platform != "cpu":
         raise ValueError(f"implementation='cpu' needs the CPU backend, but the default backend "
@@ -91,9 +88,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     path (float32, head dims the tensor cores do not take) are deterministic either way. It
     has no effect with implementation="xla" or "cudnn" (jax.nn's own backward).
     """
-    if not isinstance(deterministic_backward, bool):
-        raise TypeError(f"deterministic_backward must be a bool, got "
-                        f"{type(deterministic_backward).__name__}")
+    _validate.check_options(implementation=implementation,
+                            deterministic_backward=deterministic_backward)
     kind = _check_implementation(implementation)
     args = _validate.normalize(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                                query_seq_lengths=query_seq_lengths,

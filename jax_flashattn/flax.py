@@ -55,8 +55,7 @@ import flax.linen
 import jax
 import jax.numpy as jnp
 
-from jax_flashattn import reference
-from jax_flashattn.attention import IMPLEMENTATIONS
+from jax_flashattn import _validate, reference
 from jax_flashattn.attention import attention as _attention
 
 __all__ = ["dot_product_attention", "make_attention_fn"]
@@ -123,13 +122,8 @@ def make_attention_fn(*, is_causal=False, scale=None, local_window_size=None,
     The returned function has `dot_product_attention`'s signature, which Linen inspects to
     decide which arguments to pass.
     """
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
-                         f"{implementation!r}")
-    if not isinstance(deterministic_backward, bool):
-        raise TypeError(f"deterministic_backward must be a bool, got {deterministic_backward!r}")
+    _validate.check_options(is_causal=is_causal, implementation=implementation,
+                            deterministic_backward=deterministic_backward)
     defaults = dict(scale=scale, local_window_size=local_window_size,
                     implementation=implementation, deterministic_backward=deterministic_backward)
 
