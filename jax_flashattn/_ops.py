@@ -1,9 +1,9 @@
 """`jax.ffi.ffi_call` wrappers: the only place that knows the FFI targets' operands.
 
 Optional inputs (bias, mask, query and key/value lengths) are passed only when present, in that
-order, and flagged by attributes. `vmap_method="broadcast_all"` gives every operand the vmapped
-dimensions in front; the handlers treat every dimension before [T, N, H] as batch, so a vmapped
-call stays one custom call.
+order, and flagged by attributes. The handlers treat every dimension before [T, N, H] as batch,
+so operands may carry extra leading dims (all of them the same ones, in front, as
+`vmap_method="broadcast_all"` gives a vmapped call): it stays one custom call.
 """
 
 from __future__ import annotations
@@ -34,35 +34,36 @@ def _attrs(scale: float, window: tuple[int | None, int | None], deterministic: b
 
 
 def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple):
-    """(out [B, T, N, H] in q's dtype, lse [B, N, T] float32)."""
-    b, t, n, _ = q.shape
+    """(out [..., B, T, N, H] in q's dtype, lse [..., B, N, T] float32)."""
+    *lead, t, n, _ = q.shape
     optional, flags = _optional_operands(bias, mask, q_lens, kv_lens)
     call = jax.ffi.ffi_call(
         _ffi.FORWARD_TARGET,
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)),
+        (jax.ShapeDtypeStruct(q.shape, q.dtype),
+         jax.ShapeDtypeStruct((*lead, n, t), jnp.float32)),
         vmap_method="broadcast_all")
     return call(q, k, v, *optional, **flags, **_attrs(scale, window))
 
 
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: float,
              window: tuple, deterministic: bool = False):
-    """(dq, dk, dv, dbias) where dbias is the float32 [B, N, T, S] gradient of the logits'
+    """(dq, dk, dv, dbias) where dbias is the float32 [..., B, N, T, S] gradient of the logits'
     bias before any broadcast is summed out, or None without bias.
 
     `deterministic` makes the CUDA kernels compute dQ in its own pass instead of summing it
     with float32 atomics (bit-identical across runs; the CPU kernels always are). The call's
     results also carry the CUDA kernels' workspaces, so that XLA owns their memory: a float32
-    dQ accumulator shaped like q and D = rowsum(dO * O) float32 [B, N, T]; they are dropped
-    here (the CPU kernels leave them untouched).
+    dQ accumulator shaped like q and D = rowsum(dO * O) float32 [..., B, N, T]; they are
+    dropped here (the CPU kernels leave them untouched).
     """
-    b, t, n, _ = q.shape
-    s = k.shape[1]
+    *lead, t, n, _ = q.shape
+    s = k.shape[-3]
     optional, flags = _optional_operands(bias, mask, q_lens, kv_lens)
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     results.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))  # dq_accum
-    results.append(jax.ShapeDtypeStruct((b, n, t), jnp.float32))  # delta
+    results.append(jax.ShapeDtypeStruct((*lead, n, t), jnp.float32))  # delta
     if bias is not None:
-        results.append(jax.ShapeDtypeStruct((b, n, t, s), jnp.float32))
+        results.append(jax.ShapeDtypeStruct((*lead, n, t, s), jnp.float32))
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
     grads = call(q, k, v, out, lse, d_out, *optional, **flags,
                  **_attrs(scale, window, deterministic))

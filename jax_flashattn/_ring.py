@@ -223,14 +223,6 @@ def balanced_schedule(mode: str, devices: int, q_len: int, kv_len: int, window: 
 # ----------------------------------------------------------------------------------------------
 # Kernel calls on one block, any canonical window
 
-def _over_leading_dims(fn, ndim):
-    """fn (written for [B, T, N, H] operands) over operands with `ndim - 4` more leading dims:
-    the ffi_call's vmap rule puts them in front, so it stays one kernel call."""
-    for _ in range(ndim - 4):
-        fn = jax.vmap(fn)
-    return fn
-
-
 def _varying_axes(x) -> frozenset:
     """The manual mesh axes x varies over inside shard_map (jax 0.10+ `manual_axis_type`,
     older `vma`)."""
@@ -261,18 +253,16 @@ def _vary_like(outs, operands):
 
 def kernel_forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale, window):
     """`_ops.forward` for operands with any dims before [T, N, H]."""
-    fn = functools.partial(_ops.forward, scale=scale, window=window)
     operands = (q, k, v, bias, mask, q_lens, kv_lens)
-    return _vary_like(_over_leading_dims(fn, q.ndim)(*operands), operands)
+    return _vary_like(_ops.forward(*operands, scale=scale, window=window), operands)
 
 
 def kernel_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale, window,
                     deterministic=False):
     """`_ops.backward` for operands with any dims before [T, N, H]."""
-    fn = functools.partial(_ops.backward, scale=scale, window=window,
-                           deterministic=deterministic)
     operands = (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens)
-    return _vary_like(_over_leading_dims(fn, q.ndim)(*operands), operands)
+    return _vary_like(_ops.backward(*operands, scale=scale, window=window,
+                                    deterministic=deterministic), operands)
 
 
 def _empty_forward(q):
