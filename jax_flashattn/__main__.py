@@ -247,9 +247,10 @@ def main(argv=None) -> int:
     if not args.skip_bench:
         impls = _bench.available_impls(_bench.IMPLS)
         modes = ["fwd", "fwdbwd"] if args.mode == "both" else [args.mode]
+        configs = bench_configs("gpu" if size == "gpu" else "cpu")
         print(f"\nBenchmark ({', '.join(impls)}; each config checked, then timed):", flush=True)
-        records = _bench.run_benchmark(bench_configs("gpu" if size == "gpu" else "cpu"),
-                                       impls, modes)
+        print("our forward kernel: " + _bench.forward_kernel_summary(configs), flush=True)
+        records = _bench.run_benchmark(configs, impls, modes)
         for title, table in _bench.markdown_tables(records, impls):
             print(f"\n{title}\n\n{table}")
         failed += [f"benchmark {r['dtype']} T={r['seqlen_q']} {r['mode']}: {r['status']}"
