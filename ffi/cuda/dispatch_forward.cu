@@ -9,7 +9,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
-#include <mutex>
 
 #include "ffi/cuda/dispatch.h"
 #include "ffi/cuda/launch.h"
@@ -36,21 +35,14 @@ cudaError_t launch_sm90_for_head_dim(const AttentionParams& p, cudaStream_t stre
   return launch_forward_sm90<Elem, 128>(p, stream);
 }
 
-// Whether CUDA device `device` is compute capability 9.0 (the only one sm_90a code runs on),
-// asked once per device.
+// Whether CUDA device `device` is compute capability 9.0 (the only one sm_90a code runs on).
 bool device_is_sm90(int device) {
-  constexpr int kMaxDevices = 64;
-  static std::once_flag flags[kMaxDevices];
-  static bool results[kMaxDevices];
-  if (device < 0 || device >= kMaxDevices) return false;
-  std::call_once(flags[device], [&] {
+  return once_per_device(device, false, [](int d) {
     int major = 0, minor = 0;
-    results[device] =
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
-        major == 9 && minor == 0;
+    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) == cudaSuccess &&
+           cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d) == cudaSuccess &&
+           major == 9 && minor == 0;
   });
-  return results[device];
 }
 
 // JAX_FLASHATTN_DISABLE_SM90=1 sends Hopper calls to the mma.sync family. Read per call, so a
@@ -64,11 +56,8 @@ bool sm90_disabled() {
 bool sm90_applies(const AttentionParams& p, int device) {
 #ifdef JAX_FLASHATTN_HAS_SM90A
   const int64_t max_head_dim = sm90::kHeadDims[std::size(sm90::kHeadDims) - 1];
-  // The tile scheduler's 32-bit rows and (batch, head) indices, with a tile of margin.
-  constexpr int64_t kIndexLimit = 0x7fffffff - 256;
   return p.bias == nullptr && p.mask == nullptr && p.head_dim <= max_head_dim &&
-         p.seqlen_k > 0 && p.seqlen_q <= kIndexLimit && p.seqlen_k <= kIndexLimit &&
-         p.batch * p.num_heads <= kIndexLimit && sm90::tma_compatible(p) &&
+         p.seqlen_k > 0 && sm90::indices_fit_32_bits(p) && sm90::tma_compatible(p) &&
          sm90::tensor_maps_available() && !sm90_disabled() && device_is_sm90(device);
 #else
   (void)p;

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <mutex>
+#include <utility>
 
 #include "ffi/params.h"
 
@@ -34,40 +35,42 @@ cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream);
 // atomics, so results are bit-identical across runs.
 cudaError_t launch_backward_simt(const AttentionParams& p, cudaStream_t stream);
 
-// Raises kKernel's dynamic shared-memory limit once per device; thread-safe, so concurrent
-// handlers on several GPUs each set it exactly once. Keyed on the kernel itself (a template
-// argument), not its type: every kernel of a family has the same signature.
-template <auto kKernel>
-cudaError_t ensure_smem_limit(int bytes) {
+// query(device), computed once per CUDA device and cached (out_of_range for ordinals past the
+// cache); thread-safe, so concurrent handlers on several GPUs each ask exactly once. Every call
+// site's query is a lambda of its own type, so each has its own cache.
+template <typename Result, typename Query>
+Result once_per_device(int device, Result out_of_range, const Query& query) {
   constexpr int kMaxDevices = 64;
   static std::once_flag flags[kMaxDevices];
-  static cudaError_t results[kMaxDevices];
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
-  std::call_once(flags[device], [&] {
-    results[device] =
-        cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  });
+  static Result results[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) return out_of_range;
+  std::call_once(flags[device], [&] { results[device] = query(device); });
   return results[device];
 }
 
-// The current device's multiprocessor count (the grid of persistent kernels), asked once per
-// device.
-inline cudaError_t multiprocessor_count(int& count) {
-  constexpr int kMaxDevices = 64;
-  static std::once_flag flags[kMaxDevices];
-  static cudaError_t results[kMaxDevices];
-  static int counts[kMaxDevices];
+// Raises kKernel's dynamic shared-memory limit once per device. Keyed on the kernel itself (a
+// template argument), not its type: every kernel of a family has the same signature.
+template <auto kKernel>
+cudaError_t ensure_smem_limit(int bytes) {
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
-  std::call_once(flags[device], [&] {
-    results[device] =
-        cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device);
+  return once_per_device(device, cudaErrorInvalidDevice, [bytes](int) {
+    return cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   });
-  count = counts[device];
-  return results[device];
+}
+
+// The current device's multiprocessor count (the grid of persistent kernels).
+inline cudaError_t multiprocessor_count(int& count) {
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  const auto query = [](int d) {
+    int n = 0;
+    const cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, d);
+    return std::pair{e, n};
+  };
+  const auto [error, sms] = once_per_device(device, std::pair{cudaErrorInvalidDevice, 0}, query);
+  count = sms;
+  return error;
 }
 
 }  // namespace jax_flashattn::cuda

@@ -14,13 +14,11 @@ cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   using Traits = sm90::ForwardConfig<kHeadDim>;
   constexpr auto kernel = sm90::forward_kernel<Elem, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-  // The tile scheduler keeps rows and (batch, head) indices in 32 bits.
-  if (p.seqlen_q > 0x7fffffff - Traits::kBlockM || p.seqlen_k > 0x7fffffff - Traits::kBlockN ||
-      p.batch * p.num_heads > 0x7fffffff)
-    return cudaErrorInvalidConfiguration;
+  if (!sm90::indices_fit_32_bits(p)) return cudaErrorInvalidConfiguration;
   int sms = 0;
   if (cudaError_t e = multiprocessor_count(sms); e != cudaSuccess) return e;
-  const int64_t tiles = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM * p.batch * p.num_heads;
+  const int64_t m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int64_t tiles = m_blocks * p.batch * p.num_heads;
   sm90::ForwardMaps maps;
   // The epilogue stores each consumer warpgroup's 64 rows on their own.
   if (cudaError_t e = sm90::encode_forward_maps(p, Traits::kBlockM, Traits::kBlockN, 64, maps);

@@ -11,8 +11,8 @@
 
 namespace jax_flashattn::sm90 {
 
-// 32-bit indices (the dispatcher and the launch keep T, S and batch * heads a tile below
-// 2^31): registers are what the consumers are short of.
+// 32-bit indices (indices_fit_32_bits in traits.h, checked by the dispatcher and the launch):
+// registers are what the consumers are short of.
 struct ForwardTile {
   int b, n, kv_head;
   int row0;          // first query row of the block

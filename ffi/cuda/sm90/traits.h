@@ -1,13 +1,15 @@
 // Tile configurations of the Hopper (TMA + wgmma) forward kernel, one per instantiated head dim.
 //
-// A block (one per SM, persistent) is one producer warpgroup (a single thread issues every TMA
-// load) and kConsumers warpgroups of 64 query rows each. Every tile in shared memory is stored as TMA writes it with
-// the 128-byte swizzle: the head dim split into 64-element spans, each span a [rows][64] array
-// of 128-byte rows, spans one after another. K and V cycle through kStages buffers guarded by
-// full/empty mbarriers.
+// A block (one per SM, persistent) is one producer warpgroup (a single thread issues every
+// TMA load) and kConsumers warpgroups of 64 query rows each. Every tile in shared memory is
+// stored as TMA writes it with the 128-byte swizzle: the head dim split into 64-element
+// spans, each span a [rows][64] array of 128-byte rows, spans one after another. K and V
+// cycle through kStages buffers guarded by full/empty mbarriers.
 #pragma once
 
 #include <cstdint>
+
+#include "ffi/params.h"
 
 namespace jax_flashattn::sm90 {
 
@@ -46,6 +48,13 @@ struct ForwardTraits {
   static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536,
                 "the register budgets fit the register file");
 };
+
+// The tile scheduler keeps rows and (batch, head) indices in 32 bits: T, S and batch * heads
+// must stay a tile (at most 256 rows) below 2^31.
+inline bool indices_fit_32_bits(const AttentionParams& p) {
+  constexpr int64_t kLimit = 0x7fffffff - 256;
+  return p.seqlen_q <= kLimit && p.seqlen_k <= kLimit && p.batch * p.num_heads <= kLimit;
+}
 
 template <int kHeadDim>
 struct ForwardConfig;
