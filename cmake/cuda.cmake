@@ -61,7 +61,7 @@ foreach(_elem_pair "bf16;__nv_bfloat16" "fp16;__half")
     list(APPEND _instantiations "${_file}")
   endforeach()
   # The Hopper forward per head dim of sm90::kHeadDims (an empty kernel outside sm_90a).
-  foreach(HEAD_DIM 64 128)
+  foreach(HEAD_DIM 64 128 256)
     set(_file "${CMAKE_CURRENT_BINARY_DIR}/instantiations/forward_sm90_${_tag}_hd${HEAD_DIM}.cu")
     configure_file(ffi/cuda/instantiations/forward_sm90.cu.in "${_file}" @ONLY)
     list(APPEND _instantiations "${_file}")

@@ -115,16 +115,28 @@ def test_scales(rng, dtype, scale):
 
 def test_dispatch_is_visible():
     """forward_kernel reports the family the dispatcher launches: the Hopper kernel on compute
-    capability 9.0 (when the install has sm_90a) without bias or mask at head dims <= 128."""
+    capability 9.0 (when the install has sm_90a) without bias or mask, at every head dim."""
     device = jax.devices()[0]
     q = jax.ShapeDtypeStruct((2, 100, 4, 128), jnp.bfloat16)
     big = jax.ShapeDtypeStruct((2, 100, 4, 256), jnp.bfloat16)
     hopper = device.compute_capability == "9.0" and "90a" in jax_flashattn.cuda_architectures()
     assert jax_flashattn.forward_kernel(q, q) == ("sm90" if hopper else "sm80")
     assert jax_flashattn.forward_kernel(q, q, bias=q) == "sm80"
-    assert jax_flashattn.forward_kernel(big, big) == "sm80"
+    assert jax_flashattn.forward_kernel(big, big) == ("sm90" if hopper else "sm80")
     f32 = jax.ShapeDtypeStruct((2, 100, 4, 64), jnp.float32)
     assert jax_flashattn.forward_kernel(f32, f32) == "simt"
+
+
+@pytest.mark.parametrize("head_dim", [136, 256])
+@pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(70, 9)),
+                                    dict(query_seq_lengths=np.array([900, 0, 5], np.int32),
+                                         key_value_seq_lengths=np.array([1000, 40, 0], np.int32),
+                                         is_causal=True)])
+def test_large_head_dims_many_tiles(rng, head_dim, kwargs):
+    """Head dims above 128 on the Hopper kernel keep one Q buffer and stage O in it: more
+    query tiles than SMs, so every block reuses that buffer across tiles (and at 136 most of
+    the padded head dim is zero-filled by TMA)."""
+    check(*random_qkv(rng, 3, 1000, 1000, 48, 8, head_dim, jnp.bfloat16), **kwargs)
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(17, 5)),

@@ -32,7 +32,8 @@ cudaError_t launch_sm80_for_head_dim(const AttentionParams& p, cudaStream_t stre
 template <typename Elem>
 cudaError_t launch_sm90_for_head_dim(const AttentionParams& p, cudaStream_t stream) {
   if (p.head_dim <= 64) return launch_forward_sm90<Elem, 64>(p, stream);
-  return launch_forward_sm90<Elem, 128>(p, stream);
+  if (p.head_dim <= 128) return launch_forward_sm90<Elem, 128>(p, stream);
+  return launch_forward_sm90<Elem, 256>(p, stream);
 }
 
 // Whether CUDA device `device` is compute capability 9.0 (the only one sm_90a code runs on).

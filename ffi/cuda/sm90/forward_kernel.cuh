@@ -89,15 +89,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr uint32_t kRowBytes = 128;     // one swizzle span of one row
   constexpr uint32_t kGroupBytes = 8 * kRowBytes;  // 8-row core-matrix groups (descriptor SBO)
 
-  // Tiles at 1024-byte boundaries (the 128-byte swizzle's period): Q stages, O, K stages,
-  // V stages, then the barriers.
+  // Tiles at 1024-byte boundaries (the 128-byte swizzle's period): Q stages, O (unless staged
+  // in the Q buffer), K stages, V stages, then the barriers.
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_address = ptx::smem_address(smem_raw);
   const uint32_t base = (raw_address + 1023) & ~1023u;
   unsigned char* smem = smem_raw + (base - raw_address);
   constexpr int kQStages = Traits::kQStages;
-  constexpr uint32_t sO_offset = kQStages * Traits::kQBytes;
-  constexpr uint32_t sKV_offset = sO_offset + Traits::kQBytes;
+  constexpr uint32_t sO_offset = Traits::kOInQ ? 0 : kQStages * Traits::kQBytes;
+  constexpr uint32_t sKV_offset = kQStages * Traits::kQBytes + Traits::kOBytes;
   const auto sQ = [&](int stage) { return base + stage * Traits::kQBytes; };
   const auto sK = [&](int stage) { return base + sKV_offset + stage * Traits::kKVBytes; };
   const auto sV = [&](int stage) {
@@ -202,6 +202,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int e = 0; e < 4; ++e) ptx::fence_register(o_acc[0][t][e]);
   };
   const auto issue_qk = [&](uint32_t q_tile, int stage) {  // S = Q K^T, overwriting S
+    // Q's address is the same for every K/V tile: without this opaque copy ptxas hoists all
+    // kKSteps 64-bit Q descriptors out of the tile loop (32 registers at head dim 256, which
+    // spilled 228 bytes); rebuilt here they cost two integer ops each.
+    asm volatile("" : "+r"(q_tile));
     fence_s();
     ptx::wgmma_fence();
 #pragma unroll
@@ -316,7 +320,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::wgmma_wait<0>();
     fence_o();
     release(bars.v_empty[kv_ring.stage()]);
-    release(bars.q_empty[q_stage]);  // this tile's S products, Q's only readers, are done
+    // This tile's S products, Q's only readers, are done (unless O is staged there).
+    if constexpr (!Traits::kOInQ) release(bars.q_empty[q_stage]);
     ++kv_ring.count;
     ++q_ring.count;
 
@@ -338,8 +343,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int d = 0; d < kDTiles; ++d) {
         const uint32_t offset =
             sO_offset + (d / 8) * kBlockM * kRowBytes + (row_offset ^ ((d % 8) << 4));
-        *reinterpret_cast<uint32_t*>(smem + offset) =
-            ptx::pack2<Elem>(o_acc[0][d][2 * h], o_acc[0][d][2 * h + 1]);
+        ptx::st_shared_b32(base + offset,
+                           ptx::pack2<Elem>(o_acc[0][d][2 * h], o_acc[0][d][2 * h + 1]));
       }
       if (lane % 4 == 0 && t.row0 + row < p.seqlen_q) lse[t.row0 + row] = row_lse[0][h];
     }
@@ -352,6 +357,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                           base + sO_offset + span * kBlockM * kRowBytes + wg_row0 * kRowBytes,
                           span * kSpanElems, t.n, t.row0 + wg_row0, t.b);
       ptx::bulk_commit_group();
+      if constexpr (Traits::kOInQ) ptx::bulk_wait_group_read_all();
+    }
+    if constexpr (Traits::kOInQ) {  // the store has read O: the next Q may land
+      sync_warpgroup();
+      release(bars.q_empty[q_stage]);
     }
   }
   if (consumer == 0) take_turn();

@@ -80,6 +80,12 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// Stores 4 bytes at a shared-memory address: a 32-bit shared-window offset, where a store
+// through a generic pointer takes a 64-bit address register.
+__device__ __forceinline__ void st_shared_b32(uint32_t address, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(value) : "memory");
+}
+
 // Synchronises the `threads` threads (a multiple of 32) that use named barrier `id`.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -181,6 +187,43 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&
   "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
   "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
 
+#define JAX_FLASHATTN_WGMMA_D80_REGS \
+  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39" "}"
+#define JAX_FLASHATTN_WGMMA_D256_REGS \
+  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, " \
+  "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, " \
+  "%120, %121, %122, %123, %124, %125, %126, %127" "}"
+#define JAX_FLASHATTN_WGMMA_D80_OPERANDS(d) \
+  JAX_FLASHATTN_WGMMA_D64_OPERANDS(d), \
+  "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+  "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3])
+#define JAX_FLASHATTN_WGMMA_D256_OPERANDS(d) \
+  JAX_FLASHATTN_WGMMA_D128_OPERANDS(d), \
+  "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), \
+  "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), \
+  "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), \
+  "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]), \
+  "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]), \
+  "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]), \
+  "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]), \
+  "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]), \
+  "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]), \
+  "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]), \
+  "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]), \
+  "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]), \
+  "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]), \
+  "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]), \
+  "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]), \
+  "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+
 // One specialisation of each wrapper per (N, element type). A and B descriptors, the scale-d
 // flag and the register A operand follow the N / 2 accumulators, hence their operand numbers.
 #define JAX_FLASHATTN_WGMMA_SS(N, ELEM, TYPE, REGS, OPERANDS, A, B, SCALE_D)                    \
@@ -222,11 +265,23 @@ JAX_FLASHATTN_WGMMA_RS(128, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D128_REGS
 JAX_FLASHATTN_WGMMA_RS(128, __half, "f16", JAX_FLASHATTN_WGMMA_D128_REGS,
                        JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66, 67, 68, 69)
 
+JAX_FLASHATTN_WGMMA_SS(80, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D80_REGS,
+                       JAX_FLASHATTN_WGMMA_D80_OPERANDS, 40, 41, 42)
+JAX_FLASHATTN_WGMMA_SS(80, __half, "f16", JAX_FLASHATTN_WGMMA_D80_REGS,
+                       JAX_FLASHATTN_WGMMA_D80_OPERANDS, 40, 41, 42)
+JAX_FLASHATTN_WGMMA_RS(256, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D256_REGS,
+                       JAX_FLASHATTN_WGMMA_D256_OPERANDS, 128, 129, 130, 131, 132, 133)
+JAX_FLASHATTN_WGMMA_RS(256, __half, "f16", JAX_FLASHATTN_WGMMA_D256_REGS,
+                       JAX_FLASHATTN_WGMMA_D256_OPERANDS, 128, 129, 130, 131, 132, 133)
 #undef JAX_FLASHATTN_WGMMA_SS
 #undef JAX_FLASHATTN_WGMMA_RS
 #undef JAX_FLASHATTN_WGMMA_D64_REGS
 #undef JAX_FLASHATTN_WGMMA_D128_REGS
 #undef JAX_FLASHATTN_WGMMA_D64_OPERANDS
 #undef JAX_FLASHATTN_WGMMA_D128_OPERANDS
+#undef JAX_FLASHATTN_WGMMA_D80_REGS
+#undef JAX_FLASHATTN_WGMMA_D256_REGS
+#undef JAX_FLASHATTN_WGMMA_D80_OPERANDS
+#undef JAX_FLASHATTN_WGMMA_D256_OPERANDS
 
 }  // namespace jax_flashattn::ptx

@@ -4,7 +4,10 @@
 // TMA load) and kConsumers warpgroups of 64 query rows each. Every tile in shared memory is
 // stored as TMA writes it with the 128-byte swizzle: the head dim split into 64-element
 // spans, each span a [rows][64] array of 128-byte rows, spans one after another. K and V
-// cycle through kStages buffers guarded by full/empty mbarriers.
+// cycle through kStages buffers guarded by full/empty mbarriers, Q through kQStages. With two
+// Q buffers O is staged for its TMA store in a buffer of its own; with one (head dim 256,
+// where shared memory has no room for a third Q-sized tile) it is staged in the Q buffer,
+// which the next tile's Q then waits for.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +16,7 @@
 
 namespace jax_flashattn::sm90 {
 
-template <int kHeadDim_, int kBlockN_, int kStages_>
+template <int kHeadDim_, int kBlockN_, int kStages_, int kQStages_>
 struct ForwardTraits {
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim: a whole number of spans
   static constexpr int kConsumers = 2;        // consumer warpgroups
@@ -21,7 +24,8 @@ struct ForwardTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   // Q tiles in flight: with two, the next tile's Q lands while the current one computes.
-  static constexpr int kQStages = 2;
+  static constexpr int kQStages = kQStages_;
+  static constexpr bool kOInQ = kQStages == 1;  // O staged in the (only) Q buffer
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
   // setmaxnreg budgets: 128 x 24 + 256 x 240 = 64512 of the SM's 65536 registers. The producer
@@ -34,15 +38,17 @@ struct ForwardTraits {
   static constexpr int kSpans = kHeadDim / kSpanElems;  // TMA boxes per tile
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // also the O staging tile
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile
-  // kQStages Q tiles, O, kStages K tiles and kStages V tiles, 1024-byte aligned each (the
-  // swizzle pattern repeats every 8 rows of 128 bytes), then the barriers; plus 1024 bytes to
-  // align the start.
+  // kQStages Q tiles, O (unless in Q), kStages K tiles and kStages V tiles, 1024-byte aligned
+  // each (the swizzle pattern repeats every 8 rows of 128 bytes), then the barriers; plus 1024
+  // bytes to align the start.
+  static constexpr int kOBytes = kOInQ ? 0 : kQBytes;
   static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages);
   static constexpr int kSmemBytes =
-      (kQStages + 1) * kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
+      kQStages * kQBytes + kOBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
 
   static_assert(kHeadDim % kSpanElems == 0, "tiles are whole 128-byte swizzle spans");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N is a multiple of 16 up to 256");
+  static_assert(kQStages == 1 || kQStages == 2, "one Q buffer (O staged in it) or two");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles stay 1024-byte aligned");
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
   static_assert(128 * kProducerRegisters + 128 * kConsumers * kConsumerRegisters <= 65536,
@@ -61,13 +67,17 @@ struct ForwardConfig;
 
 // S and P: 64 + 32 registers, O 32; smem 3 x 16 + 4 x 16 KiB = 113 KiB.
 template <>
-struct ForwardConfig<64> : ForwardTraits<64, 128, 2> {};
+struct ForwardConfig<64> : ForwardTraits<64, 128, 2, 2> {};
 // S and P: 64 + 32 registers, O 64; smem 3 x 32 + 4 x 32 KiB = 225 KiB.
 template <>
-struct ForwardConfig<128> : ForwardTraits<128, 128, 2> {};
+struct ForwardConfig<128> : ForwardTraits<128, 128, 2, 2> {};
+// O alone is 128 registers, so 64-key tiles: S and P 32 + 16; smem one Q (and O) tile of 64 KiB
+// + 4 x 32 KiB = 192 KiB. 80-key tiles (S and P 40 + 20, 224 KiB) spill 16 bytes.
+template <>
+struct ForwardConfig<256> : ForwardTraits<256, 64, 2, 1> {};
 
 // The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one
 // that is at least as large (TMA zero-fills the columns past it).
-inline constexpr int kHeadDims[] = {64, 128};
+inline constexpr int kHeadDims[] = {64, 128, 256};
 
 }  // namespace jax_flashattn::sm90
