@@ -4,6 +4,8 @@
 // instantiate it; dispatch_backward.cu runs the preprocess before and the dQ conversion after.
 #pragma once
 
+#include <utility>
+
 #include "ffi/cuda/launch.h"
 #include "ffi/cuda/sm80/backward_dkdv_kernel.cuh"
 #include "ffi/cuda/sm80/backward_dq_kernel.cuh"
@@ -11,24 +13,52 @@
 
 namespace jax_flashattn::cuda {
 
+// Whether the current device's opt-in shared memory per block holds the large dK/dV
+// configurations (sm_80, sm_87, sm_90, sm_100: 163 KiB or more), queried once per device.
+inline cudaError_t backward_large_tiles(bool& large) {
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  const auto query = [](int d) {
+    int bytes = 0;
+    const cudaError_t e =
+        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, d);
+    return std::pair{e, bytes};
+  };
+  const auto [error, bytes] = once_per_device(device, std::pair{cudaErrorInvalidDevice, 0}, query);
+  large = bytes >= sm80::kLargeSmemBytes;
+  return error;
+}
+
+// One dK/dV launch: a block per (batch x kv head, key block); key_blocks fits the grid's y.
+template <typename Elem, typename DkDv>
+cudaError_t launch_backward_dkdv(const AttentionParams& p, int64_t key_blocks,
+                                 cudaStream_t stream) {
+  constexpr auto kernel = sm80::backward_dkdv_kernel<Elem, DkDv>;
+  if (cudaError_t e = ensure_smem_limit<kernel>(DkDv::kSmemBytes); e != cudaSuccess) return e;
+  const dim3 grid(unsigned(p.batch * p.num_kv_heads), unsigned(key_blocks));
+  kernel<<<grid, DkDv::kThreads, DkDv::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream) {
-  using DkDv = sm80::DkDvConfig<kHeadDim>;
+  using DkDvSmall = sm80::DkDvConfig<kHeadDim>;
+  using DkDvLarge = sm80::DkDvConfigLarge<kHeadDim>;
   using Dq = sm80::DqConfig<kHeadDim>;
-  constexpr auto dkdv_kernel = sm80::backward_dkdv_kernel<Elem, DkDv>;
   constexpr auto dq_kernel = sm80::backward_dq_kernel<Elem, Dq>;
-  const int64_t key_blocks = (p.seqlen_k + DkDv::kBlockN - 1) / DkDv::kBlockN;
+  bool large = false;
+  if (cudaError_t e = backward_large_tiles(large); e != cudaSuccess) return e;
+  const int64_t block_n = large ? DkDvLarge::kBlockN : DkDvSmall::kBlockN;
+  const int64_t key_blocks = (p.seqlen_k + block_n - 1) / block_n;
   const int64_t query_blocks = (p.seqlen_q + Dq::kBlockM - 1) / Dq::kBlockM;
   // Grid y limits: the dK/dV pass always runs, the dQ pass only in deterministic mode.
   if (key_blocks > 65535 || (p.deterministic && query_blocks > 65535) ||
       p.batch * p.num_heads > 0x7fffffff)
     return cudaErrorInvalidConfiguration;
   if (key_blocks > 0) {
-    if (cudaError_t e = ensure_smem_limit<dkdv_kernel>(DkDv::kSmemBytes); e != cudaSuccess)
-      return e;
-    const dim3 grid(unsigned(p.batch * p.num_kv_heads), unsigned(key_blocks));
-    dkdv_kernel<<<grid, DkDv::kThreads, DkDv::kSmemBytes, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    const cudaError_t e = large ? launch_backward_dkdv<Elem, DkDvLarge>(p, key_blocks, stream)
+                                : launch_backward_dkdv<Elem, DkDvSmall>(p, key_blocks, stream);
+    if (e != cudaSuccess) return e;
   }
   if (!p.deterministic) return cudaSuccess;
   if (cudaError_t e = ensure_smem_limit<dq_kernel>(Dq::kSmemBytes); e != cudaSuccess) return e;
