@@ -178,12 +178,26 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
 ffi::Error DecodeForward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                          const ffi::AnyBuffer& v, const ffi::RemainingArgs& optional,
                          ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& lse,
-                         const CallAttrs& attrs, AttentionParams& p) {
+                         ffi::Result<ffi::AnyBuffer>& workspace,
+                         ffi::Result<ffi::AnyBuffer>& decode_workspace, const CallAttrs& attrs,
+                         AttentionParams& p) {
   if (ffi::Error e = DecodeInputs(q, k, v, optional, attrs, p); e.failure()) return e;
   if (ffi::Error e = CheckLike(*out, q, "out"); e.failure()) return e;
   if (ffi::Error e = CheckRowStats(*lse, p, "lse"); e.failure()) return e;
+  if (workspace->element_type() != ffi::DataType::S32 || workspace->element_count() < 1)
+    return Invalid("the forward workspace must hold at least one int32, got " +
+                   ShapeString(*workspace));
   p.out = out->untyped_data();
   p.lse = static_cast<float*>(lse->untyped_data());
+  p.tile_counter = static_cast<int*>(workspace->untyped_data());
+  // Any size: the dispatcher runs only as many splits as it holds (none: the normal kernels).
+  if (decode_workspace->element_type() != ffi::DataType::F32)
+    return Invalid("the forward's decode workspace must be float32, got " +
+                   ShapeString(*decode_workspace));
+  p.decode_workspace_floats = int64_t(decode_workspace->element_count());
+  p.decode_workspace = p.decode_workspace_floats > 0
+                           ? static_cast<float*>(decode_workspace->untyped_data())
+                           : nullptr;
   return ffi::Error::Success();
 }
 

@@ -26,11 +26,14 @@ struct CallAttrs {
 
 // Fills every field of p for a forward call: inputs, the optional inputs (which follow the fixed
 // operands in `optional`, in the order bias, mask, q_seqlens, kv_seqlens, each only when
-// flagged), out and lse. Returns InvalidArgument naming the operand when a shape is wrong.
+// flagged), out, lse and the workspaces. Returns InvalidArgument naming the operand when a
+// shape is wrong.
 ffi::Error DecodeForward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                          const ffi::AnyBuffer& v, const ffi::RemainingArgs& optional,
                          ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& lse,
-                         const CallAttrs& attrs, AttentionParams& p);
+                         ffi::Result<ffi::AnyBuffer>& workspace,
+                         ffi::Result<ffi::AnyBuffer>& decode_workspace, const CallAttrs& attrs,
+                         AttentionParams& p);
 
 // The same for a backward call: also out, lse, d_out, dq, dk, dv, the workspaces dq_accum and
 // delta, and dbias when bias is given.
@@ -54,6 +57,9 @@ auto BindForward(Binding binding) {
       .RemainingArgs()                 // bias?, mask?, q_seqlens?, kv_seqlens?
       .template Ret<ffi::AnyBuffer>()  // out [..., B, T, N, H]
       .template Ret<ffi::AnyBuffer>()  // lse float32 [..., B, N, T]
+      .template Ret<ffi::AnyBuffer>()  // workspace: int32 [..., 1], the Hopper tile counter
+      .template Ret<ffi::AnyBuffer>()  // workspace: float32 [..., W], the decode kernel's
+                                       // split partials (W may be 0; cuda/sm80/decode_plan.h)
       .template Attrs<CallAttrs>();
 }
 

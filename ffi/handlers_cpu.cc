@@ -21,9 +21,14 @@ ffi::Error RunGuarded(Fn&& fn) {
 
 ffi::Error ForwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::RemainingArgs optional, ffi::Result<ffi::AnyBuffer> out,
-                      ffi::Result<ffi::AnyBuffer> lse, CallAttrs attrs) {
+                      ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
+                      ffi::Result<ffi::AnyBuffer> decode_workspace, CallAttrs attrs) {
+  // The workspaces are decoded (so both platforms check the same call) and left untouched.
   AttentionParams p;
-  if (ffi::Error e = DecodeForward(q, k, v, optional, out, lse, attrs, p); e.failure()) return e;
+  if (ffi::Error e = DecodeForward(q, k, v, optional, out, lse, workspace, decode_workspace,
+                                   attrs, p);
+      e.failure())
+    return e;
   return RunGuarded([&] { cpu::forward(p); });
 }
 

@@ -13,9 +13,13 @@ namespace {
 
 ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::RemainingArgs optional, ffi::Result<ffi::AnyBuffer> out,
-                       ffi::Result<ffi::AnyBuffer> lse, CallAttrs attrs) {
+                       ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
+                       ffi::Result<ffi::AnyBuffer> decode_workspace, CallAttrs attrs) {
   AttentionParams p;
-  if (ffi::Error e = DecodeForward(q, k, v, optional, out, lse, attrs, p); e.failure()) return e;
+  if (ffi::Error e = DecodeForward(q, k, v, optional, out, lse, workspace, decode_workspace,
+                                   attrs, p);
+      e.failure())
+    return e;
   if (cudaError_t e = cuda::launch_forward(p, stream); e != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_flashattn: CUDA forward launch failed: ") +
                                 cudaGetErrorString(e));

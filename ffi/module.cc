@@ -3,10 +3,12 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cmath>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "ffi/cuda/sm80/decode_plan.h"
 #include "ffi/decode.h"
 #ifdef JAX_FLASHATTN_WITH_CUDA
 #include <stdexcept>
@@ -34,25 +36,69 @@ std::vector<std::string> CudaArchitectures() {
   return archs;
 }
 
+// Floats of decode workspace the C++ split rule (cuda/sm80/decode_plan.h) needs for a call of
+// this shape, dtype code (0 float32, 1 bfloat16, 2 float16) and options on a device with
+// `multiprocessors` SMs; 0 when the shape never takes the decode kernel. Lets the CPU tests
+// check jax_flashattn._ops.decode_workspace_size against it.
+int64_t DecodeWorkspaceFloats(int dtype, int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              float scale, bool has_bias, bool has_mask,
+                              int64_t multiprocessors) {
+  static const char buffer[16] = {};
+  jax_flashattn::AttentionParams p;
+  p.dtype = static_cast<jax_flashattn::ElemType>(dtype);
+  p.batch = batch;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = seqlen_k;
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.scale = scale;
+  p.bias = has_bias ? buffer : nullptr;
+  p.mask = has_mask ? reinterpret_cast<const bool*>(buffer) : nullptr;
+  if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || batch < 1 ||
+      !jax_flashattn::sm80::decode_shape_fits(p))
+    return 0;
+  const int64_t splits = jax_flashattn::sm80::decode_splits_wanted(batch * num_kv_heads, seqlen_k,
+                                                                  multiprocessors);
+  return jax_flashattn::sm80::decode_workspace_floats(p, splits);
+}
+
 #ifdef JAX_FLASHATTN_WITH_CUDA
 // The forward kernel family the CUDA dispatcher picks on CUDA device `device` for a call of
 // this shape and dtype (0 float32, 1 bfloat16, 2 float16) with the default scale, assuming
-// contiguous, aligned buffers as XLA allocates them. Leaves the current device alone.
+// contiguous, aligned buffers as XLA allocates them and a decode workspace of
+// `decode_workspace_floats` floats. Leaves the current device alone.
 std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t seqlen_k,
-                              bool has_bias, bool has_mask) {
+                              bool has_bias, bool has_mask, int64_t batch, int64_t seqlen_q,
+                              int64_t num_heads, int64_t num_kv_heads,
+                              int64_t decode_workspace_floats) {
   using jax_flashattn::ElemType;
   if (dtype < 0 || dtype > 2) throw std::invalid_argument("dtype code must be 0, 1 or 2");
+  if (batch < 1 || seqlen_q < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0)
+    throw std::invalid_argument("batch, seqlen_q and num_kv_heads must be positive and "
+                                "num_heads a multiple of num_kv_heads");
   alignas(256) static const char buffer[16] = {};
   jax_flashattn::AttentionParams p;
   p.dtype = static_cast<ElemType>(dtype);
-  p.batch = p.num_heads = p.num_kv_heads = p.seqlen_q = 1;
+  p.batch = batch;
+  p.seqlen_q = seqlen_q;
+  p.num_heads = num_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.scale = head_dim > 0 ? 1.f / std::sqrt(float(head_dim)) : 1.f;
   p.seqlen_k = seqlen_k;
   p.head_dim = head_dim;
-  p.q_head_stride = p.kv_head_stride = p.q_row_stride = p.kv_row_stride = head_dim;
-  p.q_batch_stride = head_dim;
-  p.kv_batch_stride = seqlen_k * head_dim;
+  p.q_head_stride = p.kv_head_stride = head_dim;
+  p.q_row_stride = num_heads * head_dim;
+  p.kv_row_stride = num_kv_heads * head_dim;
+  p.q_batch_stride = seqlen_q * p.q_row_stride;
+  p.kv_batch_stride = seqlen_k * p.kv_row_stride;
   p.q = p.k = p.v = buffer;
   p.out = const_cast<char*>(buffer);
+  p.tile_counter = reinterpret_cast<int*>(const_cast<char*>(buffer));  // every call has one
+  // Only the dispatcher's capacity check reads these; nothing is written.
+  p.decode_workspace = reinterpret_cast<float*>(const_cast<char*>(buffer));
+  p.decode_workspace_floats = decode_workspace_floats;
   p.bias = has_bias ? buffer : nullptr;
   p.mask = has_mask ? reinterpret_cast<const bool*>(buffer) : nullptr;
   const jax_flashattn::cuda::ForwardKernel kernel =
@@ -64,6 +110,8 @@ std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t s
       return "sm80";
     case jax_flashattn::cuda::ForwardKernel::kSimt:
       return "simt";
+    case jax_flashattn::cuda::ForwardKernel::kDecode:
+      return "decode";
   }
   return "unknown";
 }
@@ -87,6 +135,7 @@ NB_MODULE(_jax_flashattn, m) {
     return registrations;
   });
   m.def("cuda_architectures", &CudaArchitectures);
+  m.def("decode_workspace_floats", &DecodeWorkspaceFloats);
 #ifdef JAX_FLASHATTN_WITH_CUDA
   m.def("cuda_forward_kernel", &CudaForwardKernel);
 #endif

@@ -62,6 +62,13 @@ struct AttentionParams {
   const void* v = nullptr;
   void* out = nullptr;
   float* lse = nullptr;  // natural log; -inf for rows that see no key
+  // Forward workspace: an int32 the Hopper kernel's blocks claim tiles from (zeroed on the
+  // stream before each launch); nullptr when the call has none.
+  int* tile_counter = nullptr;
+  // Forward workspace of the split-KV decode kernel (float32; layout in
+  // cuda/sm80/decode_plan.h) and its size in floats; nullptr / 0 when the call has none.
+  float* decode_workspace = nullptr;
+  int64_t decode_workspace_floats = 0;
 
   // Optional inputs: nullptr when absent.
   const void* bias = nullptr;  // broadcastable to [batch, N, T, S], added after scaling

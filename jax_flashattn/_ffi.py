@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 
 from jax_flashattn import _jax_flashattn as _ext
@@ -31,9 +33,10 @@ _DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
     """Which forward kernel family `attention` runs for these inputs on `device` (default: the
-    first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync), "simt" (CUDA cores) on
-    an NVIDIA GPU, "cpu" on the host. Reads only shapes and dtypes (arrays or
-    jax.ShapeDtypeStruct); contiguous inputs as XLA lays them out are assumed."""
+    first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync), "decode" (split-KV
+    mma.sync, for few query rows against many keys), "simt" (CUDA cores) on an NVIDIA GPU,
+    "cpu" on the host. Reads only shapes and dtypes (arrays or jax.ShapeDtypeStruct) and
+    assumes the default scale; contiguous inputs as XLA lays them out are assumed."""
     dtype = jax.numpy.dtype(query.dtype).name
     if dtype not in _DTYPE_CODES:
         raise TypeError(f"query must be float32, bfloat16 or float16, got {dtype}")
@@ -43,6 +46,12 @@ def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
     if device.platform != "gpu" or not cuda_built():
         raise ValueError(f"device must be a CPU or an NVIDIA GPU with jax_flashattn's CUDA kernels "
                          f"built, got {device}")
-    return _ext.cuda_forward_kernel(device.local_hardware_id, _DTYPE_CODES[dtype],
-                                    query.shape[-1], key.shape[-3], bias is not None,
-                                    mask is not None)
+    from jax_flashattn import _ops  # _ops imports this module
+    *lead, t, n, h = query.shape
+    decode_floats = _ops.decode_workspace_size(query.shape, key.shape, query.dtype,
+                                               scale=h ** -0.5 if h else 1.0,
+                                               has_bias=bias is not None,
+                                               has_mask=mask is not None)
+    return _ext.cuda_forward_kernel(device.local_hardware_id, _DTYPE_CODES[dtype], h,
+                                    key.shape[-3], bias is not None, mask is not None,
+                                    math.prod(lead), t, n, key.shape[-2], decode_floats)

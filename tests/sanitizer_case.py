@@ -45,6 +45,16 @@ def main():
             assert np.isfinite(np.asarray(x, np.float32)).all(), (dtype, head_dim, kwargs)
         print(f"ok: {jnp.dtype(dtype).name} H={head_dim} {sorted(kwargs)}")
 
+    # The split-KV decode kernel and its combine: 3 queries, GQA 4:1, 1000 odd keys, lengths.
+    q = jnp.asarray(rng.standard_normal((2, 3, 8, 128)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((2, 1001, 2, 128)), jnp.bfloat16) for _ in range(2))
+    assert jax_flashattn.forward_kernel(q, k) == "decode"
+    out = jax.jit(lambda q, k, v: jax_flashattn.attention(
+        q, k, v, implementation="cuda", is_causal=True,
+        key_value_seq_lengths=jnp.array([1001, 300], jnp.int32)))(q, k, v)
+    assert np.isfinite(np.asarray(out, np.float32)).all(), "decode"
+    print("ok: decode")
+
 
 if __name__ == "__main__":
     main()

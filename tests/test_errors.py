@@ -216,10 +216,12 @@ ATTRS = dict(scale=np.float32(0.25), window_left=np.int64(_ops.UNBOUNDED_WINDOW)
 
 
 def _raw_forward(q, k, v, *optional, out_shape=None, lse_shape=None, lse_dtype=jnp.float32,
-                 **flags):
+                 workspace_dtype=jnp.int32, decode_workspace_dtype=jnp.float32, **flags):
     b, t, n, _ = q.shape
     results = (jax.ShapeDtypeStruct(out_shape or q.shape, q.dtype),
-               jax.ShapeDtypeStruct(lse_shape or (b, n, t), lse_dtype))
+               jax.ShapeDtypeStruct(lse_shape or (b, n, t), lse_dtype),
+               jax.ShapeDtypeStruct((1,), workspace_dtype),
+               jax.ShapeDtypeStruct((0,), decode_workspace_dtype))
     call = jax.ffi.ffi_call(_ffi.FORWARD_TARGET, results)
     return call(q, k, v, *optional, **{**FLAGS, **flags}, **ATTRS)
 
@@ -228,6 +230,8 @@ HANDLER_CASES = {
     "lse_shape": dict(lse_shape=(B, N, T + 1)),
     "lse_dtype": dict(lse_dtype=jnp.bfloat16),
     "out_shape": dict(out_shape=(B, T, N, H + 1)),
+    "workspace_dtype": dict(workspace_dtype=jnp.float32),
+    "decode_workspace_dtype": dict(decode_workspace_dtype=jnp.int32),
     "missing_optional_operand": dict(has_bias=np.int32(1)),
     "extra_optional_operand": "extra",
     "bias_wrong_rank": "bias",

@@ -368,3 +368,71 @@ def test_numpy_inputs(rng):
 def test_forward_kernel_query_on_cpu():
     q = jax.ShapeDtypeStruct((2, 10, 4, 64), jnp.bfloat16)
     assert jax_flashattn.forward_kernel(q, q, device=jax.devices("cpu")[0]) == "cpu"
+
+
+# The split-KV decode kernel's workspace: Python sizes it at trace time (_ops), the C++ plan
+# (ffi/cuda/sm80/decode_plan.h) decides how much of it a call uses. These run on CPU.
+DECODE_SHAPES = [
+    # (lead, T, S, N, K, H)
+    ((8,), 1, 65536, 32, 8, 128),
+    ((8,), 16, 65536, 32, 8, 128),
+    ((1,), 1, 131072, 8, 1, 128),
+    ((2,), 3, 4097, 8, 2, 72),
+    ((3,), 5, 256, 4, 4, 256),
+    ((2, 3), 2, 3000, 8, 2, 64),
+    ((700,), 1, 1000, 64, 8, 128),
+]
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=str)
+def test_decode_workspace_matches_the_cpp_rule(shape):
+    """The Python size is the C++ rule at the most SMs it is sized for, and holds every split
+    the C++ rule runs on a device with fewer SMs; under vmap (the same size per vmapped
+    element) it still holds what the C++ rule asks for the combined batch."""
+    from jax_flashattn import _ffi, _ops
+    lead, t, s, n, kv, h = shape
+    size = _ops.decode_workspace_size((*lead, t, n, h), (*lead, s, kv, h), jnp.bfloat16,
+                                      scale=0.1, has_bias=False, has_mask=False)
+    batch = int(np.prod(lead))
+    cpp = lambda batch, sms: _ffi._ext.decode_workspace_floats(1, batch, t, s, n, kv, h, 0.1,
+                                                              False, False, sms)
+    assert size > 0 and size == cpp(batch, _ops.DECODE_MAX_MULTIPROCESSORS)
+    assert size % (batch * kv * t * (n // kv) * (h + 1)) == 0  # whole splits
+    for sms in (1, 46, 108, 132, 170, 256):
+        assert cpp(batch, sms) <= size
+        assert cpp(4 * batch, sms) <= 4 * size  # vmap over 4
+
+
+@pytest.mark.parametrize("change", [
+    dict(dtype=jnp.float32), dict(has_bias=True), dict(has_mask=True), dict(scale=0.0),
+    dict(t=17), dict(s=255), dict(h=12), dict(h=264)], ids=str)
+def test_decode_workspace_is_empty_when_the_kernel_cannot_run(change):
+    """Shapes and options the decode kernel never takes get a zero-size workspace, in Python and
+    in the C++ rule alike."""
+    from jax_flashattn import _ffi, _ops
+    args = dict(dtype=jnp.float16, has_bias=False, has_mask=False, scale=0.1, t=16, s=4096,
+                h=128)
+    args.update(change)
+    t, s, h, n, kv = args["t"], args["s"], args["h"], 8, 2
+    size = _ops.decode_workspace_size((2, t, n, h), (2, s, kv, h), args["dtype"],
+                                      scale=args["scale"], has_bias=args["has_bias"],
+                                      has_mask=args["has_mask"])
+    code = {jnp.float32: 0, jnp.bfloat16: 1, jnp.float16: 2}[args["dtype"]]
+    cpp = _ffi._ext.decode_workspace_floats(code, 2, t, s, n, kv, h, args["scale"],
+                                            args["has_bias"], args["has_mask"], 132)
+    assert size == 0 and cpp == 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_decode_shaped_call_with_workspace(rng, dtype):
+    """A call whose shape gets a decode workspace runs on the CPU kernels (which ignore it), jit
+    and vmap included."""
+    q, k, v = random_qkv(rng, (2, 3), 2, 300, 8, 2, 64, dtype)
+    from jax_flashattn import _ops
+    assert _ops.decode_workspace_size(q.shape[1:], k.shape[1:], dtype, scale=0.125,
+                                      has_bias=False, has_mask=False) > 0
+    out = jax.jit(jax.vmap(lambda q, k, v: jax_flashattn.attention(
+        q, k, v, key_value_seq_lengths=jnp.array([300, 0, 123], jnp.int32))))(q, k, v)
+    for i in range(2):
+        assert_attention_close(out[i], q[i], k[i], v[i],
+                               key_value_seq_lengths=jnp.array([300, 0, 123], jnp.int32))

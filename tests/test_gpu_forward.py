@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_flashattn
-from jax_flashattn import reference
+from jax_flashattn import _ops, reference
 from helpers import assert_attention_close, poison, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -148,3 +148,118 @@ def test_mma_sync_family_where_hopper_kernel_exists(rng, monkeypatch, kwargs):
     q = jax.ShapeDtypeStruct((2, 100, 4, 128), jnp.bfloat16)
     assert jax_flashattn.forward_kernel(q, q) == "sm80"
     check(*random_qkv(rng, 2, 200, 300, 4, 2, 128, jnp.bfloat16), **kwargs)
+
+
+# ----------------------------------------------------------------------------- split-KV decode
+
+
+def check_decode(q, k, v, **kwargs):
+    """check() for a shape the dispatcher must send to the split-KV decode kernel; also poisons
+    lse and the decode workspace, so a split partial the combine reads without it having been
+    written shows up as NaN."""
+    assert jax_flashattn.forward_kernel(q, k) == "decode"
+    *lead, t, n, _ = q.shape
+    floats = _ops.decode_workspace_size(q.shape, k.shape, q.dtype, scale=q.shape[-1] ** -0.5,
+                                        has_bias=False, has_mask=False)
+    poison(jax.ShapeDtypeStruct((floats,), jnp.float32),
+           jax.ShapeDtypeStruct((*lead, n, t), jnp.float32))
+    check(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("t", [1, 3, 8, 16])
+@pytest.mark.parametrize("n,kv", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_decode_shapes(rng, dtype, t, n, kv):
+    """T * N / K query rows per block from 1 to 64 (one to four 16-row slabs, padded), an odd
+    key count that leaves a partial last tile."""
+    check_decode(*random_qkv(rng, 2, t, 4097, n, kv, 128, dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [40, 64, 72, 128, 200, 256])
+def test_decode_head_dims(rng, dtype, head_dim):
+    """The three instantiations (64, 128, 256) and head dims padded up to them."""
+    check_decode(*random_qkv(rng, 3, 3, 1111, 8, 2, head_dim, dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("kwargs", [
+    dict(is_causal=True),
+    dict(local_window_size=(1000, 0)),
+    dict(local_window_size=(40, 3)),
+    dict(local_window_size=300, is_causal=True),
+    dict(key_value_seq_lengths=np.array([33333, 0, 17, 20000], np.int32)),
+    dict(key_value_seq_lengths=np.array([5000, 1, 33000, 257], np.int32),
+         query_seq_lengths=np.array([8, 3, 0, 8], np.int32)),
+    dict(key_value_seq_lengths=np.array([9000, 0, 300, 33333], np.int32),
+         local_window_size=(8000, 5000)),
+], ids=["causal", "window_left", "window_both", "window_causal", "kv_lengths",
+        "kv_and_q_lengths", "kv_lengths_window"])
+def test_decode_masks(rng, dtype, kwargs):
+    """Causal is top-left aligned (query t sees keys <= t), so with T << S only the first split
+    has keys; windows and lengths leave many splits empty, and zero-length rows give 0 / -inf."""
+    check_decode(*random_qkv(rng, 4, 8, 33333, 8, 2, 128, dtype), **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_decode_large_logits(rng, dtype):
+    """Splits whose maxima differ widely: the merge through the lse must not overflow."""
+    check_decode(*random_qkv(rng, 2, 4, 5000, 8, 2, 128, dtype, magnitude=8.0))
+
+
+def test_decode_long_keys(rng):
+    """S = 131072 with one work unit per batch element (MQA): the most splits per unit."""
+    check_decode(*random_qkv(rng, 1, 1, 131072, 8, 1, 128, jnp.bfloat16))
+
+
+def test_decode_preset_shape(rng):
+    """The benchmark's decode shape (B=8, N=32, K=8, H=128) at T=16 with a shorter S."""
+    check_decode(*random_qkv(rng, 8, 16, 8191, 32, 8, 128, jnp.bfloat16))
+
+
+def test_decode_vmap(rng):
+    """A vmapped decode call is one launch over the extra batch dim, its workspace scaled up."""
+    q, k, v = random_qkv(rng, (2, 3), 2, 3000, 8, 2, 64, jnp.bfloat16)
+    assert jax_flashattn.forward_kernel(q, k) == "decode"
+    f = jax.vmap(lambda q, k, v: jax_flashattn.attention(q, k, v, implementation="cuda"))
+    out = jax.jit(f)(q, k, v)
+    for i in range(2):
+        assert_attention_close(out[i], q[i], k[i], v[i])
+
+
+def test_decode_gradients(rng):
+    """The backward reads the decode kernel's out and lse."""
+    q, k, v = random_qkv(rng, 2, 3, 2000, 8, 2, 64, jnp.bfloat16)
+    assert jax_flashattn.forward_kernel(q, k) == "decode"
+
+    def loss(fn, q, k, v):
+        out = fn(q, k, v, key_value_seq_lengths=jnp.array([2000, 700], jnp.int32))
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.shape[-1])))
+
+    ours = jax.jit(jax.grad(lambda *a: loss(
+        lambda *x, **kw: jax_flashattn.attention(*x, implementation="cuda", **kw), *a),
+        argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.grad(lambda *a: loss(reference.attention, *a), argnums=(0, 1, 2))(
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, a, r in zip("qkv", ours, ref):
+        a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
+        assert np.isfinite(a).all(), f"d{name} not finite"
+        err = np.linalg.norm(a - r) / (np.linalg.norm(r) + 1e-6)
+        assert err < 3e-2, f"d{name}: relative error {err:.3g}"
+
+
+def test_decode_dispatch():
+    """forward_kernel reports the decode kernel for decoding shapes only: few query rows per kv
+    head (T * N / K <= 64), enough keys, bf16/fp16, no bias or mask."""
+    def kernel(t, n, kv, s, h=128, dtype=jnp.bfloat16, **kwargs):
+        return jax_flashattn.forward_kernel(jax.ShapeDtypeStruct((8, t, n, h), dtype),
+                                            jax.ShapeDtypeStruct((8, s, kv, h), dtype), **kwargs)
+    for t in (1, 8, 16):
+        assert kernel(t, 32, 8, 65536) == "decode"
+        assert kernel(t, 32, 8, 65536, dtype=jnp.float16) == "decode"
+    assert kernel(1, 32, 8, 65536, h=72) == "decode"
+    assert kernel(17, 32, 8, 65536) != "decode"  # 68 rows per kv head
+    assert kernel(1, 32, 8, 100) != "decode"  # too few keys to split
+    assert kernel(1, 32, 8, 65536, dtype=jnp.float32) == "simt"
+    bias = jax.ShapeDtypeStruct((8, 32, 1, 65536), jnp.bfloat16)
+    assert kernel(1, 32, 8, 65536, bias=bias) == "sm80"

@@ -3,6 +3,9 @@
 // smallest instantiated head dim that holds it), the CUDA-core kernel for everything else.
 // A scale <= 0 also takes the CUDA-core kernel: the tensor-core softmax takes the row maximum
 // before scaling and multiplies masked (-inf) scores by the scale, which needs scale > 0.
+// Decoding shapes (few query rows per kv head, a long key sequence; sm80/decode_plan.h) take
+// the split-KV decode kernel on every architecture, ahead of the others, when the call's
+// workspace holds its splits; calls with a bias or boolean mask keep the normal kernels.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -12,6 +15,7 @@
 
 #include "ffi/cuda/dispatch.h"
 #include "ffi/cuda/launch.h"
+#include "ffi/cuda/sm80/decode_plan.h"
 #include "ffi/cuda/sm80/traits.h"
 #include "ffi/cuda/sm90/tensor_maps.h"
 #include "ffi/cuda/sm90/traits.h"
@@ -36,6 +40,22 @@ cudaError_t launch_sm90_for_head_dim(const AttentionParams& p, cudaStream_t stre
   return launch_forward_sm90<Elem, 256>(p, stream);
 }
 
+template <typename Elem>
+cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const sm80::DecodePlan& plan,
+                                       cudaStream_t stream) {
+  if (p.head_dim <= 64) return launch_forward_decode<Elem, 64>(p, plan, stream);
+  if (p.head_dim <= 128) return launch_forward_decode<Elem, 128>(p, plan, stream);
+  return launch_forward_decode<Elem, 256>(p, plan, stream);
+}
+
+// The decode kernel's plan for this call on CUDA device `device`; false when it does not apply.
+bool decode_plan_for(const AttentionParams& p, int device, sm80::DecodePlan& plan) {
+  int multiprocessors = 0;
+  return sm80::decode_shape_fits(p) &&
+         multiprocessor_count(device, multiprocessors) == cudaSuccess &&
+         sm80::make_decode_plan(p, multiprocessors, plan);
+}
+
 // Whether CUDA device `device` is compute capability 9.0 (the only one sm_90a code runs on).
 bool device_is_sm90(int device) {
   return once_per_device(device, false, [](int d) {
@@ -57,7 +77,8 @@ bool sm90_disabled() {
 bool sm90_applies(const AttentionParams& p, int device) {
 #ifdef JAX_FLASHATTN_HAS_SM90A
   const int64_t max_head_dim = sm90::kHeadDims[std::size(sm90::kHeadDims) - 1];
-  return p.bias == nullptr && p.mask == nullptr && p.head_dim <= max_head_dim &&
+  return p.bias == nullptr && p.mask == nullptr && p.tile_counter != nullptr &&
+         p.head_dim <= max_head_dim &&
          p.seqlen_k > 0 && sm90::indices_fit_32_bits(p) && sm90::tma_compatible(p) &&
          sm90::tensor_maps_available() && !sm90_disabled() && device_is_sm90(device);
 #else
@@ -75,6 +96,7 @@ ForwardKernel choose_forward_kernel(const AttentionParams& p, int device) {
   if (!tensor_core_dtype || p.head_dim <= 0 || p.head_dim % 8 != 0 ||
       p.head_dim > max_head_dim || !(p.scale > 0.f))
     return ForwardKernel::kSimt;
+  if (sm80::DecodePlan plan; decode_plan_for(p, device, plan)) return ForwardKernel::kDecode;
   return sm90_applies(p, device) ? ForwardKernel::kSm90 : ForwardKernel::kSm80;
 }
 
@@ -92,6 +114,12 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
                   : launch_sm80_for_head_dim<__half>(p, stream);
     case ForwardKernel::kSimt:
       return launch_forward_simt(p, stream);
+    case ForwardKernel::kDecode: {
+      sm80::DecodePlan plan;
+      if (!decode_plan_for(p, device, plan)) return cudaErrorInvalidValue;
+      return bf16 ? launch_decode_for_head_dim<__nv_bfloat16>(p, plan, stream)
+                  : launch_decode_for_head_dim<__half>(p, plan, stream);
+    }
   }
   return cudaErrorInvalidValue;
 }

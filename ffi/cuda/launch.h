@@ -7,6 +7,7 @@
 #include <mutex>
 #include <utility>
 
+#include "ffi/cuda/sm80/decode_plan.h"
 #include "ffi/params.h"
 
 namespace jax_flashattn::cuda {
@@ -20,6 +21,12 @@ cudaError_t launch_forward_sm80(const AttentionParams& p, cudaStream_t stream);
 // tensors (sm90::tma_compatible).
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream);
+
+// Split-KV decode forward for bf16/fp16 and head dims that are a multiple of 8 up to kHeadDim:
+// the splits' partial results into plan's workspace, then their merge into out and lse.
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_decode(const AttentionParams& p, const sm80::DecodePlan& plan,
+                                  cudaStream_t stream);
 
 // CUDA-core forward for any dtype and head dim (float32 arithmetic throughout).
 cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);
@@ -59,10 +66,9 @@ cudaError_t ensure_smem_limit(int bytes) {
   });
 }
 
-// The current device's multiprocessor count (the grid of persistent kernels).
-inline cudaError_t multiprocessor_count(int& count) {
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+// CUDA device `device`'s multiprocessor count (the grid of persistent kernels, the decode
+// kernel's split count).
+inline cudaError_t multiprocessor_count(int device, int& count) {
   const auto query = [](int d) {
     int n = 0;
     const cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, d);
@@ -71,6 +77,13 @@ inline cudaError_t multiprocessor_count(int& count) {
   const auto [error, sms] = once_per_device(device, std::pair{cudaErrorInvalidDevice, 0}, query);
   count = sms;
   return error;
+}
+
+// The same for the current device.
+inline cudaError_t multiprocessor_count(int& count) {
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  return multiprocessor_count(device, count);
 }
 
 }  // namespace jax_flashattn::cuda

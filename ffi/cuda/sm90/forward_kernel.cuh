@@ -1,11 +1,13 @@
 // FlashAttention forward for Hopper (sm_90a): TMA loads, wgmma, warp specialisation.
 //
 // Persistent: one block per SM walks the (kBlockM-row query block, head, batch) tiles of
-// TileScheduler. Warpgroup 0 is the producer: one thread issues every TMA load, per tile Q and
-// then K_j, V_j into a ring of kStages buffers, each guarded by a full barrier (the load
-// landed) and an empty barrier (every consumer warp is done with it); Q has its own ring of
-// kQStages, so the next tile's Q and first K/V tiles load while the consumers compute the
-// current one. Warpgroups 1.. are consumers of 64 query rows each; per K/V tile j they compute
+// TileScheduler, claiming each next tile from a global counter when it is ready for one, so
+// that blocks that drew short (causal) tiles take more of them. Warpgroup 0 is the producer:
+// one thread claims the tiles and issues every TMA load, per tile Q and then K_j, V_j into a
+// ring of kStages buffers, each guarded by a full barrier (the load landed) and an empty
+// barrier (every consumer warp is done with it); Q has its own ring of kQStages, and the tile
+// index travels with it, so the next tile's Q and first K/V tiles load while the consumers
+// compute the current one. Warpgroups 1.. are consumers of 64 query rows each; per K/V tile j they compute
 //   S_j = Q K_j^T              wgmma, both operands in shared memory
 //   mask                       only on tiles that straddle a length or window boundary
 //   P_j = exp2(S_j - max)      online softmax, the scale folded into one FFMA
@@ -46,6 +48,9 @@ struct ForwardBarriers {
   uint64_t q_full[Traits::kQStages], q_empty[Traits::kQStages];
   uint64_t k_full[Traits::kStages], v_full[Traits::kStages];
   uint64_t k_empty[Traits::kStages], v_empty[Traits::kStages];
+  // The tile whose Q fills stage s, written by the producer before q_full[s] completes; at
+  // least num_tiles when there are no more.
+  int tile[Traits::kQStages];
 };
 
 // Where a barrier ring stands: the n-th use of a kStages ring is stage n % kStages, and its
@@ -106,6 +111,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto& bars = *reinterpret_cast<ForwardBarriers<Traits>*>(smem + sKV_offset +
                                                            2 * kStages * Traits::kKVBytes);
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
+  // The tile slots by 32-bit shared address: a generic pointer to them would hold a 64-bit
+  // register for the whole kernel, two more than the consumers have at head dim 256.
+  const auto bar_slot = [](int& slot) { return ptx::smem_address(&slot); };
 
   const int tid = threadIdx.x;
   const TileScheduler<kBlockM, kBlockN> scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
@@ -132,17 +140,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (tid != 0) return;
     RingPosition<kQStages> q_ring;
     RingPosition<kStages> kv_ring;
-    for (int64_t index = blockIdx.x; index < scheduler.num_tiles; index += gridDim.x) {
-      const ForwardTile t = scheduler.tile(p, index);
-      if (t.num_kv_tiles == 0) continue;
-      const int batch = t.b, head = t.n, kv = t.kv_head;
+    for (int index = blockIdx.x;; index = gridDim.x + atomicAdd(p.tile_counter, 1)) {
       const int q_stage = q_ring.stage();
       if (q_ring.refill()) ptx::mbarrier_wait(bar(bars.q_empty[q_stage]), q_ring.previous_phase());
+      ++q_ring.count;
+      ptx::st_shared_b32(bar_slot(bars.tile[q_stage]), uint32_t(index));
+      if (index >= scheduler.num_tiles) {
+        ptx::mbarrier_arrive(bar(bars.q_full[q_stage]));
+        break;
+      }
+      const ForwardTile t = scheduler.tile(p, index);
+      if (t.num_kv_tiles == 0) {  // the consumers write its zeros and -inf lse
+        ptx::mbarrier_arrive(bar(bars.q_full[q_stage]));
+        continue;
+      }
+      const int batch = t.b, head = t.n, kv = t.kv_head;
       ptx::mbarrier_arrive_expect_tx(bar(bars.q_full[q_stage]), Traits::kQBytes);
       for (int span = 0; span < kSpans; ++span)
         ptx::tma_load_4d(sQ(q_stage) + span * kBlockM * kRowBytes, &maps.q,
                          bar(bars.q_full[q_stage]), span * kSpanElems, head, t.row0, batch);
-      ++q_ring.count;
       for (int j = 0; j < t.num_kv_tiles; ++j, ++kv_ring.count) {
         const int stage = kv_ring.stage();
         const int key0 = (t.tile_begin + j) * kBlockN;
@@ -230,7 +246,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const auto take_turn = [&] { ptx::named_barrier_sync(kTurnBarrier + consumer, 256); };
   const auto hand_over = [&] { ptx::named_barrier_arrive(kTurnBarrier + 1 - consumer, 256); };
   const auto sync_warpgroup = [&] { ptx::named_barrier_sync(1 + consumer, 128); };
+  // One arrival per warp: __syncwarp orders every lane's reads (of the tile slot, say) before
+  // lane 0's arrival releases them to the producer (racecheck flagged the slot without it).
   const auto release = [&](uint64_t& barrier) {
+    __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(bar(barrier));
   };
   // The S accumulators of 8-key tiles 2 kk, 2 kk + 1 are the A operand of k-step kk.
@@ -242,10 +261,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (consumer == 1) hand_over();
   RingPosition<kQStages> q_ring;
   RingPosition<kStages> kv_ring;
-  for (int64_t index = blockIdx.x; index < scheduler.num_tiles; index += gridDim.x) {
+  for (;;) {
+    const int q_stage = q_ring.stage();
+    ptx::mbarrier_wait(bar(bars.q_full[q_stage]), q_ring.phase());
+    ++q_ring.count;
+    const int index = int(ptx::ld_shared_b32(bar_slot(bars.tile[q_stage])));
+    if (index >= scheduler.num_tiles) break;
     const ForwardTile t = scheduler.tile(p, index);
     if (t.num_kv_tiles == 0) {
       write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
+      release(bars.q_empty[q_stage]);
       continue;
     }
     // Masks tile j's scores where it straddles a boundary, then turns them into probabilities.
@@ -277,9 +302,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[0][d][e] = 0.f;
 
-    const int q_stage = q_ring.stage();
     const uint32_t q_tile = sQ(q_stage) + wg_row0 * kRowBytes;
-    ptx::mbarrier_wait(bar(bars.q_full[q_stage]), q_ring.phase());
     ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
     take_turn();
     issue_qk(q_tile, kv_ring.stage());
@@ -323,7 +346,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // This tile's S products, Q's only readers, are done (unless O is staged there).
     if constexpr (!Traits::kOInQ) release(bars.q_empty[q_stage]);
     ++kv_ring.count;
-    ++q_ring.count;
 
     // Epilogue: normalise, write lse, stage O as Elem in this warpgroup's rows of the O tile
     // in the swizzled layout the TMA store reads (once the previous tile's store has read

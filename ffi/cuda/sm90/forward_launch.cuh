@@ -24,7 +24,11 @@ cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   if (cudaError_t e = sm90::encode_forward_maps(p, Traits::kBlockM, Traits::kBlockN, 64, maps);
       e != cudaSuccess)
     return e;
-  // Persistent: one block per SM (fewer when there are fewer tiles).
+  // Persistent: one block per SM (fewer when there are fewer tiles), claiming tiles past the
+  // first from the counter.
+  if (p.tile_counter == nullptr) return cudaErrorInvalidValue;
+  if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream); e != cudaSuccess)
+    return e;
   const unsigned grid = unsigned(tiles < sms ? tiles : sms);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, maps);
   return cudaGetLastError();

@@ -86,6 +86,12 @@ __device__ __forceinline__ void st_shared_b32(uint32_t address, uint32_t value) 
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(value) : "memory");
 }
 
+__device__ __forceinline__ uint32_t ld_shared_b32(uint32_t address) {
+  uint32_t value;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(value) : "r"(address) : "memory");
+  return value;
+}
+
 // Synchronises the `threads` threads (a multiple of 32) that use named barrier `id`.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

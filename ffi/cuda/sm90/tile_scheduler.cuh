@@ -1,7 +1,8 @@
 // Work tiles of the persistent Hopper forward: one per (query block, head, batch). A block
-// walks tiles blockIdx.x, blockIdx.x + gridDim.x, ... so consecutive tiles of one block share
-// no state but the pipeline, and the producer can load the next tile's Q while the consumers
-// finish the current one.
+// starts with tile blockIdx.x and then claims gridDim.x + (a global counter's next value), so
+// the tiles are handed out in index order to whichever block is ready first. Consecutive tiles
+// of one block share no state but the pipeline, and the producer can load the next tile's Q
+// while the consumers finish the current one.
 #pragma once
 
 #include <cstdint>
@@ -23,12 +24,12 @@ struct ForwardTile {
 
 template <int kBlockM, int kBlockN>
 struct TileScheduler {
-  int64_t m_blocks, heads_times_batch, num_tiles;
+  int m_blocks, heads_times_batch, num_tiles;
 
   __device__ static TileScheduler make(const AttentionParams& p) {
     TileScheduler s;
-    s.m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-    s.heads_times_batch = p.batch * p.num_heads;
+    s.m_blocks = int((p.seqlen_q + kBlockM - 1) / kBlockM);
+    s.heads_times_batch = int(p.batch * p.num_heads);
     s.num_tiles = s.m_blocks * s.heads_times_batch;
     return s;
   }
@@ -36,16 +37,16 @@ struct TileScheduler {
   // The query blocks of one (batch, head) are consecutive, highest first, so the blocks
   // running at the same time share their K/V in L2. (Ordered over every head first, each K/V
   // was read from HBM once per query block: H100, H = 128, T = 2048 went from 0.68x to 0.95x
-  // cuDNN.) The cost is balance under causal masking: where a head has about as many query
-  // blocks as the grid has blocks, the static round-robin gives some blocks mostly long tiles
-  // (T = 16384 causal fell from 0.86x to 0.72x cuDNN); docs/kernel_notes.md has the next step.
-  __device__ ForwardTile tile(const AttentionParams& p, int64_t index) const {
+  // cuDNN.) Highest first is longest first under causal masking, and with tiles claimed on
+  // demand the short ones fill in the ends (handed out round-robin instead, some blocks drew
+  // mostly long tiles: T = 16384 causal fell from 0.86x to 0.72x cuDNN).
+  __device__ ForwardTile tile(const AttentionParams& p, int index) const {
     ForwardTile t;
-    const int bh = int(index / m_blocks), heads = int(p.num_heads);
+    const int bh = index / m_blocks, heads = int(p.num_heads);
     t.b = bh / heads;
     t.n = bh % heads;
     t.kv_head = t.n / int(p.group_size());
-    t.row0 = int(m_blocks - 1 - index % m_blocks) * kBlockM;
+    t.row0 = (m_blocks - 1 - index % m_blocks) * kBlockM;
     t.vis = cuda::Visibility::make(p, t.b, t.n);
     // The Hopper kernel runs without an elementwise mask (the dispatcher's rule); saying so
     // lets the compiler drop the mask's fields and tests.

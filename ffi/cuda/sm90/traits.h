@@ -42,7 +42,7 @@ struct ForwardTraits {
   // each (the swizzle pattern repeats every 8 rows of 128 bytes), then the barriers; plus 1024
   // bytes to align the start.
   static constexpr int kOBytes = kOInQ ? 0 : kQBytes;
-  static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages);
+  static constexpr int kBarrierBytes = 8 * (3 * kQStages + 4 * kStages);  // and tile indices
   static constexpr int kSmemBytes =
       kQStages * kQBytes + kOBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
 
@@ -55,11 +55,12 @@ struct ForwardTraits {
                 "the register budgets fit the register file");
 };
 
-// The tile scheduler keeps rows and (batch, head) indices in 32 bits: T, S and batch * heads
-// must stay a tile (at most 256 rows) below 2^31.
+// The tile scheduler keeps rows, (batch, head) and tile indices in 32 bits: T, S, batch * heads
+// and the tile count (at most one per 64 rows, per head) plus the grid must stay below 2^31.
 inline bool indices_fit_32_bits(const AttentionParams& p) {
-  constexpr int64_t kLimit = 0x7fffffff - 256;
-  return p.seqlen_q <= kLimit && p.seqlen_k <= kLimit && p.batch * p.num_heads <= kLimit;
+  constexpr int64_t kLimit = 0x7fffffff - 1024;
+  return p.seqlen_q <= kLimit && p.seqlen_k <= kLimit && p.batch * p.num_heads <= kLimit &&
+         (p.seqlen_q / 64 + 1) <= kLimit / (p.batch * p.num_heads > 0 ? p.batch * p.num_heads : 1);
 }
 
 template <int kHeadDim>
@@ -72,7 +73,9 @@ struct ForwardConfig<64> : ForwardTraits<64, 128, 2, 2> {};
 template <>
 struct ForwardConfig<128> : ForwardTraits<128, 128, 2, 2> {};
 // O alone is 128 registers, so 64-key tiles: S and P 32 + 16; smem one Q (and O) tile of 64 KiB
-// + 4 x 32 KiB = 192 KiB. 80-key tiles (S and P 40 + 20, 224 KiB) spill 16 bytes.
+// + 4 x 32 KiB = 192 KiB. ptxas (CUDA 13.0): 8 bytes of spill stores, 24 of loads, outside the
+// wgmma sequence (none before the tile counter); 80-key tiles (S and P 40 + 20, 224 KiB) spill
+// more.
 template <>
 struct ForwardConfig<256> : ForwardTraits<256, 64, 2, 1> {};
 

@@ -1,0 +1,287 @@
+// Split-KV decode forward with mma.sync (sm_80 and newer): the first of two kernels, each block
+// computing one split's partial attention; sm80/decode_combine.cuh merges the splits.
+//
+// One block per (split, kv head, batch). Its query rows are the (t, head-in-group) pairs of the
+// kv head's whole GQA group, T * (N / K) <= 64 of them (row r = t * group + g), so each K/V
+// byte is read from HBM once per group. The block streams its split's key tiles through a
+// three-stage cp.async ring; per 16-key chunk a warp computes
+//   S = Q K^T              (Q fragments in registers, loaded once from global memory)
+//   mask                   (per-row key bounds: lengths, causal, window)
+//   online softmax         (exp2 with the scale folded into one FFMA)
+//   O += P V               (P re-packed from the S accumulators, V via ldmatrix.trans)
+// Warps that computed the same rows on other chunks merge their states through shared memory,
+// and the split writes its normalised O and lse to the workspace (layout: sm80/decode_plan.h).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "ffi/cuda/common/mask.cuh"
+#include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/softmax.cuh"
+#include "ffi/cuda/sm80/decode_plan.h"
+#include "ffi/cuda/sm80/fragments.cuh"
+#include "ffi/cuda/sm80/smem_tile.cuh"
+#include "ffi/params.h"
+
+namespace jax_flashattn::sm80 {
+
+// Keys [lo, hi) that query rows [row_begin, row_end) may see, clamped to [0, kv_len] so they fit
+// 32 bits (decode_shape_fits bounds seqlen_k): key positions in the decode kernel are int32,
+// which keeps its per-chunk arithmetic off the 64-bit registers pairs.
+__device__ __forceinline__ void decode_key_range(const cuda::Visibility& vis, int64_t row_begin,
+                                                 int64_t row_end, int& lo, int& hi) {
+  int64_t lo64, hi64;
+  vis.key_range(row_begin, row_end, lo64, hi64);
+  auto clamp = [&](int64_t x) { return int(x < 0 ? 0 : (x > vis.kv_len ? vis.kv_len : x)); };
+  lo = clamp(lo64);
+  hi = clamp(hi64);
+}
+
+// This thread's two rows of a 16-row slab (lane / 4 and lane / 4 + 8) and, for each, the keys
+// [lo, hi) its query sees; empty (hi <= lo) for padding rows and rows past q_seqlens.
+struct DecodeRows {
+  int row[2];
+  int key_lo[2], key_hi[2];
+
+  __device__ static DecodeRows make(const cuda::Visibility& vis, int slab, int lane, int64_t rows,
+                                    int64_t group) {
+    DecodeRows d;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      d.row[h] = slab * 16 + lane / 4 + h * 8;
+      const int64_t t = d.row[h] / group;
+      d.key_lo[h] = 0;
+      d.key_hi[h] = 0;
+      if (d.row[h] < rows) decode_key_range(vis, t, t + 1, d.key_lo[h], d.key_hi[h]);
+    }
+    return d;
+  }
+
+  // Sets the scores of keys [key0, key0 + 16) this thread's rows do not see to -inf.
+  __device__ void mask(float (&s)[2][4], int key0, int quad_col) const {
+    auto clamp16 = [](int x) { return x < 0 ? 0 : (x > 16 ? 16 : x); };
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int lo = clamp16(key_lo[h] - key0), hi = clamp16(key_hi[h] - key0);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = nt * 8 + quad_col + e;
+          if (c < lo || c >= hi) s[nt][2 * h + e] = -INFINITY;
+        }
+    }
+  }
+};
+
+// A operand fragments (16 rows x head dim) of one slab, straight from global memory: register
+// i of k-step ks holds row lane / 4 + 8 (i % 2), columns 16 ks + 8 (i / 2) + 2 (lane % 4) + {0, 1}
+// (the ldmatrix layout of fragments.cuh). Zero past the rows or the head dim. Q is read once per
+// block, a few KiB against the split's K/V, so uncoalesced 4-byte loads cost nothing visible.
+template <typename Elem, int kKSteps>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&q_frag)[kKSteps][4],
+                                                 const AttentionParams& p, const Elem* q_group,
+                                                 const DecodeRows& rows, int64_t num_rows,
+                                                 int64_t group, int quad_col) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t r = rows.row[h];
+    const Elem* q_row = q_group + (r / group) * p.q_row_stride + (r % group) * p.q_head_stride;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int col = ks * 16 + half * 8 + quad_col;
+        q_frag[ks][h + 2 * half] =
+            r < num_rows && col < p.head_dim ? *reinterpret_cast<const uint32_t*>(q_row + col) : 0u;
+      }
+  }
+}
+
+template <typename Elem, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
+    decode_split_kernel(const __grid_constant__ AttentionParams p, const DecodePlan plan) {
+  constexpr int kBlockN = Traits::kBlockN, kSmemDim = Traits::kSmemDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kKSteps = Traits::kHeadDim / 16;  // QK^T reduction steps
+  constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of O
+
+  // Aligned to a whole swizzled row (at most 512 bytes) for LdmatrixAddress's XOR.
+  extern __shared__ __align__(512) unsigned char smem_raw[];
+  Elem* ring = reinterpret_cast<Elem*>(smem_raw);  // [kStages][K, V][kBlockN][kSmemDim]
+  auto stage_k = [&](int stage) { return ring + stage * 2 * kBlockN * kSmemDim; };
+  auto stage_v = [&](int stage) { return stage_k(stage) + kBlockN * kSmemDim; };
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int quad_col = 2 * (lane % 4);  // mma accumulator column pair
+  const int64_t unit = blockIdx.x / plan.splits, split = blockIdx.x % plan.splits;
+  const int64_t b = unit / p.num_kv_heads, kv_head = unit % p.num_kv_heads;
+  const int64_t group = p.group_size();
+
+  // Warp roles: slab `slab` of the rows, chunks key_group, key_group + key_groups, ... of a tile.
+  const int slabs = int((plan.rows + 15) / 16);
+  const int key_groups = Traits::kWarps / slabs;
+  const int slab = warp % slabs, key_group = warp / slabs;
+  const bool computes = warp < slabs * key_groups;
+
+  const cuda::Visibility vis = cuda::Visibility::make(p, b, kv_head * group);
+  // Keys any row of the block sees, cut into key tiles, dealt to the splits in equal runs.
+  int key_lo, key_hi;
+  decode_key_range(vis, 0, p.seqlen_q, key_lo, key_hi);
+  const int first_tile = key_lo / kBlockN;
+  const int tiles = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN - first_tile : 0;
+  const int per_split = int((tiles + plan.splits - 1) / plan.splits);
+  const int64_t begin64 = first_tile + split * per_split;  // may pass the last tile
+  const int tile_begin = int(begin64 < first_tile + tiles ? begin64 : first_tile + tiles);
+  const int tile_end = tile_begin + per_split < first_tile + tiles ? tile_begin + per_split
+                                                                   : first_tile + tiles;
+
+  float* lse_partial = plan.lse_partial + plan.partial_row(unit, split, 0);
+  if (tile_begin >= tile_end) {  // no key for this split: the combine skips it by its lse
+    for (int64_t r = tid; r < plan.rows; r += Traits::kThreads) lse_partial[r] = -INFINITY;
+    return;
+  }
+
+  const int64_t kv_offset = b * p.kv_batch_stride + kv_head * p.kv_head_stride;
+  const Elem* k = static_cast<const Elem*>(p.k) + kv_offset;
+  const Elem* v = static_cast<const Elem*>(p.v) + kv_offset;
+  // Keys past kv_seqlens are zero-filled, not read: a padded cache may hold anything there.
+  auto load_stage = [&](int tile, int stage) {
+    const int key0 = tile * kBlockN;
+    load_tile<Traits, kBlockN>(stage_k(stage), k + key0 * p.kv_row_stride, p.kv_row_stride,
+                               vis.kv_len - key0, p.head_dim, tid);
+    load_tile<Traits, kBlockN>(stage_v(stage), v + key0 * p.kv_row_stride, p.kv_row_stride,
+                               vis.kv_len - key0, p.head_dim, tid);
+  };
+
+  // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (tile_begin + s < tile_end) load_stage(tile_begin + s, s);
+    ptx::cp_async_commit();
+  }
+
+  const DecodeRows rows = DecodeRows::make(vis, slab, lane, plan.rows, group);
+  uint32_t q_frag[kKSteps][4];
+  load_q_fragments<Elem>(q_frag, p,
+                         static_cast<const Elem*>(p.q) + b * p.q_batch_stride +
+                             kv_head * group * p.q_head_stride,
+                         rows, plan.rows, group, quad_col);
+  float o_acc[1][kDTiles][4] = {};
+  cuda::OnlineSoftmax<1> softmax;
+  softmax.init();
+  const float scale_log2 = p.scale * cuda::kLog2e;
+
+  // ldmatrix lane addressing as in forward_kernel.cuh: K as B operand pairs (keys x k),
+  // V transposed with keys as rows.
+  const int ld_row = lane % 8, ld_matrix = lane / 8;
+
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    const int j = tile - tile_begin;
+    ptx::cp_async_wait<kStages - 2>();
+    // Tile j landed for every thread, and every warp is done with tile j - 1, whose stage the
+    // load below refills.
+    __syncthreads();
+    if (tile + kStages - 1 < tile_end) load_stage(tile + kStages - 1, (j + kStages - 1) % kStages);
+    ptx::cp_async_commit();
+    if (!computes) continue;
+
+    const int stage = j % kStages;
+    const LdmatrixAddress<kSmemDim> k_address(stage_k(stage), (ld_matrix >> 1) * 8 + ld_row,
+                                              ld_matrix & 1);
+    const LdmatrixAddress<kSmemDim> v_address(stage_v(stage), (ld_matrix & 1) * 8 + ld_row,
+                                              ld_matrix >> 1);
+    for (int chunk = key_group; chunk < Traits::kChunksPerTile; chunk += key_groups) {
+      const int key0 = tile * kBlockN + chunk * Traits::kChunkKeys;
+      if (key0 >= key_hi) break;                         // past every row's last key
+      if (key0 + Traits::kChunkKeys <= key_lo) continue;  // before every row's first key
+
+      // S = Q K^T for 16 rows x 16 keys.
+      float s_acc[1][2][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        uint32_t k_frag[4];
+        ptx::ldmatrix_x4(k_frag, k_address(chunk, ks));
+        mma_pair<Elem>(s_acc[0], 0, q_frag[ks], k_frag);
+      }
+      rows.mask(s_acc[0], key0, quad_col);
+      softmax.update(s_acc, o_acc, scale_log2);
+
+      // O += P V: the S accumulators of the chunk's two 8-key tiles are the A operand.
+      uint32_t p_frag[4];
+      pack_a<Elem>(p_frag, s_acc[0], 0);
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t v_frag[4];
+        ptx::ldmatrix_x4_trans(v_frag, v_address(chunk, dp));
+        mma_pair<Elem>(o_acc[0], dp, p_frag, v_frag);
+      }
+    }
+  }
+
+  // Merge the warps of each slab through the drained ring: warps of key group > 0 publish their
+  // state, the key-group-0 warp of the slab folds them in (same lane, same fragment elements).
+  ptx::cp_async_wait<0>();
+  __syncthreads();
+  float* merge = reinterpret_cast<float*>(smem_raw);  // [kWarps][kDTiles * 4 + 4][32]
+  constexpr int kStateFloats = kDTiles * 4;  // O floats per lane; then 2 maxima, 2 sums
+  if (computes && key_group > 0) {
+    float* mine = merge + warp * Traits::kMergeFloatsPerWarp + lane;
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) mine[(d * 4 + i) * 32] = o_acc[0][d][i];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mine[(kStateFloats + h) * 32] = softmax.row_max[0][h];
+      mine[(kStateFloats + 2 + h) * 32] = softmax.row_sum[0][h];
+    }
+  }
+  __syncthreads();
+  if (!computes || key_group > 0) return;
+
+  for (int g = 1; g < key_groups; ++g) {
+    const float* other = merge + (g * slabs + slab) * Traits::kMergeFloatsPerWarp + lane;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float other_max = other[(kStateFloats + h) * 32];
+      const float new_max = fmaxf(softmax.row_max[0][h], other_max);
+      if (new_max == -INFINITY) continue;  // neither has seen a key for this row
+      // Scores are unscaled: a row's weights are exp2((max - new_max) * scale_log2).
+      const float mine_factor = softmax.row_max[0][h] == -INFINITY
+                                    ? 0.f
+                                    : ptx::exp2_approx((softmax.row_max[0][h] - new_max) * scale_log2);
+      const float other_factor =
+          other_max == -INFINITY ? 0.f : ptx::exp2_approx((other_max - new_max) * scale_log2);
+      softmax.row_max[0][h] = new_max;
+      softmax.row_sum[0][h] = softmax.row_sum[0][h] * mine_factor +
+                              other[(kStateFloats + 2 + h) * 32] * other_factor;
+#pragma unroll
+      for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          o_acc[0][d][2 * h + e] = o_acc[0][d][2 * h + e] * mine_factor +
+                                   other[(d * 4 + 2 * h + e) * 32] * other_factor;
+    }
+  }
+
+  // Normalise this split's O and write it with its lse.
+  float row_lse[1][2];
+  softmax.finalize(o_acc, scale_log2, row_lse);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = rows.row[h];
+    if (r >= plan.rows) continue;
+    float* o_row = plan.o_partial + plan.partial_row(unit, split, r) * plan.head_dim;
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) {
+      const int col = d * 8 + quad_col;
+      if (col < plan.head_dim)
+        *reinterpret_cast<float2*>(o_row + col) = make_float2(o_acc[0][d][2 * h], o_acc[0][d][2 * h + 1]);
+    }
+    if (lane % 4 == 0) lse_partial[r] = row_lse[0][h];
+  }
+}
+
+}  // namespace jax_flashattn::sm80

@@ -1,0 +1,102 @@
+// When a forward call takes the split-KV decode kernel, how many splits it runs, and where the
+// splits' partial results live in the workspace. Plain C++ (no CUDA): the dispatcher, the
+// kernels and the Python extension's sizing check (ffi/module.cc) share it, and
+// jax_flashattn/_ops.py mirrors the sizing rule (decode_workspace_size) with the same
+// constants.
+//
+// Workspace layout (float32, a result of the forward call, so XLA owns it):
+//   o_partial   [work_units][splits][rows][head_dim]  each split's O, already normalised by
+//                                                     its own softmax sum
+//   lse_partial [work_units][splits][rows]            each split's natural-log lse; -inf where
+//                                                     the split saw no key for that row (its
+//                                                     o_partial row is then never read)
+// where a work unit is one (batch, kv head) and row r is query t = r / group of query head
+// kv_head * group + r % group (group = N / K): all query heads of a GQA group share one block.
+#pragma once
+
+#include <cstdint>
+
+#include "ffi/params.h"
+
+namespace jax_flashattn::sm80 {
+
+// Query rows one decode block serves, T * (N / K): four 16-row mma slabs, one per warp.
+inline constexpr int64_t kDecodeMaxRows = 64;
+// Keys from which a call takes the decode kernel: below it one normal tile covers the keys.
+inline constexpr int64_t kDecodeMinKeys = 256;
+// Keys up to which the decode kernel's int32 key positions (and tile * kBlockN) cannot overflow.
+inline constexpr int64_t kDecodeMaxKeys = int64_t(1) << 30;
+// The fewest keys a split owns, so that each block's pipeline has several tiles to stream.
+inline constexpr int64_t kDecodeMinKeysPerSplit = 256;
+// Blocks per SM the splits aim at: two waves of the two resident blocks per SM (96 KiB each),
+// so that splits of unequal length (per-batch kv_seqlens) even out.
+inline constexpr int64_t kDecodeBlocksPerSm = 4;
+// The SM count the Python side sizes the workspace for (no device is known at trace time);
+// a device with more SMs runs as many splits as that workspace holds.
+inline constexpr int64_t kDecodeMaxMultiprocessors = 256;
+// Largest head dim of the decode instantiations (sm80/decode_traits.h).
+inline constexpr int64_t kDecodeMaxHeadDim = 256;
+
+struct DecodePlan {
+  int64_t work_units = 0;  // batch * num_kv_heads
+  int64_t rows = 0;        // seqlen_q * group
+  int64_t splits = 0;      // key ranges per work unit, one block each
+  int64_t head_dim = 0;
+  float* o_partial = nullptr;
+  float* lse_partial = nullptr;
+
+  JAX_FLASHATTN_HOST_DEVICE int64_t partial_row(int64_t unit, int64_t split, int64_t row) const {
+    return (unit * splits + split) * rows + row;
+  }
+};
+
+// Whether the call's shape, dtype and options fit the decode kernel (before any workspace or
+// device question): bf16/fp16, scale > 0 (the softmax folds the scale after the row max), a
+// head dim multiple of 8 up to 256, no bias or boolean mask (those keep the normal kernels),
+// few query rows per kv head and enough keys to split.
+inline bool decode_shape_fits(const AttentionParams& p) {
+  const bool tensor_core_dtype = p.dtype == ElemType::kBFloat16 || p.dtype == ElemType::kFloat16;
+  return tensor_core_dtype && p.scale > 0.f && p.head_dim > 0 && p.head_dim % 8 == 0 &&
+         p.head_dim <= kDecodeMaxHeadDim && p.bias == nullptr && p.mask == nullptr &&
+         p.num_kv_heads > 0 && p.seqlen_q > 0 &&
+         p.seqlen_q * p.group_size() <= kDecodeMaxRows && p.seqlen_k >= kDecodeMinKeys &&
+         p.seqlen_k <= kDecodeMaxKeys;
+}
+
+// Splits per work unit the occupancy rule asks for on `multiprocessors` SMs: enough blocks for
+// kDecodeBlocksPerSm per SM, but no split shorter than kDecodeMinKeysPerSplit keys.
+inline int64_t decode_splits_wanted(int64_t work_units, int64_t seqlen_k, int64_t multiprocessors) {
+  const int64_t by_occupancy =
+      (kDecodeBlocksPerSm * multiprocessors + work_units - 1) / work_units;
+  const int64_t by_length = (seqlen_k + kDecodeMinKeysPerSplit - 1) / kDecodeMinKeysPerSplit;
+  const int64_t splits = by_occupancy < by_length ? by_occupancy : by_length;
+  return splits > 1 ? splits : 1;
+}
+
+// Floats of workspace a plan with `splits` splits uses.
+inline int64_t decode_workspace_floats(const AttentionParams& p, int64_t splits) {
+  return p.batch * p.num_kv_heads * splits * p.seqlen_q * p.group_size() * (p.head_dim + 1);
+}
+
+// Fills `plan` and returns true when the call takes the decode kernel on a device with
+// `multiprocessors` SMs: the shape fits and the workspace holds at least one split. The split
+// count is the occupancy rule's, capped at what the workspace holds, so the kernels never
+// write past it.
+inline bool make_decode_plan(const AttentionParams& p, int64_t multiprocessors, DecodePlan& plan) {
+  if (!decode_shape_fits(p) || p.batch <= 0 || p.decode_workspace == nullptr ||
+      multiprocessors <= 0)
+    return false;
+  const int64_t per_split = decode_workspace_floats(p, 1);
+  const int64_t capacity = p.decode_workspace_floats / per_split;
+  const int64_t wanted = decode_splits_wanted(p.batch * p.num_kv_heads, p.seqlen_k, multiprocessors);
+  plan.splits = wanted < capacity ? wanted : capacity;
+  if (plan.splits < 1) return false;
+  plan.work_units = p.batch * p.num_kv_heads;
+  plan.rows = p.seqlen_q * p.group_size();
+  plan.head_dim = p.head_dim;
+  plan.o_partial = p.decode_workspace;
+  plan.lse_partial = p.decode_workspace + plan.work_units * plan.splits * plan.rows * p.head_dim;
+  return true;
+}
+
+}  // namespace jax_flashattn::sm80
