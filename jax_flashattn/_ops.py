@@ -33,45 +33,20 @@ def _attrs(scale: float, window: tuple[int | None, int | None], deterministic: b
                 window_right=np.int64(right), deterministic=np.int32(deterministic))
 
 
-# The split-KV decode kernel's sizing rule, mirrored from ffi/cuda/sm80/decode_plan.h (keep
-# the two in step; tests/test_forward.py checks them against each other).
-DECODE_MAX_ROWS = 64  # T * (N / K): the query rows of one kv head's group
-DECODE_MIN_KEYS = 256  # S from which a call takes the decode kernel
-DECODE_MAX_KEYS = 1 << 30  # S up to which its int32 key positions are exact
-DECODE_MIN_KEYS_PER_SPLIT = 256
-DECODE_BLOCKS_PER_SM = 4
-DECODE_MAX_MULTIPROCESSORS = 256  # the SM count the workspace is sized for
-DECODE_MAX_HEAD_DIM = 256
-
-
-def decode_splits_wanted(work_units: int, seqlen_k: int, multiprocessors: int) -> int:
-    """Splits per (batch, kv head) the decode kernel runs on `multiprocessors` SMs."""
-    by_occupancy = -(-DECODE_BLOCKS_PER_SM * multiprocessors // work_units)
-    by_length = -(-seqlen_k // DECODE_MIN_KEYS_PER_SPLIT)
-    return max(1, min(by_occupancy, by_length))
-
-
 def decode_workspace_size(q_shape, k_shape, dtype, *, scale: float, has_bias: bool,
                           has_mask: bool) -> int:
     """Float32 elements of the decode kernel's workspace for q [..., B, T, N, H] and
     k [..., B, S, K, H]: its splits' partial O and lse ([B*K, splits, T*N/K, H + 1]) at the
-    split count of a GPU with DECODE_MAX_MULTIPROCESSORS SMs, the most any device runs (a
-    device with more SMs runs as many splits as this holds); 0 when the call can never take
-    the decode kernel."""
+    split count the C++ rule (ffi/cuda/sm80/decode_plan.h) gives a GPU with the most SMs it
+    sizes for (a device with more runs as many splits as this holds); 0 when the call can
+    never take the decode kernel."""
     *lead, t, n, h = q_shape
-    s, kv_heads = k_shape[-3], k_shape[-2]
-    fits = (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and scale > 0 and 0 < h <= DECODE_MAX_HEAD_DIM and h % 8 == 0
-            and not has_bias and not has_mask and kv_heads > 0 and n % kv_heads == 0
-            and 0 < t * (n // kv_heads) <= DECODE_MAX_ROWS
-            and DECODE_MIN_KEYS <= s <= DECODE_MAX_KEYS)
-    if not fits:
+    code = _ffi._DTYPE_CODES.get(jnp.dtype(dtype).name)
+    if code is None:
         return 0
-    work_units = int(np.prod(lead, dtype=np.int64)) * kv_heads
-    if work_units == 0:
-        return 0
-    splits = decode_splits_wanted(work_units, s, DECODE_MAX_MULTIPROCESSORS)
-    return work_units * splits * t * (n // kv_heads) * (h + 1)
+    return _ffi._ext.decode_workspace_floats(
+        code, int(np.prod(lead, dtype=np.int64)), t, k_shape[-3], n, k_shape[-2], h,
+        float(scale), has_bias, has_mask, _ffi._ext.DECODE_MAX_MULTIPROCESSORS)
 
 
 def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple):

@@ -370,8 +370,9 @@ def test_forward_kernel_query_on_cpu():
     assert jax_flashattn.forward_kernel(q, q, device=jax.devices("cpu")[0]) == "cpu"
 
 
-# The split-KV decode kernel's workspace: Python sizes it at trace time (_ops), the C++ plan
-# (ffi/cuda/sm80/decode_plan.h) decides how much of it a call uses. These run on CPU.
+# The split-KV decode kernel's workspace: sized at trace time by the C++ rule at the most SMs
+# it sizes for (_ops), while the C++ plan (ffi/cuda/sm80/decode_plan.h) decides how much of it
+# a call on a given device uses. These run on CPU.
 DECODE_SHAPES = [
     # (lead, T, S, N, K, H)
     ((8,), 1, 65536, 32, 8, 128),
@@ -385,9 +386,9 @@ DECODE_SHAPES = [
 
 
 @pytest.mark.parametrize("shape", DECODE_SHAPES, ids=str)
-def test_decode_workspace_matches_the_cpp_rule(shape):
-    """The Python size is the C++ rule at the most SMs it is sized for, and holds every split
-    the C++ rule runs on a device with fewer SMs; under vmap (the same size per vmapped
+def test_decode_workspace_holds_every_split_the_cpp_rule_runs(shape):
+    """The size is the C++ rule at the most SMs it is sized for, whole splits, and holds every
+    split the C++ rule runs on a device with fewer SMs; under vmap (the same size per vmapped
     element) it still holds what the C++ rule asks for the combined batch."""
     from jax_flashattn import _ffi, _ops
     lead, t, s, n, kv, h = shape
@@ -396,7 +397,7 @@ def test_decode_workspace_matches_the_cpp_rule(shape):
     batch = int(np.prod(lead))
     cpp = lambda batch, sms: _ffi._ext.decode_workspace_floats(1, batch, t, s, n, kv, h, 0.1,
                                                               False, False, sms)
-    assert size > 0 and size == cpp(batch, _ops.DECODE_MAX_MULTIPROCESSORS)
+    assert size > 0 and size == cpp(batch, _ffi._ext.DECODE_MAX_MULTIPROCESSORS)
     assert size % (batch * kv * t * (n // kv) * (h + 1)) == 0  # whole splits
     for sms in (1, 46, 108, 132, 170, 256):
         assert cpp(batch, sms) <= size

@@ -1,8 +1,7 @@
 // When a forward call takes the split-KV decode kernel, how many splits it runs, and where the
 // splits' partial results live in the workspace. Plain C++ (no CUDA): the dispatcher, the
-// kernels and the Python extension's sizing check (ffi/module.cc) share it, and
-// jax_flashattn/_ops.py mirrors the sizing rule (decode_workspace_size) with the same
-// constants.
+// kernels and the Python extension (ffi/module.cc, through which jax_flashattn/_ops.py sizes
+// the workspace at trace time) share it.
 //
 // Workspace layout (float32, a result of the forward call, so XLA owns it):
 //   o_partial   [work_units][splits][rows][head_dim]  each split's O, already normalised by
