@@ -4,8 +4,9 @@
     compute-sanitizer --tool racecheck --kernel-name kns=jax_flashattn python3 tests/sanitizer_case.py
 
 Shapes are odd (tile edges), with GQA, causal, windows and lengths, so every predicated path
-runs, and the tensor-core backward runs in both dQ modes (atomics and deterministic); the
-script exits non-zero if a result is not finite.
+runs (and one long-key forward takes the wide Hopper tiles), and the tensor-core backward runs
+in both dQ modes (atomics and deterministic); the script exits non-zero if a result is not
+finite.
 """
 
 import jax
@@ -54,6 +55,14 @@ def main():
         key_value_seq_lengths=jnp.array([1001, 300], jnp.int32)))(q, k, v)
     assert np.isfinite(np.asarray(out, np.float32)).all(), "decode"
     print("ok: decode")
+
+    # Forward with S >= 2048 and no causal or window bound (the Hopper kernel's 160-key tiles
+    # and single Q buffer): 3 x 64 query tiles, more than the SMs, so blocks reuse the buffer.
+    q = jnp.asarray(rng.standard_normal((1, 300, 64, 128)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((1, 2100, 8, 128)), jnp.bfloat16) for _ in range(2))
+    out = jax.jit(lambda q, k, v: jax_flashattn.attention(q, k, v, implementation="cuda"))(q, k, v)
+    assert np.isfinite(np.asarray(out, np.float32)).all(), "wide key tiles"
+    print("ok: wide key tiles")
 
 
 if __name__ == "__main__":

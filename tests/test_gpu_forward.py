@@ -139,6 +139,18 @@ def test_large_head_dims_many_tiles(rng, head_dim, kwargs):
     check(*random_qkv(rng, 3, 1000, 1000, 48, 8, head_dim, jnp.bfloat16), **kwargs)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [96, 128])
+@pytest.mark.parametrize("kwargs", [dict(), dict(
+    query_seq_lengths=np.array([300, 0], np.int32),
+    key_value_seq_lengths=np.array([2049, 700], np.int32))])
+def test_wide_key_tiles(rng, dtype, head_dim, kwargs):
+    """Without causal or window bounds and with S >= 2048, head dims 72-128 take the Hopper
+    kernel's 160-key tiles with one Q buffer: S = 2301 ends in a partial tile, and 2 x 48 x 3
+    query tiles (more than the SMs) make every block reload that buffer across tiles."""
+    check(*random_qkv(rng, 2, 300, 2301, 48, 8, head_dim, dtype), **kwargs)
+
+
 @pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(17, 5)),
                                     dict(key_value_seq_lengths=np.array([150, 0], np.int32))])
 def test_mma_sync_family_where_hopper_kernel_exists(rng, monkeypatch, kwargs):

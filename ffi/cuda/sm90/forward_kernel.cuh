@@ -5,9 +5,10 @@
 // that blocks that drew short (causal) tiles take more of them. Warpgroup 0 is the producer:
 // one thread claims the tiles and issues every TMA load, per tile Q and then K_j, V_j into a
 // ring of kStages buffers, each guarded by a full barrier (the load landed) and an empty
-// barrier (every consumer warp is done with it); Q has its own ring of kQStages, and the tile
-// index travels with it, so the next tile's Q and first K/V tiles load while the consumers
-// compute the current one. Warpgroups 1.. are consumers of 64 query rows each; per K/V tile j they compute
+// barrier (every consumer warp is done with it); Q has its own ring of kQStages, and the next
+// tile's index goes to the consumers through a shared-memory slot guarded by two named
+// barriers, so the next tile's Q and first K/V tiles load while the consumers compute the
+// current one. Warpgroups 1.. are consumers of 64 query rows each; per K/V tile j they compute
 //   S_j = Q K_j^T              wgmma, both operands in shared memory
 //   mask                       only on tiles that straddle a length or window boundary
 //   P_j = exp2(S_j - max)      online softmax, the scale folded into one FFMA
@@ -32,6 +33,7 @@
 #include "ffi/cuda/sm90/ptx.cuh"
 #include "ffi/cuda/sm90/tensor_maps.h"
 #include "ffi/cuda/sm90/tile_scheduler.cuh"
+#include "ffi/cuda/sm90/traits.h"
 #include "ffi/params.h"
 
 namespace jax_flashattn::sm90 {
@@ -48,18 +50,23 @@ struct ForwardBarriers {
   uint64_t q_full[Traits::kQStages], q_empty[Traits::kQStages];
   uint64_t k_full[Traits::kStages], v_full[Traits::kStages];
   uint64_t k_empty[Traits::kStages], v_empty[Traits::kStages];
-  // The tile whose Q fills stage s, written by the producer before q_full[s] completes; at
-  // least num_tiles when there are no more.
-  int tile[Traits::kQStages];
+  // The next tile's index (at least num_tiles when there are none), handed from the producer
+  // warp to the consumers through the kSlotFull / kSlotEmpty named barriers.
+  int tile;
 };
+
+// Named barriers (0 is __syncthreads): 1 + c synchronises consumer warpgroup c, kTurnBarrier + c
+// hands it the ping-pong turn, and the tile slot's two sit after those.
+inline constexpr int kTurnBarrier = 3;
+inline constexpr int kSlotFull = 5, kSlotEmpty = 6;
 
 // Where a barrier ring stands: the n-th use of a kStages ring is stage n % kStages, and its
 // full barrier completes phase (n / kStages) for it; the producer refilling use n waits for the
 // empty barrier's phase of use n - kStages.
 template <int kStages>
 struct RingPosition {
-  int count = 0;
-  __device__ int stage() const { return count % kStages; }
+  uint32_t count = 0;  // unsigned: % and / by kStages are a mask and a shift
+  __device__ int stage() const { return int(count % kStages); }
   __device__ uint32_t phase() const { return uint32_t(count / kStages) & 1; }
   __device__ bool refill() const { return count >= kStages; }
   __device__ uint32_t previous_phase() const { return uint32_t(count / kStages - 1) & 1; }
@@ -84,6 +91,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     forward_kernel(const __grid_constant__ AttentionParams p,
                    const __grid_constant__ ForwardMaps maps) {
 #ifdef JAX_FLASHATTN_SM90_BODY
+  static_assert(register_budgets_fit<Traits>(), "setmaxnreg would wait forever");
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages, kHeadDim = Traits::kHeadDim;
   constexpr int kSpans = Traits::kSpans, kSpanElems = Traits::kSpanElems;
@@ -111,12 +119,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto& bars = *reinterpret_cast<ForwardBarriers<Traits>*>(smem + sKV_offset +
                                                            2 * kStages * Traits::kKVBytes);
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
-  // The tile slots by 32-bit shared address: a generic pointer to them would hold a 64-bit
+  // The tile slot by 32-bit shared address: a generic pointer to it would hold a 64-bit
   // register for the whole kernel, two more than the consumers have at head dim 256.
   const auto bar_slot = [](int& slot) { return ptx::smem_address(&slot); };
+  // The tile slot is written by the producer warp and read by every consumer thread.
+  constexpr int kSlotThreads = 32 + 128 * Traits::kConsumers;
 
   const int tid = threadIdx.x;
-  const TileScheduler<kBlockM, kBlockN> scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
 
   if (tid == 0) {
     for (int s = 0; s < kQStages; ++s) {
@@ -135,26 +144,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const int warpgroup = tid / 128;
   if (warpgroup == 0) {
-    // Producer: Q (kQStages buffers) and K/V (kStages buffers) for every tile with keys.
+    // Producer: warp 0 hands out the tiles (the named barriers of the tile slot take whole
+    // warps); its lane 0 claims them and issues Q (kQStages buffers) and K/V (kStages buffers)
+    // for every tile with keys.
     ptx::setmaxnreg_dec<Traits::kProducerRegisters>();
-    if (tid != 0) return;
-    RingPosition<kQStages> q_ring;
-    RingPosition<kStages> kv_ring;
-    for (int index = blockIdx.x;; index = gridDim.x + atomicAdd(p.tile_counter, 1)) {
+    if (tid >= 32) return;
+    // Made here and in the consumers' branch, not once above: a value live across the split
+    // was spilled within the producer's 24 registers.
+    const auto scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
+    // Lane 0: Q and then K_j, V_j of a tile, each into the next buffer of its ring once the
+    // consumers have released it. Tiles without keys take no buffer (the consumers write their
+    // zeros and -inf lse).
+    const auto load_tile = [&](const ForwardTile& t, RingPosition<kQStages>& q_ring,
+                               RingPosition<kStages>& kv_ring) {
+      if (t.num_kv_tiles == 0) return;
+      const int batch = t.b, head = t.n, kv = t.kv_head;
       const int q_stage = q_ring.stage();
       if (q_ring.refill()) ptx::mbarrier_wait(bar(bars.q_empty[q_stage]), q_ring.previous_phase());
       ++q_ring.count;
-      ptx::st_shared_b32(bar_slot(bars.tile[q_stage]), uint32_t(index));
-      if (index >= scheduler.num_tiles) {
-        ptx::mbarrier_arrive(bar(bars.q_full[q_stage]));
-        break;
-      }
-      const ForwardTile t = scheduler.tile(p, index);
-      if (t.num_kv_tiles == 0) {  // the consumers write its zeros and -inf lse
-        ptx::mbarrier_arrive(bar(bars.q_full[q_stage]));
-        continue;
-      }
-      const int batch = t.b, head = t.n, kv = t.kv_head;
       ptx::mbarrier_arrive_expect_tx(bar(bars.q_full[q_stage]), Traits::kQBytes);
       for (int span = 0; span < kSpans; ++span)
         ptx::tma_load_4d(sQ(q_stage) + span * kBlockM * kRowBytes, &maps.q,
@@ -173,12 +180,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           ptx::tma_load_4d(sV(stage) + span * kBlockN * kRowBytes, &maps.v,
                            bar(bars.v_full[stage]), span * kSpanElems, kv, key0, batch);
       }
+    };
+    RingPosition<kQStages> q_ring;
+    RingPosition<kStages> kv_ring;
+    for (int index = blockIdx.x;;) {
+      ptx::named_barrier_sync(kSlotEmpty, kSlotThreads);  // the consumers read the last one
+      if (tid == 0) ptx::st_shared_b32(bar_slot(bars.tile), uint32_t(index));
+      ptx::named_barrier_arrive(kSlotFull, kSlotThreads);
+      if (index >= scheduler.num_tiles) break;
+      int claimed = 0;
+      if (tid == 0) {
+        load_tile(scheduler.tile(p, index), q_ring, kv_ring);
+        claimed = atomicAdd(p.tile_counter, 1);
+      }
+      index = int(gridDim.x) + __shfl_sync(0xffffffff, claimed, 0);
     }
     return;
   }
 
   // Consumers.
   ptx::setmaxnreg_inc<Traits::kConsumerRegisters>();
+  const auto scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
   const int consumer = warpgroup - 1, warp = (tid / 32) % 4, lane = tid % 32;
   const int wg_row0 = consumer * 64;           // this warpgroup's rows of the block
   const int warp_row0 = wg_row0 + warp * 16;   // this warp's 16 rows (its accumulator rows)
@@ -187,17 +209,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // Descriptors. Q and K are K-major (head dim contiguous): k-step ks lies in span ks / 4, 32
   // bytes per step into each 128-byte row. V is MN-major for O += P V (head dim contiguous,
   // keys along the reduction): k-step kk is 16 rows down, spans kBlockN rows apart (LBO).
+  // Each is the descriptor of stage 0 / k-step 0 advanced by a byte offset (constant but for
+  // the stage).
   const auto q_desc = [&](uint32_t q_tile, int ks) {  // q_tile: this warpgroup's rows
-    return ptx::smem_descriptor_sw128(q_tile + (ks / 4) * kBlockM * kRowBytes + (ks % 4) * 32, 16,
-                                      kGroupBytes);
+    return ptx::smem_descriptor_advance(ptx::smem_descriptor_sw128(q_tile, 16, kGroupBytes),
+                                        (ks / 4) * kBlockM * kRowBytes + (ks % 4) * 32);
   };
+  const uint64_t k_desc0 = ptx::smem_descriptor_sw128(sK(0), 16, kGroupBytes);
+  const uint64_t v_desc0 = ptx::smem_descriptor_sw128(sV(0), kBlockN * kRowBytes, kGroupBytes);
   const auto k_desc = [&](int stage, int ks) {
-    return ptx::smem_descriptor_sw128(
-        sK(stage) + (ks / 4) * kBlockN * kRowBytes + (ks % 4) * 32, 16, kGroupBytes);
+    return ptx::smem_descriptor_advance(
+        k_desc0, stage * Traits::kKVBytes + (ks / 4) * kBlockN * kRowBytes + (ks % 4) * 32);
   };
   const auto v_desc = [&](int stage, int kk) {
-    return ptx::smem_descriptor_sw128(sV(stage) + kk * 16 * kRowBytes, kBlockN * kRowBytes,
-                                      kGroupBytes);
+    return ptx::smem_descriptor_advance(v_desc0, stage * Traits::kKVBytes + kk * 16 * kRowBytes);
   };
 
   float s_acc[1][kNTiles][4];
@@ -242,12 +267,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // issuing. Consumer 1 gives consumer 0 the first turn, so consumer 0 takes one extra turn at
   // the end to leave every barrier with as many arrivals as waits.
   static_assert(Traits::kConsumers == 2, "the ping-pong alternates two consumer warpgroups");
-  constexpr int kTurnBarrier = 1 + Traits::kConsumers;  // after the epilogue barriers 1, 2
+  static_assert(kTurnBarrier == 1 + Traits::kConsumers, "after the warpgroup barriers 1, 2");
   const auto take_turn = [&] { ptx::named_barrier_sync(kTurnBarrier + consumer, 256); };
   const auto hand_over = [&] { ptx::named_barrier_arrive(kTurnBarrier + 1 - consumer, 256); };
   const auto sync_warpgroup = [&] { ptx::named_barrier_sync(1 + consumer, 128); };
-  // One arrival per warp: __syncwarp orders every lane's reads (of the tile slot, say) before
-  // lane 0's arrival releases them to the producer (racecheck flagged the slot without it).
+  // One arrival per warp, once all of its lanes are past their reads of the buffer.
   const auto release = [&](uint64_t& barrier) {
     __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(bar(barrier));
@@ -259,20 +283,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   if (consumer == 1) hand_over();
+  ptx::named_barrier_arrive(kSlotEmpty, kSlotThreads);  // the slot starts free
   RingPosition<kQStages> q_ring;
   RingPosition<kStages> kv_ring;
   for (;;) {
+    ptx::named_barrier_sync(kSlotFull, kSlotThreads);
+    const int index = int(ptx::ld_shared_b32(bar_slot(bars.tile)));
+    if (index >= scheduler.num_tiles) break;  // the producer has left: no arrival owed
+    ptx::named_barrier_arrive(kSlotEmpty, kSlotThreads);
+    ForwardTile t = scheduler.tile(p, index);
+    if constexpr (!Traits::kWindowed)
+      t.vis.window_left = t.vis.window_right = kUnboundedWindow;
+    if (t.num_kv_tiles == 0) {
+      write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
+      continue;
+    }
     const int q_stage = q_ring.stage();
     ptx::mbarrier_wait(bar(bars.q_full[q_stage]), q_ring.phase());
     ++q_ring.count;
-    const int index = int(ptx::ld_shared_b32(bar_slot(bars.tile[q_stage])));
-    if (index >= scheduler.num_tiles) break;
-    const ForwardTile t = scheduler.tile(p, index);
-    if (t.num_kv_tiles == 0) {
-      write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
-      release(bars.q_empty[q_stage]);
-      continue;
-    }
     // Masks tile j's scores where it straddles a boundary, then turns them into probabilities.
     cuda::OnlineSoftmax<1> softmax;
     softmax.init();
@@ -310,14 +338,33 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::wgmma_wait<0>();
     fence_s();
     release(bars.k_empty[kv_ring.stage()]);
-    {
-      float correction[1][2];  // O is still zero: nothing to rescale
-      softmax_step(0, correction);
-    }
+    // The factor O must be rescaled by before the last exponentiated tile's P V is added (1
+    // after tile 0: O is still zero).
+    float correction[1][2];
+    softmax_step(0, correction);
 
+    // The P V product issued by the previous iteration is waited for at the top of the next
+    // one, not right after the softmax: ptxas schedules a wgmma wait as early as its basic
+    // block allows, and in the softmax's block it went above the softmax, which then no longer
+    // ran under the tensor-core work (ncu: 10% of all stall samples on that wait).
+    // The wait is unconditional (at j = 1 nothing is in flight): behind a branch, ptxas could
+    // not tell that O is never read while a product writes it, and serialised every wgmma.
+    const auto retire_pv = [&](bool in_flight, int stage) {
+      ptx::wgmma_wait<0>();
+      fence_o();
+      if (in_flight) release(bars.v_empty[stage]);
+    };
+    // Once the first tiles have set the row maxima they rarely move: where no row of the warp
+    // moved, the warp skips the rescaling (kHeadDim / 2 multiplies per thread).
+    const auto rescale_o = [&] {
+      if (!__all_sync(0xffffffff, correction[0][0] == 1.f && correction[0][1] == 1.f))
+        cuda::OnlineSoftmax<1>::rescale(o_acc, correction);
+    };
     for (int j = 1; j < t.num_kv_tiles; ++j) {
       const RingPosition<kStages> prev = kv_ring;
       ++kv_ring.count;
+      retire_pv(j > 1, (prev.count - 1) % kStages);  // P_{j-2} V_{j-2}
+      rescale_o();
       pack_p();
       ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
       ptx::mbarrier_wait(bar(bars.v_full[prev.stage()]), prev.phase());
@@ -328,23 +375,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ptx::wgmma_wait<1>();  // S_j landed; P_{j-1} V_{j-1} may still be running
       fence_s();
       release(bars.k_empty[kv_ring.stage()]);
-      float correction[1][2];
       softmax_step(j, correction);
-      ptx::wgmma_wait<0>();
-      fence_o();
-      release(bars.v_empty[prev.stage()]);
-      cuda::OnlineSoftmax<1>::rescale(o_acc, correction);
     }
+    retire_pv(t.num_kv_tiles > 1, (kv_ring.count - 1) % kStages);
+    rescale_o();
+    // The tile's last S = Q K^T has landed, Q's last read: the next tile's Q may load under
+    // this tile's last O += P V and epilogue (where O is staged in Q, once the store has read
+    // it).
+    if constexpr (!Traits::kOInQ) release(bars.q_empty[q_stage]);
     pack_p();
     ptx::mbarrier_wait(bar(bars.v_full[kv_ring.stage()]), kv_ring.phase());
     take_turn();
     issue_pv(kv_ring.stage());
     hand_over();
-    ptx::wgmma_wait<0>();
-    fence_o();
-    release(bars.v_empty[kv_ring.stage()]);
-    // This tile's S products, Q's only readers, are done (unless O is staged there).
-    if constexpr (!Traits::kOInQ) release(bars.q_empty[q_stage]);
+    retire_pv(true, kv_ring.stage());
     ++kv_ring.count;
 
     // Epilogue: normalise, write lse, stage O as Elem in this warpgroup's rows of the O tile
@@ -360,7 +404,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // Chunk c of a swizzled row sits at ((c ^ row % 8) << 4): with the row's bits above bit
       // 6 and quad_col * 2 below bit 4, that is this row's chunk-0 offset XOR (c << 4).
       const int row = warp_row0 + quad_row + 8 * h;
-      const uint32_t row_offset = (row * kRowBytes + ((row & 7) << 4)) | (quad_col * 2);
+      uint32_t row_offset = (row * kRowBytes + ((row & 7) << 4)) | (quad_col * 2);
+      // Opaque, so that the kDTiles addresses are formed here and not hoisted out of the tile
+      // loop, where they would hold registers through it (spilled with 160-key tiles).
+      asm volatile("" : "+r"(row_offset));
 #pragma unroll
       for (int d = 0; d < kDTiles; ++d) {
         const uint32_t offset =

@@ -154,6 +154,15 @@ __device__ __forceinline__ uint64_t smem_descriptor_sw128(uint32_t address, uint
          (uint64_t((group_stride >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
 }
 
+// The descriptor of the address `bytes` past the one `desc` describes: the start address
+// (address >> 4) sits in the low 14 bits, and an offset inside one shared-memory tile never
+// carries out of them. One add on the low word, where a descriptor built from the address
+// takes four or five instructions (each wgmma of a k-loop needs two).
+__device__ __forceinline__ uint64_t smem_descriptor_advance(uint64_t desc, uint32_t bytes) {
+  const uint32_t low = uint32_t(desc) + (bytes >> 4), high = uint32_t(desc >> 32);
+  return (uint64_t(high) << 32) | low;
+}
+
 // D (+)= A B, A and B from shared memory, both K-major (the reduction dim contiguous).
 template <int N, typename Elem>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], uint64_t a_desc, uint64_t b_desc,
@@ -193,10 +202,14 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&
   "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
   "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
 
-#define JAX_FLASHATTN_WGMMA_D80_REGS \
-  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+#define JAX_FLASHATTN_WGMMA_D160_REGS \
+  "{" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39" "}"
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79" \
+  "}"
 #define JAX_FLASHATTN_WGMMA_D256_REGS \
   "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
@@ -207,10 +220,12 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&
   "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, " \
   "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, " \
   "%120, %121, %122, %123, %124, %125, %126, %127" "}"
-#define JAX_FLASHATTN_WGMMA_D80_OPERANDS(d) \
-  JAX_FLASHATTN_WGMMA_D64_OPERANDS(d), \
-  "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
-  "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3])
+#define JAX_FLASHATTN_WGMMA_D160_OPERANDS(d) \
+  JAX_FLASHATTN_WGMMA_D128_OPERANDS(d), \
+  "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), \
+  "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]), \
+  "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]), \
+  "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3])
 #define JAX_FLASHATTN_WGMMA_D256_OPERANDS(d) \
   JAX_FLASHATTN_WGMMA_D128_OPERANDS(d), \
   "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]), \
@@ -271,10 +286,10 @@ JAX_FLASHATTN_WGMMA_RS(128, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D128_REGS
 JAX_FLASHATTN_WGMMA_RS(128, __half, "f16", JAX_FLASHATTN_WGMMA_D128_REGS,
                        JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66, 67, 68, 69)
 
-JAX_FLASHATTN_WGMMA_SS(80, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D80_REGS,
-                       JAX_FLASHATTN_WGMMA_D80_OPERANDS, 40, 41, 42)
-JAX_FLASHATTN_WGMMA_SS(80, __half, "f16", JAX_FLASHATTN_WGMMA_D80_REGS,
-                       JAX_FLASHATTN_WGMMA_D80_OPERANDS, 40, 41, 42)
+JAX_FLASHATTN_WGMMA_SS(160, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D160_REGS,
+                       JAX_FLASHATTN_WGMMA_D160_OPERANDS, 80, 81, 82)
+JAX_FLASHATTN_WGMMA_SS(160, __half, "f16", JAX_FLASHATTN_WGMMA_D160_REGS,
+                       JAX_FLASHATTN_WGMMA_D160_OPERANDS, 80, 81, 82)
 JAX_FLASHATTN_WGMMA_RS(256, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D256_REGS,
                        JAX_FLASHATTN_WGMMA_D256_OPERANDS, 128, 129, 130, 131, 132, 133)
 JAX_FLASHATTN_WGMMA_RS(256, __half, "f16", JAX_FLASHATTN_WGMMA_D256_REGS,
@@ -285,9 +300,9 @@ JAX_FLASHATTN_WGMMA_RS(256, __half, "f16", JAX_FLASHATTN_WGMMA_D256_REGS,
 #undef JAX_FLASHATTN_WGMMA_D128_REGS
 #undef JAX_FLASHATTN_WGMMA_D64_OPERANDS
 #undef JAX_FLASHATTN_WGMMA_D128_OPERANDS
-#undef JAX_FLASHATTN_WGMMA_D80_REGS
+#undef JAX_FLASHATTN_WGMMA_D160_REGS
 #undef JAX_FLASHATTN_WGMMA_D256_REGS
-#undef JAX_FLASHATTN_WGMMA_D80_OPERANDS
+#undef JAX_FLASHATTN_WGMMA_D160_OPERANDS
 #undef JAX_FLASHATTN_WGMMA_D256_OPERANDS
 
 }  // namespace jax_flashattn::ptx
