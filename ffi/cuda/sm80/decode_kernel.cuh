@@ -4,12 +4,13 @@
 // One block per (split, kv head, batch). Its query rows are the (t, head-in-group) pairs of the
 // kv head's whole GQA group, T * (N / K) <= 64 of them (row r = t * group + g), so each K/V
 // byte is read from HBM once per group. The block streams its split's key tiles through a
-// three-stage cp.async ring; per 16-key chunk a warp computes
+// three-stage cp.async ring; per step (16 keys or a whole tile: sm80/decode_traits.h) a warp
+// computes
 //   S = Q K^T              (Q fragments in registers, loaded once from global memory)
 //   mask                   (per-row key bounds: lengths, causal, window)
 //   online softmax         (exp2 with the scale folded into one FFMA)
 //   O += P V               (P re-packed from the S accumulators, V via ldmatrix.trans)
-// Warps that computed the same rows on other chunks merge their states through shared memory,
+// Warps that computed the same rows on other keys merge their states through shared memory,
 // and the split writes its normalised O and lse to the workspace (layout: sm80/decode_plan.h).
 #pragma once
 
@@ -58,14 +59,15 @@ struct DecodeRows {
     return d;
   }
 
-  // Sets the scores of keys [key0, key0 + 16) this thread's rows do not see to -inf.
-  __device__ void mask(float (&s)[2][4], int key0, int quad_col) const {
-    auto clamp16 = [](int x) { return x < 0 ? 0 : (x > 16 ? 16 : x); };
+  // Sets the scores of keys [key0, key0 + 8 kNTiles) this thread's rows do not see to -inf.
+  template <int kNTiles>
+  __device__ void mask(float (&s)[kNTiles][4], int key0, int quad_col) const {
+    auto clamp = [](int x) { return x < 0 ? 0 : (x > 8 * kNTiles ? 8 * kNTiles : x); };
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int lo = clamp16(key_lo[h] - key0), hi = clamp16(key_hi[h] - key0);
+      const int lo = clamp(key_lo[h] - key0), hi = clamp(key_hi[h] - key0);
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int c = nt * 8 + quad_col + e;
@@ -106,6 +108,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kStages = Traits::kStages;
   constexpr int kKSteps = Traits::kHeadDim / 16;  // QK^T reduction steps
   constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of O
+  constexpr int kStepChunks = Traits::kStepChunks;  // 16-key chunks of a warp step
+  constexpr int kStepKeys = kStepChunks * Traits::kChunkKeys;
 
   // Aligned to a whole swizzled row (at most 512 bytes) for LdmatrixAddress's XOR.
   extern __shared__ __align__(512) unsigned char smem_raw[];
@@ -119,7 +123,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int64_t b = unit / p.num_kv_heads, kv_head = unit % p.num_kv_heads;
   const int64_t group = p.group_size();
 
-  // Warp roles: slab `slab` of the rows, chunks key_group, key_group + key_groups, ... of a tile.
+  // Warp roles: slab `slab` of the rows, steps key_group, key_group + key_groups, ... of a tile.
   const int slabs = int((plan.rows + 15) / 16);
   const int key_groups = Traits::kWarps / slabs;
   const int slab = warp % slabs, key_group = warp / slabs;
@@ -192,31 +196,39 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
                                               ld_matrix & 1);
     const LdmatrixAddress<kSmemDim> v_address(stage_v(stage), (ld_matrix & 1) * 8 + ld_row,
                                               ld_matrix >> 1);
-    for (int chunk = key_group; chunk < Traits::kChunksPerTile; chunk += key_groups) {
-      const int key0 = tile * kBlockN + chunk * Traits::kChunkKeys;
-      if (key0 >= key_hi) break;                         // past every row's last key
-      if (key0 + Traits::kChunkKeys <= key_lo) continue;  // before every row's first key
+    for (int step = key_group; step < Traits::kStepsPerTile; step += key_groups) {
+      const int key0 = tile * kBlockN + step * kStepKeys;
+      if (key0 >= key_hi) break;                // past every row's last key
+      if (key0 + kStepKeys <= key_lo) continue;  // before every row's first key
+      const int chunk0 = step * kStepChunks;
 
-      // S = Q K^T for 16 rows x 16 keys.
-      float s_acc[1][2][4] = {};
+      // S = Q K^T for 16 rows x kStepKeys keys: one accumulator chain per 16-key chunk, the
+      // chunks interleaved per k-step so that consecutive mma do not wait on each other.
+      float s_acc[1][2 * kStepChunks][4] = {};
 #pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t k_frag[4];
-        ptx::ldmatrix_x4(k_frag, k_address(chunk, ks));
-        mma_pair<Elem>(s_acc[0], 0, q_frag[ks], k_frag);
-      }
+      for (int ks = 0; ks < kKSteps; ++ks)
+#pragma unroll
+        for (int c = 0; c < kStepChunks; ++c) {
+          uint32_t k_frag[4];
+          ptx::ldmatrix_x4(k_frag, k_address(chunk0 + c, ks));
+          mma_pair<Elem>(s_acc[0], c, q_frag[ks], k_frag);
+        }
       rows.mask(s_acc[0], key0, quad_col);
       softmax.update(s_acc, o_acc, scale_log2);
 
-      // O += P V: the S accumulators of the chunk's two 8-key tiles are the A operand.
-      uint32_t p_frag[4];
-      pack_a<Elem>(p_frag, s_acc[0], 0);
+      // O += P V: the S accumulators of chunk c's two 8-key tiles are the A operand of k-step c;
+      // k-steps outermost, so each O tile's accumulation chain has a whole k-step between links.
+      uint32_t p_frag[kStepChunks][4];
 #pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        uint32_t v_frag[4];
-        ptx::ldmatrix_x4_trans(v_frag, v_address(chunk, dp));
-        mma_pair<Elem>(o_acc[0], dp, p_frag, v_frag);
-      }
+      for (int c = 0; c < kStepChunks; ++c) pack_a<Elem>(p_frag[c], s_acc[0], c);
+#pragma unroll
+      for (int c = 0; c < kStepChunks; ++c)
+#pragma unroll
+        for (int dp = 0; dp < kDTiles / 2; ++dp) {
+          uint32_t v_frag[4];
+          ptx::ldmatrix_x4_trans(v_frag, v_address(chunk0 + c, dp));
+          mma_pair<Elem>(o_acc[0], dp, p_frag[c], v_frag);
+        }
     }
   }
 

@@ -10,20 +10,34 @@
 
 namespace jax_flashattn::cuda {
 
-template <typename Elem, int kHeadDim>
-cudaError_t launch_forward_decode(const AttentionParams& p, const sm80::DecodePlan& plan,
-                                  cudaStream_t stream) {
-  using Traits = sm80::DecodeConfig<kHeadDim>;
+// The split kernel of one configuration, on `blocks` blocks.
+template <typename Elem, typename Traits>
+cudaError_t launch_decode_split(const AttentionParams& p, const sm80::DecodePlan& plan,
+                                unsigned blocks, cudaStream_t stream) {
   constexpr auto split_kernel = sm80::decode_split_kernel<Elem, Traits>;
   if (cudaError_t e = ensure_smem_limit<split_kernel>(Traits::kSmemBytes); e != cudaSuccess)
     return e;
+  split_kernel<<<blocks, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, plan);
+  return cudaGetLastError();
+}
+
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_decode(const AttentionParams& p, const sm80::DecodePlan& plan,
+                                  cudaStream_t stream) {
   const int64_t split_blocks = plan.work_units * plan.splits;
   const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
   const int64_t combine_blocks = (rows + sm80::kCombineWarps - 1) / sm80::kCombineWarps;
   if (split_blocks > 0x7fffffff || combine_blocks > 0x7fffffff)
     return cudaErrorInvalidConfiguration;
-  split_kernel<<<unsigned(split_blocks), Traits::kThreads, Traits::kSmemBytes, stream>>>(p, plan);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  // Longer warp steps once a warp owns its slab alone (sm80/decode_traits.h); at head dims
+  // whose many-row step is one chunk both are the same kernel.
+  using ChunkSteps = sm80::DecodeConfig<kHeadDim, 1>;
+  using ManyRowSteps = sm80::DecodeConfig<kHeadDim, sm80::kDecodeManyRowsStepChunks<kHeadDim>>;
+  const cudaError_t e =
+      plan.rows > sm80::kDecodeChunkStepMaxRows
+          ? launch_decode_split<Elem, ManyRowSteps>(p, plan, unsigned(split_blocks), stream)
+          : launch_decode_split<Elem, ChunkSteps>(p, plan, unsigned(split_blocks), stream);
+  if (e != cudaSuccess) return e;
   sm80::decode_combine_kernel<Elem>
       <<<unsigned(combine_blocks), sm80::kCombineWarps * 32, 0, stream>>>(p, plan);
   return cudaGetLastError();

@@ -27,8 +27,9 @@ inline constexpr int64_t kDecodeMinKeys = 256;
 inline constexpr int64_t kDecodeMaxKeys = int64_t(1) << 30;
 // The fewest keys a split owns, so that each block's pipeline has several tiles to stream.
 inline constexpr int64_t kDecodeMinKeysPerSplit = 256;
-// Blocks per SM the splits aim at: two waves of the two resident blocks per SM (96 KiB each),
-// so that splits of unequal length (per-batch kv_seqlens) even out.
+// Blocks per SM the splits aim at: at most two waves of the two resident blocks per SM (96 KiB
+// each), so that splits of unequal length (per-batch kv_seqlens) even out. Rounded down: a
+// third wave with a few blocks would stream at the bandwidth of those few.
 inline constexpr int64_t kDecodeBlocksPerSm = 4;
 // The SM count the Python side sizes the workspace for (no device is known at trace time);
 // a device with more SMs runs as many splits as that workspace holds.
@@ -62,11 +63,10 @@ inline bool decode_shape_fits(const AttentionParams& p) {
          p.seqlen_k <= kDecodeMaxKeys;
 }
 
-// Splits per work unit the occupancy rule asks for on `multiprocessors` SMs: enough blocks for
-// kDecodeBlocksPerSm per SM, but no split shorter than kDecodeMinKeysPerSplit keys.
+// Splits per work unit the occupancy rule asks for on `multiprocessors` SMs: as many blocks as
+// kDecodeBlocksPerSm per SM allows, but no split shorter than kDecodeMinKeysPerSplit keys.
 inline int64_t decode_splits_wanted(int64_t work_units, int64_t seqlen_k, int64_t multiprocessors) {
-  const int64_t by_occupancy =
-      (kDecodeBlocksPerSm * multiprocessors + work_units - 1) / work_units;
+  const int64_t by_occupancy = kDecodeBlocksPerSm * multiprocessors / work_units;
   const int64_t by_length = (seqlen_k + kDecodeMinKeysPerSplit - 1) / kDecodeMinKeysPerSplit;
   const int64_t splits = by_occupancy < by_length ? by_occupancy : by_length;
   return splits > 1 ? splits : 1;
