@@ -78,6 +78,12 @@ foreach(_elem_pair "bf16;__nv_bfloat16" "fp16;__half")
     configure_file(ffi/cuda/instantiations/backward_sm80.cu.in "${_file}" @ONLY)
     list(APPEND _instantiations "${_file}")
   endforeach()
+  # The Hopper backward per head dim of sm90::kBackwardHeadDims (an empty kernel outside sm_90a).
+  foreach(HEAD_DIM 64 128)
+    set(_file "${CMAKE_CURRENT_BINARY_DIR}/instantiations/backward_sm90_${_tag}_hd${HEAD_DIM}.cu")
+    configure_file(ffi/cuda/instantiations/backward_sm90.cu.in "${_file}" @ONLY)
+    list(APPEND _instantiations "${_file}")
+  endforeach()
 endforeach()
 
 add_library(flashattn_cuda STATIC

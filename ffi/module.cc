@@ -66,20 +66,20 @@ int64_t DecodeWorkspaceFloats(int dtype, int64_t batch, int64_t seqlen_q, int64_
 }
 
 #ifdef JAX_FLASHATTN_WITH_CUDA
-// The forward kernel family the CUDA dispatcher picks on CUDA device `device` for a call of
-// this shape and dtype (0 float32, 1 bfloat16, 2 float16) with the default scale, assuming
-// contiguous, aligned buffers as XLA allocates them and a decode workspace of
-// `decode_workspace_floats` floats. Leaves the current device alone.
-std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t seqlen_k,
-                              bool has_bias, bool has_mask, int64_t batch, int64_t seqlen_q,
-                              int64_t num_heads, int64_t num_kv_heads,
-                              int64_t decode_workspace_floats) {
+// Params of a call of this shape and dtype (0 float32, 1 bfloat16, 2 float16) with the default
+// scale, for the dispatchers' kernel choice only: contiguous buffers as XLA lays them out, every
+// pointer at one aligned dummy that nothing reads or writes.
+jax_flashattn::AttentionParams ShapeOnlyParams(int dtype, int64_t head_dim, int64_t seqlen_k,
+                                               bool has_bias, bool has_mask, int64_t batch,
+                                               int64_t seqlen_q, int64_t num_heads,
+                                               int64_t num_kv_heads) {
   using jax_flashattn::ElemType;
   if (dtype < 0 || dtype > 2) throw std::invalid_argument("dtype code must be 0, 1 or 2");
   if (batch < 1 || seqlen_q < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0)
     throw std::invalid_argument("batch, seqlen_q and num_kv_heads must be positive and "
                                 "num_heads a multiple of num_kv_heads");
   alignas(256) static const char buffer[16] = {};
+  char* writable = const_cast<char*>(buffer);
   jax_flashattn::AttentionParams p;
   p.dtype = static_cast<ElemType>(dtype);
   p.batch = batch;
@@ -94,17 +94,30 @@ std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t s
   p.kv_row_stride = num_kv_heads * head_dim;
   p.q_batch_stride = seqlen_q * p.q_row_stride;
   p.kv_batch_stride = seqlen_k * p.kv_row_stride;
-  p.q = p.k = p.v = buffer;
-  p.out = const_cast<char*>(buffer);
-  p.tile_counter = reinterpret_cast<int*>(const_cast<char*>(buffer));  // every call has one
-  // Only the dispatcher's capacity check reads these; nothing is written.
-  p.decode_workspace = reinterpret_cast<float*>(const_cast<char*>(buffer));
-  p.decode_workspace_floats = decode_workspace_floats;
+  p.q = p.k = p.v = p.d_out = buffer;
+  p.out = p.dq = p.dk = p.dv = writable;
+  p.dq_accum = p.delta = reinterpret_cast<float*>(writable);
+  p.tile_counter = reinterpret_cast<int*>(writable);  // every forward call has one
   p.bias = has_bias ? buffer : nullptr;
   p.mask = has_mask ? reinterpret_cast<const bool*>(buffer) : nullptr;
-  const jax_flashattn::cuda::ForwardKernel kernel =
-      jax_flashattn::cuda::choose_forward_kernel(p, device);
-  switch (kernel) {
+  // The backward's bias gradient exists exactly when there is a bias.
+  p.dbias = has_bias ? reinterpret_cast<float*>(writable) : nullptr;
+  return p;
+}
+
+// The forward kernel family the CUDA dispatcher picks on CUDA device `device` for a call of
+// this shape and dtype (ShapeOnlyParams) with a decode workspace of `decode_workspace_floats`
+// floats. Leaves the current device alone.
+std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t seqlen_k,
+                              bool has_bias, bool has_mask, int64_t batch, int64_t seqlen_q,
+                              int64_t num_heads, int64_t num_kv_heads,
+                              int64_t decode_workspace_floats) {
+  jax_flashattn::AttentionParams p = ShapeOnlyParams(
+      dtype, head_dim, seqlen_k, has_bias, has_mask, batch, seqlen_q, num_heads, num_kv_heads);
+  // Only the dispatcher's capacity check reads these; nothing is written.
+  p.decode_workspace = p.dq_accum;
+  p.decode_workspace_floats = decode_workspace_floats;
+  switch (jax_flashattn::cuda::choose_forward_kernel(p, device)) {
     case jax_flashattn::cuda::ForwardKernel::kSm90:
       return "sm90";
     case jax_flashattn::cuda::ForwardKernel::kSm80:
@@ -113,6 +126,26 @@ std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t s
       return "simt";
     case jax_flashattn::cuda::ForwardKernel::kDecode:
       return "decode";
+  }
+  return "unknown";
+}
+
+// The backward kernel family the CUDA dispatcher picks on CUDA device `device` for a call of
+// this shape and dtype (ShapeOnlyParams), with or without the deterministic dQ pass. Leaves the
+// current device alone.
+std::string CudaBackwardKernel(int device, int dtype, int64_t head_dim, int64_t seqlen_k,
+                               bool has_bias, bool has_mask, bool deterministic, int64_t batch,
+                               int64_t seqlen_q, int64_t num_heads, int64_t num_kv_heads) {
+  jax_flashattn::AttentionParams p = ShapeOnlyParams(
+      dtype, head_dim, seqlen_k, has_bias, has_mask, batch, seqlen_q, num_heads, num_kv_heads);
+  p.deterministic = deterministic;
+  switch (jax_flashattn::cuda::choose_backward_kernel(p, device)) {
+    case jax_flashattn::cuda::BackwardKernel::kSm90:
+      return "sm90";
+    case jax_flashattn::cuda::BackwardKernel::kSm80:
+      return "sm80";
+    case jax_flashattn::cuda::BackwardKernel::kSimt:
+      return "simt";
   }
   return "unknown";
 }
@@ -140,5 +173,6 @@ NB_MODULE(_jax_flashattn, m) {
   m.attr("DECODE_MAX_MULTIPROCESSORS") = jax_flashattn::sm80::kDecodeMaxMultiprocessors;
 #ifdef JAX_FLASHATTN_WITH_CUDA
   m.def("cuda_forward_kernel", &CudaForwardKernel);
+  m.def("cuda_backward_kernel", &CudaBackwardKernel);
 #endif
 }

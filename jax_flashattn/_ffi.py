@@ -31,6 +31,16 @@ def cuda_architectures() -> list[str]:
 _DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 
+def _device_with_kernels(device):
+    """`device` (default: the first JAX device) if it is a CPU or an NVIDIA GPU this install has
+    CUDA kernels for; raises ValueError otherwise."""
+    device = jax.devices()[0] if device is None else device
+    if device.platform != "cpu" and (device.platform != "gpu" or not cuda_built()):
+        raise ValueError(f"device must be a CPU or an NVIDIA GPU with jax_flashattn's CUDA kernels "
+                         f"built, got {device}")
+    return device
+
+
 def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
     """Which forward kernel family `attention` runs for these inputs on `device` (default: the
     first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync), "decode" (split-KV
@@ -40,12 +50,9 @@ def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
     dtype = jax.numpy.dtype(query.dtype).name
     if dtype not in _DTYPE_CODES:
         raise TypeError(f"query must be float32, bfloat16 or float16, got {dtype}")
-    device = jax.devices()[0] if device is None else device
+    device = _device_with_kernels(device)
     if device.platform == "cpu":
         return "cpu"
-    if device.platform != "gpu" or not cuda_built():
-        raise ValueError(f"device must be a CPU or an NVIDIA GPU with jax_flashattn's CUDA kernels "
-                         f"built, got {device}")
     from jax_flashattn import _ops  # _ops imports this module
     *lead, t, n, h = query.shape
     decode_floats = _ops.decode_workspace_size(query.shape, key.shape, query.dtype,
@@ -55,3 +62,22 @@ def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
     return _ext.cuda_forward_kernel(device.local_hardware_id, _DTYPE_CODES[dtype], h,
                                     key.shape[-3], bias is not None, mask is not None,
                                     math.prod(lead), t, n, key.shape[-2], decode_floats)
+
+
+def backward_kernel(query, key, bias=None, mask=None, *, deterministic=False,
+                    device=None) -> str:
+    """Which backward kernel family the gradient of `attention` runs for these inputs on
+    `device` (default: the first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync),
+    "simt" (CUDA cores) on an NVIDIA GPU, "cpu" on the host. `deterministic` is attention's
+    `deterministic_backward`. Reads only shapes and dtypes (arrays or jax.ShapeDtypeStruct) and
+    assumes the default scale; contiguous inputs as XLA lays them out are assumed."""
+    dtype = jax.numpy.dtype(query.dtype).name
+    if dtype not in _DTYPE_CODES:
+        raise TypeError(f"query must be float32, bfloat16 or float16, got {dtype}")
+    device = _device_with_kernels(device)
+    if device.platform == "cpu":
+        return "cpu"
+    *lead, t, n, h = query.shape
+    return _ext.cuda_backward_kernel(device.local_hardware_id, _DTYPE_CODES[dtype], h,
+                                     key.shape[-3], bias is not None, mask is not None,
+                                     bool(deterministic), math.prod(lead), t, n, key.shape[-2])

@@ -253,3 +253,8 @@ def test_residuals_have_no_t_by_s_tensor(rng):
     assert sum(prim == "ffi_call" for _, prim in found) == 2, "expected the fwd and bwd calls"
     big = [(size, prim) for size, prim in found if size >= t * s]
     assert not big, f"[T, S]-sized intermediates: {big}"
+
+
+def test_backward_kernel_query_on_cpu():
+    q = jax.ShapeDtypeStruct((2, 10, 4, 64), jnp.bfloat16)
+    assert jax_flashattn.backward_kernel(q, q, device=jax.devices("cpu")[0]) == "cpu"

@@ -292,3 +292,9 @@ def test_forward_kernel_query_rejects_other_dtypes():
     q = jax.ShapeDtypeStruct((2, 10, 4, 64), jnp.int8)
     with pytest.raises(TypeError, match="query"):
         jax_flashattn.forward_kernel(q, q)
+
+
+def test_backward_kernel_query_rejects_other_dtypes():
+    q = jax.ShapeDtypeStruct((2, 10, 4, 64), jnp.int8)
+    with pytest.raises(TypeError, match="query"):
+        jax_flashattn.backward_kernel(q, q)

@@ -221,8 +221,10 @@ def test_tc_deterministic_is_bit_identical(rng, head_dim):
         assert [np.asarray(g).tobytes() for g in again] == first
 
 
-def test_tc_modes_agree(rng):
-    """Both dQ modes compute the same sums, in different orders."""
+def test_tc_modes_agree(rng, monkeypatch):
+    """Both dQ modes compute the same sums, in different orders. (On Hopper the atomic mode would
+    run the wgmma kernel; the mma.sync family is pinned for the dK/dV bit-identity below.)"""
+    monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
     q, k, v = random_qkv(rng, 2, 200, 260, 4, 2, 128, jnp.float16)
     d_out = jnp.asarray(rng.standard_normal(q.shape, dtype=np.float32), q.dtype)
     atomic = cuda_grads(q, k, v, None, d_out, deterministic=False)
@@ -246,6 +248,74 @@ def test_tc_vmap_of_grads(rng):
     dq, dk, dv = vjp(d_out)
     _, vjp1 = jax.vjp(f, q * 0.5, k * 0.5, v * 0.5)
     for a, b in zip((dq[1], dk[1], dv[1]), vjp1(d_out[1])):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=2e-2, atol=2e-2)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Hopper backward (TMA + wgmma, one pass for dK, dV and the atomic dQ): bf16/fp16, head dims
+# a multiple of 8 up to 128, no bias or mask, atomic dQ, on compute capability 9.0 with an sm_90a
+# build. Everywhere else these run the mma.sync family and still check the gradients.
+
+
+def hopper_backward():
+    return (jax.devices()[0].compute_capability == "9.0"
+            and "90a" in jax_flashattn.cuda_architectures())
+
+
+def test_backward_dispatch_is_visible(monkeypatch):
+    """backward_kernel reports the family the dispatcher launches: the Hopper kernel where it
+    applies, the mma.sync family for the other tensor-core cases, the CUDA cores for the rest."""
+    tc = "sm90" if hopper_backward() else "sm80"
+    for dtype in LOW_PRECISION:
+        for head_dim in (8, 32, 40, 64, 72, 128):
+            q = jax.ShapeDtypeStruct((2, 100, 4, head_dim), dtype)
+            assert jax_flashattn.backward_kernel(q, q) == tc, (dtype, head_dim)
+    q = jax.ShapeDtypeStruct((2, 100, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 300, 2, 128), jnp.bfloat16)
+    assert jax_flashattn.backward_kernel(q, kv) == tc
+    assert jax_flashattn.backward_kernel(q, kv, bias=q) == "sm80"
+    assert jax_flashattn.backward_kernel(q, kv, mask=q) == "sm80"
+    assert jax_flashattn.backward_kernel(q, kv, deterministic=True) == "sm80"
+    assert jax_flashattn.backward_kernel(q.update(shape=(2, 100, 8, 256)),
+                                         kv.update(shape=(2, 300, 2, 256))) == "simt"
+    assert jax_flashattn.backward_kernel(q.update(dtype=jnp.float32),
+                                         kv.update(dtype=jnp.float32)) == "simt"
+    monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    assert jax_flashattn.backward_kernel(q, kv) == "sm80"
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("head_dim", [40, 64, 72, 128])
+@pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(70, 9)),
+                                    dict(query_seq_lengths=np.array([333, 0, 41], np.int32),
+                                         key_value_seq_lengths=np.array([517, 77, 0], np.int32),
+                                         is_causal=True)])
+def test_sm90_many_tiles(rng, dtype, head_dim, kwargs):
+    """GQA (4 query heads per kv head), T != S, several 128-key blocks and 64-query tiles, so
+    every block cycles its Q/dO ring and both dS^T buffers many times; head dims 40 and 72 run
+    zero-filled on the 64 and 128 configurations; rows and keys past the lengths get exactly 0."""
+    q, k, v = random_qkv(rng, 3, 333, 517, 8, 2, head_dim, dtype)
+    assert jax_flashattn.backward_kernel(q, k) == ("sm90" if hopper_backward() else "sm80")
+    dq, dk, dv = (np.asarray(g, np.float32) for g in check_grads(rng, q, k, v, **kwargs))
+    if "query_seq_lengths" in kwargs:
+        for b, (q_len, kv_len) in enumerate(zip(kwargs["query_seq_lengths"],
+                                                kwargs["key_value_seq_lengths"])):
+            assert np.all(dq[b, q_len:] == 0)
+            assert np.all(dk[b, kv_len:] == 0) and np.all(dv[b, kv_len:] == 0)
+            if q_len == 0 or kv_len == 0:
+                assert np.all(dq[b] == 0) and np.all(dk[b] == 0) and np.all(dv[b] == 0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True)])
+def test_sm90_agrees_with_mma_sync(rng, monkeypatch, kwargs):
+    """The two tensor-core families compute the same sums in different orders."""
+    q, k, v = random_qkv(rng, 2, 300, 260, 4, 2, 128, jnp.bfloat16)
+    d_out = jnp.asarray(rng.standard_normal(q.shape, dtype=np.float32), q.dtype)
+    wgmma = cuda_grads(q, k, v, None, d_out, **kwargs)
+    monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    mma_sync = cuda_grads(q, k, v, None, d_out, **kwargs)
+    for a, b in zip(wgmma, mma_sync):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    rtol=2e-2, atol=2e-2)
 

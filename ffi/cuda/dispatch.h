@@ -15,9 +15,11 @@ ForwardKernel choose_forward_kernel(const AttentionParams& p, int device);
 // Launches the chosen forward kernel on `stream`.
 cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream);
 
-enum class BackwardKernel { kSm80, kSimt };
+enum class BackwardKernel { kSm90, kSm80, kSimt };
 
-BackwardKernel choose_backward_kernel(const AttentionParams& p);
+// The backward kernel family a call runs on CUDA device `device` (the current device for a
+// launch).
+BackwardKernel choose_backward_kernel(const AttentionParams& p, int device);
 
 // Launches the chosen backward kernels on `stream` (preprocess, passes, dQ conversion).
 cudaError_t launch_backward(const AttentionParams& p, cudaStream_t stream);

@@ -1,7 +1,8 @@
-// Picks the backward kernels for a call: the mma.sync family for bf16/fp16 with head dims that
-// are a multiple of 8 up to the largest instantiated one (on the smallest instantiated head
-// dim that holds it) and a scale > 0, the CUDA-core kernels for everything else. The mma.sync path is three
-// stream-ordered steps: preprocess (D, zeroed dQ accumulator), the passes, dQ conversion.
+// Picks the backward kernels for a call: on Hopper the TMA + wgmma kernel where it applies, else
+// the mma.sync family for bf16/fp16 with head dims that are a multiple of 8 up to the largest
+// instantiated one (on the smallest instantiated head dim that holds it) and a scale > 0, the
+// CUDA-core kernels for everything else. Both tensor-core families are three stream-ordered
+// steps: preprocess (D, zeroed dQ accumulator), the passes, dQ conversion.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -11,6 +12,10 @@
 #include "ffi/cuda/launch.h"
 #include "ffi/cuda/sm80/backward_elementwise.cuh"
 #include "ffi/cuda/sm80/backward_traits.h"
+#include "ffi/cuda/sm90/availability.h"
+#include "ffi/cuda/sm90/backward_traits.h"
+#include "ffi/cuda/sm90/tensor_maps.h"
+#include "ffi/cuda/sm90/traits.h"
 
 namespace jax_flashattn::cuda {
 namespace {
@@ -23,12 +28,21 @@ cudaError_t launch_sm80_for_head_dim(const AttentionParams& p, cudaStream_t stre
   return launch_backward_sm80<Elem, 128>(p, stream);
 }
 
+template <typename Elem>
+cudaError_t launch_sm90_for_head_dim(const AttentionParams& p, cudaStream_t stream) {
+  if (p.head_dim <= 64) return launch_backward_sm90<Elem, 64>(p, stream);
+  return launch_backward_sm90<Elem, 128>(p, stream);
+}
+
 int64_t elementwise_blocks(int64_t threads) {
   return (threads + sm80::kElementwiseThreads - 1) / sm80::kElementwiseThreads;
 }
 
+// The preprocess, the passes of `kernel` (kSm90 or kSm80), then the dQ conversion unless the
+// passes wrote dQ themselves (the mma.sync family's deterministic mode).
 template <typename Elem>
-cudaError_t launch_sm80(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t launch_tensor_core(const AttentionParams& p, BackwardKernel kernel,
+                               cudaStream_t stream) {
   const int64_t rows = p.batch * p.seqlen_q * p.num_heads;
   const int64_t preprocess_blocks = elementwise_blocks(rows * 32);
   const int64_t convert_blocks = elementwise_blocks(rows * p.head_dim / 8);
@@ -36,32 +50,55 @@ cudaError_t launch_sm80(const AttentionParams& p, cudaStream_t stream) {
   sm80::backward_preprocess_kernel<Elem>
       <<<unsigned(preprocess_blocks), sm80::kElementwiseThreads, 0, stream>>>(p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  if (cudaError_t e = launch_sm80_for_head_dim<Elem>(p, stream); e != cudaSuccess) return e;
+  const cudaError_t passes = kernel == BackwardKernel::kSm90
+                                 ? launch_sm90_for_head_dim<Elem>(p, stream)
+                                 : launch_sm80_for_head_dim<Elem>(p, stream);
+  if (passes != cudaSuccess) return passes;
   if (p.deterministic) return cudaSuccess;
   sm80::backward_convert_dq_kernel<Elem>
       <<<unsigned(convert_blocks), sm80::kElementwiseThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
+// The Hopper kernel sums dQ with atomics only (deterministic mode keeps the mma.sync family's
+// dQ pass) and has no bias or mask terms.
+bool sm90_applies(const AttentionParams& p, int device) {
+#ifdef JAX_FLASHATTN_HAS_SM90A
+  const int64_t max_head_dim = sm90::kBackwardHeadDims[std::size(sm90::kBackwardHeadDims) - 1];
+  return p.bias == nullptr && p.mask == nullptr && !p.deterministic &&
+         p.head_dim <= max_head_dim && p.seqlen_k > 0 && sm90::indices_fit_32_bits(p) &&
+         sm90::backward_tma_compatible(p) && sm90::tensor_maps_available() &&
+         !sm90::disabled_by_environment() && sm90::device_is_sm90(device);
+#else
+  (void)p;
+  (void)device;
+  return false;
+#endif
+}
+
 }  // namespace
 
-BackwardKernel choose_backward_kernel(const AttentionParams& p) {
+BackwardKernel choose_backward_kernel(const AttentionParams& p, int device) {
   const bool tensor_core_dtype = p.dtype == ElemType::kBFloat16 || p.dtype == ElemType::kFloat16;
   const int64_t max_head_dim =
       sm80::kBackwardHeadDims[std::size(sm80::kBackwardHeadDims) - 1];
   // scale > 0: the recomputed P multiplies masked (-inf) scores by the scale.
-  if (tensor_core_dtype && p.head_dim > 0 && p.head_dim % 8 == 0 && p.head_dim <= max_head_dim &&
-      p.scale > 0.f)
-    return BackwardKernel::kSm80;
-  return BackwardKernel::kSimt;
+  if (!tensor_core_dtype || p.head_dim <= 0 || p.head_dim % 8 != 0 ||
+      p.head_dim > max_head_dim || !(p.scale > 0.f))
+    return BackwardKernel::kSimt;
+  return sm90_applies(p, device) ? BackwardKernel::kSm90 : BackwardKernel::kSm80;
 }
 
 cudaError_t launch_backward(const AttentionParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.num_heads == 0 || p.seqlen_q == 0) return cudaSuccess;
-  switch (choose_backward_kernel(p)) {
+  const bool bf16 = p.dtype == ElemType::kBFloat16;
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  switch (const BackwardKernel kernel = choose_backward_kernel(p, device)) {
+    case BackwardKernel::kSm90:
     case BackwardKernel::kSm80:
-      return p.dtype == ElemType::kBFloat16 ? launch_sm80<__nv_bfloat16>(p, stream)
-                                            : launch_sm80<__half>(p, stream);
+      return bf16 ? launch_tensor_core<__nv_bfloat16>(p, kernel, stream)
+                  : launch_tensor_core<__half>(p, kernel, stream);
     case BackwardKernel::kSimt:
       return launch_backward_simt(p, stream);
   }

@@ -9,14 +9,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <iterator>
 
 #include "ffi/cuda/dispatch.h"
 #include "ffi/cuda/launch.h"
 #include "ffi/cuda/sm80/decode_plan.h"
 #include "ffi/cuda/sm80/traits.h"
+#include "ffi/cuda/sm90/availability.h"
 #include "ffi/cuda/sm90/tensor_maps.h"
 #include "ffi/cuda/sm90/traits.h"
 
@@ -56,31 +55,14 @@ bool decode_plan_for(const AttentionParams& p, int device, sm80::DecodePlan& pla
          sm80::make_decode_plan(p, multiprocessors, plan);
 }
 
-// Whether CUDA device `device` is compute capability 9.0 (the only one sm_90a code runs on).
-bool device_is_sm90(int device) {
-  return once_per_device(device, false, [](int d) {
-    int major = 0, minor = 0;
-    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) == cudaSuccess &&
-           cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, d) == cudaSuccess &&
-           major == 9 && minor == 0;
-  });
-}
-
-// JAX_FLASHATTN_DISABLE_SM90=1 sends Hopper calls to the mma.sync family. Read per call, so a
-// benchmark or test can compare the two families in one process; change it only while no
-// attention call runs (getenv does not synchronise with a concurrent setenv).
-bool sm90_disabled() {
-  const char* value = std::getenv("JAX_FLASHATTN_DISABLE_SM90");
-  return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
-}
-
 bool sm90_applies(const AttentionParams& p, int device) {
 #ifdef JAX_FLASHATTN_HAS_SM90A
   const int64_t max_head_dim = sm90::kHeadDims[std::size(sm90::kHeadDims) - 1];
   return p.bias == nullptr && p.mask == nullptr && p.tile_counter != nullptr &&
          p.head_dim <= max_head_dim &&
          p.seqlen_k > 0 && sm90::indices_fit_32_bits(p) && sm90::tma_compatible(p) &&
-         sm90::tensor_maps_available() && !sm90_disabled() && device_is_sm90(device);
+         sm90::tensor_maps_available() && !sm90::disabled_by_environment() &&
+         sm90::device_is_sm90(device);
 #else
   (void)p;
   (void)device;

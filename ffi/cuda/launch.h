@@ -38,6 +38,14 @@ cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream);
 
+// TMA + wgmma backward for Hopper (an sm_90a build on a compute capability 9.0 device): bf16/fp16,
+// no bias or boolean mask, not deterministic, head dims that are a multiple of 8 up to kHeadDim,
+// 16-byte aligned tensors (sm90::backward_tma_compatible). dK, dV and dQ (summed into
+// p.dq_accum by atomics) in one pass, between the same preprocess and dQ conversion as the
+// mma.sync family.
+template <typename Elem, int kHeadDim>
+cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream);
+
 // CUDA-core backward for any dtype and head dim: dq (and dbias), then dk and dv, with no
 // atomics, so results are bit-identical across runs.
 cudaError_t launch_backward_simt(const AttentionParams& p, cudaStream_t stream);

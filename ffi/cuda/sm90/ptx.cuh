@@ -305,4 +305,63 @@ JAX_FLASHATTN_WGMMA_RS(256, __half, "f16", JAX_FLASHATTN_WGMMA_D256_REGS,
 #undef JAX_FLASHATTN_WGMMA_D160_OPERANDS
 #undef JAX_FLASHATTN_WGMMA_D256_OPERANDS
 
+// ---- wgmma with both operands MN-major (the backward's dQ = dS K), and vector reductions.
+
+// D (+)= A B, A and B from shared memory, both MN-major (M resp. N contiguous: the transposed
+// forms; wgmma transposes only 16-bit operands, which these are). The backward's dQ = dS K reads
+// dS^T, stored [key][query] as its accumulator lies, and K [key][head dim] this way.
+template <int N, typename Elem>
+__device__ __forceinline__ void wgmma_ss_mn_major(float (&d)[N / 8][4], uint64_t a_desc,
+                                                  uint64_t b_desc, bool accumulate);
+
+#define JAX_FLASHATTN_WGMMA_MN_D32_REGS \
+  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" "}"
+#define JAX_FLASHATTN_WGMMA_MN_D64_REGS \
+  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" "}"
+#define JAX_FLASHATTN_WGMMA_MN_D32_OPERANDS(d) \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
+  "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+  "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+#define JAX_FLASHATTN_WGMMA_MN_D64_OPERANDS(d) \
+  JAX_FLASHATTN_WGMMA_MN_D32_OPERANDS(d), \
+  "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
+  "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+  "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
+  "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+
+// As JAX_FLASHATTN_WGMMA_SS with imm-trans-a = imm-trans-b = 1.
+#define JAX_FLASHATTN_WGMMA_SS_MN(N, ELEM, TYPE, REGS, OPERANDS, A, B, SCALE_D)                 \
+  template <>                                                                                \
+  __device__ __forceinline__ void wgmma_ss_mn_major<N, ELEM>(                                 \
+      float(&d)[N / 8][4], uint64_t a_desc, uint64_t b_desc, bool accumulate) {               \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SCALE_D ", 0;\n"                      \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS    \
+                 ", %" #A ", %" #B ", p, 1, 1, 1, 1;\n}\n"                                   \
+                 : OPERANDS(d)                                                               \
+                 : "l"(a_desc), "l"(b_desc), "r"(int(accumulate)));                          \
+  }
+
+JAX_FLASHATTN_WGMMA_SS_MN(32, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_MN_D32_REGS,
+                          JAX_FLASHATTN_WGMMA_MN_D32_OPERANDS, 16, 17, 18)
+JAX_FLASHATTN_WGMMA_SS_MN(32, __half, "f16", JAX_FLASHATTN_WGMMA_MN_D32_REGS,
+                          JAX_FLASHATTN_WGMMA_MN_D32_OPERANDS, 16, 17, 18)
+JAX_FLASHATTN_WGMMA_SS_MN(64, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_MN_D64_REGS,
+                          JAX_FLASHATTN_WGMMA_MN_D64_OPERANDS, 32, 33, 34)
+JAX_FLASHATTN_WGMMA_SS_MN(64, __half, "f16", JAX_FLASHATTN_WGMMA_MN_D64_REGS,
+                          JAX_FLASHATTN_WGMMA_MN_D64_OPERANDS, 32, 33, 34)
+#undef JAX_FLASHATTN_WGMMA_SS_MN
+#undef JAX_FLASHATTN_WGMMA_MN_D32_REGS
+#undef JAX_FLASHATTN_WGMMA_MN_D64_REGS
+#undef JAX_FLASHATTN_WGMMA_MN_D32_OPERANDS
+#undef JAX_FLASHATTN_WGMMA_MN_D64_OPERANDS
+
+// Adds two consecutive floats (8-byte aligned) to global memory without a return value: the
+// vector form of red.add (sm_90+), half as many reductions as two scalar ones.
+__device__ __forceinline__ void red_add_v2_f32(float* address, float x, float y) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(x), "f"(y)
+               : "memory");
+}
+
 }  // namespace jax_flashattn::ptx

@@ -88,4 +88,30 @@ cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_row
   return cudaSuccess;
 }
 
+bool backward_tma_compatible(const AttentionParams& p) {
+  return aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.d_out) &&
+         aligned16(p.dk) && aligned16(p.dv) && aligned16(p.dq_accum) &&
+         strides_aligned16(p.q_head_stride, p.q_row_stride, p.q_batch_stride) &&
+         strides_aligned16(p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride);
+}
+
+cudaError_t encode_backward_maps(const AttentionParams& p, int q_rows, int kv_rows, int dkv_rows,
+                                 BackwardMaps& maps) {
+  const auto q_like = [&](CUtensorMap& map, const void* base) {
+    return encode(map, p.dtype, base, p.head_dim, p.num_heads, p.seqlen_q, p.batch,
+                  p.q_head_stride, p.q_row_stride, p.q_batch_stride, q_rows);
+  };
+  const auto kv_like = [&](CUtensorMap& map, const void* base, int rows) {
+    return encode(map, p.dtype, base, p.head_dim, p.num_kv_heads, p.seqlen_k, p.batch,
+                  p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, rows);
+  };
+  const cudaError_t errors[6] = {q_like(maps.q, p.q),           q_like(maps.d_out, p.d_out),
+                                 kv_like(maps.k, p.k, kv_rows), kv_like(maps.v, p.v, kv_rows),
+                                 kv_like(maps.dk, p.dk, dkv_rows),
+                                 kv_like(maps.dv, p.dv, dkv_rows)};
+  for (cudaError_t e : errors)
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
 }  // namespace jax_flashattn::sm90

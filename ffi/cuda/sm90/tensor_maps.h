@@ -1,4 +1,4 @@
-// TMA tensor maps of a forward call, encoded on the host for each launch (a few microseconds,
+// TMA tensor maps of a forward or backward call, encoded on the host for each launch (a few microseconds,
 // no device memory: they travel as __grid_constant__ kernel parameters).
 #pragma once
 
@@ -26,5 +26,19 @@ bool tensor_maps_available();
 // cudaErrorInvalidValue when the driver lacks cuTensorMapEncodeTiled or rejects a map.
 cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_rows, int out_rows,
                                 ForwardMaps& maps);
+
+// The backward's maps, in the same view: q and d_out (loads), k and v (loads), dk and dv
+// (stores, which clip rows past S and head dims past H).
+struct BackwardMaps {
+  CUtensorMap q, d_out, k, v, dk, dv;
+};
+
+// Whether TMA can address the backward's tensors (q, d_out, k, v, dk, dv) and the float32 dQ
+// accumulator takes 8-byte vector reductions: 16-byte aligned base addresses and strides.
+bool backward_tma_compatible(const AttentionParams& p);
+
+// Box rows per map: q_rows for q and d_out, kv_rows for k and v, dkv_rows for dk and dv.
+cudaError_t encode_backward_maps(const AttentionParams& p, int q_rows, int kv_rows, int dkv_rows,
+                                 BackwardMaps& maps);
 
 }  // namespace jax_flashattn::sm90
