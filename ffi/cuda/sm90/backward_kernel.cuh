@@ -36,6 +36,7 @@
 #include "ffi/cuda/sm90/backward_traits.h"
 #include "ffi/cuda/sm90/ptx.cuh"
 #include "ffi/cuda/sm90/tensor_maps.h"
+#include "ffi/cuda/sm90/traits.h"  // register_budgets_fit
 #include "ffi/params.h"
 
 namespace jax_flashattn::sm90 {
@@ -94,6 +95,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     backward_kernel(const __grid_constant__ AttentionParams p,
                     const __grid_constant__ BackwardMaps maps) {
 #ifdef JAX_FLASHATTN_SM90_BODY
+  static_assert(register_budgets_fit<Traits>(), "setmaxnreg would wait forever");
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages, kHeadDim = Traits::kHeadDim;
   constexpr int kSpans = Traits::kSpans, kSpanElems = Traits::kSpanElems;
@@ -215,10 +217,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // The K, V and dQ-K descriptors are the same on every tile: without an opaque copy of their
   // base per tile ptxas hoists all of them out of the tile loop (64-bit each: 48 registers at
   // head dim 128, which spilled); rebuilt per tile they cost two integer ops each.
-  const auto opaque = [](uint32_t address) {
-    asm volatile("" : "+r"(address));
-    return address;
-  };
   const auto qtile_desc = [&](uint32_t tile, int kk) {  // Q or dO as B of dK or dV
     return ptx::smem_descriptor_sw128(tile + kk * 16 * kRowBytes, kBlockM * kRowBytes,
                                       kGroupBytes);
@@ -270,8 +268,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // S^T = K_wg Q^T and dP^T = V_wg dO^T (64 keys x 64 queries each), as two commit groups, so
     // that P^T is computed while dP^T is still running.
     float s_acc[kQTiles][4], dp_acc[kQTiles][4];
-    const uint32_t k_tile = opaque(sK + wg_key0 * kRowBytes);
-    const uint32_t v_tile = opaque(sV + wg_key0 * kRowBytes);
+    const uint32_t k_tile = ptx::opaque(sK + wg_key0 * kRowBytes);
+    const uint32_t v_tile = ptx::opaque(sV + wg_key0 * kRowBytes);
     fence(s_acc);
     fence(dp_acc);
     ptx::wgmma_fence();
@@ -364,7 +362,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // both warpgroups' keys: once both have stored their dS^T.
     ptx::named_barrier_sync(kConsumersBarrier, kConsumerThreads);
     float dq_acc[kDqTiles][4];
-    const uint32_t k_dq_tile = opaque(sK + k_dq_offset);
+    const uint32_t k_dq_tile = ptx::opaque(sK + k_dq_offset);
     fence(dq_acc);
     ptx::wgmma_fence();
 #pragma unroll

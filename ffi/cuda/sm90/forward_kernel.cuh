@@ -92,6 +92,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                    const __grid_constant__ ForwardMaps maps) {
 #ifdef JAX_FLASHATTN_SM90_BODY
   static_assert(register_budgets_fit<Traits>(), "setmaxnreg would wait forever");
+  static_assert(sizeof(ForwardBarriers<Traits>) <= Traits::kBarrierBytes, "barriers fit");
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages, kHeadDim = Traits::kHeadDim;
   constexpr int kSpans = Traits::kSpans, kSpanElems = Traits::kSpanElems;
@@ -246,7 +247,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // Q's address is the same for every K/V tile: without this opaque copy ptxas hoists all
     // kKSteps 64-bit Q descriptors out of the tile loop (32 registers at head dim 256, which
     // spilled 228 bytes); rebuilt here they cost two integer ops each.
-    asm volatile("" : "+r"(q_tile));
+    q_tile = ptx::opaque(q_tile);
     fence_s();
     ptx::wgmma_fence();
 #pragma unroll
@@ -404,10 +405,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // Chunk c of a swizzled row sits at ((c ^ row % 8) << 4): with the row's bits above bit
       // 6 and quad_col * 2 below bit 4, that is this row's chunk-0 offset XOR (c << 4).
       const int row = warp_row0 + quad_row + 8 * h;
-      uint32_t row_offset = (row * kRowBytes + ((row & 7) << 4)) | (quad_col * 2);
       // Opaque, so that the kDTiles addresses are formed here and not hoisted out of the tile
       // loop, where they would hold registers through it (spilled with 160-key tiles).
-      asm volatile("" : "+r"(row_offset));
+      const uint32_t row_offset =
+          ptx::opaque((row * kRowBytes + ((row & 7) << 4)) | (quad_col * 2));
 #pragma unroll
       for (int d = 0; d < kDTiles; ++d) {
         const uint32_t offset =

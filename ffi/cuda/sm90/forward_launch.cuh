@@ -12,6 +12,8 @@ namespace jax_flashattn::cuda {
 
 template <typename Elem, typename Traits>
 cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stream) {
+  // A configuration without window tests must not see a window (it would ignore it).
+  if (!Traits::kWindowed && !sm90::wide_tiles_pay(p)) return cudaErrorInvalidConfiguration;
   constexpr auto kernel = sm90::forward_kernel<Elem, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   if (!sm90::indices_fit_32_bits(p)) return cudaErrorInvalidConfiguration;

@@ -145,6 +145,13 @@ __device__ __forceinline__ void fence_register(uint32_t& x) {
   asm volatile("" : "+r"(x)::"memory");
 }
 
+// The same value, opaque to the compiler (no instruction): what is computed from it cannot be
+// hoisted out of the loop it sits in, where keeping the results would cost registers.
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 // Shared-memory matrix descriptor of a tile written by TMA with the 128-byte swizzle: rows of
 // 128 bytes, 8-row groups `group_stride` bytes apart (SBO), swizzle spans `span_stride` bytes
 // apart along the other dimension (LBO; used by MN-major operands only).

@@ -4,10 +4,10 @@
 // TMA load) and kConsumers warpgroups of 64 query rows each. Every tile in shared memory is
 // stored as TMA writes it with the 128-byte swizzle: the head dim split into 64-element
 // spans, each span a [rows][64] array of 128-byte rows, spans one after another. K and V
-// cycle through kStages buffers guarded by full/empty mbarriers, Q through kQStages. With two
-// Q buffers O is staged for its TMA store in a buffer of its own; with one (head dim 256,
-// where shared memory has no room for a third Q-sized tile) it is staged in the Q buffer,
-// which the next tile's Q then waits for.
+// cycle through kStages buffers guarded by full/empty mbarriers, Q through kQStages. O is
+// staged for its TMA store in a buffer of its own, or (kOInQ: head dim 256, where shared
+// memory has no room for a second Q-sized tile) in the single Q buffer, which the next tile's
+// Q then waits for.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +24,8 @@ struct ForwardTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   // Q tiles in flight: with two, the next tile's Q lands while the current one computes; with
-  // one, while the current one finishes its last tile's softmax, O += P V and epilogue.
+  // one, while the current one finishes its last tile's softmax, O += P V and epilogue (with
+  // O staged in Q, only once the epilogue's store has read it).
   static constexpr int kQStages = kQStages_;
   static constexpr bool kOInQ = kOInQ_;  // O staged in the (only) Q buffer
   // Whether calls with causal or window bounds run on this configuration (if not, the kernel
@@ -47,7 +48,7 @@ struct ForwardTraits {
   // each (the swizzle pattern repeats every 8 rows of 128 bytes), then the barriers; plus 1024
   // bytes to align the start.
   static constexpr int kOBytes = kOInQ ? 0 : kQBytes;
-  static constexpr int kBarrierBytes = 8 * (3 * kQStages + 4 * kStages);  // and tile indices
+  static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages + 1);  // and the tile slot
   static constexpr int kSmemBytes =
       kQStages * kQBytes + kOBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
 
@@ -86,11 +87,9 @@ struct ForwardConfig<128, true> : ForwardTraits<128, 160, 2, 1, false> {
   static constexpr bool kWindowed = false;  // wide_tiles_pay(): the dispatcher's promise
 };
 // O alone is 128 registers, so 64-key tiles: S and P 32 + 16; smem one Q (and O) tile of 64 KiB
-// + 4 x 32 KiB = 192 KiB. ptxas (CUDA 13.0): 8 bytes of spill stores, 24 of loads, outside the
-// wgmma sequence (none before the tile counter); 80-key tiles (S and P 40 + 20, 224 KiB) spill
-// more.
-// The producer gets 32 registers here (24 spilled one of its values: 4 TMA boxes per tile),
-// the consumers 232 (0 spills).
+// + 4 x 32 KiB = 192 KiB; 80-key tiles (S and P 40 + 20, 224 KiB) spilled. The producer gets
+// 32 registers here (with 24 ptxas spilled one of its values: 4 TMA boxes per tile), the
+// consumers 232; ptxas (CUDA 13.0): 0 spills.
 template <>
 struct ForwardConfig<256> : ForwardTraits<256, 64, 2, 1, true> {
   static constexpr int kProducerRegisters = 32;
