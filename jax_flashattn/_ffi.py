@@ -41,16 +41,22 @@ def _device_with_kernels(device):
     return device
 
 
+def _kernel_query(query, device):
+    """The device a kernel-choice query is about and query's dtype code (TypeError for a dtype
+    no kernel takes)."""
+    dtype = jax.numpy.dtype(query.dtype).name
+    if dtype not in _DTYPE_CODES:
+        raise TypeError(f"query must be float32, bfloat16 or float16, got {dtype}")
+    return _device_with_kernels(device), _DTYPE_CODES[dtype]
+
+
 def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
     """Which forward kernel family `attention` runs for these inputs on `device` (default: the
     first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync), "decode" (split-KV
     mma.sync, for few query rows against many keys), "simt" (CUDA cores) on an NVIDIA GPU,
     "cpu" on the host. Reads only shapes and dtypes (arrays or jax.ShapeDtypeStruct) and
     assumes the default scale; contiguous inputs as XLA lays them out are assumed."""
-    dtype = jax.numpy.dtype(query.dtype).name
-    if dtype not in _DTYPE_CODES:
-        raise TypeError(f"query must be float32, bfloat16 or float16, got {dtype}")
-    device = _device_with_kernels(device)
+    device, dtype_code = _kernel_query(query, device)
     if device.platform == "cpu":
         return "cpu"
     from jax_flashattn import _ops  # _ops imports this module
@@ -59,7 +65,7 @@ def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
                                                scale=h ** -0.5 if h else 1.0,
                                                has_bias=bias is not None,
                                                has_mask=mask is not None)
-    return _ext.cuda_forward_kernel(device.local_hardware_id, _DTYPE_CODES[dtype], h,
+    return _ext.cuda_forward_kernel(device.local_hardware_id, dtype_code, h,
                                     key.shape[-3], bias is not None, mask is not None,
                                     math.prod(lead), t, n, key.shape[-2], decode_floats)
 
@@ -71,13 +77,10 @@ def backward_kernel(query, key, bias=None, mask=None, *, deterministic=False,
     "simt" (CUDA cores) on an NVIDIA GPU, "cpu" on the host. `deterministic` is attention's
     `deterministic_backward`. Reads only shapes and dtypes (arrays or jax.ShapeDtypeStruct) and
     assumes the default scale; contiguous inputs as XLA lays them out are assumed."""
-    dtype = jax.numpy.dtype(query.dtype).name
-    if dtype not in _DTYPE_CODES:
-        raise TypeError(f"query must be float32, bfloat16 or float16, got {dtype}")
-    device = _device_with_kernels(device)
+    device, dtype_code = _kernel_query(query, device)
     if device.platform == "cpu":
         return "cpu"
     *lead, t, n, h = query.shape
-    return _ext.cuda_backward_kernel(device.local_hardware_id, _DTYPE_CODES[dtype], h,
+    return _ext.cuda_backward_kernel(device.local_hardware_id, dtype_code, h,
                                      key.shape[-3], bias is not None, mask is not None,
                                      bool(deterministic), math.prod(lead), t, n, key.shape[-2])

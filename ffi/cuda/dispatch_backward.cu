@@ -61,19 +61,11 @@ cudaError_t launch_tensor_core(const AttentionParams& p, BackwardKernel kernel,
 }
 
 // The Hopper kernel sums dQ with atomics only (deterministic mode keeps the mma.sync family's
-// dQ pass) and has no bias or mask terms.
+// dQ pass).
 bool sm90_applies(const AttentionParams& p, int device) {
-#ifdef JAX_FLASHATTN_HAS_SM90A
   const int64_t max_head_dim = sm90::kBackwardHeadDims[std::size(sm90::kBackwardHeadDims) - 1];
-  return p.bias == nullptr && p.mask == nullptr && !p.deterministic &&
-         p.head_dim <= max_head_dim && p.seqlen_k > 0 && sm90::indices_fit_32_bits(p) &&
-         sm90::backward_tma_compatible(p) && sm90::tensor_maps_available() &&
-         !sm90::disabled_by_environment() && sm90::device_is_sm90(device);
-#else
-  (void)p;
-  (void)device;
-  return false;
-#endif
+  return !p.deterministic && p.head_dim <= max_head_dim && sm90::backward_tma_compatible(p) &&
+         sm90::hopper_kernels_apply(p, device);
 }
 
 }  // namespace

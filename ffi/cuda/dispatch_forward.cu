@@ -56,18 +56,9 @@ bool decode_plan_for(const AttentionParams& p, int device, sm80::DecodePlan& pla
 }
 
 bool sm90_applies(const AttentionParams& p, int device) {
-#ifdef JAX_FLASHATTN_HAS_SM90A
   const int64_t max_head_dim = sm90::kHeadDims[std::size(sm90::kHeadDims) - 1];
-  return p.bias == nullptr && p.mask == nullptr && p.tile_counter != nullptr &&
-         p.head_dim <= max_head_dim &&
-         p.seqlen_k > 0 && sm90::indices_fit_32_bits(p) && sm90::tma_compatible(p) &&
-         sm90::tensor_maps_available() && !sm90::disabled_by_environment() &&
-         sm90::device_is_sm90(device);
-#else
-  (void)p;
-  (void)device;
-  return false;
-#endif
+  return p.tile_counter != nullptr && p.head_dim <= max_head_dim && sm90::tma_compatible(p) &&
+         sm90::hopper_kernels_apply(p, device);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // Host-side conditions for launching the Hopper (sm_90a) kernels, shared by the forward and
-// backward dispatchers: the device and the JAX_FLASHATTN_DISABLE_SM90 switch. (Whether the build
-// holds an sm_90a image at all is JAX_FLASHATTN_HAS_SM90A, set by cmake/cuda.cmake.)
+// backward dispatchers: the build, the device, the JAX_FLASHATTN_DISABLE_SM90 switch and what
+// both kernels require of a call.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,6 +9,9 @@
 #include <cstring>
 
 #include "ffi/cuda/launch.h"
+#include "ffi/cuda/sm90/tensor_maps.h"
+#include "ffi/cuda/sm90/traits.h"
+#include "ffi/params.h"
 
 namespace jax_flashattn::sm90 {
 
@@ -29,6 +32,21 @@ inline bool device_is_sm90(int device) {
 inline bool disabled_by_environment() {
   const char* value = std::getenv("JAX_FLASHATTN_DISABLE_SM90");
   return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
+}
+
+// What both Hopper kernels need, beside their own head-dim and alignment rules: a build with an
+// sm_90a image (JAX_FLASHATTN_HAS_SM90A, set by cmake/cuda.cmake), no bias or boolean mask
+// (neither kernel has their terms), keys, 32-bit tile indices, the driver's tensor-map entry
+// point, no JAX_FLASHATTN_DISABLE_SM90, and a compute capability 9.0 device.
+inline bool hopper_kernels_apply(const AttentionParams& p, int device) {
+#ifdef JAX_FLASHATTN_HAS_SM90A
+  return p.bias == nullptr && p.mask == nullptr && p.seqlen_k > 0 && indices_fit_32_bits(p) &&
+         tensor_maps_available() && !disabled_by_environment() && device_is_sm90(device);
+#else
+  (void)p;
+  (void)device;
+  return false;
+#endif
 }
 
 }  // namespace jax_flashattn::sm90
