@@ -213,6 +213,24 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const LdmatrixAddress<kSmemDim> v_mk(sV + key_row0 * kSmemDim, rows_first_row,
                                        rows_first_chunk);  // (0, k-step)
   const LdmatrixAddress<kSmemDim> k_kn(sK, rows_first_row, rows_first_chunk);  // (key, col)
+  // acc = A B^T over this warp's 16 keys (A: K or V, `key_mk`) and the 16-query steps
+  // step0.. of a sub-tile (B: Q or dO, `query_nk`), both K-major in shared memory: S^T = K Q^T
+  // and dP^T = V dO^T.
+  const auto keys_by_queries = [&](float (&acc)[kSubTiles8][4],
+                                   const LdmatrixAddress<kSmemDim>& key_mk,
+                                   const LdmatrixAddress<kSmemDim>& query_nk, int step0) {
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t key_frag[4];
+      ptx::ldmatrix_x4(key_frag, key_mk(0, ks));
+#pragma unroll
+      for (int mp = 0; mp < kSubSteps; ++mp) {
+        uint32_t query_frag[4];
+        ptx::ldmatrix_x4(query_frag, query_nk(step0 + mp, ks));
+        mma_pair<Elem>(acc, mp, key_frag, query_frag);
+      }
+    }
+  };
   const LdmatrixAddress<kDsDim> p_mk(sP + key_row0 * kDsDim, rows_first_row,
                                      rows_first_chunk);  // (0, query step)
   const LdmatrixAddress<kDsDim> ds_mk(sdS + key_row0 * kDsDim, rows_first_row,
@@ -258,17 +276,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
       // S^T = K Q^T over this warp's 16 keys x kSubCols queries, then P^T in place.
       float s_acc[kSubTiles8][4] = {};
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t k_frag[4];
-        ptx::ldmatrix_x4(k_frag, k_mk(0, ks));
-#pragma unroll
-        for (int mp = 0; mp < kSubSteps; ++mp) {
-          uint32_t q_frag[4];
-          ptx::ldmatrix_x4(q_frag, q_nk(sub_step0 + mp, ks));
-          mma_pair<Elem>(s_acc, mp, k_frag, q_frag);
-        }
-      }
+      keys_by_queries(s_acc, k_mk, q_nk, sub_step0);
       // This thread's elements: queries t0 + 8 mt + (e % 2), keys s0 + 8 (e / 2). Only
       // sub-tiles that straddle a boundary (or carry a mask) test elements.
       const int64_t sub_q0 = q0 + sub_col0;
@@ -292,17 +300,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
       // dP^T = V dO^T over the same queries, then dS^T = P^T (dP^T - D) in place.
       float dp_acc[kSubTiles8][4] = {};
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) {
-        uint32_t v_frag[4];
-        ptx::ldmatrix_x4(v_frag, v_mk(0, ks));
-#pragma unroll
-        for (int mp = 0; mp < kSubSteps; ++mp) {
-          uint32_t do_frag[4];
-          ptx::ldmatrix_x4(do_frag, do_nk(sub_step0 + mp, ks));
-          mma_pair<Elem>(dp_acc, mp, v_frag, do_frag);
-        }
-      }
+      keys_by_queries(dp_acc, v_mk, do_nk, sub_step0);
 #pragma unroll
       for (int mt = 0; mt < kSubTiles8; ++mt) {
         const float2 delta =
