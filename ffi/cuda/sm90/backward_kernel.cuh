@@ -41,12 +41,6 @@
 
 namespace jax_flashattn::sm90 {
 
-// As in forward_kernel.cuh: the body exists only in the sm_90a compilation.
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL) && \
-    !defined(JAX_FLASHATTN_SM90_BODY)
-#define JAX_FLASHATTN_SM90_BODY 1
-#endif
-
 template <typename Traits>
 struct BackwardBarriers {
   uint64_t kv_full;

@@ -38,13 +38,6 @@
 
 namespace jax_flashattn::sm90 {
 
-// The kernel body exists only in the sm_90a compilation (wgmma, setmaxnreg); the other
-// targets of a multi-architecture build get an empty kernel. The dispatcher launches it only
-// on compute capability 9.0 from a build whose only 9.0 image is sm_90a (cmake/cuda.cmake).
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define JAX_FLASHATTN_SM90_BODY 1
-#endif
-
 template <typename Traits>
 struct ForwardBarriers {
   uint64_t q_full[Traits::kQStages], q_empty[Traits::kQStages];

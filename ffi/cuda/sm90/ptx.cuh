@@ -1,8 +1,15 @@
 // One wrapper per Hopper (sm_90a) PTX instruction the wgmma kernels use: mbarriers, TMA
-// (cp.async.bulk.tensor), wgmma and setmaxnreg. Callers compile them only for sm_90a (see
-// JAX_FLASHATTN_SM90_BODY in forward_kernel.cuh); the wgmma operand lists are spelled out
-// because inline asm takes no arrays.
+// (cp.async.bulk.tensor), wgmma and setmaxnreg. Callers compile them only for sm_90a (inside
+// JAX_FLASHATTN_SM90_BODY, below); the wgmma operand lists are spelled out because inline asm
+// takes no arrays.
 #pragma once
+
+// The Hopper kernels' bodies exist only in the sm_90a compilation (wgmma, setmaxnreg); the
+// other targets of a multi-architecture build get empty kernels. The dispatchers launch them only
+// on compute capability 9.0 from a build whose only 9.0 image is sm_90a (cmake/cuda.cmake).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAX_FLASHATTN_SM90_BODY 1
+#endif
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
