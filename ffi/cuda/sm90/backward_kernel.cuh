@@ -4,9 +4,9 @@
 // One block per (128-key block, kv head, batch). Warpgroup 0 is the producer: one thread loads K
 // and V of the block once, then for every query head of the GQA group and every 64-query tile
 // that can see the block the Q and dO tiles, into a ring of kStages buffers guarded by a full
-// barrier (the loads landed) and an empty barrier (every consumer warp is done with them);
-// the producer's second warp stages the tile's -lse log2(e) and D beside them and arrives on the
-// same full barrier. Warpgroups 1 and 2 are consumers of 64 keys each; per tile they compute
+// barrier (the loads landed) and an empty barrier (every consumer warp is done with them),
+// with the tile's lse and D beside them. Warpgroups 1 and 2 are consumers of 64 keys each; per
+// tile they compute
 //   S^T  = K_wg Q^T                 wgmma, both operands K-major in shared memory
 //   dP^T = V_wg dO^T                the same, in a second commit group
 //   P^T  = exp2(S^T scale log2(e) - lse log2(e))     0 where hidden; while dP^T computes
@@ -116,20 +116,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const auto sQ = [&](int stage) { return base + kQOffset + stage * Traits::kQBytes; };
   const auto sdO = [&](int stage) { return base + kDoOffset + stage * Traits::kQBytes; };
   const auto sdS = [&](int buffer) { return base + kDsOffset + buffer * Traits::kDsBytes; };
-  // [stage][0][query]: -lse log2(e) (-inf where the row sees no key or lies past T);
-  // [stage][1][query]: D (0 past T).
-  float* stats = reinterpret_cast<float*>(smem + kStatsOffset);
+  // [stage][0][row]: lse; [stage][1][row]: D, from the tile's first row rounded down to
+  // kFlatAlignElems (BackwardMaps).
+  constexpr int kStatsStride = Traits::kStatsStride;
+  const uint32_t sStats = base + kStatsOffset;
+  const float* stats = reinterpret_cast<const float*>(smem + kStatsOffset);
+  constexpr uint32_t kStatsStageBytes = 2 * kStatsStride * sizeof(float);
   auto& bars = *reinterpret_cast<BackwardBarriers<Traits>*>(smem + kStatsOffset +
                                                             Traits::kStatsBytes);
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
 
   const int tid = threadIdx.x;
   const BackwardBlock<Traits> block = BackwardBlock<Traits>::make(p);
+  // Row (b, n, q0) of lse and D: int32, as backward_tma_compatible checks.
+  const auto stats_row = [&](int n, int q0) {
+    return (block.b * int(p.num_heads) + n) * int(p.seqlen_q) + q0;
+  };
 
   if (tid == 0) {
     ptx::mbarrier_init(bar(bars.kv_full), 1);
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(bar(bars.q_full[s]), 1 + Traits::kStatsThreads);
+      ptx::mbarrier_init(bar(bars.q_full[s]), 1);
       ptx::mbarrier_init(bar(bars.q_empty[s]), Traits::kConsumerWarps);
     }
     ptx::fence_barrier_init();
@@ -142,8 +149,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const auto phase = [](int step) { return uint32_t(step / kStages) & 1; };
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<Traits::kProducerRegisters>();
-    const int warp = tid / 32, lane = tid % 32;
-    if (warp == 0 && lane == 0) {  // every TMA load
+    if (tid == 0) {  // every TMA load
       if (block.steps > 0) {
         ptx::mbarrier_arrive_expect_tx(bar(bars.kv_full), 2 * Traits::kKVBytes);
         for (int span = 0; span < kSpans; ++span) {
@@ -157,32 +163,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int step = 0; step < block.steps; ++step) {
         const int stage = step % kStages;
         if (step >= kStages) ptx::mbarrier_wait(bar(bars.q_empty[stage]), phase(step) ^ 1);
-        ptx::mbarrier_arrive_expect_tx(bar(bars.q_full[stage]), 2 * Traits::kQBytes);
+        const uint32_t full = bar(bars.q_full[stage]);
+        ptx::mbarrier_arrive_expect_tx(full, 2 * Traits::kQBytes +
+                                                 2 * Traits::kStatsBox * sizeof(float));
         for (int span = 0; span < kSpans; ++span) {
-          ptx::tma_load_4d(sQ(stage) + span * kBlockM * kRowBytes, &maps.q,
-                           bar(bars.q_full[stage]), span * kSpanElems, n, tile * kBlockM, block.b);
-          ptx::tma_load_4d(sdO(stage) + span * kBlockM * kRowBytes, &maps.d_out,
-                           bar(bars.q_full[stage]), span * kSpanElems, n, tile * kBlockM, block.b);
+          ptx::tma_load_4d(sQ(stage) + span * kBlockM * kRowBytes, &maps.q, full,
+                           span * kSpanElems, n, tile * kBlockM, block.b);
+          ptx::tma_load_4d(sdO(stage) + span * kBlockM * kRowBytes, &maps.d_out, full,
+                           span * kSpanElems, n, tile * kBlockM, block.b);
         }
-        if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
-      }
-    } else if (warp == 1) {  // lse and D: rows need not be 16-byte aligned, so plain loads
-      int n = block.head0, tile = block.tile_begin;
-      for (int step = 0; step < block.steps; ++step) {
-        const int stage = step % kStages;
-        if (step >= kStages) ptx::mbarrier_wait(bar(bars.q_empty[stage]), phase(step) ^ 1);
-        const int q0 = tile * kBlockM;
-        const int64_t row0 = (int64_t(block.b) * p.num_heads + n) * p.seqlen_q + q0;
-        const int rows = p.seqlen_q - q0 < kBlockM ? int(p.seqlen_q - q0) : kBlockM;
-        float* stage_stats = stats + stage * 2 * kBlockM;
-#pragma unroll
-        for (int r = 0; r < kBlockM / Traits::kStatsThreads; ++r) {
-          const int i = lane + r * Traits::kStatsThreads;
-          const float lse = i < rows ? p.lse[row0 + i] : -INFINITY;
-          stage_stats[i] = lse == -INFINITY ? -INFINITY : -lse * cuda::kLog2e;
-          stage_stats[kBlockM + i] = i < rows ? p.delta[row0 + i] : 0.f;
-        }
-        ptx::mbarrier_arrive(bar(bars.q_full[stage]));  // releases this lane's stores
+        const int box0 = stats_row(n, tile * kBlockM) & -kFlatAlignElems;
+        const uint32_t stage_stats = sStats + stage * kStatsStageBytes;
+        ptx::tma_load_1d(stage_stats, &maps.lse, full, box0);
+        ptx::tma_load_1d(stage_stats + kStatsStride * sizeof(float), &maps.delta, full, box0);
         if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
       }
     }
@@ -255,8 +248,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (int step = 0; step < block.steps; ++step) {
     const int stage = step % kStages, ds_buffer = step % Traits::kDsStages;
     const int q0 = tile * kBlockM;
-    const float* neg_lse2 = stats + stage * 2 * kBlockM;  // -lse log2(e) of the tile's queries
-    const float* delta = neg_lse2 + kBlockM;               // D of the tile's queries
+    // lse and D of the tile's queries, which start this many rows into their boxes.
+    const int box_shift = stats_row(n, q0) % kFlatAlignElems;
+    const float* lse = stats + stage * 2 * kStatsStride + box_shift;
+    const float* delta = lse + kStatsStride;
     ptx::mbarrier_wait(bar(bars.q_full[stage]), phase(step));
 
     // S^T = K_wg Q^T and dP^T = V_wg dO^T (64 keys x 64 queries each), as two commit groups, so
@@ -281,7 +276,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // P^T. This thread's elements [j][e]: query q0 + 8 j + quad_col + e % 2, key
     // key0 + quad_row + 8 (e / 2) of the warp's first key key0. Only tiles that straddle a length
     // or window boundary test elements: hidden scores become -inf, as do all of a row that saw no
-    // key (lse = -inf), and exp2 turns them into 0 (scale > 0, so never inf - inf).
+    // key (lse = -inf, whose -lse log2(e) is taken as -inf), and exp2 turns them into 0
+    // (scale > 0, so never inf - inf).
     ptx::wgmma_wait<1>();
     fence(s_acc);
     {
@@ -299,10 +295,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
 #pragma unroll
     for (int j = 0; j < kQTiles; ++j) {
-      const float2 lse2 = *reinterpret_cast<const float2*>(neg_lse2 + 8 * j + quad_col);
+      // Two scalar loads: box_shift leaves the pair 8-byte aligned only half the time.
+      const auto neg_log2 = [](float x) { return x == -INFINITY ? -INFINITY : -x * cuda::kLog2e; };
+      const float bias0 = neg_log2(lse[8 * j + quad_col]);
+      const float bias1 = neg_log2(lse[8 * j + quad_col + 1]);
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        s_acc[j][e] = ptx::exp2_approx(fmaf(s_acc[j][e], scale_log2, e % 2 ? lse2.y : lse2.x));
+        s_acc[j][e] = ptx::exp2_approx(fmaf(s_acc[j][e], scale_log2, e % 2 ? bias1 : bias0));
     }
 
     // dS^T = P^T (dP^T - D), in place of dP^T.
@@ -310,9 +309,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     fence(dp_acc);
 #pragma unroll
     for (int j = 0; j < kQTiles; ++j) {
-      const float2 d = *reinterpret_cast<const float2*>(delta + 8 * j + quad_col);
+      const float d0 = delta[8 * j + quad_col], d1 = delta[8 * j + quad_col + 1];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dp_acc[j][e] = s_acc[j][e] * (dp_acc[j][e] - (e % 2 ? d.y : d.x));
+      for (int e = 0; e < 4; ++e) dp_acc[j][e] = s_acc[j][e] * (dp_acc[j][e] - (e % 2 ? d1 : d0));
     }
 
     // P^T and dS^T rounded to Elem: the A operands of dV and dK (the S^T accumulators of 8-query

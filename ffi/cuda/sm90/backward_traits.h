@@ -2,7 +2,7 @@
 //
 // A block is one (128-key block, kv head, batch): one producer warpgroup and two consumer
 // warpgroups of 64 keys each. K and V of the block load once; the Q and dO tiles of every query
-// head of the GQA group (64 queries each, with their -lse log2(e) and D) stream through a ring of
+// head of the GQA group (64 queries each, with their lse and D) stream through a ring of
 // kStages buffers guarded by full/empty mbarriers. Every tile TMA writes is stored with the
 // 128-byte swizzle exactly as the forward's (traits.h): the head dim in 64-element spans, each
 // span a [rows][64] array of 128-byte rows, spans one after another. dS^T [128 keys][64 queries]
@@ -11,6 +11,8 @@
 #pragma once
 
 #include <cstdint>
+
+#include "ffi/cuda/sm90/tensor_maps.h"  // kFlatAlignElems
 
 namespace jax_flashattn::sm90 {
 
@@ -26,9 +28,6 @@ struct BackwardTraits {
   static constexpr int kDsStages = 2;  // dS^T buffers: tile i + 1's lands while tile i's is read
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
-  // Threads of the producer's second warp that stage lse and D and arrive on a tile's full
-  // barrier, beside the one thread that issues its TMA loads.
-  static constexpr int kStatsThreads = 32;
   // setmaxnreg budgets, as in the forward: 128 x 24 + 256 x 240 = 64512, all that the block
   // is launched with (register_budgets_fit in traits.h).
   static constexpr int kProducerRegisters = 24;
@@ -42,7 +41,11 @@ struct BackwardTraits {
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or one dO tile
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V (later dK or dV staged)
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer
-  static constexpr int kStatsBytes = kStages * 2 * kBlockM * 4;  // [stage][-lse log2 e, D][query]
+  // lse and D of a tile: kBlockM rows and up to kFlatAlignElems - 1 before them, since their
+  // TMA boxes start 16-byte aligned (tensor_maps.h); each array 128-byte aligned for TMA.
+  static constexpr int kStatsBox = kBlockM + kFlatAlignElems;
+  static constexpr int kStatsStride = (kStatsBox + 31) / 32 * 32;         // floats per array
+  static constexpr int kStatsBytes = kStages * 2 * kStatsStride * 4;  // [stage][lse, D][row]
   static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);   // kv_full, q_full[], q_empty[]
   // K, V, kStages Q and dO tiles, kDsStages dS^T buffers (1024-byte aligned each: the swizzle
   // repeats every 8 rows of 128 bytes), lse / D, barriers; plus 1024 bytes to align the start.
@@ -53,7 +56,6 @@ struct BackwardTraits {
   static_assert(kBlockM == kSpanElems, "a dS^T row (kBlockM queries) is one 128-byte span");
   static_assert(kDqCols % 16 == 0 && kDqCols <= kSpanElems,
                 "a consumer's dQ columns are a wgmma N within one span of K");
-  static_assert(kBlockM % kStatsThreads == 0, "each stats thread stages whole rows");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kDsBytes % 1024 == 0,
                 "tiles stay 1024-byte aligned");
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
@@ -68,12 +70,12 @@ struct BackwardTraits {
 // them), no spills, at both head dims.
 template <int kHeadDim>
 struct BackwardConfig;
-// dK+dV 64, S+dP 64, dQ 16; smem 2 x 16 + 4 x 8 + 2 x 16 KiB + 1 KiB stats + 1 KiB alignment
-// = 98 KiB.
+// dK+dV 64, S+dP 64, dQ 16; smem 2 x 16 + 4 x 8 + 2 x 16 KiB + 1.5 KiB stats + 1 KiB
+// alignment = 98.5 KiB.
 template <>
 struct BackwardConfig<64> : BackwardTraits<64> {};
-// dK+dV 128, S+dP 64, dQ 32; smem 2 x 32 + 4 x 16 + 2 x 16 KiB + 1 KiB stats + 1 KiB alignment
-// = 162 KiB.
+// dK+dV 128, S+dP 64, dQ 32; smem 2 x 32 + 4 x 16 + 2 x 16 KiB + 1.5 KiB stats + 1 KiB
+// alignment = 162.5 KiB.
 template <>
 struct BackwardConfig<128> : BackwardTraits<128> {};
 

@@ -53,7 +53,17 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t phase) {
   } while (!done);
 }
 
-// ---- TMA: tiles of a 4-D tensor map (coordinates innermost first) to and from shared memory.
+// ---- TMA: tiles of a 4-D tensor map (coordinates innermost first) to and from shared memory,
+// and boxes of a 1-D one.
+
+__device__ __forceinline__ void tma_load_1d(uint32_t dst, const void* tensor_map, uint32_t bar,
+                                            int c0) {
+  asm volatile(
+      "cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+      "[%0], [%1, {%3}], [%2];\n" ::"r"(dst),
+      "l"(tensor_map), "r"(bar), "r"(c0)
+      : "memory");
+}
 
 __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tensor_map, uint32_t bar,
                                             int c0, int c1, int c2, int c3) {

@@ -55,6 +55,22 @@ cudaError_t encode(CUtensorMap& map, ElemType dtype, const void* base, int64_t h
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// A float32 array of `elements` as one flat row, read in boxes of `box` elements without swizzle.
+cudaError_t encode_flat_f32(CUtensorMap& map, const float* base, int64_t elements, int box) {
+  const EncodeTiled encode_function = encode_tiled();
+  if (encode_function == nullptr) return cudaErrorInvalidValue;
+  const cuuint64_t dims[1] = {cuuint64_t(elements)};
+  // A rank-1 map has no strides to give; the array is passed only so that no pointer is null.
+  const cuuint64_t strides[1] = {cuuint64_t((elements * 4 + 15) / 16 * 16)};
+  const cuuint32_t box_dims[1] = {cuuint32_t(box)};
+  const cuuint32_t element_strides[1] = {1};
+  const CUresult result = encode_function(
+      &map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, const_cast<float*>(base), dims, strides, box_dims,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+      CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 bool strides_aligned16(int64_t head_stride, int64_t row_stride, int64_t batch_stride) {
@@ -89,8 +105,11 @@ cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_row
 }
 
 bool backward_tma_compatible(const AttentionParams& p) {
-  return aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.d_out) &&
-         aligned16(p.dk) && aligned16(p.dv) && aligned16(p.dq_accum) &&
+  // Box coordinates are int32: the last box starts below batch x N x T.
+  const bool rows_addressable = p.batch * p.num_heads * p.seqlen_q <= 0x7fffffff;
+  return rows_addressable && aligned16(p.q) && aligned16(p.k) && aligned16(p.v) &&
+         aligned16(p.d_out) && aligned16(p.dk) && aligned16(p.dv) && aligned16(p.dq_accum) &&
+         aligned16(p.lse) && aligned16(p.delta) &&
          strides_aligned16(p.q_head_stride, p.q_row_stride, p.q_batch_stride) &&
          strides_aligned16(p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride);
 }
@@ -105,10 +124,14 @@ cudaError_t encode_backward_maps(const AttentionParams& p, int q_rows, int kv_ro
     return encode(map, p.dtype, base, p.head_dim, p.num_kv_heads, p.seqlen_k, p.batch,
                   p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, rows);
   };
-  const cudaError_t errors[6] = {q_like(maps.q, p.q),           q_like(maps.d_out, p.d_out),
+  const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
+  const cudaError_t errors[8] = {q_like(maps.q, p.q),           q_like(maps.d_out, p.d_out),
                                  kv_like(maps.k, p.k, kv_rows), kv_like(maps.v, p.v, kv_rows),
                                  kv_like(maps.dk, p.dk, dkv_rows),
-                                 kv_like(maps.dv, p.dv, dkv_rows)};
+                                 kv_like(maps.dv, p.dv, dkv_rows),
+                                 encode_flat_f32(maps.lse, p.lse, rows, q_rows + kFlatAlignElems),
+                                 encode_flat_f32(maps.delta, p.delta, rows,
+                                                 q_rows + kFlatAlignElems)};
   for (cudaError_t e : errors)
     if (e != cudaSuccess) return e;
   return cudaSuccess;

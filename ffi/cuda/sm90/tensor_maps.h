@@ -28,16 +28,26 @@ cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_row
                                 ForwardMaps& maps);
 
 // The backward's maps, in the same view: q and d_out (loads), k and v (loads), dk and dv
-// (stores, which clip rows past S and head dims past H).
+// (stores, which clip rows past S and head dims past H). lse and delta (float32 [batch, N, T])
+// are viewed as one flat row of batch x N x T elements: a row stride of T floats is not 16-byte
+// aligned for every T, which a 2-D map needs. A box must also start 16 bytes into the row
+// (other starts raise an illegal instruction on H100), so boxes are q_rows + kFlatAlignElems
+// long and start at the tile's first row rounded down to kFlatAlignElems; what lies around
+// the tile's rows (the rows before, the next head's first rows, zeros past the whole tensor)
+// belongs to queries the kernel's masks give P = 0.
+inline constexpr int kFlatAlignElems = 4;  // 16 bytes of float32
+
 struct BackwardMaps {
-  CUtensorMap q, d_out, k, v, dk, dv;
+  CUtensorMap q, d_out, k, v, dk, dv, lse, delta;
 };
 
-// Whether TMA can address the backward's tensors (q, d_out, k, v, dk, dv) and the float32 dQ
-// accumulator takes 8-byte vector reductions: 16-byte aligned base addresses and strides.
+// Whether TMA can address the backward's tensors (q, d_out, k, v, dk, dv, lse, delta) and the
+// float32 dQ accumulator takes 8-byte vector reductions: 16-byte aligned base addresses and
+// strides, and lse's batch x N x T elements addressable by int32 box coordinates.
 bool backward_tma_compatible(const AttentionParams& p);
 
-// Box rows per map: q_rows for q and d_out, kv_rows for k and v, dkv_rows for dk and dv.
+// Box rows per map: q_rows for q and d_out (q_rows + kFlatAlignElems for lse and delta),
+// kv_rows for k and v, dkv_rows for dk and dv.
 cudaError_t encode_backward_maps(const AttentionParams& p, int q_rows, int kv_rows, int dkv_rows,
                                  BackwardMaps& maps);
 
