@@ -92,13 +92,26 @@ struct OnlineSoftmax {
         }
   }
 
+  // rescale, skipped by the whole warp where none of its rows moved (every correction exactly
+  // 1, exp2 of 0): once the first tiles have set the row maxima they rarely move, and the
+  // skip saves kSlabs * kDTiles * 4 multiplies per thread. Call it from converged warps.
+  template <int kDTiles>
+  __device__ static void rescale_where_moved(float (&O)[kSlabs][kDTiles][4],
+                                             const float (&correction)[kSlabs][2]) {
+    bool still = true;
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m)
+      still = still && correction[m][0] == 1.f && correction[m][1] == 1.f;
+    if (!__all_sync(0xffffffff, still)) rescale(O, correction);
+  }
+
   // Both steps at once, for kernels whose O is not in flight in a tensor-core product.
   template <int kNTiles, int kDTiles>
   __device__ void update(float (&S)[kSlabs][kNTiles][4], float (&O)[kSlabs][kDTiles][4],
                          float scale) {
     float correction[kSlabs][2];
     exponentiate(S, scale, correction);
-    rescale(O, correction);
+    rescale_where_moved(O, correction);
   }
 
   // Normalises O and returns the natural-log lse of each row (-inf and O = 0 for rows that

@@ -38,19 +38,46 @@ struct LdmatrixAddress {
 
 // Copies rows [0, kRows) x chunks [0, kChunks) of a [rows, head_dim] global tile into shared
 // memory, zero-filling rows >= valid_rows and chunks past head_dim.
+//
+// Copy j of thread tid is chunk tid + j kThreads of the tile in row-major order, over a loop of
+// compile-time length: bounded by the runtime tid instead, ptxas kept the loop and spent ~25
+// integer instructions of 64-bit address and predicate arithmetic on every 16-byte copy, more
+// than the whole softmax of a K/V tile (ncu, H = 128 forward). Where whole rows fit the block
+// (kThreads a multiple of kChunks) every copy of a thread is the same chunk column, kRowStep
+// rows further on: one 64-bit add per copy.
 template <typename Traits, int kRows, typename Elem>
 __device__ __forceinline__ void load_tile(Elem* smem, const Elem* global, int64_t row_stride,
                                           int64_t valid_rows, int64_t head_dim, int tid) {
-  constexpr int kChunks = Traits::kChunks;
+  constexpr int kChunks = Traits::kChunks, kThreads = Traits::kThreads;
   constexpr int kTotal = kRows * kChunks;
+  constexpr int kCopies = (kTotal + kThreads - 1) / kThreads;
+  const int rows = valid_rows < 0 ? 0 : valid_rows < kRows ? int(valid_rows) : kRows;
+  const int head_chunks = int((head_dim < kChunks * 8 ? head_dim : kChunks * 8) + 7) / 8;
+  if constexpr (kThreads % kChunks == 0) {
+    constexpr int kRowStep = kThreads / kChunks;
+    const int row0 = tid / kChunks, chunk = tid % kChunks;
+    const bool chunk_valid = chunk < head_chunks;
+    const Elem* src = global + row0 * row_stride + chunk * 8;
+    const int64_t src_step = kRowStep * row_stride;
 #pragma unroll
-  for (int i = tid; i < kTotal; i += Traits::kThreads) {
-    const int row = i / kChunks;
-    const int chunk = i % kChunks;
-    const bool valid = row < valid_rows && chunk * 8 < head_dim;
-    const Elem* src = valid ? global + row * row_stride + chunk * 8 : global;
-    ptx::cp_async_16(ptx::smem_address(smem + swizzled<Traits::kSmemDim>(row, chunk)), src,
-                     valid);
+    for (int j = 0; j < kCopies; ++j) {
+      const int row = row0 + j * kRowStep;
+      if (kTotal % kThreads != 0 && row >= kRows) break;
+      const bool valid = chunk_valid && row < rows;
+      ptx::cp_async_16(ptx::smem_address(smem + swizzled<Traits::kSmemDim>(row, chunk)),
+                       valid ? src + j * src_step : global, valid);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kCopies; ++j) {
+      const unsigned i = unsigned(tid) + j * kThreads;
+      if (kTotal % kThreads != 0 && i >= unsigned(kTotal)) break;
+      const int row = int(i / kChunks), chunk = int(i % kChunks);
+      const bool valid = row < rows && chunk < head_chunks;
+      const Elem* src = valid ? global + row * row_stride + chunk * 8 : global;
+      ptx::cp_async_16(ptx::smem_address(smem + swizzled<Traits::kSmemDim>(row, chunk)), src,
+                       valid);
+    }
   }
 }
 

@@ -348,17 +348,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fence_o();
       if (in_flight) release(bars.v_empty[stage]);
     };
-    // Once the first tiles have set the row maxima they rarely move: where no row of the warp
-    // moved, the warp skips the rescaling (kHeadDim / 2 multiplies per thread).
-    const auto rescale_o = [&] {
-      if (!__all_sync(0xffffffff, correction[0][0] == 1.f && correction[0][1] == 1.f))
-        cuda::OnlineSoftmax<1>::rescale(o_acc, correction);
-    };
     for (int j = 1; j < t.num_kv_tiles; ++j) {
       const RingPosition<kStages> prev = kv_ring;
       ++kv_ring.count;
       retire_pv(j > 1, (prev.count - 1) % kStages);  // P_{j-2} V_{j-2}
-      rescale_o();
+      cuda::OnlineSoftmax<1>::rescale_where_moved(o_acc, correction);
       pack_p();
       ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
       ptx::mbarrier_wait(bar(bars.v_full[prev.stage()]), prev.phase());
@@ -372,7 +366,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       softmax_step(j, correction);
     }
     retire_pv(t.num_kv_tiles > 1, (kv_ring.count - 1) % kStages);
-    rescale_o();
+    cuda::OnlineSoftmax<1>::rescale_where_moved(o_acc, correction);
     // The tile's last S = Q K^T has landed, Q's last read: the next tile's Q may load under
     // this tile's last O += P V and epilogue (where O is staged in Q, once the store has read
     // it).
