@@ -153,13 +153,16 @@ def test_wide_key_tiles(rng, dtype, head_dim, kwargs):
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(17, 5)),
                                     dict(key_value_seq_lengths=np.array([150, 0], np.int32))])
-def test_mma_sync_family_where_hopper_kernel_exists(rng, monkeypatch, kwargs):
+@pytest.mark.parametrize("head_dim", [72, 128])
+def test_mma_sync_family_where_hopper_kernel_exists(rng, monkeypatch, kwargs, head_dim):
     """JAX_FLASHATTN_DISABLE_SM90 sends calls to the mma.sync family, which must stay correct on
-    the Hopper GPUs that would otherwise run the wgmma kernel (a no-op elsewhere)."""
+    the Hopper GPUs that would otherwise run the wgmma kernel (a no-op elsewhere). Head dim 72
+    runs on the 96 configuration, whose 12 chunks per row do not divide the block's threads
+    (load_tile's general copy path) and whose last 3 chunks are zero-filled."""
     monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
-    q = jax.ShapeDtypeStruct((2, 100, 4, 128), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((2, 100, 4, head_dim), jnp.bfloat16)
     assert jax_flashattn.forward_kernel(q, q) == "sm80"
-    check(*random_qkv(rng, 2, 200, 300, 4, 2, 128, jnp.bfloat16), **kwargs)
+    check(*random_qkv(rng, 2, 200, 300, 4, 2, head_dim, jnp.bfloat16), **kwargs)
 
 
 # ----------------------------------------------------------------------------- split-KV decode
