@@ -64,7 +64,7 @@ cudaError_t launch_tensor_core(const AttentionParams& p, BackwardKernel kernel,
 // dQ pass), and its grid is one-dimensional: one block per (key block, kv head, batch).
 bool sm90_applies(const AttentionParams& p, int device) {
   const int64_t max_head_dim = sm90::kBackwardHeadDims[std::size(sm90::kBackwardHeadDims) - 1];
-  constexpr int64_t kBlockN = sm90::BackwardTraits<64>::kBlockN;  // every head dim's
+  constexpr int64_t kBlockN = sm90::kBackwardBlockN;
   const int64_t blocks = (p.seqlen_k + kBlockN - 1) / kBlockN * p.batch * p.num_kv_heads;
   return !p.deterministic && p.head_dim <= max_head_dim && blocks <= 0x7fffffff &&
          sm90::backward_tma_compatible(p) && sm90::hopper_kernels_apply(p, device);

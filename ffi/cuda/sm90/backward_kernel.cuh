@@ -35,6 +35,7 @@
 #include "ffi/cuda/sm80/fragments.cuh"  // pack_a
 #include "ffi/cuda/sm90/backward_traits.h"
 #include "ffi/cuda/sm90/ptx.cuh"
+#include "ffi/cuda/sm90/swizzle_layout.h"
 #include "ffi/cuda/sm90/tensor_maps.h"
 #include "ffi/cuda/sm90/traits.h"  // register_budgets_fit
 #include "ffi/params.h"
@@ -99,14 +100,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kQTiles = kBlockM / 8;     // 8-query column tiles of S^T and dP^T
   constexpr int kDTiles = kHeadDim / 8;    // 8-wide column tiles of dK and dV
   constexpr int kDqTiles = Traits::kDqCols / 8;  // 8-wide column tiles of a consumer's dQ
-  constexpr uint32_t kRowBytes = 128;              // one swizzle span of one row
-  constexpr uint32_t kGroupBytes = 8 * kRowBytes;  // 8-row core-matrix groups (descriptor SBO)
 
   // Tiles at 1024-byte boundaries (the 128-byte swizzle's period): K, V, Q stages, dO stages,
   // dS^T buffers, then lse / D and the barriers.
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_address = ptx::smem_address(smem_raw);
-  const uint32_t base = (raw_address + 1023) & ~1023u;
+  const uint32_t base = (raw_address + kGroupBytes - 1) & ~(kGroupBytes - 1);
   unsigned char* smem = smem_raw + (base - raw_address);
   constexpr uint32_t kQOffset = 2 * Traits::kKVBytes;
   constexpr uint32_t kDoOffset = kQOffset + kStages * Traits::kQBytes;
@@ -121,7 +120,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kStatsStride = Traits::kStatsStride;
   const uint32_t sStats = base + kStatsOffset;
   const float* stats = reinterpret_cast<const float*>(smem + kStatsOffset);
-  constexpr uint32_t kStatsStageBytes = 2 * kStatsStride * sizeof(float);
   auto& bars = *reinterpret_cast<BackwardBarriers<Traits>*>(smem + kStatsOffset +
                                                             Traits::kStatsBytes);
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
@@ -173,7 +171,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                            span * kSpanElems, n, tile * kBlockM, block.b);
         }
         const int box0 = stats_row(n, tile * kBlockM) & -kFlatAlignElems;
-        const uint32_t stage_stats = sStats + stage * kStatsStageBytes;
+        const uint32_t stage_stats = sStats + stage * Traits::kStatsStageBytes;
         ptx::tma_load_1d(stage_stats, &maps.lse, full, box0);
         ptx::tma_load_1d(stage_stats + kStatsStride * sizeof(float), &maps.delta, full, box0);
         if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;

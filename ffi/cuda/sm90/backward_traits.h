@@ -16,11 +16,16 @@
 
 namespace jax_flashattn::sm90 {
 
+// Keys per block, 64 per consumer warpgroup, at every head dim: the dispatcher sizes the grid
+// with it before choosing a configuration.
+inline constexpr int kBackwardConsumers = 2;
+inline constexpr int kBackwardBlockN = 64 * kBackwardConsumers;
+
 template <int kHeadDim_>
 struct BackwardTraits {
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim: a whole number of spans
-  static constexpr int kConsumers = 2;        // consumer warpgroups
-  static constexpr int kBlockN = 64 * kConsumers;  // keys per block, 64 per consumer
+  static constexpr int kConsumers = kBackwardConsumers;  // consumer warpgroups
+  static constexpr int kBlockN = kBackwardBlockN;
   // Queries per streamed Q/dO tile: the N of S^T = K Q^T and the K of dV += P^T dO. 64 keeps
   // S^T and dP^T at 32 floats per thread each beside dK and dV.
   static constexpr int kBlockM = 64;
@@ -45,7 +50,8 @@ struct BackwardTraits {
   // TMA boxes start 16-byte aligned (tensor_maps.h); each array 128-byte aligned for TMA.
   static constexpr int kStatsBox = kBlockM + kFlatAlignElems;
   static constexpr int kStatsStride = (kStatsBox + 31) / 32 * 32;         // floats per array
-  static constexpr int kStatsBytes = kStages * 2 * kStatsStride * 4;  // [stage][lse, D][row]
+  static constexpr int kStatsStageBytes = 2 * kStatsStride * 4;  // [lse, D][row]
+  static constexpr int kStatsBytes = kStages * kStatsStageBytes;
   static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);   // kv_full, q_full[], q_empty[]
   // K, V, kStages Q and dO tiles, kDsStages dS^T buffers (1024-byte aligned each: the swizzle
   // repeats every 8 rows of 128 bytes), lse / D, barriers; plus 1024 bytes to align the start.

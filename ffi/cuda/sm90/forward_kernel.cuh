@@ -31,6 +31,7 @@
 #include "ffi/cuda/common/softmax.cuh"
 #include "ffi/cuda/sm80/fragments.cuh"
 #include "ffi/cuda/sm90/ptx.cuh"
+#include "ffi/cuda/sm90/swizzle_layout.h"
 #include "ffi/cuda/sm90/tensor_maps.h"
 #include "ffi/cuda/sm90/tile_scheduler.cuh"
 #include "ffi/cuda/sm90/traits.h"
@@ -93,14 +94,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kPSteps = kBlockN / 16;   // k16 steps of O += P V
   constexpr int kNTiles = kBlockN / 8;    // 8-key column tiles of S
   constexpr int kDTiles = kHeadDim / 8;   // 8-wide column tiles of O
-  constexpr uint32_t kRowBytes = 128;     // one swizzle span of one row
-  constexpr uint32_t kGroupBytes = 8 * kRowBytes;  // 8-row core-matrix groups (descriptor SBO)
 
   // Tiles at 1024-byte boundaries (the 128-byte swizzle's period): Q stages, O (unless staged
   // in the Q buffer), K stages, V stages, then the barriers.
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_address = ptx::smem_address(smem_raw);
-  const uint32_t base = (raw_address + 1023) & ~1023u;
+  const uint32_t base = (raw_address + kGroupBytes - 1) & ~(kGroupBytes - 1);
   unsigned char* smem = smem_raw + (base - raw_address);
   constexpr int kQStages = Traits::kQStages;
   constexpr uint32_t sO_offset = Traits::kOInQ ? 0 : kQStages * Traits::kQBytes;
