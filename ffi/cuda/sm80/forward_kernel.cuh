@@ -43,11 +43,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);  // mma accumulator coordinates
-  const int64_t b = blockIdx.x / p.num_heads, n = blockIdx.x % p.num_heads;
+  // Block order. Without a window every query tile has the same work: tiles vary fastest, so
+  // the blocks resident together share one head's K/V, read from DRAM once and then from L2.
+  // Under a window (causal included) highest tiles go first across all heads: they have the
+  // most keys, so the long blocks start early and the short ones fill the tail.
+  const uint32_t heads = uint32_t(p.batch * p.num_heads), m_blocks = gridDim.x / heads;
+  const bool equal_work =
+      p.window_left == kUnboundedWindow && p.window_right == kUnboundedWindow;
+  const uint32_t head = equal_work ? blockIdx.x / m_blocks : blockIdx.x % heads;
+  const uint32_t m_block = equal_work ? blockIdx.x % m_blocks : m_blocks - 1 - blockIdx.x / heads;
+  const int64_t b = head / p.num_heads, n = head % p.num_heads;
   const int64_t kv_head = n / p.group_size();
-  // Highest query tiles first: under causal masking they have the most keys, so the long
-  // blocks start early and the short ones fill the tail.
-  const int64_t row0 = int64_t(gridDim.y - 1 - blockIdx.y) * kBlockM;
+  const int64_t row0 = int64_t(m_block) * kBlockM;
   const int warp_row0 = warp * kSlabs * 16;
 
   const Elem* q = static_cast<const Elem*>(p.q) + b * p.q_batch_stride + n * p.q_head_stride;

@@ -13,8 +13,9 @@ cudaError_t launch_forward_sm80_kernel(const AttentionParams& p, cudaStream_t st
   constexpr auto kernel = sm80::forward_kernel<Elem, Traits, kElementwise>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   const int64_t m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  if (m_blocks > 65535 || p.batch * p.num_heads > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  const dim3 grid(unsigned(p.batch * p.num_heads), unsigned(m_blocks));
+  // One flat grid dimension; the kernel derives (query tile, batch, head) from it.
+  if (m_blocks * p.batch * p.num_heads > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const dim3 grid(unsigned(m_blocks * p.batch * p.num_heads));
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
