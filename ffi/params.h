@@ -98,6 +98,10 @@ struct AttentionParams {
   bool deterministic = false;
 
   JAX_FLASHATTN_HOST_DEVICE int64_t group_size() const { return num_heads / num_kv_heads; }
+  // No causal or window bound: every query sees every key up to the lengths.
+  JAX_FLASHATTN_HOST_DEVICE bool unwindowed() const {
+    return window_left == kUnboundedWindow && window_right == kUnboundedWindow;
+  }
 };
 
 }  // namespace jax_flashattn

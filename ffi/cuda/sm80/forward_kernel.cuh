@@ -48,8 +48,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // Under a window (causal included) highest tiles go first across all heads: they have the
   // most keys, so the long blocks start early and the short ones fill the tail.
   const uint32_t heads = uint32_t(p.batch * p.num_heads), m_blocks = gridDim.x / heads;
-  const bool equal_work =
-      p.window_left == kUnboundedWindow && p.window_right == kUnboundedWindow;
+  const bool equal_work = p.unwindowed();
   const uint32_t head = equal_work ? blockIdx.x / m_blocks : blockIdx.x % heads;
   const uint32_t m_block = equal_work ? blockIdx.x % m_blocks : m_blocks - 1 - blockIdx.x / heads;
   const int64_t b = head / p.num_heads, n = head % p.num_heads;

@@ -62,7 +62,7 @@ __device__ __forceinline__ void load_tile(Elem* smem, const Elem* global, int64_
     // A whole tile (every K/V tile but the last, at an unpadded head dim) needs no predicates
     // and no selects: one 64-bit add per copy instead of ~9 instructions. It pays where a
     // thread has many copies (H = 128 forward, 8 per tile: +3-5%); at 4 (H = 64) the second
-    // copy loop cost more than it saved (-3%), so it is kept to the former.
+    // copy loop cost more than it saved (-3%), so it is compiled only from 8 on.
     constexpr bool kWholeTilePath = kCopies >= 8;
     if (kWholeTilePath && rows == kRows && head_chunks == kChunks) {
 #pragma unroll
