@@ -4,9 +4,9 @@
     compute-sanitizer --tool racecheck --kernel-name kns=jax_flashattn python3 tests/sanitizer_case.py
 
 Shapes are odd (tile edges), with GQA, causal, windows and lengths, so every predicated path
-runs (and one long-key forward takes the wide Hopper tiles), and the tensor-core backward runs
-in both dQ modes (atomics and deterministic); the script exits non-zero if a result is not
-finite.
+runs (and two long forwards take the wide Hopper tiles of head dims 128 and 64), and the
+tensor-core backward runs in both dQ modes (atomics and deterministic); the script exits
+non-zero if a result is not finite.
 """
 
 import jax
@@ -63,6 +63,15 @@ def main():
     out = jax.jit(lambda q, k, v: jax_flashattn.attention(q, k, v, implementation="cuda"))(q, k, v)
     assert np.isfinite(np.asarray(out, np.float32)).all(), "wide key tiles"
     print("ok: wide key tiles")
+
+    # Head dim 64, T >= 2048 with causal bounds (the Hopper kernel's three consumer warpgroups
+    # on 192-row tiles): 11 query tiles x 16 heads, more than the SMs, T ending mid-tile.
+    q = jnp.asarray(rng.standard_normal((1, 2100, 16, 64)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((1, 2100, 4, 64)), jnp.bfloat16) for _ in range(2))
+    out = jax.jit(lambda q, k, v: jax_flashattn.attention(
+        q, k, v, implementation="cuda", is_causal=True))(q, k, v)
+    assert np.isfinite(np.asarray(out, np.float32)).all(), "three consumer warpgroups"
+    print("ok: three consumer warpgroups")
 
 
 if __name__ == "__main__":

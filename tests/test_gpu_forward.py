@@ -83,8 +83,11 @@ def test_mask_and_bias(rng, mask_shape):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_large_logits(rng, dtype):
-    check(*random_qkv(rng, 1, 256, 256, 2, 2, 128, dtype, magnitude=10.0), is_causal=True)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_large_logits(rng, dtype, head_dim):
+    """Scores far below the row maximum: at head dim 64 part of the Hopper kernel's
+    exponentials take the polynomial path, whose clamp must give 0, not garbage, there."""
+    check(*random_qkv(rng, 1, 256, 256, 2, 2, head_dim, dtype, magnitude=10.0), is_causal=True)
 
 
 def test_long_sequence(rng):
@@ -127,16 +130,32 @@ def test_dispatch_is_visible():
     assert jax_flashattn.forward_kernel(f32, f32) == "simt"
 
 
-@pytest.mark.parametrize("head_dim", [136, 256])
+@pytest.mark.parametrize("head_dim", [40, 64, 136, 256])
 @pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(70, 9)),
                                     dict(query_seq_lengths=np.array([900, 0, 5], np.int32),
                                          key_value_seq_lengths=np.array([1000, 40, 0], np.int32),
                                          is_causal=True)])
-def test_large_head_dims_many_tiles(rng, head_dim, kwargs):
-    """Head dims above 128 on the Hopper kernel keep one Q buffer and stage O in it: more
-    query tiles than SMs, so every block reuses that buffer across tiles (and at 136 most of
-    the padded head dim is zero-filled by TMA)."""
+def test_many_tiles_per_block(rng, head_dim, kwargs):
+    """More query tiles than SMs, so every block of the Hopper kernel runs several: head dims
+    above 128 keep one Q buffer and stage O in it, which each next tile waits for (at 136 most
+    of the padded head dim is zero-filled by TMA); head dims up to 64 run three consumer
+    warpgroups without a causal or window bound (two with one), whose turn order must carry
+    across tiles."""
     check(*random_qkv(rng, 3, 1000, 1000, 48, 8, head_dim, jnp.bfloat16), **kwargs)
+
+
+@pytest.mark.parametrize("head_dim", [40, 64])
+@pytest.mark.parametrize("dtype,kwargs", [
+    (jnp.bfloat16, dict()), (jnp.float16, dict()), (jnp.bfloat16, dict(is_causal=True)),
+    (jnp.bfloat16, dict(local_window_size=(300, 9))),
+    (jnp.bfloat16, dict(query_seq_lengths=np.array([2100, 0, 700], np.int32),
+                        key_value_seq_lengths=np.array([1900, 40, 0], np.int32), is_causal=True))])
+def test_three_consumer_warpgroups(rng, head_dim, dtype, kwargs):
+    """Head dims up to 64 with T >= 2048 (512 without a causal or window bound) run the Hopper
+    kernel's three consumer warpgroups on 192-row query tiles: T = 2100 ends in a partial
+    tile, and 3 x 16 x 11 tiles (more than the SMs) make every block run several, with the
+    round-robin turn order carried across them."""
+    check(*random_qkv(rng, 3, 2100, 2100, 16, 4, head_dim, dtype), **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -15,10 +15,11 @@
 //   O += P_j V_j               wgmma, P from registers
 // with the products of two tiles in flight together: S_{j+1} = Q K_{j+1}^T is issued before
 // O += P_j V_j, and the softmax of S_{j+1} runs while P_j V_j is still computing; only the
-// rescaling of O waits for it. The two consumer warpgroups take turns issuing their products
-// (ping-pong on named barriers), so one's softmax runs under the other's tensor-core work. O
-// is normalised once, staged in shared memory and written with a TMA store (which clips rows
-// past T) that runs on while the consumer starts its next tile.
+// rescaling of O waits for it. The consumer warpgroups (two, or three at head dim 64) take
+// turns issuing their products (ping-pong on named barriers, round robin), so one's softmax
+// runs under the others' tensor-core work. O is normalised once, staged in shared memory and
+// written with a TMA store (which clips rows past T) that runs on while the consumer starts its
+// next tile.
 #pragma once
 
 #include <cuda.h>
@@ -49,10 +50,14 @@ struct ForwardBarriers {
   int tile;
 };
 
-// Named barriers (0 is __syncthreads): 1 + c synchronises consumer warpgroup c, kTurnBarrier + c
-// hands it the ping-pong turn, and the tile slot's two sit after those.
-inline constexpr int kTurnBarrier = 3;
-inline constexpr int kSlotFull = 5, kSlotEmpty = 6;
+// Named barriers (0 is __syncthreads): 1 + c synchronises consumer warpgroup c, kTurn + c hands
+// it the ping-pong turn, and the tile slot's two sit after those.
+template <int kConsumers>
+struct NamedBarriers {
+  static constexpr int kTurn = 1 + kConsumers;
+  static constexpr int kSlotFull = kTurn + kConsumers, kSlotEmpty = kSlotFull + 1;
+  static_assert(kSlotEmpty < 16, "16 named barriers per block");
+};
 
 // Where a barrier ring stands: the n-th use of a kStages ring is stage n % kStages, and its
 // full barrier completes phase (n / kStages) for it; the producer refilling use n waits for the
@@ -117,6 +122,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const auto bar_slot = [](int& slot) { return ptx::smem_address(&slot); };
   // The tile slot is written by the producer warp and read by every consumer thread.
   constexpr int kSlotThreads = 32 + 128 * Traits::kConsumers;
+  using Named = NamedBarriers<Traits::kConsumers>;
 
   const int tid = threadIdx.x;
 
@@ -177,9 +183,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     RingPosition<kQStages> q_ring;
     RingPosition<kStages> kv_ring;
     for (int index = blockIdx.x;;) {
-      ptx::named_barrier_sync(kSlotEmpty, kSlotThreads);  // the consumers read the last one
+      ptx::named_barrier_sync(Named::kSlotEmpty, kSlotThreads);  // the consumers read the last one
       if (tid == 0) ptx::st_shared_b32(bar_slot(bars.tile), uint32_t(index));
-      ptx::named_barrier_arrive(kSlotFull, kSlotThreads);
+      ptx::named_barrier_arrive(Named::kSlotFull, kSlotThreads);
       if (index >= scheduler.num_tiles) break;
       int claimed = 0;
       if (tid == 0) {
@@ -256,13 +262,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::wgmma_commit_group();
   };
   // Ping-pong: consumer c issues its products only while it holds the turn (named barrier
-  // kTurnBarrier + c, completed by the other consumer's hand-over) and hands it over right after
-  // issuing. Consumer 1 gives consumer 0 the first turn, so consumer 0 takes one extra turn at
-  // the end to leave every barrier with as many arrivals as waits.
-  static_assert(Traits::kConsumers == 2, "the ping-pong alternates two consumer warpgroups");
-  static_assert(kTurnBarrier == 1 + Traits::kConsumers, "after the warpgroup barriers 1, 2");
-  const auto take_turn = [&] { ptx::named_barrier_sync(kTurnBarrier + consumer, 256); };
-  const auto hand_over = [&] { ptx::named_barrier_arrive(kTurnBarrier + 1 - consumer, 256); };
+  // Named::kTurn + c, completed by consumer c - 1's hand-over) and hands it to consumer c + 1
+  // (round robin) right after issuing. Every consumer takes the same number of turns (they
+  // share each tile); the last one gives consumer 0 the first turn, so consumer 0 takes one
+  // extra turn at the end to leave every barrier with as many arrivals as waits.
+  const auto take_turn = [&] { ptx::named_barrier_sync(Named::kTurn + consumer, 256); };
+  const auto hand_over = [&] {
+    ptx::named_barrier_arrive(Named::kTurn + (consumer + 1) % Traits::kConsumers, 256);
+  };
   const auto sync_warpgroup = [&] { ptx::named_barrier_sync(1 + consumer, 128); };
   // One arrival per warp, once all of its lanes are past their reads of the buffer.
   const auto release = [&](uint64_t& barrier) {
@@ -275,15 +282,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int kk = 0; kk < kPSteps; ++kk) sm80::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
   };
 
-  if (consumer == 1) hand_over();
-  ptx::named_barrier_arrive(kSlotEmpty, kSlotThreads);  // the slot starts free
+  if (consumer == Traits::kConsumers - 1) hand_over();
+  ptx::named_barrier_arrive(Named::kSlotEmpty, kSlotThreads);  // the slot starts free
   RingPosition<kQStages> q_ring;
   RingPosition<kStages> kv_ring;
   for (;;) {
-    ptx::named_barrier_sync(kSlotFull, kSlotThreads);
+    ptx::named_barrier_sync(Named::kSlotFull, kSlotThreads);
     const int index = int(ptx::ld_shared_b32(bar_slot(bars.tile)));
     if (index >= scheduler.num_tiles) break;  // the producer has left: no arrival owed
-    ptx::named_barrier_arrive(kSlotEmpty, kSlotThreads);
+    ptx::named_barrier_arrive(Named::kSlotEmpty, kSlotThreads);
     ForwardTile t = scheduler.tile(p, index);
     if constexpr (!Traits::kWindowed)
       t.vis.window_left = t.vis.window_right = kUnboundedWindow;

@@ -13,7 +13,7 @@ namespace jax_flashattn::cuda {
 template <typename Elem, typename Traits>
 cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stream) {
   // A configuration without window tests must not see a window (it would ignore it).
-  if (!Traits::kWindowed && !sm90::wide_tiles_pay(p)) return cudaErrorInvalidConfiguration;
+  if (!Traits::kWindowed && !p.unwindowed()) return cudaErrorInvalidConfiguration;
   constexpr auto kernel = sm90::forward_kernel<Elem, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   if (!sm90::indices_fit_32_bits(p)) return cudaErrorInvalidConfiguration;
@@ -39,7 +39,7 @@ cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stre
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   if constexpr (sm90::kHasWideConfig<kHeadDim>) {
-    if (sm90::wide_tiles_pay(p))
+    if (sm90::wide_config_pays<kHeadDim>(p))
       return launch_forward_sm90_with<Elem, sm90::ForwardConfig<kHeadDim, true>>(p, stream);
   }
   return launch_forward_sm90_with<Elem, sm90::ForwardConfig<kHeadDim>>(p, stream);

@@ -16,10 +16,13 @@
 
 namespace jax_flashattn::sm90 {
 
-template <int kHeadDim_, int kBlockN_, int kStages_, int kQStages_, bool kOInQ_>
+template <int kHeadDim_, int kBlockN_, int kStages_, int kQStages_, bool kOInQ_,
+          int kConsumers_ = 2>
 struct ForwardTraits {
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim: a whole number of spans
-  static constexpr int kConsumers = 2;        // consumer warpgroups
+  // Consumer warpgroups, taking turns at the tensor cores: each one's softmax runs under the
+  // products of the kConsumers - 1 others.
+  static constexpr int kConsumers = kConsumers_;
   static constexpr int kBlockM = 64 * kConsumers;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
@@ -34,9 +37,9 @@ struct ForwardTraits {
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
   // setmaxnreg budgets (a configuration may trade some, register_budgets_fit() below):
-  // 128 x 24 + 256 x 240 = 64512, the 168 x 384 registers the block is launched with. The
-  // producer only computes coordinates; the consumers hold S (kBlockN / 2), O (kHeadDim / 2)
-  // and P (kBlockN / 4) registers per thread.
+  // with two consumers 128 x 24 + 256 x 240 = 64512, within the 168 x 384 registers the block
+  // is launched with. The producer only computes coordinates; the consumers hold S
+  // (kBlockN / 2), O (kHeadDim / 2) and P (kBlockN / 4) registers per thread.
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
 
@@ -55,6 +58,7 @@ struct ForwardTraits {
   static_assert(kHeadDim % kSpanElems == 0, "tiles are whole 128-byte swizzle spans");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N is a multiple of 16 up to 256");
   static_assert(kQStages == 1 || kQStages == 2, "one Q buffer or two");
+  static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
   static_assert(!kOInQ || kQStages == 1, "O staged in Q waits for the one Q buffer");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles stay 1024-byte aligned");
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
@@ -68,14 +72,24 @@ inline bool indices_fit_32_bits(const AttentionParams& p) {
          (p.seqlen_q / 64 + 1) <= kLimit / (p.batch * p.num_heads > 0 ? p.batch * p.num_heads : 1);
 }
 
-// The tile configuration of each instantiated head dim, and (kWide) of the key ranges that no
-// causal or window mask cuts short, where longer key tiles pay for fewer loop iterations.
+// The tile configuration of each instantiated head dim, and (kWide) its larger tile for the
+// calls where that pays (wide_config_pays below): more query rows at head dim 64, more keys
+// at 128.
 template <int kHeadDim, bool kWide = false>
 struct ForwardConfig;
 
 // S and P: 64 + 32 registers, O 32; smem 3 x 16 + 4 x 16 KiB = 113 KiB.
 template <>
 struct ForwardConfig<64> : ForwardTraits<64, 128, 2, 2, false> {};
+// Three consumers (192-row query tiles): at this head dim a tile's softmax takes longer than
+// its two products, so each consumer's softmax runs under two others' products. S and P
+// 64 + 32 registers, O 32, within 160 (128 x 32 + 384 x 160 = 65536, the 128 x 512 the block
+// is launched with); smem 3 x 24 + 4 x 16 KiB = 137 KiB.
+template <>
+struct ForwardConfig<64, true> : ForwardTraits<64, 128, 2, 2, false, 3> {
+  static constexpr int kProducerRegisters = 32;
+  static constexpr int kConsumerRegisters = 160;
+};
 // S and P: 64 + 32 registers, O 64; smem 3 x 32 + 4 x 32 KiB = 225 KiB.
 template <>
 struct ForwardConfig<128> : ForwardTraits<128, 128, 2, 2, false> {};
@@ -84,7 +98,7 @@ struct ForwardConfig<128> : ForwardTraits<128, 128, 2, 2, false> {};
 // next Q loads under the last softmax, O += P V and the epilogue.
 template <>
 struct ForwardConfig<128, true> : ForwardTraits<128, 160, 2, 1, false> {
-  static constexpr bool kWindowed = false;  // wide_tiles_pay(): the dispatcher's promise
+  static constexpr bool kWindowed = false;  // wide_config_pays(): the dispatcher's promise
 };
 // O alone is 128 registers, so 64-key tiles: S and P 32 + 16; smem one Q (and O) tile of 64 KiB
 // + 4 x 32 KiB = 192 KiB; 80-key tiles (S and P 40 + 20, 224 KiB) spilled. The producer gets
@@ -97,7 +111,7 @@ struct ForwardConfig<256> : ForwardTraits<256, 64, 2, 1, true> {
 };
 
 // setmaxnreg only moves registers within what the block was launched with: 168 per thread
-// at 384 threads (65536 / 384 rounded down to a multiple of 8).
+// at 384 threads, 128 at 512 (65536 / threads rounded down to a multiple of 8).
 template <typename Traits>
 constexpr bool register_budgets_fit() {
   return 128 * Traits::kProducerRegisters + 128 * Traits::kConsumers * Traits::kConsumerRegisters <=
@@ -106,13 +120,20 @@ constexpr bool register_budgets_fit() {
 
 // Head dims with a kWide configuration.
 template <int kHeadDim>
-inline constexpr bool kHasWideConfig = kHeadDim == 128;
+inline constexpr bool kHasWideConfig = kHeadDim == 64 || kHeadDim == 128;
 
-// Whether a call takes its head dim's kWide configuration: no causal or window bound (every
-// key tile but the last is fully visible) and enough keys that padding the last 160-key tile
-// costs little (S = 2048 computes 2080 keys, 1.6% more, in 13 iterations instead of 16).
-inline bool wide_tiles_pay(const AttentionParams& p) {
-  return p.unwindowed() && p.seqlen_k >= 2048;
+// Whether a call takes its head dim's kWide configuration.
+// - 64, three consumers: T >= 512 without a causal or window bound, T >= 2048 with one; below
+//   that (measured on an H100, bf16) the padding of the last 192-row tile and the larger tiles
+//   on the diagonal cost more than the third consumer gains: T = 1024 causal ran at 200 TFLOP/s
+//   with three consumers and 223 with two, T = 2048 297 against 284.
+// - 128, 160-key tiles: no causal or window bound (every key tile but the last is fully
+//   visible) and enough keys that padding the last tile costs little (S = 2048 computes 2080
+//   keys, 1.6% more, in 13 iterations instead of 16).
+template <int kHeadDim>
+inline bool wide_config_pays(const AttentionParams& p) {
+  if constexpr (kHeadDim == 64) return p.seqlen_q >= (p.unwindowed() ? 512 : 2048);
+  return kHeadDim == 128 && p.unwindowed() && p.seqlen_k >= 2048;
 }
 
 // The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one
