@@ -184,6 +184,24 @@ def test_mma_sync_family_where_hopper_kernel_exists(rng, monkeypatch, kwargs, he
     check(*random_qkv(rng, 2, 200, 300, 4, 2, head_dim, jnp.bfloat16), **kwargs)
 
 
+@pytest.mark.parametrize("family", ["default", "sm80"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_rising_row_maxima(rng, monkeypatch, family, dtype, head_dim, is_causal):
+    """Keys scaled by 1 + s / 8, so each 64-key tile raises a row's maximum score by far more
+    than the headroom the mma.sync kernel allows P above a settled maximum (2^12): every tile
+    after the first takes the recompute-and-rescale path. A kernel that kept the stale maximum
+    would overflow P (inf, or NaN in the output); one that dropped the recompute would use
+    scores it had already spent."""
+    if family == "sm80":
+        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    q, k, v = random_qkv(rng, 2, 300, 333, 4, 2, head_dim, dtype)
+    ramp = 1.0 + jnp.arange(k.shape[1], dtype=jnp.float32) / 8.0
+    k = (k.astype(jnp.float32) * ramp[None, :, None, None]).astype(dtype)
+    check(q, k, v, is_causal=is_causal)
+
+
 # ----------------------------------------------------------------------------- split-KV decode
 
 

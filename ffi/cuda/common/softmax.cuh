@@ -77,6 +77,45 @@ struct OnlineSoftmax {
       }
   }
 
+  // Largest probability exponentiate_against_settled_max accepts: 2^12 leaves fp16's range
+  // (65504) to spare for P and keeps row sums far from float32 overflow.
+  static constexpr float kSettledHeadroom = 4096.f;
+
+  // exponentiate without this tile's maxima: P = exp2(S * scale - m * scale) against the row
+  // maxima m of earlier tiles, so no max reduction, no shuffles and no output rescale. A score
+  // above m only gives P > 1, which the final normalisation undoes exactly, so this stays
+  // exact while no P exceeds kSettledHeadroom. Returns false, warp-uniform, where some row's
+  // partial sum (which bounds each of its P) exceeds that or is NaN; S is then spent and the
+  // caller recomputes it for exponentiate(). The caller guarantees that every row which may see
+  // a key has a finite maximum; a row that sees nothing keeps m = -inf, offset 0 and P = 0.
+  template <int kNTiles>
+  __device__ bool exponentiate_against_settled_max(float (&S)[kSlabs][kNTiles][4], float scale) {
+    float sum[kSlabs][2];
+    bool within = true;
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float offset = row_max[m][h] == -INFINITY ? 0.f : row_max[m][h] * scale;
+        sum[m][h] = 0.f;
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float& s = S[m][n][2 * h + c];
+            s = ptx::exp2_approx(fmaf(s, scale, -offset));
+            sum[m][h] += s;
+          }
+        within = within && sum[m][h] <= kSettledHeadroom;
+      }
+    if (!__all_sync(0xffffffff, within)) return false;
+#pragma unroll
+    for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) row_sum[m][h] += sum[m][h];
+    return true;
+  }
+
   // O[kSlabs][kDTiles][4] *= correction, row by row.
   template <int kDTiles>
   __device__ static void rescale(float (&O)[kSlabs][kDTiles][4],

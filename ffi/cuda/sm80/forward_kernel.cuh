@@ -94,6 +94,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   float o_acc[kSlabs][kDTiles][4] = {};
   cuda::OnlineSoftmax<kSlabs> softmax;
   softmax.init();
+  // Whether every row of this warp that can see a key has a finite row maximum, which
+  // exponentiate_against_settled_max needs; rows past the query length never see one.
+  bool settled = false;
   // With a bias the scores are moved to the log2 domain before the softmax (the bias must be
   // added after scaling); without one the scale is folded into the softmax's FFMA.
   const bool has_bias = kElementwise && p.bias != nullptr;
@@ -126,60 +129,87 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       for (int ks = 0; ks < kKSteps; ++ks) load_q(ks, ks);
     }
 
-    // S = Q K^T
-    float s_acc[kSlabs][kNTiles][4] = {};
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      if (!kQInRegisters) load_q(ks, 0);
-      const int q_slot = kQInRegisters ? ks : 0;
-#pragma unroll
-      for (int np = 0; np < kNTiles / 2; ++np) {
-        uint32_t k_frag[4];
-        ptx::ldmatrix_x4(k_frag, k_address(np, ks));
-#pragma unroll
-        for (int m = 0; m < kSlabs; ++m) mma_pair<Elem>(s_acc[m], np, q_frag[m][q_slot], k_frag);
-      }
-    }
-
-    // Lengths and windows, then bias and mask: a tile with neither boundary nor elementwise
-    // input looks at no element.
-    const int64_t key0 = tile * kBlockN;
-    const bool all_visible = vis.all_visible(row0 + warp_row0, row0 + warp_row0 + kSlabs * 16,
-                                             key0, key0 + kBlockN);
-    if (kElementwise || !all_visible) {
-      const cuda::TileVisibility tile_vis =
-          cuda::TileVisibility::make(vis, row0, key0, kBlockM + kBlockN);
+    // S = Q K^T, then lengths and windows, then bias and mask: a tile with neither boundary
+    // nor elementwise input looks at no element.
+    float s_acc[kSlabs][kNTiles][4];
+    auto compute_scores = [&] {
 #pragma unroll
       for (int m = 0; m < kSlabs; ++m)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = warp_row0 + m * 16 + quad_row + h * 8;
-          [[maybe_unused]] int64_t bias_base = 0, mask_base = 0;
-          if constexpr (kElementwise) {
-            bias_base = has_bias ? p.bias_strides.offset(b, p.batch_inner, n, row0 + r, key0) : 0;
-            mask_base = vis.mask_offset + (row0 + r) * vis.mask_row + key0 * vis.mask_col;
-          }
+        for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt)
+          for (int e = 0; e < 4; ++e) s_acc[m][nt][e] = 0.f;
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int c = nt * 8 + quad_col + e;
-              float& score = s_acc[m][nt][2 * h + e];
-              // Visible elements lie inside [seqlen_q, seqlen_k): only they are read.
-              bool keep = tile_vis.visible(r, c);
-              if constexpr (kElementwise) {
-                if (keep && has_bias)
-                  score = fmaf(score, scale_log2,
-                               cuda::kLog2e * cuda::load_bias(p.bias, p.bias_dtype,
-                                                        bias_base + c * p.bias_strides.col));
-                if (keep && vis.mask != nullptr) keep = vis.mask[mask_base + c * vis.mask_col];
-              }
-              if (!keep) score = -INFINITY;
-            }
+      for (int ks = 0; ks < kKSteps; ++ks) {
+        if (!kQInRegisters) load_q(ks, 0);
+        const int q_slot = kQInRegisters ? ks : 0;
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+          uint32_t k_frag[4];
+          ptx::ldmatrix_x4(k_frag, k_address(np, ks));
+#pragma unroll
+          for (int m = 0; m < kSlabs; ++m) mma_pair<Elem>(s_acc[m], np, q_frag[m][q_slot], k_frag);
         }
-    }
+      }
 
-    softmax.update(s_acc, o_acc, softmax_scale);
+      const int64_t key0 = tile * kBlockN;
+      const bool all_visible = vis.all_visible(row0 + warp_row0, row0 + warp_row0 + kSlabs * 16,
+                                               key0, key0 + kBlockN);
+      if (kElementwise || !all_visible) {
+        const cuda::TileVisibility tile_vis =
+            cuda::TileVisibility::make(vis, row0, key0, kBlockM + kBlockN);
+#pragma unroll
+        for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = warp_row0 + m * 16 + quad_row + h * 8;
+            [[maybe_unused]] int64_t bias_base = 0, mask_base = 0;
+            if constexpr (kElementwise) {
+              bias_base = has_bias ? p.bias_strides.offset(b, p.batch_inner, n, row0 + r, key0) : 0;
+              mask_base = vis.mask_offset + (row0 + r) * vis.mask_row + key0 * vis.mask_col;
+            }
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int c = nt * 8 + quad_col + e;
+                float& score = s_acc[m][nt][2 * h + e];
+                // Visible elements lie inside [seqlen_q, seqlen_k): only they are read.
+                bool keep = tile_vis.visible(r, c);
+                if constexpr (kElementwise) {
+                  if (keep && has_bias)
+                    score = fmaf(score, scale_log2,
+                                 cuda::kLog2e * cuda::load_bias(p.bias, p.bias_dtype,
+                                                          bias_base + c * p.bias_strides.col));
+                  if (keep && vis.mask != nullptr) keep = vis.mask[mask_base + c * vis.mask_col];
+                }
+                if (!keep) score = -INFINITY;
+              }
+          }
+      }
+    };
+
+    // P against the settled row maxima where every row of the warp has one; otherwise, or
+    // where a score rose too far above its maximum, the full update, which looks for the new
+    // maxima and rescales O (on scores recomputed, as the first attempt spent them). Written
+    // as two calls, not a retry loop: in a loop the compiler hoists the masking predicates of
+    // every element out of it and evaluates them on every tile.
+    // The elementwise instantiation keeps the full update on every tile: the second copy of
+    // its scores (with the bias and mask reads) spills ~1 KiB.
+    compute_scores();
+    if (kElementwise || !settled ||
+        !softmax.exponentiate_against_settled_max(s_acc, softmax_scale)) {
+      if (!kElementwise && settled) compute_scores();
+      softmax.update(s_acc, o_acc, softmax_scale);
+      bool rows_settled = true;
+#pragma unroll
+      for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          rows_settled = rows_settled && (softmax.row_max[m][h] > -INFINITY ||
+                                          row0 + warp_row0 + m * 16 + quad_row + h * 8 >= vis.q_len);
+      settled = __all_sync(0xffffffff, rows_settled);
+    }
 
     // O += P V: the S accumulators of key tiles 2kk, 2kk+1 are exactly the A operand layout.
 #pragma unroll
