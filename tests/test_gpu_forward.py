@@ -188,17 +188,21 @@ def test_mma_sync_family_where_hopper_kernel_exists(rng, monkeypatch, kwargs, he
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_rising_row_maxima(rng, monkeypatch, family, dtype, head_dim, is_causal):
-    """Keys scaled by 1 + s / 8, so each 64-key tile raises a row's maximum score by far more
-    than the headroom the mma.sync kernel allows P above a settled maximum (2^12): every tile
-    after the first takes the recompute-and-rescale path. A kernel that kept the stale maximum
-    would overflow P (inf, or NaN in the output); one that dropped the recompute would use
-    scores it had already spent."""
+@pytest.mark.parametrize("ramp", [8.0, 32.0])
+def test_rising_row_maxima(rng, monkeypatch, family, dtype, head_dim, is_causal, ramp):
+    """Keys scaled by 1 + s / ramp, so each 64-key tile raises a row's maximum score. With
+    ramp 8 the rise (~19 nats) is far beyond the headroom the mma.sync kernel allows P above a
+    settled maximum (a partial row sum of 2^12): the tiles that see keys take the
+    recompute-and-rescale path. A kernel that kept the stale maximum would overflow P (inf in
+    fp16, NaN in the output); one that dropped the recompute would use scores it had already
+    spent. With ramp 32 the rise (~5 nats) stays within it: tiles are accepted with P well
+    above 1, which the output and lse must undo exactly. "default" runs the Hopper kernel on
+    H100/H200, "sm80" forces the mma.sync family there."""
     if family == "sm80":
         monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
     q, k, v = random_qkv(rng, 2, 300, 333, 4, 2, head_dim, dtype)
-    ramp = 1.0 + jnp.arange(k.shape[1], dtype=jnp.float32) / 8.0
-    k = (k.astype(jnp.float32) * ramp[None, :, None, None]).astype(dtype)
+    scale = 1.0 + jnp.arange(k.shape[1], dtype=jnp.float32) / ramp
+    k = (k.astype(jnp.float32) * scale[None, :, None, None]).astype(dtype)
     check(q, k, v, is_causal=is_causal)
 
 

@@ -77,8 +77,9 @@ struct OnlineSoftmax {
       }
   }
 
-  // Largest probability exponentiate_against_settled_max accepts: 2^12 leaves fp16's range
-  // (65504) to spare for P and keeps row sums far from float32 overflow.
+  // Largest partial row sum (a thread's share of a row in one tile, which bounds each of its
+  // P) that exponentiate_against_settled_max accepts: 2^12 leaves fp16's range (65504) to
+  // spare for P and keeps row sums far from float32 overflow.
   static constexpr float kSettledHeadroom = 4096.f;
 
   // exponentiate without this tile's maxima: P = exp2(S * scale - m * scale) against the row

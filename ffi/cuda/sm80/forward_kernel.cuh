@@ -94,8 +94,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   float o_acc[kSlabs][kDTiles][4] = {};
   cuda::OnlineSoftmax<kSlabs> softmax;
   softmax.init();
-  // Whether every row of this warp that can see a key has a finite row maximum, which
-  // exponentiate_against_settled_max needs; rows past the query length never see one.
+  // Whether every row of this warp below the query length has a finite row maximum, which
+  // exponentiate_against_settled_max needs (rows past the query length never see a key and
+  // stay at -inf). A row below it that has seen no key yet keeps the warp on the full update.
   bool settled = false;
   // With a bias the scores are moved to the log2 domain before the softmax (the bias must be
   // added after scaling); without one the scale is folded into the softmax's FFMA.
@@ -201,14 +202,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         !softmax.exponentiate_against_settled_max(s_acc, softmax_scale)) {
       if (!kElementwise && settled) compute_scores();
       softmax.update(s_acc, o_acc, softmax_scale);
-      bool rows_settled = true;
+      if constexpr (!kElementwise) {
+        bool rows_settled = true;
 #pragma unroll
-      for (int m = 0; m < kSlabs; ++m)
+        for (int m = 0; m < kSlabs; ++m)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          rows_settled = rows_settled && (softmax.row_max[m][h] > -INFINITY ||
-                                          row0 + warp_row0 + m * 16 + quad_row + h * 8 >= vis.q_len);
-      settled = __all_sync(0xffffffff, rows_settled);
+          for (int h = 0; h < 2; ++h)
+            rows_settled = rows_settled && (softmax.row_max[m][h] > -INFINITY ||
+                                            row0 + warp_row0 + m * 16 + quad_row + h * 8 >= vis.q_len);
+        settled = __all_sync(0xffffffff, rows_settled);
+      }
     }
 
     // O += P V: the S accumulators of key tiles 2kk, 2kk+1 are exactly the A operand layout.
