@@ -43,6 +43,29 @@ struct OnlineSoftmax {
       }
   }
 
+  // The exp2 offset of a row whose maximum is `max`: -inf - -inf would be NaN, so a row that
+  // has seen nothing gets offset 0 (its scores are -inf, its probabilities 0).
+  __device__ static float offset_for(float max, float scale) {
+    return max == -INFINITY ? 0.f : max * scale;
+  }
+
+  // Row h of slab m of S, in place: P = exp2(S * scale - offset), one FFMA and one MUFU.EX2
+  // each. Returns this thread's share of the row's sum.
+  template <int kNTiles>
+  __device__ static float exp2_row(float (&S)[kSlabs][kNTiles][4], int m, int h, float scale,
+                                   float offset) {
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float& s = S[m][n][2 * h + c];
+        s = ptx::exp2_approx(fmaf(s, scale, -offset));
+        sum += s;
+      }
+    return sum;
+  }
+
   // Turns scores S[kSlabs][kNTiles][4] into unnormalised probabilities in place, relative to
   // the updated row maxima, and returns in `correction` the factor exp2(old max - new max) that
   // the output accumulated so far must be rescaled by. Masked scores are -inf; a row with no
@@ -59,21 +82,12 @@ struct OnlineSoftmax {
         for (int n = 0; n < kNTiles; ++n)
           tile_max = fmaxf(tile_max, fmaxf(S[m][n][2 * h], S[m][n][2 * h + 1]));
         const float new_max = fmaxf(row_max[m][h], quad_max(tile_max));
-        // -inf - -inf would be NaN: a row that has seen nothing keeps factor 1 and offset 0.
-        const float offset = new_max == -INFINITY ? 0.f : new_max * scale;
+        const float offset = offset_for(new_max, scale);
+        // A row that has seen nothing keeps factor 1.
         correction[m][h] =
             row_max[m][h] == -INFINITY ? 1.f : ptx::exp2_approx(row_max[m][h] * scale - offset);
         row_max[m][h] = new_max;
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            float& s = S[m][n][2 * h + c];
-            s = ptx::exp2_approx(fmaf(s, scale, -offset));
-            sum += s;
-          }
-        row_sum[m][h] = row_sum[m][h] * correction[m][h] + sum;
+        row_sum[m][h] = row_sum[m][h] * correction[m][h] + exp2_row(S, m, h, scale, offset);
       }
   }
 
@@ -97,16 +111,7 @@ struct OnlineSoftmax {
     for (int m = 0; m < kSlabs; ++m)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float offset = row_max[m][h] == -INFINITY ? 0.f : row_max[m][h] * scale;
-        sum[m][h] = 0.f;
-#pragma unroll
-        for (int n = 0; n < kNTiles; ++n)
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            float& s = S[m][n][2 * h + c];
-            s = ptx::exp2_approx(fmaf(s, scale, -offset));
-            sum[m][h] += s;
-          }
+        sum[m][h] = exp2_row(S, m, h, scale, offset_for(row_max[m][h], scale));
         within = within && sum[m][h] <= kSettledHeadroom;
       }
     if (!__all_sync(0xffffffff, within)) return false;
