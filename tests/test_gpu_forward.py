@@ -206,6 +206,41 @@ def test_rising_row_maxima(rng, monkeypatch, family, dtype, head_dim, is_causal,
     check(q, k, v, is_causal=is_causal)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("ramp", [8.0, 64.0])
+def test_rising_row_maxima_long_keys(rng, dtype, head_dim, ramp):
+    """test_rising_row_maxima over 4000 keys, so the Hopper kernel's K/V ring turns over many
+    times while tiles are recomputed (ramp 8: maxima rise ~40 nats per 128-key tile) or
+    accepted above a settled maximum (ramp 64: ~5 nats), in every tile configuration (head dim
+    64 with T >= 512 runs three consumers)."""
+    q, k, v = random_qkv(rng, 1, 600, 4000, 2, 1, head_dim, dtype)
+    scale = 1.0 + jnp.arange(k.shape[1], dtype=jnp.float32) / ramp
+    k = (k.astype(jnp.float32) * scale[None, :, None, None]).astype(dtype)
+    check(q, k, v)
+
+
+@pytest.mark.parametrize("family", ["default", "sm80"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_score_spikes_above_settled_maxima(rng, monkeypatch, family, dtype, head_dim):
+    """Two keys far along S that every query favours: queries share a component u (entries
+    +-1), key 1500 is 2 u and key 3001 is 10 u, so their logits lie ~2 sqrt(H) and ~10 sqrt(H)
+    nats above the others (~20 and ~110 at H = 128). Rows settled on ordinary keys meet the
+    first spike with P far above the headroom, and the second one 88+ nats above the maximum,
+    where exp2 against the stale maximum overflows to inf: the kernels must recompute those
+    tiles' scores, not rescale P, and the output is then close to those keys' values."""
+    if family == "sm80":
+        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    q, k, v = (np.asarray(x, np.float32) for x in random_qkv(rng, 1, 300, 4000, 2, 2, head_dim,
+                                                             jnp.float32))
+    u = rng.choice([-1.0, 1.0], size=head_dim).astype(np.float32)
+    q += u
+    k[:, 1500] = 2 * u
+    k[:, 3001] = 10 * u
+    check(*(jnp.asarray(x, dtype) for x in (q, k, v)))
+
+
 # ----------------------------------------------------------------------------- split-KV decode
 
 
