@@ -206,38 +206,58 @@ def test_rising_row_maxima(rng, monkeypatch, family, dtype, head_dim, is_causal,
     check(q, k, v, is_causal=is_causal)
 
 
+# Query / key counts that put the Hopper kernel's every tile configuration under many K/V
+# tiles: 600 x 4000 takes three consumers at head dim 64 and 160-key tiles at 128, 300 x 2000
+# two consumers and 128-key tiles.
+LONG_KEY_SHAPES = [(600, 4000), (300, 2000)]
+
+
+def shared_direction(rng, q, head_dim):
+    """Adds a component u (entries +-1, so |u|^2 = head_dim) to every query; returns u. A key
+    c u then scores ~c sqrt(head_dim) nats above an ordinary one for every query."""
+    u = rng.choice([-1.0, 1.0], size=head_dim).astype(np.float32)
+    q += u
+    return u
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("ramp", [8.0, 64.0])
-def test_rising_row_maxima_long_keys(rng, dtype, head_dim, ramp):
-    """test_rising_row_maxima over 4000 keys, so the Hopper kernel's K/V ring turns over many
-    times while tiles are recomputed (ramp 8: maxima rise ~40 nats per 128-key tile) or
-    accepted above a settled maximum (ramp 64: ~5 nats), in every tile configuration (head dim
-    64 with T >= 512 runs three consumers)."""
-    q, k, v = random_qkv(rng, 1, 600, 4000, 2, 1, head_dim, dtype)
-    scale = 1.0 + jnp.arange(k.shape[1], dtype=jnp.float32) / ramp
-    k = (k.astype(jnp.float32) * scale[None, :, None, None]).astype(dtype)
-    check(q, k, v)
+@pytest.mark.parametrize("t,s", LONG_KEY_SHAPES)
+@pytest.mark.parametrize("rise", ["steep", "drift"])
+def test_rising_row_maxima_long_keys(rng, dtype, head_dim, t, s, rise):
+    """Row maxima that rise over thousands of keys, so the K/V ring turns over many times while
+    tiles are recomputed or accepted above settled maxima. "steep": keys scaled by 1 + s / 8,
+    so each tile's scores outrun the maxima, most by enough to overflow P (recomputed tiles).
+    "drift": keys gain (s / S) c u for the queries' shared u, so maxima rise ~3 nats per 128
+    keys: most tiles are accepted with P above 1."""
+    q, k, v = (np.asarray(x, np.float32) for x in random_qkv(rng, 1, t, s, 2, 1, head_dim,
+                                                             jnp.float32))
+    if rise == "steep":
+        k *= (1.0 + np.arange(s, dtype=np.float32) / 8.0)[None, :, None, None]
+    else:
+        u = shared_direction(rng, q, head_dim)
+        c = 3.0 * s / (128 * np.sqrt(head_dim))
+        k += (c * np.arange(s, dtype=np.float32) / s)[None, :, None, None] * u
+    check(*(jnp.asarray(x, dtype) for x in (q, k, v)))
 
 
 @pytest.mark.parametrize("family", ["default", "sm80"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_score_spikes_above_settled_maxima(rng, monkeypatch, family, dtype, head_dim):
-    """Two keys far along S that every query favours: queries share a component u (entries
-    +-1), key 1500 is 2 u and key 3001 is 10 u, so their logits lie ~2 sqrt(H) and ~10 sqrt(H)
-    nats above the others (~20 and ~110 at H = 128). Rows settled on ordinary keys meet the
-    first spike with P far above the headroom, and the second one 88+ nats above the maximum,
-    where exp2 against the stale maximum overflows to inf: the kernels must recompute those
-    tiles' scores, not rescale P, and the output is then close to those keys' values."""
+@pytest.mark.parametrize("t,s", LONG_KEY_SHAPES)
+def test_score_spikes_above_settled_maxima(rng, monkeypatch, family, dtype, head_dim, t, s):
+    """Two keys far along S that every query favours: 20 and 128 nats above the ordinary keys
+    (whose maxima lie ~5 nats up). Rows settled on ordinary keys meet the first with P far
+    above the headroom, then the second ~100 nats above that, where exp2 against the stale
+    maximum overflows P to inf: the kernels must recompute those tiles' scores, and the output
+    is then close to the second key's value."""
     if family == "sm80":
         monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
-    q, k, v = (np.asarray(x, np.float32) for x in random_qkv(rng, 1, 300, 4000, 2, 2, head_dim,
+    q, k, v = (np.asarray(x, np.float32) for x in random_qkv(rng, 1, t, s, 2, 2, head_dim,
                                                              jnp.float32))
-    u = rng.choice([-1.0, 1.0], size=head_dim).astype(np.float32)
-    q += u
-    k[:, 1500] = 2 * u
-    k[:, 3001] = 10 * u
+    u = shared_direction(rng, q, head_dim)
+    k[:, 3 * s // 8 + 1] = 20 / np.sqrt(head_dim) * u
+    k[:, 3 * s // 4 + 1] = 128 / np.sqrt(head_dim) * u
     check(*(jnp.asarray(x, dtype) for x in (q, k, v)))
 
 
