@@ -230,7 +230,7 @@ def test_rising_row_maxima_long_keys(rng, dtype, head_dim, t, s, rise):
     so each tile's scores outrun the maxima, most by enough to overflow P (recomputed tiles).
     "drift": keys gain (s / S) c u for the queries' shared u, so maxima rise ~3 nats per 128
     keys: most tiles are accepted with P above 1."""
-    q, k, v = (np.asarray(x, np.float32) for x in random_qkv(rng, 1, t, s, 2, 1, head_dim,
+    q, k, v = (np.array(x, np.float32) for x in random_qkv(rng, 1, t, s, 2, 1, head_dim,
                                                              jnp.float32))
     if rise == "steep":
         k *= (1.0 + np.arange(s, dtype=np.float32) / 8.0)[None, :, None, None]
@@ -253,7 +253,7 @@ def test_score_spikes_above_settled_maxima(rng, monkeypatch, family, dtype, head
     is then close to the second key's value."""
     if family == "sm80":
         monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
-    q, k, v = (np.asarray(x, np.float32) for x in random_qkv(rng, 1, t, s, 2, 2, head_dim,
+    q, k, v = (np.array(x, np.float32) for x in random_qkv(rng, 1, t, s, 2, 2, head_dim,
                                                              jnp.float32))
     u = shared_direction(rng, q, head_dim)
     k[:, 3 * s // 8 + 1] = 20 / np.sqrt(head_dim) * u
