@@ -11,7 +11,9 @@
 // current one. Warpgroups 1.. are consumers of 64 query rows each; per K/V tile j they compute
 //   S_j = Q K_j^T              wgmma, both operands in shared memory
 //   mask                       only on tiles that straddle a length or window boundary
-//   P_j = exp2(S_j - max)      online softmax, the scale folded into one FFMA
+//   P_j = exp2(S_j - max)      online softmax, the scale folded into one FFMA; once a warp's
+//                              row maxima have settled, against those maxima (no max
+//                              reduction, no rescale) unless a score outran them too far
 //   O += P_j V_j               wgmma, P from registers
 // with the products of two tiles in flight together: S_{j+1} = Q K_{j+1}^T is issued before
 // O += P_j V_j, and the softmax of S_{j+1} runs while P_j V_j is still computing; only the
@@ -282,6 +284,38 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int kk = 0; kk < kPSteps; ++kk) sm80::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
   };
 
+  // S of this warp's 16 rows again, by mma.sync from the Q and K_j tiles in shared memory (the
+  // accumulator layout of a warp's rows of a wgmma is that of m16n8 tiles side by side).
+  // ldmatrix lane l reads row l % 8 of 8 x 8 matrix l / 8 (sm80/fragments.cuh has the order);
+  // a tile's element (row, 16-byte chunk c) sits in span c / 8 at row * kRowBytes + ((c % 8) ^
+  // (row % 8)) * 16, and every row group here starts at a multiple of 8 rows. The lane is
+  // opaque so that these addresses are formed on this rare path, not hoisted out of the tile
+  // loop into registers (which spilled).
+  const auto recompute_scores = [&](uint32_t q_tile, int stage) {
+    const int l = int(ptx::opaque(uint32_t(lane))), matrix = l / 8;
+    const auto chunk_offset = [&](int row, int chunk, int rows_per_span) {
+      return uint32_t((chunk / 8) * rows_per_span * kRowBytes + row * kRowBytes +
+                      (((chunk % 8) ^ (l % 8)) << 4));
+    };
+#pragma unroll
+    for (int c = 0; c < kNTiles; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s_acc[0][c][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t a[4];
+      ptx::ldmatrix_x4(a, q_tile + chunk_offset(warp * 16 + (matrix & 1) * 8 + l % 8,
+                                                2 * ks + (matrix >> 1), kBlockM));
+#pragma unroll
+      for (int np = 0; np < kNTiles / 2; ++np) {
+        uint32_t b[4];
+        ptx::ldmatrix_x4(b, sK(stage) + chunk_offset(np * 16 + (matrix >> 1) * 8 + l % 8,
+                                                     2 * ks + (matrix & 1), kBlockN));
+        sm80::mma_pair<Elem>(s_acc[0], np, a, b);
+      }
+    }
+  };
+
   if (consumer == Traits::kConsumers - 1) hand_over();
   ptx::named_barrier_arrive(Named::kSlotEmpty, kSlotThreads);  // the slot starts free
   RingPosition<kQStages> q_ring;
@@ -301,29 +335,54 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int q_stage = q_ring.stage();
     ptx::mbarrier_wait(bar(bars.q_full[q_stage]), q_ring.phase());
     ++q_ring.count;
-    // Masks tile j's scores where it straddles a boundary, then turns them into probabilities.
     cuda::OnlineSoftmax<1> softmax;
     softmax.init();
-    const auto softmax_step = [&](int j, float (&correction)[1][2]) {
+    // Tile j's probabilities from its landed scores. On a tile no boundary crosses (every row
+    // of the warp below the query length), once each of the warp's rows has a finite maximum,
+    // the tile is exponentiated against those maxima: no max reduction, no O rescale. Where a
+    // score outran them too far, the warp recomputes its 16 rows of S with mma.sync (a wgmma
+    // recompute would need the whole warpgroup, and its issue spilled registers) and takes the
+    // full update, as every other tile does (with masking where a boundary crosses it). K_j
+    // (in `stage`) is released once nothing reads it. Tile 0 (`first`) finds no maximum yet.
+    // Which tiles no boundary crosses for the warp's rows is worked out once per query block
+    // (64-bit), leaving two int32 compares per tile and the visibility for the masked path.
+    int interior_lo, interior_hi;
+    t.vis.all_visible_tiles(int64_t(t.row0) + warp_row0, int64_t(t.row0) + warp_row0 + 16,
+                            t.tile_begin, kBlockN, interior_lo, interior_hi);
+    const auto softmax_step = [&](uint32_t q_tile, int j, int stage, float (&correction)[1][2],
+                                  bool first) {
       const int64_t key0 = int64_t(t.tile_begin + j) * kBlockN;
-      const int64_t rows = int64_t(t.row0) + warp_row0;
-      if (!t.vis.all_visible(rows, rows + 16, key0, key0 + kBlockN)) {
-        const cuda::TileVisibility tile_vis =
-            cuda::TileVisibility::make(t.vis, t.row0, key0, kBlockM + kBlockN);
+      const bool interior = j >= interior_lo && j < interior_hi;
+      const bool settled = !first && interior &&
+                           __all_sync(0xffffffff, softmax.row_max[0][0] > -INFINITY &&
+                                                      softmax.row_max[0][1] > -INFINITY);
+      if (settled && softmax.exponentiate_against_settled_max(s_acc, scale_log2)) {
+        correction[0][0] = correction[0][1] = 1.f;
+      } else {
+        // Beside this warpgroup's P_{j-1} V_{j-1} wgmma, whose registers it leaves alone (a
+        // wgmma wait, taken by one warp, would break wait_group's warpgroup-wide rule).
+        if (settled) recompute_scores(q_tile, stage);
+        if (!interior) {
+          const cuda::TileVisibility tile_vis =
+              cuda::TileVisibility::make(t.vis, t.row0, key0, kBlockM + kBlockN);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          int lo, hi;  // this thread's visible columns, relative to its column offset
-          tile_vis.columns(warp_row0 + quad_row + 8 * h, lo, hi);
-          lo -= quad_col;
-          hi -= quad_col;
+          for (int h = 0; h < 2; ++h) {
+            int lo, hi;  // this thread's visible columns, relative to its column offset
+            tile_vis.columns(warp_row0 + quad_row + 8 * h, lo, hi);
+            lo -= quad_col;
+            hi -= quad_col;
 #pragma unroll
-          for (int c = 0; c < kNTiles; ++c)
+            for (int c = 0; c < kNTiles; ++c)
 #pragma unroll
-            for (int e = 0; e < 2; ++e)
-              if (c * 8 + e < lo || c * 8 + e > hi) s_acc[0][c][2 * h + e] = -INFINITY;
+              for (int e = 0; e < 2; ++e)
+                if (c * 8 + e < lo || c * 8 + e > hi) s_acc[0][c][2 * h + e] = -INFINITY;
+          }
         }
+        softmax.exponentiate(s_acc, scale_log2, correction);
       }
-      softmax.exponentiate(s_acc, scale_log2, correction);
+      // One release site after both paths: releasing K_j before the full update where no
+      // recompute can follow spilled 8-108 B (ptxas, CUDA 13.0).
+      release(bars.k_empty[stage]);
     };
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d)
@@ -337,11 +396,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     hand_over();
     ptx::wgmma_wait<0>();
     fence_s();
-    release(bars.k_empty[kv_ring.stage()]);
     // The factor O must be rescaled by before the last exponentiated tile's P V is added (1
     // after tile 0: O is still zero).
     float correction[1][2];
-    softmax_step(0, correction);
+    softmax_step(q_tile, 0, kv_ring.stage(), correction, true);
 
     // The P V product issued by the previous iteration is waited for at the top of the next
     // one, not right after the softmax: ptxas schedules a wgmma wait as early as its basic
@@ -368,8 +426,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       hand_over();
       ptx::wgmma_wait<1>();  // S_j landed; P_{j-1} V_{j-1} may still be running
       fence_s();
-      release(bars.k_empty[kv_ring.stage()]);
-      softmax_step(j, correction);
+      softmax_step(q_tile, j, kv_ring.stage(), correction, false);
     }
     retire_pv(t.num_kv_tiles > 1, (kv_ring.count - 1) % kStages);
     cuda::OnlineSoftmax<1>::rescale_where_moved(o_acc, correction);
