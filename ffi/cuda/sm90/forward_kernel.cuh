@@ -5,10 +5,11 @@
 // that blocks that drew short (causal) tiles take more of them. Warpgroup 0 is the producer:
 // one thread claims the tiles and issues every TMA load, per tile Q and then K_j, V_j into a
 // ring of kStages buffers, each guarded by a full barrier (the load landed) and an empty
-// barrier (every consumer warp is done with it); Q has its own ring of kQStages, and the next
-// tile's index goes to the consumers through a shared-memory slot guarded by two named
-// barriers, so the next tile's Q and first K/V tiles load while the consumers compute the
-// current one. Warpgroups 1.. are consumers of 64 query rows each; per K/V tile j they compute
+// barrier (every consumer warp is done with it); Q has its own ring of kQStages. The producer
+// claims the next tile as it starts the current one and hands its index to the consumers
+// through one of two shared-memory slots at a named barrier they all sync on between tiles,
+// having issued the next tile's Q and first K/V tiles before it gets there. Warpgroups 1.. are
+// consumers of 64 query rows each; per K/V tile j they compute
 //   S_j = Q K_j^T              wgmma, both operands in shared memory
 //   mask                       only on tiles that straddle a length or window boundary
 //   P_j = exp2(S_j - max)      online softmax, the scale folded into one FFMA; once a warp's
@@ -47,18 +48,18 @@ struct ForwardBarriers {
   uint64_t q_full[Traits::kQStages], q_empty[Traits::kQStages];
   uint64_t k_full[Traits::kStages], v_full[Traits::kStages];
   uint64_t k_empty[Traits::kStages], v_empty[Traits::kStages];
-  // The next tile's index (at least num_tiles when there are none), handed from the producer
-  // warp to the consumers through the kSlotFull / kSlotEmpty named barriers.
-  int tile;
+  // Tile indices (at least num_tiles when there are none) handed from the producer warp to the
+  // consumers: the k-th tile's in tile[k % 2], read after the k-th kHandOver sync.
+  int tile[2];
 };
 
 // Named barriers (0 is __syncthreads): 1 + c synchronises consumer warpgroup c, kTurn + c hands
-// it the ping-pong turn, and the tile slot's two sit after those.
+// it the ping-pong turn, and kHandOver (the producer warp and every consumer) separates tiles.
 template <int kConsumers>
 struct NamedBarriers {
   static constexpr int kTurn = 1 + kConsumers;
-  static constexpr int kSlotFull = kTurn + kConsumers, kSlotEmpty = kSlotFull + 1;
-  static_assert(kSlotEmpty < 16, "16 named barriers per block");
+  static constexpr int kHandOver = kTurn + kConsumers;
+  static_assert(kHandOver < 16, "16 named barriers per block");
 };
 
 // Where a barrier ring stands: the n-th use of a kStages ring is stage n % kStages, and its
@@ -119,10 +120,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto& bars = *reinterpret_cast<ForwardBarriers<Traits>*>(smem + sKV_offset +
                                                            2 * kStages * Traits::kKVBytes);
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
-  // The tile slot by 32-bit shared address: a generic pointer to it would hold a 64-bit
+  // A tile slot by 32-bit shared address: a generic pointer to it would hold a 64-bit
   // register for the whole kernel, two more than the consumers have at head dim 256.
   const auto bar_slot = [](int& slot) { return ptx::smem_address(&slot); };
-  // The tile slot is written by the producer warp and read by every consumer thread.
+  // The tile slots are written by the producer warp and read by every consumer thread.
   constexpr int kSlotThreads = 32 + 128 * Traits::kConsumers;
   using Named = NamedBarriers<Traits::kConsumers>;
 
@@ -145,7 +146,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const int warpgroup = tid / 128;
   if (warpgroup == 0) {
-    // Producer: warp 0 hands out the tiles (the named barriers of the tile slot take whole
+    // Producer: warp 0 hands out the tiles (the named barrier of the tile slots takes whole
     // warps); its lane 0 claims them and issues Q (kQStages buffers) and K/V (kStages buffers)
     // for every tile with keys.
     ptx::setmaxnreg_dec<Traits::kProducerRegisters>();
@@ -153,48 +154,75 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // Made here and in the consumers' branch, not once above: a value live across the split
     // was spilled within the producer's 24 registers.
     const auto scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
-    // Lane 0: Q and then K_j, V_j of a tile, each into the next buffer of its ring once the
-    // consumers have released it. Tiles without keys take no buffer (the consumers write their
-    // zeros and -inf lse).
-    const auto load_tile = [&](const ForwardTile& t, RingPosition<kQStages>& q_ring,
-                               RingPosition<kStages>& kv_ring) {
-      if (t.num_kv_tiles == 0) return;
-      const int batch = t.b, head = t.n, kv = t.kv_head;
+    // Lane 0 issues every load, each into the next buffer of its ring once the consumers have
+    // released it. Tiles without keys take no buffer (the consumers write their zeros and -inf
+    // lse).
+    const auto load_q = [&](const ForwardTile& t, RingPosition<kQStages>& q_ring) {
       const int q_stage = q_ring.stage();
       if (q_ring.refill()) ptx::mbarrier_wait(bar(bars.q_empty[q_stage]), q_ring.previous_phase());
       ++q_ring.count;
       ptx::mbarrier_arrive_expect_tx(bar(bars.q_full[q_stage]), Traits::kQBytes);
       for (int span = 0; span < kSpans; ++span)
         ptx::tma_load_4d(sQ(q_stage) + span * kBlockM * kRowBytes, &maps.q,
-                         bar(bars.q_full[q_stage]), span * kSpanElems, head, t.row0, batch);
-      for (int j = 0; j < t.num_kv_tiles; ++j, ++kv_ring.count) {
+                         bar(bars.q_full[q_stage]), span * kSpanElems, t.n, t.row0, t.b);
+    };
+    // K_j, V_j for j in [j_begin, min(j_end, num_kv_tiles)).
+    const auto load_kv = [&](const ForwardTile& t, int j_begin, int j_end,
+                             RingPosition<kStages>& kv_ring) {
+      for (int j = j_begin; j < j_end && j < t.num_kv_tiles; ++j, ++kv_ring.count) {
         const int stage = kv_ring.stage();
         const int key0 = (t.tile_begin + j) * kBlockN;
-        if (kv_ring.refill()) ptx::mbarrier_wait(bar(bars.k_empty[stage]), kv_ring.previous_phase());
+        if (kv_ring.refill())
+          ptx::mbarrier_wait(bar(bars.k_empty[stage]), kv_ring.previous_phase());
         ptx::mbarrier_arrive_expect_tx(bar(bars.k_full[stage]), Traits::kKVBytes);
         for (int span = 0; span < kSpans; ++span)
           ptx::tma_load_4d(sK(stage) + span * kBlockN * kRowBytes, &maps.k,
-                           bar(bars.k_full[stage]), span * kSpanElems, kv, key0, batch);
-        if (kv_ring.refill()) ptx::mbarrier_wait(bar(bars.v_empty[stage]), kv_ring.previous_phase());
+                           bar(bars.k_full[stage]), span * kSpanElems, t.kv_head, key0, t.b);
+        if (kv_ring.refill())
+          ptx::mbarrier_wait(bar(bars.v_empty[stage]), kv_ring.previous_phase());
         ptx::mbarrier_arrive_expect_tx(bar(bars.v_full[stage]), Traits::kKVBytes);
         for (int span = 0; span < kSpans; ++span)
           ptx::tma_load_4d(sV(stage) + span * kBlockN * kRowBytes, &maps.v,
-                           bar(bars.v_full[stage]), span * kSpanElems, kv, key0, batch);
+                           bar(bars.v_full[stage]), span * kSpanElems, t.kv_head, key0, t.b);
       }
     };
+    // A tile's Q and first kStages K/V tiles. With one Q buffer, K/V first: that Q waits for
+    // the consumers to release the current tile's Q (at its last S, or once the epilogue's
+    // store has read O staged there), the K/V buffers free up earlier.
+    const auto load_first = [&](const ForwardTile& t, RingPosition<kQStages>& q_ring,
+                                RingPosition<kStages>& kv_ring) {
+      if (t.num_kv_tiles == 0) return;
+      if constexpr (kQStages > 1) load_q(t, q_ring);
+      load_kv(t, 0, kStages, kv_ring);
+      if constexpr (kQStages == 1) load_q(t, q_ring);
+    };
+    // Between the k-th and (k+1)-th kHandOver syncs the consumers compute tile k (read from
+    // slot k % 2) while lane 0 issues the rest of tile k's loads, claims tile k + 1 (when it
+    // has issued them, as on a block without this hand-over: the counter hands out tiles in
+    // the order blocks near the end of theirs), writes it into slot (k + 1) % 2 (whose last
+    // reader, at tile k - 1, is ordered before it by sync k) and issues tile k + 1's first
+    // loads, which wait only for buffers the consumers release before they reach sync k + 1.
+    // So the slots' every write and read are ordered by bar.sync alone, and the consumers find
+    // the next tile claimed and loading.
     RingPosition<kQStages> q_ring;
     RingPosition<kStages> kv_ring;
-    for (int index = blockIdx.x;;) {
-      ptx::named_barrier_sync(Named::kSlotEmpty, kSlotThreads);  // the consumers read the last one
-      if (tid == 0) ptx::st_shared_b32(bar_slot(bars.tile), uint32_t(index));
-      ptx::named_barrier_arrive(Named::kSlotFull, kSlotThreads);
+    int index = blockIdx.x;
+    if (tid == 0) {
+      ptx::st_shared_b32(bar_slot(bars.tile[0]), uint32_t(index));
+      if (index < scheduler.num_tiles) load_first(scheduler.tile(p, index), q_ring, kv_ring);
+    }
+    for (int k = 0;; ++k) {
+      ptx::named_barrier_sync(Named::kHandOver, kSlotThreads);
       if (index >= scheduler.num_tiles) break;
-      int claimed = 0;
+      int next = 0;
       if (tid == 0) {
-        load_tile(scheduler.tile(p, index), q_ring, kv_ring);
-        claimed = atomicAdd(p.tile_counter, 1);
+        const ForwardTile t = scheduler.tile(p, index);
+        load_kv(t, kStages, t.num_kv_tiles, kv_ring);
+        next = int(gridDim.x) + atomicAdd(p.tile_counter, 1);
+        ptx::st_shared_b32(bar_slot(bars.tile[(k + 1) % 2]), uint32_t(next));
+        if (next < scheduler.num_tiles) load_first(scheduler.tile(p, next), q_ring, kv_ring);
       }
-      index = int(gridDim.x) + __shfl_sync(0xffffffff, claimed, 0);
+      index = __shfl_sync(0xffffffff, next, 0);
     }
     return;
   }
@@ -317,14 +345,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   if (consumer == Traits::kConsumers - 1) hand_over();
-  ptx::named_barrier_arrive(Named::kSlotEmpty, kSlotThreads);  // the slot starts free
   RingPosition<kQStages> q_ring;
   RingPosition<kStages> kv_ring;
-  for (;;) {
-    ptx::named_barrier_sync(Named::kSlotFull, kSlotThreads);
-    const int index = int(ptx::ld_shared_b32(bar_slot(bars.tile)));
-    if (index >= scheduler.num_tiles) break;  // the producer has left: no arrival owed
-    ptx::named_barrier_arrive(Named::kSlotEmpty, kSlotThreads);
+  for (int k = 0;; ++k) {
+    ptx::named_barrier_sync(Named::kHandOver, kSlotThreads);
+    const int index = int(ptx::ld_shared_b32(bar_slot(bars.tile[k % 2])));
+    if (index >= scheduler.num_tiles) break;  // the producer has left too
     ForwardTile t = scheduler.tile(p, index);
     if constexpr (!Traits::kWindowed)
       t.vis.window_left = t.vis.window_right = kUnboundedWindow;
@@ -337,24 +363,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ++q_ring.count;
     cuda::OnlineSoftmax<1> softmax;
     softmax.init();
-    // The tiles no boundary crosses for this warp's rows, worked out once per query block
-    // (64-bit): two int32 compares per tile remain, and the visibility for the masked path.
+    // Tile j's probabilities from its landed scores. On a tile no boundary crosses (every row
+    // of the warp below the query length), once each of the warp's rows has a finite maximum,
+    // the tile is exponentiated against those maxima: no max reduction, no O rescale. Where a
+    // score outran them too far, the warp recomputes its 16 rows of S with mma.sync (a wgmma
+    // recompute would need the whole warpgroup, and its issue spilled registers) and takes the
+    // full update, as every other tile does (with masking where a boundary crosses it). K_j
+    // (in `stage`) is released once nothing reads it. Tile 0 (`first`) finds no maximum yet.
+    // Which tiles no boundary crosses for the warp's rows is worked out once per query block
+    // (64-bit), leaving two int32 compares per tile and the visibility for the masked path.
     int interior_lo, interior_hi;
     t.vis.all_visible_tiles(int64_t(t.row0) + warp_row0, int64_t(t.row0) + warp_row0 + 16,
                             t.tile_begin, kBlockN, interior_lo, interior_hi);
-    const uint32_t q_tile = sQ(q_stage) + wg_row0 * kRowBytes;
-    // Tile j's probabilities from its landed scores. On an interior tile (every row of the
-    // warp below the query length) after the first, once each of the warp's rows has a finite
-    // maximum, the tile is exponentiated against those maxima: no max reduction, no O rescale.
-    // Where a score outran them too far, the warp recomputes its 16 rows of S with mma.sync (a
-    // wgmma recompute would need the whole warpgroup, and its issue spilled registers) and
-    // takes the full update, as every other tile does (with masking where a boundary crosses
-    // it). K_j is released once nothing reads it.
-    const auto softmax_step = [&](int j, float (&correction)[1][2]) {
-      const int stage = kv_ring.stage();
+    const auto softmax_step = [&](uint32_t q_tile, int j, int stage, float (&correction)[1][2],
+                                  bool first) {
       const int64_t key0 = int64_t(t.tile_begin + j) * kBlockN;
       const bool interior = j >= interior_lo && j < interior_hi;
-      const bool settled = j > 0 && interior &&
+      const bool settled = !first && interior &&
                            __all_sync(0xffffffff, softmax.row_max[0][0] > -INFINITY &&
                                                       softmax.row_max[0][1] > -INFINITY);
       if (settled && softmax.exponentiate_against_settled_max(s_acc, scale_log2)) {
@@ -390,6 +415,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[0][d][e] = 0.f;
 
+    const uint32_t q_tile = sQ(q_stage) + wg_row0 * kRowBytes;
     ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
     take_turn();
     issue_qk(q_tile, kv_ring.stage());
@@ -399,7 +425,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // The factor O must be rescaled by before the last exponentiated tile's P V is added (1
     // after tile 0: O is still zero).
     float correction[1][2];
-    softmax_step(0, correction);
+    softmax_step(q_tile, 0, kv_ring.stage(), correction, true);
 
     // The P V product issued by the previous iteration is waited for at the top of the next
     // one, not right after the softmax: ptxas schedules a wgmma wait as early as its basic
@@ -426,7 +452,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       hand_over();
       ptx::wgmma_wait<1>();  // S_j landed; P_{j-1} V_{j-1} may still be running
       fence_s();
-      softmax_step(j, correction);
+      softmax_step(q_tile, j, kv_ring.stage(), correction, false);
     }
     retire_pv(t.num_kv_tiles > 1, (kv_ring.count - 1) % kStages);
     cuda::OnlineSoftmax<1>::rescale_where_moved(o_acc, correction);
