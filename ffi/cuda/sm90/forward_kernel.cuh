@@ -363,23 +363,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ++q_ring.count;
     cuda::OnlineSoftmax<1> softmax;
     softmax.init();
-    // Tile j's probabilities from its landed scores. On a tile no boundary crosses (every row
-    // of the warp below the query length), once each of the warp's rows has a finite maximum,
-    // the tile is exponentiated against those maxima: no max reduction, no O rescale. Where a
-    // score outran them too far, the warp recomputes its 16 rows of S with mma.sync (a wgmma
-    // recompute would need the whole warpgroup, and its issue spilled registers) and takes the
-    // full update, as every other tile does (with masking where a boundary crosses it). K_j
-    // (in `stage`) is released once nothing reads it. Tile 0 (`first`) finds no maximum yet.
-    // Which tiles no boundary crosses for the warp's rows is worked out once per query block
-    // (64-bit), leaving two int32 compares per tile and the visibility for the masked path.
+    // The tiles no boundary crosses for this warp's rows, worked out once per query block
+    // (64-bit): two int32 compares per tile remain, and the visibility for the masked path.
     int interior_lo, interior_hi;
     t.vis.all_visible_tiles(int64_t(t.row0) + warp_row0, int64_t(t.row0) + warp_row0 + 16,
                             t.tile_begin, kBlockN, interior_lo, interior_hi);
-    const auto softmax_step = [&](uint32_t q_tile, int j, int stage, float (&correction)[1][2],
-                                  bool first) {
+    const uint32_t q_tile = sQ(q_stage) + wg_row0 * kRowBytes;
+    // Tile j's probabilities from its landed scores. On an interior tile (every row of the
+    // warp below the query length) after the first, once each of the warp's rows has a finite
+    // maximum, the tile is exponentiated against those maxima: no max reduction, no O rescale.
+    // Where a score outran them too far, the warp recomputes its 16 rows of S with mma.sync (a
+    // wgmma recompute would need the whole warpgroup, and its issue spilled registers) and
+    // takes the full update, as every other tile does (with masking where a boundary crosses
+    // it). K_j is released once nothing reads it.
+    const auto softmax_step = [&](int j, float (&correction)[1][2]) {
+      const int stage = kv_ring.stage();
       const int64_t key0 = int64_t(t.tile_begin + j) * kBlockN;
       const bool interior = j >= interior_lo && j < interior_hi;
-      const bool settled = !first && interior &&
+      const bool settled = j > 0 && interior &&
                            __all_sync(0xffffffff, softmax.row_max[0][0] > -INFINITY &&
                                                       softmax.row_max[0][1] > -INFINITY);
       if (settled && softmax.exponentiate_against_settled_max(s_acc, scale_log2)) {
@@ -415,7 +416,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[0][d][e] = 0.f;
 
-    const uint32_t q_tile = sQ(q_stage) + wg_row0 * kRowBytes;
     ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
     take_turn();
     issue_qk(q_tile, kv_ring.stage());
@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // The factor O must be rescaled by before the last exponentiated tile's P V is added (1
     // after tile 0: O is still zero).
     float correction[1][2];
-    softmax_step(q_tile, 0, kv_ring.stage(), correction, true);
+    softmax_step(0, correction);
 
     // The P V product issued by the previous iteration is waited for at the top of the next
     // one, not right after the softmax: ptxas schedules a wgmma wait as early as its basic
@@ -452,7 +452,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       hand_over();
       ptx::wgmma_wait<1>();  // S_j landed; P_{j-1} V_{j-1} may still be running
       fence_s();
-      softmax_step(q_tile, j, kv_ring.stage(), correction, false);
+      softmax_step(j, correction);
     }
     retire_pv(t.num_kv_tiles > 1, (kv_ring.count - 1) % kStages);
     cuda::OnlineSoftmax<1>::rescale_where_moved(o_acc, correction);
