@@ -5,11 +5,11 @@
 // that blocks that drew short (causal) tiles take more of them. Warpgroup 0 is the producer:
 // one thread claims the tiles and issues every TMA load, per tile Q and then K_j, V_j into a
 // ring of kStages buffers, each guarded by a full barrier (the load landed) and an empty
-// barrier (every consumer warp is done with it); Q has its own ring of kQStages. The producer
-// claims the next tile as it starts the current one and hands its index to the consumers
-// through one of two shared-memory slots at a named barrier they all sync on between tiles,
-// having issued the next tile's Q and first K/V tiles before it gets there. Warpgroups 1.. are
-// consumers of 64 query rows each; per K/V tile j they compute
+// barrier (every consumer warp is done with it); Q has its own ring of kQStages. Once it has
+// issued the current tile's loads, the producer claims the next tile and hands its index to
+// the consumers through one of two shared-memory slots at a named barrier they all sync on
+// between tiles, having issued the next tile's Q and first K/V tiles before it gets there.
+// Warpgroups 1.. are consumers of 64 query rows each; per K/V tile j they compute
 //   S_j = Q K_j^T              wgmma, both operands in shared memory
 //   mask                       only on tiles that straddle a length or window boundary
 //   P_j = exp2(S_j - max)      online softmax, the scale folded into one FFMA; once a warp's
