@@ -206,21 +206,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // the next tile claimed and loading.
     RingPosition<kQStages> q_ring;
     RingPosition<kStages> kv_ring;
+    // Lane 0's current tile, made once when it is claimed (kept, it costs no spill).
     int index = blockIdx.x;
+    ForwardTile t;
     if (tid == 0) {
       ptx::st_shared_b32(bar_slot(bars.tile[0]), uint32_t(index));
-      if (index < scheduler.num_tiles) load_first(scheduler.tile(p, index), q_ring, kv_ring);
+      if (index < scheduler.num_tiles) {
+        t = scheduler.tile(p, index);
+        load_first(t, q_ring, kv_ring);
+      }
     }
     for (int k = 0;; ++k) {
       ptx::named_barrier_sync(Named::kHandOver, kSlotThreads);
       if (index >= scheduler.num_tiles) break;
       int next = 0;
       if (tid == 0) {
-        const ForwardTile t = scheduler.tile(p, index);
         load_kv(t, kStages, t.num_kv_tiles, kv_ring);
         next = int(gridDim.x) + atomicAdd(p.tile_counter, 1);
         ptx::st_shared_b32(bar_slot(bars.tile[(k + 1) % 2]), uint32_t(next));
-        if (next < scheduler.num_tiles) load_first(scheduler.tile(p, next), q_ring, kv_ring);
+        if (next < scheduler.num_tiles) {
+          t = scheduler.tile(p, next);
+          load_first(t, q_ring, kv_ring);
+        }
       }
       index = __shfl_sync(0xffffffff, next, 0);
     }
@@ -229,7 +236,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // Consumers.
   ptx::setmaxnreg_inc<Traits::kConsumerRegisters>();
-  const auto scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
   const int consumer = warpgroup - 1, warp = (tid / 32) % 4, lane = tid % 32;
   const int wg_row0 = consumer * 64;           // this warpgroup's rows of the block
   const int warp_row0 = wg_row0 + warp * 16;   // this warp's 16 rows (its accumulator rows)
@@ -314,11 +320,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // S of this warp's 16 rows again, by mma.sync from the Q and K_j tiles in shared memory (the
   // accumulator layout of a warp's rows of a wgmma is that of m16n8 tiles side by side).
-  // ldmatrix lane l reads row l % 8 of 8 x 8 matrix l / 8 (sm80/fragments.cuh has the order);
+  // ldmatrix lane l gives row l % 8 of 8 x 8 matrix l / 8 (lanes 0-15 only for .x2);
   // a tile's element (row, 16-byte chunk c) sits in span c / 8 at row * kRowBytes + ((c % 8) ^
   // (row % 8)) * 16, and every row group here starts at a multiple of 8 rows. The lane is
   // opaque so that these addresses are formed on this rare path, not hoisted out of the tile
-  // loop into registers (which spilled).
+  // loop into registers (which spilled). One 8-key tile at a time (ldmatrix .x2): the four B
+  // registers of a pair, on top of S, O and the P of the product in flight, spilled 36 B with
+  // three consumers.
   const auto recompute_scores = [&](uint32_t q_tile, int stage) {
     const int l = int(ptx::opaque(uint32_t(lane))), matrix = l / 8;
     const auto chunk_offset = [&](int row, int chunk, int rows_per_span) {
@@ -335,11 +343,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ptx::ldmatrix_x4(a, q_tile + chunk_offset(warp * 16 + (matrix & 1) * 8 + l % 8,
                                                 2 * ks + (matrix >> 1), kBlockM));
 #pragma unroll
-      for (int np = 0; np < kNTiles / 2; ++np) {
-        uint32_t b[4];
-        ptx::ldmatrix_x4(b, sK(stage) + chunk_offset(np * 16 + (matrix >> 1) * 8 + l % 8,
-                                                     2 * ks + (matrix & 1), kBlockN));
-        sm80::mma_pair<Elem>(s_acc[0], np, a, b);
+      for (int c = 0; c < kNTiles; ++c) {
+        uint32_t b[2];
+        ptx::ldmatrix_x2(b, sK(stage) + chunk_offset(c * 8 + l % 8, 2 * ks + (matrix & 1),
+                                                     kBlockN));
+        ptx::mma_m16n8k16<Elem>(s_acc[0][c], a, b);
       }
     }
   };
@@ -350,6 +358,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (int k = 0;; ++k) {
     ptx::named_barrier_sync(Named::kHandOver, kSlotThreads);
     const int index = int(ptx::ld_shared_b32(bar_slot(bars.tile[k % 2])));
+    // Made per tile from the parameters: held through the tile loop, a field of it was spilled
+    // (4 B with 160-key tiles).
+    const auto scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
     if (index >= scheduler.num_tiles) break;  // the producer has left too
     ForwardTile t = scheduler.tile(p, index);
     if constexpr (!Traits::kWindowed)
@@ -390,8 +401,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // wgmma wait, taken by one warp, would break wait_group's warpgroup-wide rule).
         if (settled) recompute_scores(q_tile, stage);
         if (!interior) {
+          // t.vis again, rebuilt from the parameters (the lengths one load away): kept, its four
+          // 64-bit bounds held 8 registers through the tile loop, which spilled with three
+          // consumers. The opaque batch index keeps the compiler from reusing the first loads.
+          cuda::Visibility vis = cuda::Visibility::make(p, ptx::opaque(uint32_t(t.b)), t.n);
+          vis.mask = nullptr;
+          if constexpr (!Traits::kWindowed) vis.window_left = vis.window_right = kUnboundedWindow;
           const cuda::TileVisibility tile_vis =
-              cuda::TileVisibility::make(t.vis, t.row0, key0, kBlockM + kBlockN);
+              cuda::TileVisibility::make(vis, t.row0, key0, kBlockM + kBlockN);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             int lo, hi;  // this thread's visible columns, relative to its column offset
@@ -496,12 +513,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     ptx::fence_proxy_async_shared();
     sync_warpgroup();
+    // Warp 0 of the warpgroup stores: its first row (warp_row0) is the warpgroup's, and
+    // wg_row0 kept for this was spilled with 160-key tiles.
     if (tid % 128 == 0) {
 #pragma unroll
       for (int span = 0; span < kSpans; ++span)
         ptx::tma_store_4d(&maps.out,
-                          base + sO_offset + span * kBlockM * kRowBytes + wg_row0 * kRowBytes,
-                          span * kSpanElems, t.n, t.row0 + wg_row0, t.b);
+                          base + sO_offset + span * kBlockM * kRowBytes + warp_row0 * kRowBytes,
+                          span * kSpanElems, t.n, t.row0 + warp_row0, t.b);
       ptx::bulk_commit_group();
       if constexpr (Traits::kOInQ) ptx::bulk_wait_group_read_all();
     }
