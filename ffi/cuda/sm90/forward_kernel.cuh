@@ -6,9 +6,10 @@
 // one thread claims the tiles and issues every TMA load, per tile Q and then K_j, V_j into a
 // ring of kStages buffers, each guarded by a full barrier (the load landed) and an empty
 // barrier (every consumer warp is done with it); Q has its own ring of kQStages. Once it has
-// issued the current tile's loads, the producer claims the next tile and hands its index to
-// the consumers through one of two shared-memory slots at a named barrier they all sync on
-// between tiles, having issued the next tile's Q and first K/V tiles before it gets there.
+// issued the current tile's loads, the producer claims the next tile, hands its index to the
+// consumers through a shared-memory slot guarded by a full and an empty mbarrier, and issues
+// its Q and first K/V tiles. The consumers do not meet between tiles: the one that finishes
+// first starts the next tile while the others finish theirs.
 // Warpgroups 1.. are consumers of 64 query rows each; per K/V tile j they compute
 //   S_j = Q K_j^T              wgmma, both operands in shared memory
 //   mask                       only on tiles that straddle a length or window boundary
@@ -48,18 +49,21 @@ struct ForwardBarriers {
   uint64_t q_full[Traits::kQStages], q_empty[Traits::kQStages];
   uint64_t k_full[Traits::kStages], v_full[Traits::kStages];
   uint64_t k_empty[Traits::kStages], v_empty[Traits::kStages];
-  // Tile indices (at least num_tiles when there are none) handed from the producer warp to the
-  // consumers: the k-th tile's in tile[k % 2], read after the k-th kHandOver sync.
-  int tile[2];
+  // The index of the block's k-th tile (at least num_tiles when there is none), handed from
+  // the producer to the consumers: written before tile_full completes phase k, and read by
+  // every consumer thread before it arrives on tile_empty, which the next write waits for.
+  // Each thread arrives after its own read: with one arrival per warp after __syncwarp,
+  // racecheck reported the reads of the other lanes against the next write.
+  uint64_t tile_full, tile_empty;
+  int tile;
 };
 
-// Named barriers (0 is __syncthreads): 1 + c synchronises consumer warpgroup c, kTurn + c hands
-// it the ping-pong turn, and kHandOver (the producer warp and every consumer) separates tiles.
+// Named barriers (0 is __syncthreads): 1 + c synchronises consumer warpgroup c, and kTurn + c
+// hands it the ping-pong turn.
 template <int kConsumers>
 struct NamedBarriers {
   static constexpr int kTurn = 1 + kConsumers;
-  static constexpr int kHandOver = kTurn + kConsumers;
-  static_assert(kHandOver < 16, "16 named barriers per block");
+  static_assert(kTurn + kConsumers <= 16, "16 named barriers per block");
 };
 
 // Where a barrier ring stands: the n-th use of a kStages ring is stage n % kStages, and its
@@ -123,8 +127,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // A tile slot by 32-bit shared address: a generic pointer to it would hold a 64-bit
   // register for the whole kernel, two more than the consumers have at head dim 256.
   const auto bar_slot = [](int& slot) { return ptx::smem_address(&slot); };
-  // The tile slots are written by the producer warp and read by every consumer thread.
-  constexpr int kSlotThreads = 32 + 128 * Traits::kConsumers;
   using Named = NamedBarriers<Traits::kConsumers>;
 
   const int tid = threadIdx.x;
@@ -140,22 +142,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ptx::mbarrier_init(bar(bars.k_empty[s]), Traits::kConsumerWarps);
       ptx::mbarrier_init(bar(bars.v_empty[s]), Traits::kConsumerWarps);
     }
+    ptx::mbarrier_init(bar(bars.tile_full), 1);
+    ptx::mbarrier_init(bar(bars.tile_empty), 128 * Traits::kConsumers);
     ptx::fence_barrier_init();
   }
   __syncthreads();
 
   const int warpgroup = tid / 128;
   if (warpgroup == 0) {
-    // Producer: warp 0 hands out the tiles (the named barrier of the tile slots takes whole
-    // warps); its lane 0 claims them and issues Q (kQStages buffers) and K/V (kStages buffers)
-    // for every tile with keys.
+    // Producer: one thread claims the tiles, hands them to the consumers through the tile
+    // slot and issues Q (kQStages buffers) and K/V (kStages buffers) for every tile with keys.
     ptx::setmaxnreg_dec<Traits::kProducerRegisters>();
-    if (tid >= 32) return;
+    if (tid != 0) return;
     // Made here and in the consumers' branch, not once above: a value live across the split
     // was spilled within the producer's 24 registers.
     const auto scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
-    // Lane 0 issues every load, each into the next buffer of its ring once the consumers have
-    // released it. Tiles without keys take no buffer (the consumers write their zeros and -inf
+    // Each load goes into the next buffer of its ring once the consumers have released it.
+    // Tiles without keys take no buffer (the consumers write their zeros and -inf
     // lse).
     const auto load_q = [&](const ForwardTile& t, RingPosition<kQStages>& q_ring) {
       const int q_stage = q_ring.stage();
@@ -196,47 +199,48 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       load_kv(t, 0, kStages, kv_ring);
       if constexpr (kQStages == 1) load_q(t, q_ring);
     };
-    // Between the k-th and (k+1)-th kHandOver syncs the consumers compute tile k (read from
-    // slot k % 2) while lane 0 issues the rest of tile k's loads, claims tile k + 1 (when it
-    // has issued them, as on a block without this hand-over: the counter hands out tiles in
-    // the order blocks near the end of theirs), writes it into slot (k + 1) % 2 (whose last
-    // reader, at tile k - 1, is ordered before it by sync k) and issues tile k + 1's first
-    // loads, which wait only for buffers the consumers release before they reach sync k + 1.
-    // So the slots' every write and read are ordered by bar.sync alone, and the consumers find
-    // the next tile claimed and loading.
+    // Tile k's index goes into the slot once every consumer thread has read tile k - 1's. While
+    // the consumers compute tile k the producer issues the rest of tile k's loads, claims tile
+    // k + 1 (when it has issued them: the counter then hands out tiles in the order blocks
+    // near the end of theirs), publishes it and issues its first loads, which wait only for
+    // buffers that tile k releases. No consumer waits for another between tiles: a warpgroup
+    // that finishes tile k first starts tile k + 1 while the others finish tile k, and the
+    // ping-pong turns run on across the tile boundary.
     RingPosition<kQStages> q_ring;
     RingPosition<kStages> kv_ring;
-    // Lane 0's current tile, made once when it is claimed (kept, it costs no spill).
+    const auto publish = [&](int k, int index) {
+      if (k > 0) ptx::mbarrier_wait(bar(bars.tile_empty), uint32_t(k - 1) & 1);
+      ptx::st_shared_b32(bar_slot(bars.tile), uint32_t(index));
+      ptx::mbarrier_arrive(bar(bars.tile_full));
+    };
     int index = blockIdx.x;
-    ForwardTile t;
-    if (tid == 0) {
-      ptx::st_shared_b32(bar_slot(bars.tile[0]), uint32_t(index));
+    publish(0, index);
+    ForwardTile t;  // the current tile, made once when it is claimed
+    if (index < scheduler.num_tiles) {
+      t = scheduler.tile(p, index);
+      load_first(t, q_ring, kv_ring);
+    }
+    for (int k = 0; index < scheduler.num_tiles; ++k) {
+      load_kv(t, kStages, t.num_kv_tiles, kv_ring);
+      index = int(gridDim.x) + atomicAdd(p.tile_counter, 1);
+      publish(k + 1, index);
       if (index < scheduler.num_tiles) {
         t = scheduler.tile(p, index);
         load_first(t, q_ring, kv_ring);
       }
-    }
-    for (int k = 0;; ++k) {
-      ptx::named_barrier_sync(Named::kHandOver, kSlotThreads);
-      if (index >= scheduler.num_tiles) break;
-      int next = 0;
-      if (tid == 0) {
-        load_kv(t, kStages, t.num_kv_tiles, kv_ring);
-        next = int(gridDim.x) + atomicAdd(p.tile_counter, 1);
-        ptx::st_shared_b32(bar_slot(bars.tile[(k + 1) % 2]), uint32_t(next));
-        if (next < scheduler.num_tiles) {
-          t = scheduler.tile(p, next);
-          load_first(t, q_ring, kv_ring);
-        }
-      }
-      index = __shfl_sync(0xffffffff, next, 0);
     }
     return;
   }
 
   // Consumers.
   ptx::setmaxnreg_inc<Traits::kConsumerRegisters>();
-  const int consumer = warpgroup - 1, warp = (tid / 32) % 4, lane = tid % 32;
+  // The consumer index through a warp reduction, whose result ptxas knows to be the same in
+  // every lane: the tile loop's branches are then known uniform too, and ptxas keeps the tile
+  // counter, the K/V ring and each tile's indices in uniform registers. From tid alone nothing
+  // told ptxas that the warp stays converged through the loop (a named barrier at each tile's
+  // start once did): those took general registers and spilled 60 B with three consumers.
+  const int consumer = __reduce_max_sync(0xffffffff, warpgroup - 1);
+  const int warp = (tid / 32) % 4, lane = tid % 32;
   const int wg_row0 = consumer * 64;           // this warpgroup's rows of the block
   const int warp_row0 = wg_row0 + warp * 16;   // this warp's 16 rows (its accumulator rows)
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
@@ -356,8 +360,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   RingPosition<kQStages> q_ring;
   RingPosition<kStages> kv_ring;
   for (int k = 0;; ++k) {
-    ptx::named_barrier_sync(Named::kHandOver, kSlotThreads);
-    const int index = int(ptx::ld_shared_b32(bar_slot(bars.tile[k % 2])));
+    ptx::mbarrier_wait(bar(bars.tile_full), uint32_t(k) & 1);
+    const int index = int(ptx::ld_shared_b32(bar_slot(bars.tile)));
+    ptx::mbarrier_arrive(bar(bars.tile_empty));
     // Made per tile from the parameters: held through the tile loop, a field of it was spilled
     // (4 B with 160-key tiles).
     const auto scheduler = TileScheduler<kBlockM, kBlockN>::make(p);

@@ -25,12 +25,17 @@ struct ForwardTile {
 template <int kBlockM, int kBlockN>
 struct TileScheduler {
   int m_blocks, heads_times_batch, num_tiles;
+  // Query heads per K/V head, divided once here: divided per tile, the 64-bit division was a
+  // subroutine call in the producer's tile loop, and with two consumers ptxas spilled the
+  // producer's tile counter around it (8 B within its 24 registers).
+  int group_size;
 
   __device__ static TileScheduler make(const AttentionParams& p) {
     TileScheduler s;
     s.m_blocks = int((p.seqlen_q + kBlockM - 1) / kBlockM);
     s.heads_times_batch = int(p.batch * p.num_heads);
     s.num_tiles = s.m_blocks * s.heads_times_batch;
+    s.group_size = int(p.group_size());
     return s;
   }
 
@@ -45,7 +50,7 @@ struct TileScheduler {
     const int bh = index / m_blocks, heads = int(p.num_heads);
     t.b = bh / heads;
     t.n = bh % heads;
-    t.kv_head = t.n / int(p.group_size());
+    t.kv_head = t.n / group_size;
     t.row0 = (m_blocks - 1 - index % m_blocks) * kBlockM;
     t.vis = cuda::Visibility::make(p, t.b, t.n);
     // The Hopper kernel runs without an elementwise mask (the dispatcher's rule); saying so

@@ -51,7 +51,8 @@ struct ForwardTraits {
   // each (the swizzle pattern repeats every 8 rows of 128 bytes), then the barriers; plus 1024
   // bytes to align the start.
   static constexpr int kOBytes = kOInQ ? 0 : kQBytes;
-  static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages + 1);  // and the tile slots
+  // Q and K/V full and empty barriers, the tile slot's full and empty barriers, the slot.
+  static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages + 2 + 1);
   static constexpr int kSmemBytes =
       kQStages * kQBytes + kOBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
 
