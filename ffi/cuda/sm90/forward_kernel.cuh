@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto& bars = *reinterpret_cast<ForwardBarriers<Traits>*>(smem + sKV_offset +
                                                            2 * kStages * Traits::kKVBytes);
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
-  // A tile slot by 32-bit shared address: a generic pointer to it would hold a 64-bit
+  // The tile slot by 32-bit shared address: a generic pointer to it would hold a 64-bit
   // register for the whole kernel, two more than the consumers have at head dim 256.
   const auto bar_slot = [](int& slot) { return ptx::smem_address(&slot); };
   using Named = NamedBarriers<Traits::kConsumers>;
@@ -158,8 +158,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // was spilled within the producer's 24 registers.
     const auto scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
     // Each load goes into the next buffer of its ring once the consumers have released it.
-    // Tiles without keys take no buffer (the consumers write their zeros and -inf
-    // lse).
+    // Tiles without keys take no buffer (the consumers write their zeros and -inf lse).
     const auto load_q = [&](const ForwardTile& t, RingPosition<kQStages>& q_ring) {
       const int q_stage = q_ring.stage();
       if (q_ring.refill()) ptx::mbarrier_wait(bar(bars.q_empty[q_stage]), q_ring.previous_phase());
