@@ -170,6 +170,22 @@ def test_wide_key_tiles(rng, dtype, head_dim, kwargs):
     check(*random_qkv(rng, 2, 300, 2301, 48, 8, head_dim, dtype), **kwargs)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim,t,s,kwargs", [
+    (64, 520, 700, dict()), (64, 600, 1000, dict()), (64, 2100, 2100, dict(is_causal=True)),
+    (64, 700, 900, dict(query_seq_lengths=np.array([700, 100], np.int32))),
+    (128, 300, 2100, dict()), (128, 300, 500, dict(query_seq_lengths=np.array([300, 50], np.int32))),
+    (256, 77, 300, dict()),
+])
+def test_warpgroups_past_the_query_length(rng, dtype, head_dim, t, s, kwargs):
+    """Query blocks whose last consumer warpgroups (64 rows each) hold no row below the query
+    length: on the Hopper kernel they go through the tile's turns and buffers without computing
+    and write zeros and -inf lse for the rows between the query length and T. Three consumers
+    at head dim 64 (one and two idle, causal, and idle for a sequence length), the 160-key tiles
+    with one Q buffer at 128, O staged in Q at 256."""
+    check(*random_qkv(rng, 2, t, s, 4, 2, head_dim, dtype), **kwargs)
+
+
 @pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(17, 5)),
                                     dict(key_value_seq_lengths=np.array([150, 0], np.int32))])
 @pytest.mark.parametrize("head_dim", [72, 128])

@@ -376,6 +376,33 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int q_stage = q_ring.stage();
     ptx::mbarrier_wait(bar(bars.q_full[q_stage]), q_ring.phase());
     ++q_ring.count;
+    // Every row of this warpgroup past the query length (the last query block of a sequence
+    // that is not a whole number of blocks: at T = 512 with 192-row blocks, a third of the last
+    // block): it writes their zeros and -inf lse (nothing past T) and goes through the tile's
+    // turns and buffers with no product and no softmax, so the other warpgroups finish the tile
+    // without it. The same turns, waits and releases as the computing path below, in the same
+    // order, so every barrier phase sees the same arrivals. The test goes through a warp vote
+    // for ptxas's sake: as a plain compare it moved the tile loop's values out of uniform
+    // registers and spilled 136 B with three consumers.
+    if (__all_sync(0xffffffff, int64_t(t.row0) + wg_row0 >= t.vis.q_len)) {
+      write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
+      // Turn r issues S_r (r < n) and P_{r-1} V_{r-1} (r > 0) on the computing path.
+      RingPosition<kStages> last = kv_ring;  // tile r - 1's buffers
+      for (int r = 0; r <= t.num_kv_tiles; ++r) {
+        const bool key_tile = r < t.num_kv_tiles, value_tile = r > 0;
+        if (key_tile) ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
+        if (!Traits::kOInQ && r == t.num_kv_tiles) release(bars.q_empty[q_stage]);
+        if (value_tile) ptx::mbarrier_wait(bar(bars.v_full[last.stage()]), last.phase());
+        take_turn();
+        hand_over();
+        if (key_tile) release(bars.k_empty[kv_ring.stage()]);
+        if (value_tile) release(bars.v_empty[last.stage()]);
+        last = kv_ring;
+        if (key_tile) ++kv_ring.count;
+      }
+      if constexpr (Traits::kOInQ) release(bars.q_empty[q_stage]);
+      continue;
+    }
     cuda::OnlineSoftmax<1> softmax;
     softmax.init();
     // The tiles no boundary crosses for this warp's rows, worked out once per query block
