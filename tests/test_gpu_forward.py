@@ -172,17 +172,19 @@ def test_wide_key_tiles(rng, dtype, head_dim, kwargs):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim,t,s,kwargs", [
-    (64, 520, 700, dict()), (64, 600, 1000, dict()), (64, 2100, 2100, dict(is_causal=True)),
-    (64, 700, 900, dict(query_seq_lengths=np.array([700, 100], np.int32))),
+    (64, 512, 700, dict()), (64, 600, 1000, dict()), (64, 2200, 2200, dict(is_causal=True)),
+    (64, 700, 900, dict(query_seq_lengths=np.array([700, 100], np.int32))), (64, 300, 700, dict()),
     (128, 300, 2100, dict()), (128, 300, 500, dict(query_seq_lengths=np.array([300, 50], np.int32))),
-    (256, 77, 300, dict()),
+    (256, 180, 300, dict()), (256, 180, 60, dict()),
 ])
 def test_warpgroups_past_the_query_length(rng, dtype, head_dim, t, s, kwargs):
-    """Query blocks whose last consumer warpgroups (64 rows each) hold no row below the query
+    """Query blocks whose last consumer warpgroups (64 rows each) start at or past the query
     length: on the Hopper kernel they go through the tile's turns and buffers without computing
-    and write zeros and -inf lse for the rows between the query length and T. Three consumers
-    at head dim 64 (one and two idle, causal, and idle for a sequence length), the 160-key tiles
-    with one Q buffer at 128, O staged in Q at 256."""
+    and write zeros and -inf lse for the rows between the query length and T. Head dim 64 with
+    three consumers (192-row blocks: T = 512 leaves one idle, 600 two, causal 2200 one, and a
+    query length of 100 one in the first block) and with two (T = 300); head dim 128 with
+    160-key tiles and one Q buffer, and with two Q buffers and a query length; head dim 256,
+    O staged in Q, with several key tiles and with one."""
     check(*random_qkv(rng, 2, t, s, 4, 2, head_dim, dtype), **kwargs)
 
 

@@ -376,14 +376,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int q_stage = q_ring.stage();
     ptx::mbarrier_wait(bar(bars.q_full[q_stage]), q_ring.phase());
     ++q_ring.count;
-    // Every row of this warpgroup past the query length (the last query block of a sequence
+    // Every row of this warpgroup past the query length (in the last query block of a sequence
     // that is not a whole number of blocks: at T = 512 with 192-row blocks, a third of the last
-    // block): it writes their zeros and -inf lse (nothing past T) and goes through the tile's
-    // turns and buffers with no product and no softmax, so the other warpgroups finish the tile
-    // without it. The same turns, waits and releases as the computing path below, in the same
-    // order, so every barrier phase sees the same arrivals. The test goes through a warp vote
-    // for ptxas's sake: as a plain compare it moved the tile loop's values out of uniform
-    // registers and spilled 136 B with three consumers.
+    // block; or in the block that holds a per-batch query length): it writes their zeros and
+    // -inf lse (nothing past T) and goes through the tile's turns and buffers with no product
+    // and no softmax, so the other warpgroups finish the tile without it. The same turns, waits
+    // and releases as the computing path below, in the same order, so every barrier phase sees
+    // the same arrivals. The test goes through a warp vote for ptxas's sake: as a plain compare
+    // it moved the tile loop's values out of uniform registers and spilled 136 B with three
+    // consumers.
     if (__all_sync(0xffffffff, int64_t(t.row0) + wg_row0 >= t.vis.q_len)) {
       write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
       // Turn r issues S_r (r < n) and P_{r-1} V_{r-1} (r > 0) on the computing path.
