@@ -23,7 +23,8 @@
 // turns issuing their products (ping-pong on named barriers, round robin), so one's softmax
 // runs under the others' tensor-core work. O is normalised once, staged in shared memory and
 // written with a TMA store (which clips rows past T) that runs on while the consumer starts its
-// next tile.
+// next tile. A warpgroup whose 64 rows all lie past the query length computes nothing: it takes
+// its turns and releases its buffers so that the others finish the tile without it.
 #pragma once
 
 #include <cuda.h>
