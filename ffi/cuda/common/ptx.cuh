@@ -90,6 +90,21 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// 1 / x and log2(x) on the special-function unit (1 ulp; absolute error about 2^-22): one
+// instruction each where the IEEE forms are a Newton step with a slow-path call and a
+// 20-term polynomial, on the path from a tile's last product to its output store.
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float log2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Two floats rounded to the element type and packed into one register (low half first), the
 // layout of an mma operand pair.
 template <typename Elem>

@@ -168,8 +168,8 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float sum = quad_sum(row_sum[m][h]);
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        lse[m][h] = sum > 0.f ? (row_max[m][h] * scale + log2f(sum)) * kLn2 : -INFINITY;
+        const float inv = sum > 0.f ? ptx::rcp_approx(sum) : 0.f;
+        lse[m][h] = sum > 0.f ? (row_max[m][h] * scale + ptx::log2_approx(sum)) * kLn2 : -INFINITY;
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
           O[m][d][2 * h] *= inv;

@@ -6,7 +6,7 @@
 // one thread claims the tiles and issues every TMA load, per tile Q and then K_j, V_j into a
 // ring of kStages buffers, each guarded by a full barrier (the load landed) and an empty
 // barrier (every consumer warp is done with it); Q has its own ring of kQStages. Once it has
-// issued the current tile's loads, the producer claims the next tile, hands its index to the
+// issued the current tile's loads, the producer claims the next tile, hands it, decoded, to the
 // consumers through a shared-memory slot guarded by a full and an empty mbarrier, and issues
 // its Q and first K/V tiles. The consumers do not meet between tiles: the one that finishes
 // first starts the next tile while the others finish theirs.
@@ -21,10 +21,12 @@
 // O += P_j V_j, and the softmax of S_{j+1} runs while P_j V_j is still computing; only the
 // rescaling of O waits for it. The consumer warpgroups (two, or three at head dim 64) take
 // turns issuing their products (ping-pong on named barriers, round robin), so one's softmax
-// runs under the others' tensor-core work. O is normalised once, staged in shared memory and
-// written with a TMA store (which clips rows past T) that runs on while the consumer starts its
-// next tile. A warpgroup whose 64 rows all lie past the query length computes nothing: it takes
-// its turns and releases its buffers so that the others finish the tile without it.
+// runs under the others' tensor-core work. O is normalised once and kept in registers until
+// the consumer has issued its next tile's first S = Q K^T (which it reads from the slot under
+// its last O += P V); then, under that product, staged in shared memory and written with a TMA
+// store (which clips rows past T) that runs on; with O staged in Q (head dim 256), right
+// after the tile. A warpgroup whose 64 rows all lie past the query length computes nothing: it
+// takes its turns and releases its buffers so that the others finish the tile without it.
 #pragma once
 
 #include <cuda.h>
@@ -50,13 +52,13 @@ struct ForwardBarriers {
   uint64_t q_full[Traits::kQStages], q_empty[Traits::kQStages];
   uint64_t k_full[Traits::kStages], v_full[Traits::kStages];
   uint64_t k_empty[Traits::kStages], v_empty[Traits::kStages];
-  // The index of the block's k-th tile (at least num_tiles when there is none), handed from
-  // the producer to the consumers: written before tile_full completes phase k, and read by
-  // every consumer thread before it arrives on tile_empty, which the next write waits for.
-  // Each thread arrives after its own read: with one arrival per warp after __syncwarp,
-  // racecheck reported the reads of the other lanes against the next write.
+  // The block's k-th tile (TileSlot), handed from the producer to the consumers: written
+  // before tile_full completes phase k, and read by every consumer thread before it arrives on
+  // tile_empty, which the next write waits for. Each thread arrives after its own read: with
+  // one arrival per warp after __syncwarp, racecheck reported the reads of the other lanes
+  // against the next write.
   uint64_t tile_full, tile_empty;
-  int tile;
+  alignas(16) uint32_t tile[8];
 };
 
 // Named barriers (0 is __syncthreads): 1 + c synchronises consumer warpgroup c, and kTurn + c
@@ -127,7 +129,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
   // The tile slot by 32-bit shared address: a generic pointer to it would hold a 64-bit
   // register for the whole kernel, two more than the consumers have at head dim 256.
-  const auto bar_slot = [](int& slot) { return ptx::smem_address(&slot); };
+  const uint32_t tile_slot = ptx::smem_address(bars.tile);
   using Named = NamedBarriers<Traits::kConsumers>;
 
   const int tid = threadIdx.x;
@@ -199,7 +201,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       load_kv(t, 0, kStages, kv_ring);
       if constexpr (kQStages == 1) load_q(t, q_ring);
     };
-    // Tile k's index goes into the slot once every consumer thread has read tile k - 1's. While
+    // Tile k goes into the slot once every consumer thread has read tile k - 1's. While
     // the consumers compute tile k the producer issues the rest of tile k's loads, claims tile
     // k + 1 (when it has issued them: the counter then hands out tiles in the order blocks
     // near the end of theirs), publishes it and issues its first loads, which wait only for
@@ -208,26 +210,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // ping-pong turns run on across the tile boundary.
     RingPosition<kQStages> q_ring;
     RingPosition<kStages> kv_ring;
-    const auto publish = [&](int k, int index) {
+    // Publishes tile k (the current one, t) or, past the last, the end.
+    const auto publish = [&](int k, bool more, const ForwardTile& t) {
       if (k > 0) ptx::mbarrier_wait(bar(bars.tile_empty), uint32_t(k - 1) & 1);
-      ptx::st_shared_b32(bar_slot(bars.tile), uint32_t(index));
+      if (more)
+        TileSlot::store(tile_slot, t);
+      else
+        TileSlot::store_end(tile_slot);
       ptx::mbarrier_arrive(bar(bars.tile_full));
     };
     int index = blockIdx.x;
-    publish(0, index);
     ForwardTile t;  // the current tile, made once when it is claimed
-    if (index < scheduler.num_tiles) {
-      t = scheduler.tile(p, index);
-      load_first(t, q_ring, kv_ring);
-    }
+    if (index < scheduler.num_tiles) t = scheduler.tile(p, index);
+    publish(0, index < scheduler.num_tiles, t);
+    if (index < scheduler.num_tiles) load_first(t, q_ring, kv_ring);
     for (int k = 0; index < scheduler.num_tiles; ++k) {
       load_kv(t, kStages, t.num_kv_tiles, kv_ring);
       index = int(gridDim.x) + atomicAdd(p.tile_counter, 1);
-      publish(k + 1, index);
-      if (index < scheduler.num_tiles) {
-        t = scheduler.tile(p, index);
-        load_first(t, q_ring, kv_ring);
-      }
+      if (index < scheduler.num_tiles) t = scheduler.tile(p, index);
+      publish(k + 1, index < scheduler.num_tiles, t);
+      if (index < scheduler.num_tiles) load_first(t, q_ring, kv_ring);
     }
     return;
   }
@@ -356,22 +358,79 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   };
 
+  // A tile's epilogue: lse, and O (normalised) staged as Elem in this warpgroup's rows of the
+  // O tile in the swizzled layout the TMA store reads (once the previous tile's store has read
+  // them); then one thread stores each span and lets the store run on.
+  const auto store_output = [&](int b, int n, int row0, const float (&row_lse)[1][2]) {
+    float* lse = p.lse + (int64_t(b) * p.num_heads + n) * p.seqlen_q;
+    if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
+    sync_warpgroup();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // Chunk c of a swizzled row sits at ((c ^ row % 8) << 4): with the row's bits above bit
+      // 6 and quad_col * 2 below bit 4, that is this row's chunk-0 offset XOR (c << 4).
+      const int row = warp_row0 + quad_row + 8 * h;
+      // Opaque, so that the kDTiles addresses are formed here and not hoisted out of the tile
+      // loop, where they would hold registers through it (spilled with 160-key tiles).
+      const uint32_t row_offset =
+          ptx::opaque((row * kRowBytes + ((row & 7) << 4)) | (quad_col * 2));
+#pragma unroll
+      for (int d = 0; d < kDTiles; ++d) {
+        const uint32_t offset =
+            sO_offset + (d / 8) * kBlockM * kRowBytes + (row_offset ^ ((d % 8) << 4));
+        ptx::st_shared_b32(base + offset,
+                           ptx::pack2<Elem>(o_acc[0][d][2 * h], o_acc[0][d][2 * h + 1]));
+      }
+      if (lane % 4 == 0 && row0 + row < p.seqlen_q) lse[row0 + row] = row_lse[0][h];
+    }
+    ptx::fence_proxy_async_shared();
+    sync_warpgroup();
+    // Warp 0 of the warpgroup stores: its first row (warp_row0) is the warpgroup's, and
+    // wg_row0 kept for this was spilled with 160-key tiles.
+    if (tid % 128 == 0) {
+#pragma unroll
+      for (int span = 0; span < kSpans; ++span)
+        ptx::tma_store_4d(&maps.out,
+                          base + sO_offset + span * kBlockM * kRowBytes + warp_row0 * kRowBytes,
+                          span * kSpanElems, n, row0 + warp_row0, b);
+      ptx::bulk_commit_group();
+      if constexpr (Traits::kOInQ) ptx::bulk_wait_group_read_all();
+    }
+  };
+  // The epilogue waits (O not staged in Q): a tile's normalised O stays in o_acc until the
+  // next tile's first S = Q K^T is issued, and is stored while that product runs, before the
+  // next tile's first O += P V overwrites it (or at once, where the next tile computes
+  // nothing). Stored right after the tile, the epilogue and the next tile's start (slot, Q,
+  // first S) ran one after the other with the tensor cores idle: with one key tile per query
+  // block, the epilogue took 0.6 us of a 3.2 us tile (H100, clock64 stamps; head dim 64,
+  // causal, T = 512). pending_b = -1: nothing waits.
+  int pending_b = -1, pending_n = 0, pending_row0 = 0;
+  float pending_lse[1][2];
+  const auto store_pending = [&] {
+    if (pending_b >= 0) store_output(pending_b, pending_n, pending_row0, pending_lse);
+    pending_b = -1;
+  };
+  // The block's next tile from the slot; false when there is none (the producer has left).
+  int tiles_read = 0;
+  const auto read_tile = [&](ForwardTile& tile) {
+    ptx::mbarrier_wait(bar(bars.tile_full), uint32_t(tiles_read) & 1);
+    const bool more = TileSlot::load(tile_slot, p, tile);
+    ptx::mbarrier_arrive(bar(bars.tile_empty));
+    ++tiles_read;
+    if constexpr (!Traits::kWindowed)
+      tile.vis.window_left = tile.vis.window_right = kUnboundedWindow;
+    return more;
+  };
+
   if (consumer == Traits::kConsumers - 1) hand_over();
   RingPosition<kQStages> q_ring;
   RingPosition<kStages> kv_ring;
-  for (int k = 0;; ++k) {
-    ptx::mbarrier_wait(bar(bars.tile_full), uint32_t(k) & 1);
-    const int index = int(ptx::ld_shared_b32(bar_slot(bars.tile)));
-    ptx::mbarrier_arrive(bar(bars.tile_empty));
-    // Made per tile from the parameters: held through the tile loop, a field of it was spilled
-    // (4 B with 160-key tiles).
-    const auto scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
-    if (index >= scheduler.num_tiles) break;  // the producer has left too
-    ForwardTile t = scheduler.tile(p, index);
-    if constexpr (!Traits::kWindowed)
-      t.vis.window_left = t.vis.window_right = kUnboundedWindow;
+  ForwardTile t;
+  for (bool more = read_tile(t); more;) {
     if (t.num_kv_tiles == 0) {
+      store_pending();
       write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
+      more = read_tile(t);
       continue;
     }
     const int q_stage = q_ring.stage();
@@ -387,6 +446,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // it moved the tile loop's values out of uniform registers and spilled 136 B with three
     // consumers.
     if (__all_sync(0xffffffff, int64_t(t.row0) + wg_row0 >= t.vis.q_len)) {
+      store_pending();
       write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
       // Turn r issues S_r (r < n) and P_{r-1} V_{r-1} (r > 0) on the computing path.
       RingPosition<kStages> last = kv_ring;  // tile r - 1's buffers
@@ -403,6 +463,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (key_tile) ++kv_ring.count;
       }
       if constexpr (Traits::kOInQ) release(bars.q_empty[q_stage]);
+      more = read_tile(t);
       continue;
     }
     cuda::OnlineSoftmax<1> softmax;
@@ -461,15 +522,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // recompute can follow spilled 8-108 B (ptxas, CUDA 13.0).
       release(bars.k_empty[stage]);
     };
-#pragma unroll
-    for (int d = 0; d < kDTiles; ++d)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o_acc[0][d][e] = 0.f;
 
     ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
     take_turn();
     issue_qk(q_tile, kv_ring.stage());
     hand_over();
+    store_pending();
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[0][d][e] = 0.f;
     ptx::wgmma_wait<0>();
     fence_s();
     // The factor O must be rescaled by before the last exponentiated tile's P V is added (1
@@ -515,53 +577,31 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     take_turn();
     issue_pv(kv_ring.stage());
     hand_over();
+    // The next tile, read while this one's last O += P V runs (with O staged in Q, after the
+    // store: read here, head dim 256 ran 4-10% slower at T = 2048, and ptxas moved much of the
+    // tile's bookkeeping off the uniform datapath).
+    ForwardTile next;
+    if constexpr (!Traits::kOInQ) more = read_tile(next);
     retire_pv(true, kv_ring.stage());
     ++kv_ring.count;
 
-    // Epilogue: normalise, write lse, stage O as Elem in this warpgroup's rows of the O tile
-    // in the swizzled layout the TMA store reads (once the previous tile's store has read
-    // them), then one thread stores each span and lets the store run on.
     float row_lse[1][2];
     softmax.finalize(o_acc, scale_log2, row_lse);
-    float* lse = p.lse + (int64_t(t.b) * p.num_heads + t.n) * p.seqlen_q;
-    if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
-    sync_warpgroup();
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      // Chunk c of a swizzled row sits at ((c ^ row % 8) << 4): with the row's bits above bit
-      // 6 and quad_col * 2 below bit 4, that is this row's chunk-0 offset XOR (c << 4).
-      const int row = warp_row0 + quad_row + 8 * h;
-      // Opaque, so that the kDTiles addresses are formed here and not hoisted out of the tile
-      // loop, where they would hold registers through it (spilled with 160-key tiles).
-      const uint32_t row_offset =
-          ptx::opaque((row * kRowBytes + ((row & 7) << 4)) | (quad_col * 2));
-#pragma unroll
-      for (int d = 0; d < kDTiles; ++d) {
-        const uint32_t offset =
-            sO_offset + (d / 8) * kBlockM * kRowBytes + (row_offset ^ ((d % 8) << 4));
-        ptx::st_shared_b32(base + offset,
-                           ptx::pack2<Elem>(o_acc[0][d][2 * h], o_acc[0][d][2 * h + 1]));
-      }
-      if (lane % 4 == 0 && t.row0 + row < p.seqlen_q) lse[t.row0 + row] = row_lse[0][h];
-    }
-    ptx::fence_proxy_async_shared();
-    sync_warpgroup();
-    // Warp 0 of the warpgroup stores: its first row (warp_row0) is the warpgroup's, and
-    // wg_row0 kept for this was spilled with 160-key tiles.
-    if (tid % 128 == 0) {
-#pragma unroll
-      for (int span = 0; span < kSpans; ++span)
-        ptx::tma_store_4d(&maps.out,
-                          base + sO_offset + span * kBlockM * kRowBytes + warp_row0 * kRowBytes,
-                          span * kSpanElems, t.n, t.row0 + warp_row0, t.b);
-      ptx::bulk_commit_group();
-      if constexpr (Traits::kOInQ) ptx::bulk_wait_group_read_all();
-    }
-    if constexpr (Traits::kOInQ) {  // the store has read O: the next Q may land
-      sync_warpgroup();
+    if constexpr (Traits::kOInQ) {
+      store_output(t.b, t.n, t.row0, row_lse);
+      sync_warpgroup();  // the store has read O: the next Q may land
       release(bars.q_empty[q_stage]);
+      more = read_tile(next);
+    } else {
+      pending_b = t.b;
+      pending_n = t.n;
+      pending_row0 = t.row0;
+      pending_lse[0][0] = row_lse[0][0];
+      pending_lse[0][1] = row_lse[0][1];
     }
+    t = next;
   }
+  store_pending();
   if (consumer == 0) take_turn();
   if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
 #endif

@@ -103,10 +103,19 @@ __device__ __forceinline__ void st_shared_b32(uint32_t address, uint32_t value) 
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(value) : "memory");
 }
 
-__device__ __forceinline__ uint32_t ld_shared_b32(uint32_t address) {
-  uint32_t value;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(value) : "r"(address) : "memory");
-  return value;
+// 16 bytes, 16-byte aligned, at a shared-memory address.
+__device__ __forceinline__ void st_shared_v4_b32(uint32_t address, uint32_t x, uint32_t y,
+                                                 uint32_t z, uint32_t w) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(x), "r"(y),
+               "r"(z), "r"(w)
+               : "memory");
+}
+
+__device__ __forceinline__ void ld_shared_v4_b32(uint32_t address, uint32_t (&v)[4]) {
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+               : "r"(address)
+               : "memory");
 }
 
 // Synchronises the `threads` threads (a multiple of 32) that use named barrier `id`.

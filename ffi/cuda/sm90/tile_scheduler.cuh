@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "ffi/cuda/common/mask.cuh"
+#include "ffi/cuda/sm90/ptx.cuh"
 #include "ffi/params.h"
 
 namespace jax_flashattn::sm90 {
@@ -20,6 +21,47 @@ struct ForwardTile {
   int tile_begin;    // first K/V tile the block visits
   int num_kv_tiles;  // 0 when no row of the block sees a key
   cuda::Visibility vis;
+};
+
+// A claimed tile as the producer hands it to the consumers: 32 bytes of shared memory (16-byte
+// aligned), decoded once by the producer, whose thread mostly waits on barriers. Decoded by each
+// consumer from the tile index, its divisions and 64-bit bounds took about 0.35 us of every
+// tile on the consumers' critical path (H100, clock64 stamps, 1-4 key tiles per query block).
+// b = -1 says that the block has no more tiles.
+struct TileSlot {
+  __device__ static void store(uint32_t address, const ForwardTile& t) {
+    ptx::st_shared_v4_b32(address, uint32_t(t.b), uint32_t(t.n), uint32_t(t.kv_head),
+                          uint32_t(t.row0));
+    ptx::st_shared_v4_b32(address + 16, uint32_t(t.tile_begin), uint32_t(t.num_kv_tiles),
+                          uint32_t(t.vis.q_len), uint32_t(t.vis.kv_len));
+  }
+  __device__ static void store_end(uint32_t address) {
+    ptx::st_shared_v4_b32(address, uint32_t(-1), 0, 0, 0);
+  }
+  // The tile in the slot, with the call's window and no elementwise mask (the Hopper kernel
+  // runs without one); false when the slot says there is none. Every lane loads the same
+  // words; a warp reduction of each says so to ptxas, which then keeps the tile in uniform
+  // registers and its loop bounds' branches uniform, as it did when the consumers decoded the
+  // index themselves (loaded plainly, the eight words took vector registers).
+  __device__ static bool load(uint32_t address, const AttentionParams& p, ForwardTile& t) {
+    uint32_t w[4], x[4];
+    ptx::ld_shared_v4_b32(address, w);
+    ptx::ld_shared_v4_b32(address + 16, x);
+    const auto uniform = [](uint32_t v) { return __reduce_max_sync(0xffffffff, int(v)); };
+    t.b = uniform(w[0]);
+    t.n = uniform(w[1]);
+    t.kv_head = uniform(w[2]);
+    t.row0 = uniform(w[3]);
+    t.tile_begin = uniform(x[0]);
+    t.num_kv_tiles = uniform(x[1]);
+    t.vis.q_len = uniform(x[2]);
+    t.vis.kv_len = uniform(x[3]);
+    t.vis.window_left = p.window_left;
+    t.vis.window_right = p.window_right;
+    t.vis.mask = nullptr;
+    t.vis.mask_offset = t.vis.mask_row = t.vis.mask_col = 0;
+    return t.b >= 0;
+  }
 };
 
 template <int kBlockM, int kBlockN>

@@ -51,8 +51,9 @@ struct ForwardTraits {
   // each (the swizzle pattern repeats every 8 rows of 128 bytes), then the barriers; plus 1024
   // bytes to align the start.
   static constexpr int kOBytes = kOInQ ? 0 : kQBytes;
-  // Q and K/V full and empty barriers, the tile slot's full and empty barriers, the slot.
-  static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages + 2 + 1);
+  // Q and K/V full and empty barriers, the tile slot's full and empty barriers, then the slot
+  // (32 bytes at the next 16-byte boundary).
+  static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages + 2) + 8 + 32;
   static constexpr int kSmemBytes =
       kQStages * kQBytes + kOBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
 
