@@ -91,8 +91,8 @@ __device__ __forceinline__ float exp2_approx(float x) {
 }
 
 // 1 / x and log2(x) on the special-function unit (1 ulp; absolute error about 2^-22): one
-// instruction each where the IEEE forms are a Newton step with a slow-path call and a
-// 20-term polynomial, on the path from a tile's last product to its output store.
+// instruction each where `1.f / x` is a Newton step with a slow-path call and `log2f` a
+// 9-term polynomial (CUDA 13.0), on the path from a tile's last product to its output store.
 __device__ __forceinline__ float rcp_approx(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

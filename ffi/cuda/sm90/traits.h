@@ -27,8 +27,8 @@ struct ForwardTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   // Q tiles in flight: with two, the next tile's Q lands while the current one computes; with
-  // one, while the current one finishes its last tile's softmax, O += P V and epilogue (with
-  // O staged in Q, only once the epilogue's store has read it).
+  // one, while the current one finishes its last tile's softmax and O += P V (with O staged
+  // in Q, only once the epilogue's store has read it).
   static constexpr int kQStages = kQStages_;
   static constexpr bool kOInQ = kOInQ_;  // O staged in the (only) Q buffer
   // Whether calls with causal or window bounds run on this configuration (if not, the kernel
@@ -97,7 +97,7 @@ template <>
 struct ForwardConfig<128> : ForwardTraits<128, 128, 2, 2, false> {};
 // 160-key tiles: S and P 80 + 40 registers, O 64; smem one Q, one O tile of 32 KiB + 4 x 40 KiB
 // = 225 KiB. The single Q buffer is released once the tile's last S = Q K^T has landed, so the
-// next Q loads under the last softmax, O += P V and the epilogue.
+// next Q loads under the last softmax and O += P V.
 template <>
 struct ForwardConfig<128, true> : ForwardTraits<128, 160, 2, 1, false> {
   static constexpr bool kWindowed = false;  // wide_config_pays(): the dispatcher's promise
