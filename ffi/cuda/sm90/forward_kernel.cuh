@@ -210,26 +210,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // ping-pong turns run on across the tile boundary.
     RingPosition<kQStages> q_ring;
     RingPosition<kStages> kv_ring;
-    // Publishes tile k (the current one, t) or, past the last, the end.
-    const auto publish = [&](int k, bool more, const ForwardTile& t) {
+    int index = blockIdx.x;  // the current tile's index
+    ForwardTile t;           // the current tile, made once when it is claimed
+    // Hands out tile k, the one at `index`: made, published once the consumers have read tile
+    // k - 1, and its first loads issued; past the last tile, the end is published.
+    const auto hand_out = [&](int k) {
+      const bool more = index < scheduler.num_tiles;
+      if (more) t = scheduler.tile(p, index);
       if (k > 0) ptx::mbarrier_wait(bar(bars.tile_empty), uint32_t(k - 1) & 1);
       if (more)
         TileSlot::store(tile_slot, t);
       else
         TileSlot::store_end(tile_slot);
       ptx::mbarrier_arrive(bar(bars.tile_full));
+      if (more) load_first(t, q_ring, kv_ring);
     };
-    int index = blockIdx.x;
-    ForwardTile t;  // the current tile, made once when it is claimed
-    if (index < scheduler.num_tiles) t = scheduler.tile(p, index);
-    publish(0, index < scheduler.num_tiles, t);
-    if (index < scheduler.num_tiles) load_first(t, q_ring, kv_ring);
+    hand_out(0);
     for (int k = 0; index < scheduler.num_tiles; ++k) {
       load_kv(t, kStages, t.num_kv_tiles, kv_ring);
       index = int(gridDim.x) + atomicAdd(p.tile_counter, 1);
-      if (index < scheduler.num_tiles) t = scheduler.tile(p, index);
-      publish(k + 1, index < scheduler.num_tiles, t);
-      if (index < scheduler.num_tiles) load_first(t, q_ring, kv_ring);
+      hand_out(k + 1);
     }
     return;
   }

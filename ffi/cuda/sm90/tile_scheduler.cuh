@@ -54,12 +54,11 @@ struct TileSlot {
     t.row0 = uniform(w[3]);
     t.tile_begin = uniform(x[0]);
     t.num_kv_tiles = uniform(x[1]);
+    t.vis = {};
     t.vis.q_len = uniform(x[2]);
     t.vis.kv_len = uniform(x[3]);
     t.vis.window_left = p.window_left;
     t.vis.window_right = p.window_right;
-    t.vis.mask = nullptr;
-    t.vis.mask_offset = t.vis.mask_row = t.vis.mask_col = 0;
     return t.b >= 0;
   }
 };
