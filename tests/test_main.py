@@ -5,6 +5,7 @@ import importlib.util
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -61,6 +62,23 @@ def test_flops_and_grid():
     assert full.flops("fwdbwd") == 3.5 * full.flops()
     decode = _bench.decode_grid(("bf16",), (1,))[0]
     assert decode.kv_bytes() == 2 * 8 * 65536 * 8 * 128 * 2
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
+def test_timed_loop_updates_q_in_place(mode):
+    # The dependency between calls rewrites one element of q: the compiled loop must not copy
+    # q for it (a copy of q per call once cost more than a short attention call).
+    cfg = _bench.Config(2, 256, 256, 4, 4, 64, "bf16", True)
+    inputs = _bench.Inputs(cfg, 2)
+    fn = _bench.attention_fn("ours", cfg.causal)
+    results = _bench._empty_results(fn, mode, inputs)
+    compiled = _bench.build_runner(fn, mode, 12).lower(inputs.sets, results, inputs.g).compile()
+    q_bytes = inputs.sets[0][0].nbytes
+    if mode == "fwd":
+        assert compiled.memory_analysis().temp_size_in_bytes < q_bytes
+    sets, results = compiled(inputs.sets, results, inputs.g)
+    reference = jax.jit(fn)(*_bench.Inputs(cfg, 2).sets[1])
+    assert jnp.array_equal(results[1][0], reference)
 
 
 def test_benchmark_marks_a_wrong_implementation_fail(monkeypatch):
