@@ -26,13 +26,18 @@
 // its last O += P V); then, under that product, staged in shared memory and written with a TMA
 // store (which clips rows past T) that runs on; with O staged in Q (head dim 256), right
 // after the tile. A warpgroup whose 64 rows all lie past the query length computes nothing: it
-// takes its turns and releases its buffers so that the others finish the tile without it.
+// takes its turns and releases its buffers so that the others finish the tile without it. In
+// the same way, a warpgroup skips the block's last key tile where none of its rows sees a key
+// of it (the lower warpgroups of a causal query block, where the block's lower rows see a
+// tile further), and multiplies only the first half of a last tile whose second half none of
+// its rows sees by V.
 #pragma once
 
 #include <cuda.h>
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
@@ -109,6 +114,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kPSteps = kBlockN / 16;   // k16 steps of O += P V
   constexpr int kNTiles = kBlockN / 8;    // 8-key column tiles of S
   constexpr int kDTiles = kHeadDim / 8;   // 8-wide column tiles of O
+  static_assert(kBlockN % 32 == 0, "half a key tile is whole k16 steps of O += P V");
+  // A warpgroup's tail (the block's key tiles past its own, below) holds at most as many tiles
+  // as the kBlockM - 64 rows below its first row shift the last visible key: one here. It
+  // releases their buffers only after it has read the next tile from the slot, which the
+  // producer fills once it has issued all of this tile's loads; a tail of kStages tiles would
+  // hold buffers those loads wait for.
+  static_assert((kBlockM - 64 + kBlockN - 1) / kBlockN < kStages, "a tail never blocks the loads");
 
   // Tiles at 1024-byte boundaries (the 128-byte swizzle's period): Q stages, O (unless staged
   // in the Q buffer), K stages, V stages, then the barriers.
@@ -295,13 +307,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ptx::wgmma_ss<kBlockN, Elem>(s_acc[0], q_desc(q_tile, ks), k_desc(stage, ks), ks > 0);
     ptx::wgmma_commit_group();
   };
-  const auto issue_pv = [&](int stage) {  // O += P V
+  // O += P V over the tile's first kKeys keys. The register fences go after the branch
+  // between the two widths (issue_pv): with the branch between them and the first wgmma,
+  // ptxas injected a warpgroup.arrive of its own.
+  const auto pv_keys = [&](auto keys, int stage) {
     fence_o();
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kPSteps; ++kk)
+    for (int kk = 0; kk < decltype(keys)::value / 16; ++kk)
       ptx::wgmma_rs<kHeadDim, Elem>(o_acc[0], p_frag[kk], v_desc(stage, kk));
     ptx::wgmma_commit_group();
+  };
+  // O += P V; over the first half of the tile's keys when `half` (P is zero on the rest: no
+  // row of this warpgroup sees them). Only a warpgroup's last key tile is ever half seen, and
+  // it is multiplied after the tile loop, so the loop itself has no branch between products.
+  // (S = Q K^T of the first half alone, into the first half of S, made ptxas serialise every
+  // wgmma of the kernel: a wait after each, head dim 64 17% slower.)
+  const auto issue_pv = [&](int stage, bool half) {
+    if (half) return pv_keys(std::integral_constant<int, kBlockN / 2>{}, stage);
+    pv_keys(std::integral_constant<int, kBlockN>{}, stage);
   };
   // Ping-pong: consumer c issues its products only while it holds the turn (named barrier
   // Named::kTurn + c, completed by consumer c - 1's hand-over) and hands it to consumer c + 1
@@ -466,6 +490,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       more = read_tile(t);
       continue;
     }
+    // The key tiles this warpgroup's rows see: the block's, up to the one that holds the last
+    // key its last row sees (fewer where the block's other rows see further: the lower
+    // warpgroups on a causal diagonal); the last one may be seen on its first half only. The
+    // tiles past them are this warpgroup's tail: it takes their turns and releases their
+    // buffers, as an idle warpgroup does, and computes nothing.
+    // Without causal or window bounds (kWindowed false) every row sees the same keys: no tail,
+    // and a half-seen last tile only where the key length ends early in it.
+    int wg_tiles = t.num_kv_tiles;
+    bool half_last = false;
+    if constexpr (Traits::kWindowed) {
+      int64_t key_lo, key_hi;
+      t.vis.key_range(int64_t(t.row0) + wg_row0, int64_t(t.row0) + wg_row0 + 64, key_lo, key_hi);
+      if (key_hi > key_lo) {
+        const int last = int((key_hi - 1) / kBlockN) - t.tile_begin;
+        if (last + 1 < wg_tiles) wg_tiles = last + 1;
+        half_last = key_hi - int64_t(t.tile_begin + wg_tiles - 1) * kBlockN <= kBlockN / 2;
+      }
+    }
     cuda::OnlineSoftmax<1> softmax;
     softmax.init();
     // The tiles no boundary crosses for this warp's rows, worked out once per query block
@@ -550,7 +592,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fence_o();
       if (in_flight) release(bars.v_empty[stage]);
     };
-    for (int j = 1; j < t.num_kv_tiles; ++j) {
+    for (int j = 1; j < wg_tiles; ++j) {
       const RingPosition<kStages> prev = kv_ring;
       ++kv_ring.count;
       retire_pv(j > 1, (prev.count - 1) % kStages);  // P_{j-2} V_{j-2}
@@ -560,13 +602,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ptx::mbarrier_wait(bar(bars.v_full[prev.stage()]), prev.phase());
       take_turn();
       issue_qk(q_tile, kv_ring.stage());
-      issue_pv(prev.stage());
+      issue_pv(prev.stage(), false);
       hand_over();
       ptx::wgmma_wait<1>();  // S_j landed; P_{j-1} V_{j-1} may still be running
       fence_s();
       softmax_step(j, correction);
     }
-    retire_pv(t.num_kv_tiles > 1, (kv_ring.count - 1) % kStages);
+    retire_pv(wg_tiles > 1, (kv_ring.count - 1) % kStages);
     cuda::OnlineSoftmax<1>::rescale_where_moved(o_acc, correction);
     // The tile's last S = Q K^T has landed, Q's last read: the next tile's Q may load under
     // this tile's last O += P V (where O is staged in Q, once the epilogue's store has read
@@ -575,7 +617,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     pack_p();
     ptx::mbarrier_wait(bar(bars.v_full[kv_ring.stage()]), kv_ring.phase());
     take_turn();
-    issue_pv(kv_ring.stage());
+    issue_pv(kv_ring.stage(), half_last);
     hand_over();
     // The next tile, read while this one's last O += P V runs (with O staged in Q, after the
     // store: read here, head dim 256 ran 4-10% slower at T = 2048, and ptxas moved much of the
@@ -598,6 +640,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       pending_row0 = t.row0;
       pending_lse[0][0] = row_lse[0][0];
       pending_lse[0][1] = row_lse[0][1];
+    }
+    // The tail: see wg_tiles.
+    for (int j = wg_tiles; j < t.num_kv_tiles; ++j, ++kv_ring.count) {
+      ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
+      ptx::mbarrier_wait(bar(bars.v_full[kv_ring.stage()]), kv_ring.phase());
+      take_turn();
+      hand_over();
+      release(bars.k_empty[kv_ring.stage()]);
+      release(bars.v_empty[kv_ring.stage()]);
     }
     t = next;
   }
