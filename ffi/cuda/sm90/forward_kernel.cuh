@@ -116,10 +116,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kDTiles = kHeadDim / 8;   // 8-wide column tiles of O
   static_assert(kBlockN % 32 == 0, "half a key tile is whole k16 steps of O += P V");
   // A warpgroup's tail (the block's key tiles past its own, below) holds at most as many tiles
-  // as the kBlockM - 64 rows below its first row shift the last visible key: one here. It
-  // releases their buffers only after it has read the next tile from the slot, which the
-  // producer fills once it has issued all of this tile's loads; a tail of kStages tiles would
-  // hold buffers those loads wait for.
+  // as the (at most kBlockM - 64) block rows below its own shift the last visible key: one
+  // here. It releases their buffers only after it has read the next tile from the slot, which
+  // the producer fills once it has issued all of this tile's loads; a tail of kStages tiles
+  // would hold buffers those loads wait for.
   static_assert((kBlockM - 64 + kBlockN - 1) / kBlockN < kStages, "a tail never blocks the loads");
 
   // Tiles at 1024-byte boundaries (the 128-byte swizzle's period): Q stages, O (unless staged
@@ -319,8 +319,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::wgmma_commit_group();
   };
   // O += P V; over the first half of the tile's keys when `half` (P is zero on the rest: no
-  // row of this warpgroup sees them). Only a warpgroup's last key tile is ever half seen, and
-  // it is multiplied after the tile loop, so the loop itself has no branch between products.
+  // row of this warpgroup sees them). Only a warpgroup's last key tile is taken as seen on its
+  // first half alone, and it is multiplied after the tile loop, so the loop itself has no
+  // branch between products.
   // (S = Q K^T of the first half alone, into the first half of S, made ptxas serialise every
   // wgmma of the kernel: a wait after each, head dim 64 17% slower.)
   const auto issue_pv = [&](int stage, bool half) {
@@ -472,7 +473,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (__all_sync(0xffffffff, int64_t(t.row0) + wg_row0 >= t.vis.q_len)) {
       store_pending();
       write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
-      // Turn r issues S_r (r < n) and P_{r-1} V_{r-1} (r > 0) on the computing path.
+      // Turn r issues S_r (r < n) and P_{r-1} V_{r-1} (r > 0) on the computing path of a
+      // warpgroup without a tail; the counts of turns and releases are what must match.
       RingPosition<kStages> last = kv_ring;  // tile r - 1's buffers
       for (int r = 0; r <= t.num_kv_tiles; ++r) {
         const bool key_tile = r < t.num_kv_tiles, value_tile = r > 0;
