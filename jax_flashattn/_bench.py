@@ -81,9 +81,7 @@ IMPLS = ("ours", "cudnn", "xla")
 MODES = ("fwd", "fwdbwd")
 MODE_TITLES = {"fwd": "forward", "fwdbwd": "forward+backward"}
 BACKWARD_FLOP_FACTOR = 2.5  # backward FLOPs / forward FLOPs
-# Rounds of the timed loop per loop iteration (`build_runner`): every iteration of an XLA GPU
-# while loop waits for its condition on the host, so the GPU idles while the next iteration's
-# launches are made; with 8 rounds (16 calls) in one iteration that wait falls on one call in 16.
+# Rounds of the timed loop per loop iteration (`build_runner`; why: the module docstring).
 RUNNER_UNROLL = 8
 
 

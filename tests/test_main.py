@@ -74,6 +74,8 @@ def test_timed_loop_updates_q_in_place(mode):
     results = _bench._empty_results(fn, mode, inputs)
     compiled = _bench.build_runner(fn, mode, 12).lower(inputs.sets, results, inputs.g).compile()
     q_bytes = inputs.sets[0][0].nbytes
+    # Forward only: the backward's own workspaces (dq accumulator, delta) are temporaries of
+    # q's size and more, so the bound says nothing there; both modes check the results.
     if mode == "fwd":
         assert compiled.memory_analysis().temp_size_in_bytes < q_bytes
     sets, results = compiled(inputs.sets, results, inputs.g)
