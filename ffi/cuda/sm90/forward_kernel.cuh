@@ -24,8 +24,8 @@
 // runs under the others' tensor-core work. O is normalised once and kept in registers until
 // the consumer has issued its next tile's first S = Q K^T (which it reads from the slot under
 // its last O += P V); then, under that product, staged in shared memory and written with a TMA
-// store (which clips rows past T) that runs on; with O staged in Q (head dim 256), right
-// after the tile. A warpgroup whose 64 rows all lie past the query length computes nothing: it
+// store (which clips rows past T) that runs on; at head dim 256, right after the tile, in a
+// K/V stage that the ring lends for it after the tile's key tiles. A warpgroup whose 64 rows all lie past the query length computes nothing: it
 // takes its turns and releases its buffers so that the others finish the tile without it. In
 // the same way, a warpgroup skips the block's last key tile where none of its rows sees a key
 // of it (the lower warpgroups of a causal query block, where the block's lower rows see a
@@ -123,13 +123,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   static_assert((kBlockM - 64 + kBlockN - 1) / kBlockN < kStages, "a tail never blocks the loads");
 
   // Tiles at 1024-byte boundaries (the 128-byte swizzle's period): Q stages, O (unless staged
-  // in the Q buffer), K stages, V stages, then the barriers.
+  // in the K/V ring), K stages, V stages, then the barriers.
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_address = ptx::smem_address(smem_raw);
   const uint32_t base = (raw_address + kGroupBytes - 1) & ~(kGroupBytes - 1);
   unsigned char* smem = smem_raw + (base - raw_address);
   constexpr int kQStages = Traits::kQStages;
-  constexpr uint32_t sO_offset = Traits::kOInQ ? 0 : kQStages * Traits::kQBytes;
+  constexpr uint32_t sO_offset = kQStages * Traits::kQBytes;
   constexpr uint32_t sKV_offset = kQStages * Traits::kQBytes + Traits::kOBytes;
   const auto sQ = [&](int stage) { return base + stage * Traits::kQBytes; };
   const auto sK = [&](int stage) { return base + sKV_offset + stage * Traits::kKVBytes; };
@@ -203,15 +203,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                            bar(bars.v_full[stage]), span * kSpanElems, t.kv_head, key0, t.b);
       }
     };
-    // A tile's Q and first kStages K/V tiles. With one Q buffer, K/V first: that Q waits for
-    // the consumers to release the current tile's Q (at its last S, or once the epilogue's
-    // store has read O staged there), the K/V buffers free up earlier.
+    // A tile's Q and first kStages K/V tiles. Q first, as the first product needs it as soon
+    // as K_0: with one Q buffer it waits for the current tile's last S, but V_0 (and, from the
+    // second K/V tile on, K) wait for buffers released under or after the last O += P V.
     const auto load_first = [&](const ForwardTile& t, RingPosition<kQStages>& q_ring,
                                 RingPosition<kStages>& kv_ring) {
       if (t.num_kv_tiles == 0) return;
-      if constexpr (kQStages > 1) load_q(t, q_ring);
+      load_q(t, q_ring);
       load_kv(t, 0, kStages, kv_ring);
-      if constexpr (kQStages == 1) load_q(t, q_ring);
+    };
+    // kOInKV: the ring position after a tile's key tiles is lent to the consumers for O once
+    // they have released it; full barriers completed without a load say that it is theirs
+    // (both, so that the stage's K and V phases stay in step).
+    const auto lend_for_o = [&](RingPosition<kStages>& kv_ring) {
+      const int stage = kv_ring.stage();
+      if (kv_ring.refill()) {
+        ptx::mbarrier_wait(bar(bars.k_empty[stage]), kv_ring.previous_phase());
+        ptx::mbarrier_wait(bar(bars.v_empty[stage]), kv_ring.previous_phase());
+      }
+      ptx::mbarrier_arrive(bar(bars.k_full[stage]));
+      ptx::mbarrier_arrive(bar(bars.v_full[stage]));
+      ++kv_ring.count;
     };
     // Tile k goes into the slot once every consumer thread has read tile k - 1's. While
     // the consumers compute tile k the producer issues the rest of tile k's loads, claims tile
@@ -224,8 +236,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     RingPosition<kStages> kv_ring;
     int index = blockIdx.x;  // the current tile's index
     ForwardTile t;           // the current tile, made once when it is claimed
+    bool o_owed = false;     // kOInKV: tile k - 1 had keys, so its O takes a ring position
     // Hands out tile k, the one at `index`: made, published once the consumers have read tile
-    // k - 1, and its first loads issued; past the last tile, the end is published.
+    // k - 1, (kOInKV) tile k - 1's O position lent, and its first loads issued; past the last
+    // tile, the end is published. The lending waits for tile k - 1's buffers, so it comes after
+    // the publication, which the consumers read under tile k - 1's last O += P V.
     const auto hand_out = [&](int k) {
       const bool more = index < scheduler.num_tiles;
       if (more) t = scheduler.tile(p, index);
@@ -235,6 +250,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       else
         TileSlot::store_end(tile_slot);
       ptx::mbarrier_arrive(bar(bars.tile_full));
+      if constexpr (Traits::kOInKV) {
+        if (o_owed) lend_for_o(kv_ring);
+        o_owed = more && t.num_kv_tiles > 0;
+      }
       if (more) load_first(t, q_ring, kv_ring);
     };
     hand_out(0);
@@ -383,30 +402,33 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   };
 
-  // A tile's epilogue: lse, and O (normalised) staged as Elem in this warpgroup's rows of the
-  // O tile in the swizzled layout the TMA store reads (once the previous tile's store has read
-  // them); then one thread stores each span and lets the store run on.
-  const auto store_output = [&](int b, int n, int row0, const float (&row_lse)[1][2]) {
+  // A tile's epilogue: lse, and O (normalised) staged as Elem in this warpgroup's 64 rows at
+  // o_tile (in the O tile, or kOInKV in its K/V buffer), in the swizzled layout the TMA store
+  // reads, once the previous tile's store has read them; then one thread stores each span and
+  // lets the store run on.
+  constexpr uint32_t kOSpanBytes = (Traits::kOInKV ? 64 : kBlockM) * kRowBytes;
+  const auto store_output = [&](int b, int n, int row0, const float (&row_lse)[1][2],
+                                uint32_t o_tile) {
     float* lse = p.lse + (int64_t(b) * p.num_heads + n) * p.seqlen_q;
-    if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
-    sync_warpgroup();
+    if constexpr (!Traits::kOInKV) {  // (the ring's full barrier says that o_tile is free)
+      if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
+      sync_warpgroup();
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // Chunk c of a swizzled row sits at ((c ^ row % 8) << 4): with the row's bits above bit
       // 6 and quad_col * 2 below bit 4, that is this row's chunk-0 offset XOR (c << 4).
-      const int row = warp_row0 + quad_row + 8 * h;
+      const int row = warp * 16 + quad_row + 8 * h;  // of this warpgroup's rows
       // Opaque, so that the kDTiles addresses are formed here and not hoisted out of the tile
       // loop, where they would hold registers through it (spilled with 160-key tiles).
       const uint32_t row_offset =
           ptx::opaque((row * kRowBytes + ((row & 7) << 4)) | (quad_col * 2));
 #pragma unroll
-      for (int d = 0; d < kDTiles; ++d) {
-        const uint32_t offset =
-            sO_offset + (d / 8) * kBlockM * kRowBytes + (row_offset ^ ((d % 8) << 4));
-        ptx::st_shared_b32(base + offset,
+      for (int d = 0; d < kDTiles; ++d)
+        ptx::st_shared_b32(o_tile + (d / 8) * kOSpanBytes + (row_offset ^ ((d % 8) << 4)),
                            ptx::pack2<Elem>(o_acc[0][d][2 * h], o_acc[0][d][2 * h + 1]));
-      }
-      if (lane % 4 == 0 && row0 + row < p.seqlen_q) lse[row0 + row] = row_lse[0][h];
+      const int block_row = warp_row0 + quad_row + 8 * h;
+      if (lane % 4 == 0 && row0 + block_row < p.seqlen_q) lse[row0 + block_row] = row_lse[0][h];
     }
     ptx::fence_proxy_async_shared();
     sync_warpgroup();
@@ -415,14 +437,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (tid % 128 == 0) {
 #pragma unroll
       for (int span = 0; span < kSpans; ++span)
-        ptx::tma_store_4d(&maps.out,
-                          base + sO_offset + span * kBlockM * kRowBytes + warp_row0 * kRowBytes,
-                          span * kSpanElems, n, row0 + warp_row0, b);
+        ptx::tma_store_4d(&maps.out, o_tile + span * kOSpanBytes, span * kSpanElems, n,
+                          row0 + warp_row0, b);
       ptx::bulk_commit_group();
-      if constexpr (Traits::kOInQ) ptx::bulk_wait_group_read_all();
     }
   };
-  // The epilogue waits (O not staged in Q): a tile's normalised O stays in o_acc until the
+  // The epilogue waits (O in its own tile): a tile's normalised O stays in o_acc until the
   // next tile's first S = Q K^T is issued, and is stored while that product runs, before it
   // is zeroed for the next tile's first O += P V (or at once, where the next tile computes
   // nothing). Stored right after the tile, the epilogue and the next tile's start (slot, Q,
@@ -432,7 +452,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   int pending_b = -1, pending_n = 0, pending_row0 = 0;
   float pending_lse[1][2];
   const auto store_pending = [&] {
-    if (pending_b >= 0) store_output(pending_b, pending_n, pending_row0, pending_lse);
+    if (pending_b >= 0)
+      store_output(pending_b, pending_n, pending_row0, pending_lse,
+                   base + sO_offset + wg_row0 * kRowBytes);
     pending_b = -1;
   };
   // The block's next tile from the slot; false when there is none (the producer has left).
@@ -479,7 +501,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int r = 0; r <= t.num_kv_tiles; ++r) {
         const bool key_tile = r < t.num_kv_tiles, value_tile = r > 0;
         if (key_tile) ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
-        if (!Traits::kOInQ && r == t.num_kv_tiles) release(bars.q_empty[q_stage]);
+        if (r == t.num_kv_tiles) release(bars.q_empty[q_stage]);
         if (value_tile) ptx::mbarrier_wait(bar(bars.v_full[last.stage()]), last.phase());
         take_turn();
         hand_over();
@@ -488,7 +510,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         last = kv_ring;
         if (key_tile) ++kv_ring.count;
       }
-      if constexpr (Traits::kOInQ) release(bars.q_empty[q_stage]);
+      if constexpr (Traits::kOInKV) {  // the ring position lent for O: nothing to stage
+        ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
+        release(bars.k_empty[kv_ring.stage()]);
+        release(bars.v_empty[kv_ring.stage()]);
+        ++kv_ring.count;
+      }
       more = read_tile(t);
       continue;
     }
@@ -613,37 +640,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     retire_pv(wg_tiles > 1, (kv_ring.count - 1) % kStages);
     cuda::OnlineSoftmax<1>::rescale_where_moved(o_acc, correction);
     // The tile's last S = Q K^T has landed, Q's last read: the next tile's Q may load under
-    // this tile's last O += P V (where O is staged in Q, once the epilogue's store has read
-    // it).
-    if constexpr (!Traits::kOInQ) release(bars.q_empty[q_stage]);
+    // this tile's last O += P V.
+    release(bars.q_empty[q_stage]);
     pack_p();
     ptx::mbarrier_wait(bar(bars.v_full[kv_ring.stage()]), kv_ring.phase());
     take_turn();
     issue_pv(kv_ring.stage(), half_last);
     hand_over();
-    // The next tile, read while this one's last O += P V runs (with O staged in Q, after the
-    // store: read here, head dim 256 ran 4-10% slower at T = 2048, and ptxas moved much of the
-    // tile's bookkeeping off the uniform datapath).
+    // The next tile, read while this one's last O += P V runs.
     ForwardTile next;
-    if constexpr (!Traits::kOInQ) more = read_tile(next);
+    more = read_tile(next);
     retire_pv(true, kv_ring.stage());
     ++kv_ring.count;
 
     float row_lse[1][2];
     softmax.finalize(o_acc, scale_log2, row_lse);
-    if constexpr (Traits::kOInQ) {
-      store_output(t.b, t.n, t.row0, row_lse);
-      sync_warpgroup();  // the store has read O: the next Q may land
-      release(bars.q_empty[q_stage]);
-      more = read_tile(next);
-    } else {
-      pending_b = t.b;
-      pending_n = t.n;
-      pending_row0 = t.row0;
-      pending_lse[0][0] = row_lse[0][0];
-      pending_lse[0][1] = row_lse[0][1];
-    }
-    // The tail: see wg_tiles.
+    // The tail: see wg_tiles. Its turns come before the wait for O's ring position, which
+    // the producer lends only once the other warpgroups, whose turns follow these, have
+    // released the tile's buffers.
     for (int j = wg_tiles; j < t.num_kv_tiles; ++j, ++kv_ring.count) {
       ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
       ptx::mbarrier_wait(bar(bars.v_full[kv_ring.stage()]), kv_ring.phase());
@@ -651,6 +665,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       hand_over();
       release(bars.k_empty[kv_ring.stage()]);
       release(bars.v_empty[kv_ring.stage()]);
+    }
+    if constexpr (Traits::kOInKV) {
+      // Stored at once, and the position released as soon as the TMA store has read it: the
+      // next tile's second K/V tile loads into it.
+      const int stage = kv_ring.stage();
+      ptx::mbarrier_wait(bar(bars.k_full[stage]), kv_ring.phase());
+      store_output(t.b, t.n, t.row0, row_lse, consumer == 0 ? sK(stage) : sV(stage));
+      if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
+      sync_warpgroup();
+      release(bars.k_empty[stage]);
+      release(bars.v_empty[stage]);
+      ++kv_ring.count;
+    } else {
+      pending_b = t.b;
+      pending_n = t.n;
+      pending_row0 = t.row0;
+      pending_lse[0][0] = row_lse[0][0];
+      pending_lse[0][1] = row_lse[0][1];
     }
     t = next;
   }

@@ -5,9 +5,8 @@
 // stored as TMA writes it with the 128-byte swizzle: the head dim split into 64-element
 // spans, each span a [rows][64] array of 128-byte rows, spans one after another. K and V
 // cycle through kStages buffers guarded by full/empty mbarriers, Q through kQStages. O is
-// staged for its TMA store in a buffer of its own, or (kOInQ: head dim 256, where shared
-// memory has no room for a second Q-sized tile) in the single Q buffer, which the next tile's
-// Q then waits for.
+// staged for its TMA store in a buffer of its own, or (kOInKV: head dim 256, where shared
+// memory has no room for a second Q-sized tile) in a K/V stage that the ring lends for it.
 #pragma once
 
 #include <cstdint>
@@ -16,7 +15,7 @@
 
 namespace jax_flashattn::sm90 {
 
-template <int kHeadDim_, int kBlockN_, int kStages_, int kQStages_, bool kOInQ_,
+template <int kHeadDim_, int kBlockN_, int kStages_, int kQStages_, bool kOInKV_,
           int kConsumers_ = 2>
 struct ForwardTraits {
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim: a whole number of spans
@@ -27,10 +26,11 @@ struct ForwardTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   // Q tiles in flight: with two, the next tile's Q lands while the current one computes; with
-  // one, while the current one finishes its last tile's softmax and O += P V (with O staged
-  // in Q, only once the epilogue's store has read it).
+  // one, while the current one finishes its last tile's softmax and O += P V.
   static constexpr int kQStages = kQStages_;
-  static constexpr bool kOInQ = kOInQ_;  // O staged in the (only) Q buffer
+  // O staged in the K/V ring: each tile with keys takes one more ring position after its key
+  // tiles, whose K buffer holds consumer 0's 64 rows of O and whose V buffer consumer 1's.
+  static constexpr bool kOInKV = kOInKV_;
   // Whether calls with causal or window bounds run on this configuration (if not, the kernel
   // drops their tests, and the registers that hold the bounds).
   static constexpr bool kWindowed = true;
@@ -47,10 +47,10 @@ struct ForwardTraits {
   static constexpr int kSpans = kHeadDim / kSpanElems;  // TMA boxes per tile
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // also the O staging tile
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile
-  // kQStages Q tiles, O (unless in Q), kStages K tiles and kStages V tiles, 1024-byte aligned
+  // kQStages Q tiles, O (unless in the K/V ring), kStages K tiles and kStages V tiles, 1024-byte aligned
   // each (the swizzle pattern repeats every 8 rows of 128 bytes), then the barriers; plus 1024
   // bytes to align the start.
-  static constexpr int kOBytes = kOInQ ? 0 : kQBytes;
+  static constexpr int kOBytes = kOInKV ? 0 : kQBytes;
   // Q and K/V full and empty barriers, the tile slot's full and empty barriers, then the slot
   // (32 bytes at the next 16-byte boundary).
   static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages + 2) + 8 + 32;
@@ -61,7 +61,8 @@ struct ForwardTraits {
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N is a multiple of 16 up to 256");
   static_assert(kQStages == 1 || kQStages == 2, "one Q buffer or two");
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
-  static_assert(!kOInQ || kQStages == 1, "O staged in Q waits for the one Q buffer");
+  static_assert(!kOInKV || (kBlockN == 64 && kConsumers == 2),
+                "a K or V buffer holds one consumer's 64 rows of O");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles stay 1024-byte aligned");
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
@@ -102,8 +103,9 @@ template <>
 struct ForwardConfig<128, true> : ForwardTraits<128, 160, 2, 1, false> {
   static constexpr bool kWindowed = false;  // wide_config_pays(): the dispatcher's promise
 };
-// O alone is 128 registers, so 64-key tiles: S and P 32 + 16; smem one Q (and O) tile of 64 KiB
-// + 4 x 32 KiB = 192 KiB; 80-key tiles (S and P 40 + 20, 224 KiB) spilled. The producer gets
+// O alone is 128 registers, so 64-key tiles: S and P 32 + 16; smem one Q tile of 64 KiB
+// + 4 x 32 KiB = 192 KiB, no room for an O tile, so O is staged in the K/V ring (one more
+// position per query block); 80-key tiles (S and P 40 + 20, 224 KiB) spilled. The producer gets
 // 32 registers here (with 24 ptxas spilled one of its values: 4 TMA boxes per tile), the
 // consumers 232; ptxas (CUDA 13.0): 0 spills.
 template <>
