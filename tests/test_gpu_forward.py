@@ -183,8 +183,9 @@ def test_warpgroups_past_the_query_length(rng, dtype, head_dim, t, s, kwargs):
     and write zeros and -inf lse for the rows between the query length and T. Head dim 64 with
     three consumers (192-row blocks: T = 512 leaves one idle, 600 two, causal 2200 one, and a
     query length of 100 one in the first block) and with two (T = 300); head dim 128 with
-    160-key tiles and one Q buffer, and with two Q buffers and a query length; head dim 256,
-    O staged in Q, with several key tiles and with one."""
+    160-key tiles and one Q buffer, and with two Q buffers and a query length; head dim 256
+    (O staged in a K/V stage, whose ring position an idle warpgroup takes too), with several
+    key tiles and with one."""
     check(*random_qkv(rng, 2, t, s, 4, 2, head_dim, dtype), **kwargs)
 
 
