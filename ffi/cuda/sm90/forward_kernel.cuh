@@ -655,9 +655,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     float row_lse[1][2];
     softmax.finalize(o_acc, scale_log2, row_lse);
-    // The tail: see wg_tiles. Its turns come before the wait for O's ring position, which
-    // the producer lends only once the other warpgroups, whose turns follow these, have
-    // released the tile's buffers.
+    // The tail: see wg_tiles. Its turns come before the epilogue (with O in the K/V ring,
+    // before the wait for O's position), so that the other warpgroup's last turn, which
+    // follows them, does not wait for this one's epilogue.
     for (int j = wg_tiles; j < t.num_kv_tiles; ++j, ++kv_ring.count) {
       ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
       ptx::mbarrier_wait(bar(bars.v_full[kv_ring.stage()]), kv_ring.phase());
