@@ -58,42 +58,32 @@ def main():
         print(f"ok: {jnp.dtype(dtype).name} H={head_dim} {sorted(kwargs)}")
 
     # The split-KV decode kernel and its combine: 3 queries, GQA 4:1, 1000 odd keys, lengths.
-    q = jnp.asarray(rng.standard_normal((2, 3, 8, 128)), jnp.bfloat16)
-    k, v = (jnp.asarray(rng.standard_normal((2, 1001, 2, 128)), jnp.bfloat16) for _ in range(2))
-    assert jax_flashattn.forward_kernel(q, k) == "decode"
-    out = jax.jit(lambda q, k, v: jax_flashattn.attention(
-        q, k, v, implementation="cuda", is_causal=True,
-        key_value_seq_lengths=jnp.array([1001, 300], jnp.int32)))(q, k, v)
-    assert np.isfinite(np.asarray(out, np.float32)).all(), "decode"
-    print("ok: decode")
-
+    forward_case(rng, "decode", (2, 3, 8, 128), (2, 1001, 2, 128), kernel="decode",
+                 is_causal=True, key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
     # Forward with S >= 2048 and no causal or window bound (the Hopper kernel's 160-key tiles
     # and single Q buffer): 3 x 64 query tiles, more than the SMs, so blocks reuse the buffer.
-    q = jnp.asarray(rng.standard_normal((1, 300, 64, 128)), jnp.bfloat16)
-    k, v = (jnp.asarray(rng.standard_normal((1, 2100, 8, 128)), jnp.bfloat16) for _ in range(2))
-    out = jax.jit(lambda q, k, v: jax_flashattn.attention(q, k, v, implementation="cuda"))(q, k, v)
-    assert np.isfinite(np.asarray(out, np.float32)).all(), "wide key tiles"
-    print("ok: wide key tiles")
-
+    forward_case(rng, "wide key tiles", (1, 300, 64, 128), (1, 2100, 8, 128))
     # Head dim 64, T >= 2048 with causal bounds (the Hopper kernel's three consumer warpgroups
     # on 192-row tiles): 11 query tiles x 16 heads, more than the SMs, T ending mid-tile.
-    q = jnp.asarray(rng.standard_normal((1, 2100, 16, 64)), jnp.bfloat16)
-    k, v = (jnp.asarray(rng.standard_normal((1, 2100, 4, 64)), jnp.bfloat16) for _ in range(2))
-    out = jax.jit(lambda q, k, v: jax_flashattn.attention(
-        q, k, v, implementation="cuda", is_causal=True))(q, k, v)
-    assert np.isfinite(np.asarray(out, np.float32)).all(), "three consumer warpgroups"
-    print("ok: three consumer warpgroups")
-
+    forward_case(rng, "three consumer warpgroups", (1, 2100, 16, 64), (1, 2100, 4, 64),
+                 is_causal=True)
     # Head dim 256 on the Hopper kernel, O staged in the K/V stage the ring lends after each
     # query block's key tiles: 3 x 64 query tiles (more than the SMs), so a block's next
     # tile loads K/V into the stage its last tile's O was stored from; T ends mid-tile.
-    q = jnp.asarray(rng.standard_normal((1, 300, 64, 256)), jnp.bfloat16)
-    k, v = (jnp.asarray(rng.standard_normal((1, 300, 8, 256)), jnp.bfloat16) for _ in range(2))
-    out = jax.jit(lambda q, k, v: jax_flashattn.attention(
-        q, k, v, implementation="cuda", is_causal=True))(q, k, v)
-    assert np.isfinite(np.asarray(out, np.float32)).all(), "O in the K/V ring"
-    print("ok: O in the K/V ring")
+    forward_case(rng, "O in the K/V ring", (1, 300, 64, 256), (1, 300, 8, 256), is_causal=True)
 
+
+def forward_case(rng, name, q_shape, kv_shape, kernel=None, **kwargs):
+    """One bf16 forward call on fresh inputs (q, then k and v of kv_shape); fails unless the
+    dispatcher picks `kernel` (when given) and the output is finite."""
+    q = jnp.asarray(rng.standard_normal(q_shape), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal(kv_shape), jnp.bfloat16) for _ in range(2))
+    if kernel is not None:
+        assert jax_flashattn.forward_kernel(q, k) == kernel, name
+    out = jax.jit(lambda q, k, v: jax_flashattn.attention(
+        q, k, v, implementation="cuda", **kwargs))(q, k, v)
+    assert np.isfinite(np.asarray(out, np.float32)).all(), name
+    print(f"ok: {name}")
 
 if __name__ == "__main__":
     main()

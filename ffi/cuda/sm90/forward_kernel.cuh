@@ -25,12 +25,12 @@
 // the consumer has issued its next tile's first S = Q K^T (which it reads from the slot under
 // its last O += P V); then, under that product, staged in shared memory and written with a TMA
 // store (which clips rows past T) that runs on; at head dim 256, right after the tile, in a
-// K/V stage that the ring lends for it after the tile's key tiles. A warpgroup whose 64 rows all lie past the query length computes nothing: it
-// takes its turns and releases its buffers so that the others finish the tile without it. In
-// the same way, a warpgroup skips the block's last key tile where none of its rows sees a key
-// of it (the lower warpgroups of a causal query block, where the block's lower rows see a
-// tile further), and multiplies only the first half of a last tile whose second half none of
-// its rows sees by V.
+// K/V stage that the ring lends for it after the tile's key tiles. A warpgroup whose 64 rows
+// all lie past the query length computes nothing: it takes its turns and releases its buffers
+// so that the others finish the tile without it. In the same way, a warpgroup skips the
+// block's last key tile where none of its rows sees a key of it (the lower warpgroups of a
+// causal query block, where the block's lower rows see a tile further), and multiplies only
+// the first half of a last tile whose second half none of its rows sees by V.
 #pragma once
 
 #include <cuda.h>
@@ -448,7 +448,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // nothing). Stored right after the tile, the epilogue and the next tile's start (slot, Q,
   // first S) ran one after the other with the tensor cores idle: with one key tile per query
   // block, the epilogue took 0.6 us of a 3.2 us tile (H100, clock64 stamps; head dim 64,
-  // causal, T = 512). pending_b = -1: nothing waits.
+  // causal, T = 512). pending_b = -1: nothing waits (always, with O in the K/V ring, which is
+  // stored at once: there sO_offset is where the ring starts, and nothing stores to it).
   int pending_b = -1, pending_n = 0, pending_row0 = 0;
   float pending_lse[1][2];
   const auto store_pending = [&] {

@@ -47,9 +47,9 @@ struct ForwardTraits {
   static constexpr int kSpans = kHeadDim / kSpanElems;  // TMA boxes per tile
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // also the O staging tile
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile
-  // kQStages Q tiles, O (unless in the K/V ring), kStages K tiles and kStages V tiles, 1024-byte aligned
-  // each (the swizzle pattern repeats every 8 rows of 128 bytes), then the barriers; plus 1024
-  // bytes to align the start.
+  // kQStages Q tiles, O (unless in the K/V ring), kStages K tiles and kStages V tiles,
+  // 1024-byte aligned each (the swizzle pattern repeats every 8 rows of 128 bytes), then the
+  // barriers; plus 1024 bytes to align the start.
   static constexpr int kOBytes = kOInKV ? 0 : kQBytes;
   // Q and K/V full and empty barriers, the tile slot's full and empty barriers, then the slot
   // (32 bytes at the next 16-byte boundary).
