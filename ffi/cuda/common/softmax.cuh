@@ -49,14 +49,14 @@ struct OnlineSoftmax {
     return max == -INFINITY ? 0.f : max * scale;
   }
 
-  // Row h of slab m of S, in place: P = exp2(S * scale - offset), one FFMA and one MUFU.EX2
-  // each. Returns this thread's share of the row's sum.
-  template <int kNTiles>
+  // Row h of slab m of S's first kUsed 8-column tiles, in place: P = exp2(S * scale - offset),
+  // one FFMA and one MUFU.EX2 each. Returns this thread's share of the row's sum.
+  template <int kUsed, int kNTiles>
   __device__ static float exp2_row(float (&S)[kSlabs][kNTiles][4], int m, int h, float scale,
                                    float offset) {
     float sum = 0.f;
 #pragma unroll
-    for (int n = 0; n < kNTiles; ++n)
+    for (int n = 0; n < kUsed; ++n)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         float& s = S[m][n][2 * h + c];
@@ -73,13 +73,22 @@ struct OnlineSoftmax {
   template <int kNTiles>
   __device__ void exponentiate(float (&S)[kSlabs][kNTiles][4], float scale,
                                float (&correction)[kSlabs][2]) {
+    exponentiate_first<kNTiles>(S, scale, correction);
+  }
+
+  // exponentiate over S's first kUsed 8-column tiles, for a tile whose later columns no row
+  // sees: they are left as they are, and the caller reads none of them.
+  template <int kUsed, int kNTiles>
+  __device__ void exponentiate_first(float (&S)[kSlabs][kNTiles][4], float scale,
+                                     float (&correction)[kSlabs][2]) {
+    static_assert(kUsed >= 1 && kUsed <= kNTiles, "a part of the tile");
 #pragma unroll
     for (int m = 0; m < kSlabs; ++m)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float tile_max = -INFINITY;
 #pragma unroll
-        for (int n = 0; n < kNTiles; ++n)
+        for (int n = 0; n < kUsed; ++n)
           tile_max = fmaxf(tile_max, fmaxf(S[m][n][2 * h], S[m][n][2 * h + 1]));
         const float new_max = fmaxf(row_max[m][h], quad_max(tile_max));
         const float offset = offset_for(new_max, scale);
@@ -87,7 +96,7 @@ struct OnlineSoftmax {
         correction[m][h] =
             row_max[m][h] == -INFINITY ? 1.f : ptx::exp2_approx(row_max[m][h] * scale - offset);
         row_max[m][h] = new_max;
-        row_sum[m][h] = row_sum[m][h] * correction[m][h] + exp2_row(S, m, h, scale, offset);
+        row_sum[m][h] = row_sum[m][h] * correction[m][h] + exp2_row<kUsed>(S, m, h, scale, offset);
       }
   }
 
@@ -111,7 +120,7 @@ struct OnlineSoftmax {
     for (int m = 0; m < kSlabs; ++m)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        sum[m][h] = exp2_row(S, m, h, scale, offset_for(row_max[m][h], scale));
+        sum[m][h] = exp2_row<kNTiles>(S, m, h, scale, offset_for(row_max[m][h], scale));
         within = within && sum[m][h] <= kSettledHeadroom;
       }
     if (!__all_sync(0xffffffff, within)) return false;

@@ -546,6 +546,35 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     t.vis.all_visible_tiles(int64_t(t.row0) + warp_row0, int64_t(t.row0) + warp_row0 + 16,
                             t.tile_begin, kBlockN, interior_lo, interior_hi);
     const uint32_t q_tile = sQ(q_stage) + wg_row0 * kRowBytes;
+    // The full update of tile j over its first kUsed 8-column tiles: where a boundary crosses
+    // the tile for this warp's rows (not interior), the scores it hides set to -inf first.
+    const auto mask_and_exponentiate = [&](auto used, int j, bool interior,
+                                           float (&correction)[1][2]) {
+      constexpr int kUsed = decltype(used)::value;
+      if (!interior) {
+        // t.vis again, rebuilt from the parameters (the lengths one load away): kept, its four
+        // 64-bit bounds held 8 registers through the tile loop, which spilled with three
+        // consumers. The opaque batch index keeps the compiler from reusing the first loads.
+        cuda::Visibility vis = cuda::Visibility::make(p, ptx::opaque(uint32_t(t.b)), t.n);
+        vis.mask = nullptr;
+        if constexpr (!Traits::kWindowed) vis.window_left = vis.window_right = kUnboundedWindow;
+        const cuda::TileVisibility tile_vis = cuda::TileVisibility::make(
+            vis, t.row0, int64_t(t.tile_begin + j) * kBlockN, kBlockM + kBlockN);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          int lo, hi;  // this thread's visible columns, relative to its column offset
+          tile_vis.columns(warp_row0 + quad_row + 8 * h, lo, hi);
+          lo -= quad_col;
+          hi -= quad_col;
+#pragma unroll
+          for (int c = 0; c < kUsed; ++c)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (c * 8 + e < lo || c * 8 + e > hi) s_acc[0][c][2 * h + e] = -INFINITY;
+        }
+      }
+      softmax.exponentiate_first<kUsed>(s_acc, scale_log2, correction);
+    };
     // Tile j's probabilities from its landed scores. On an interior tile (every row of the
     // warp below the query length) after the first, once each of the warp's rows has a finite
     // maximum, the tile is exponentiated against those maxima: no max reduction, no O rescale.
@@ -555,7 +584,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // it). K_j is released once nothing reads it.
     const auto softmax_step = [&](int j, float (&correction)[1][2]) {
       const int stage = kv_ring.stage();
-      const int64_t key0 = int64_t(t.tile_begin + j) * kBlockN;
       const bool interior = j >= interior_lo && j < interior_hi;
       const bool settled = j > 0 && interior &&
                            __all_sync(0xffffffff, softmax.row_max[0][0] > -INFINITY &&
@@ -566,29 +594,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // Beside this warpgroup's P_{j-1} V_{j-1} wgmma, whose registers it leaves alone (a
         // wgmma wait, taken by one warp, would break wait_group's warpgroup-wide rule).
         if (settled) recompute_scores(q_tile, stage);
-        if (!interior) {
-          // t.vis again, rebuilt from the parameters (the lengths one load away): kept, its four
-          // 64-bit bounds held 8 registers through the tile loop, which spilled with three
-          // consumers. The opaque batch index keeps the compiler from reusing the first loads.
-          cuda::Visibility vis = cuda::Visibility::make(p, ptx::opaque(uint32_t(t.b)), t.n);
-          vis.mask = nullptr;
-          if constexpr (!Traits::kWindowed) vis.window_left = vis.window_right = kUnboundedWindow;
-          const cuda::TileVisibility tile_vis =
-              cuda::TileVisibility::make(vis, t.row0, key0, kBlockM + kBlockN);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            int lo, hi;  // this thread's visible columns, relative to its column offset
-            tile_vis.columns(warp_row0 + quad_row + 8 * h, lo, hi);
-            lo -= quad_col;
-            hi -= quad_col;
-#pragma unroll
-            for (int c = 0; c < kNTiles; ++c)
-#pragma unroll
-              for (int e = 0; e < 2; ++e)
-                if (c * 8 + e < lo || c * 8 + e > hi) s_acc[0][c][2 * h + e] = -INFINITY;
-          }
-        }
-        softmax.exponentiate(s_acc, scale_log2, correction);
+        // A half-seen last tile (half_last) is masked and exponentiated on its first half
+        // alone: no row of this warpgroup sees the rest, and its O += P V reads only the first
+        // half of P. On a causal diagonal with 128-key tiles that is warpgroup 0's every block.
+        if (half_last && j == wg_tiles - 1)
+          mask_and_exponentiate(std::integral_constant<int, kNTiles / 2>{}, j, interior,
+                                correction);
+        else
+          mask_and_exponentiate(std::integral_constant<int, kNTiles>{}, j, interior, correction);
       }
       // One release site after both paths: releasing K_j before the full update where no
       // recompute can follow spilled 8-108 B (ptxas, CUDA 13.0).
