@@ -77,7 +77,7 @@ struct OnlineSoftmax {
   }
 
   // exponentiate over S's first kUsed 8-column tiles, for a tile whose later columns no row
-  // sees: they are left as they are, and the caller reads none of them.
+  // sees: they are left as they are, and the caller multiplies none of them by V.
   template <int kUsed, int kNTiles>
   __device__ void exponentiate_first(float (&S)[kSlabs][kNTiles][4], float scale,
                                      float (&correction)[kSlabs][2]) {

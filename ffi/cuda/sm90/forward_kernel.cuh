@@ -337,10 +337,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ptx::wgmma_rs<kHeadDim, Elem>(o_acc[0], p_frag[kk], v_desc(stage, kk));
     ptx::wgmma_commit_group();
   };
-  // O += P V; over the first half of the tile's keys when `half` (P is zero on the rest: no
-  // row of this warpgroup sees them). Only a warpgroup's last key tile is taken as seen on its
-  // first half alone, and it is multiplied after the tile loop, so the loop itself has no
-  // branch between products.
+  // O += P V; over the first half of the tile's keys when `half` (no row of this warpgroup
+  // sees the rest, and the rest of P holds unexponentiated scores: see softmax_step). Only a
+  // warpgroup's last key tile is taken as seen on its first half alone, and it is multiplied
+  // after the tile loop, so the loop itself has no branch between products.
   // (S = Q K^T of the first half alone, into the first half of S, made ptxas serialise every
   // wgmma of the kernel: a wait after each, head dim 64 17% slower.)
   const auto issue_pv = [&](int stage, bool half) {
@@ -596,7 +596,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (settled) recompute_scores(q_tile, stage);
         // A half-seen last tile (half_last) is masked and exponentiated on its first half
         // alone: no row of this warpgroup sees the rest, and its O += P V reads only the first
-        // half of P. On a causal diagonal with 128-key tiles that is warpgroup 0's every block.
+        // half of P. On a causal diagonal with 128-key tiles and 128-row blocks, that is
+        // warpgroup 0's last tile in every block.
         if (half_last && j == wg_tiles - 1)
           mask_and_exponentiate(std::integral_constant<int, kNTiles / 2>{}, j, interior,
                                 correction);
