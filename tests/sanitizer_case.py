@@ -45,8 +45,7 @@ def main():
                                 mask=np.arange(93) % 3 != 1, deterministic_backward=True)),
     ]
     for dtype, head_dim, kwargs in cases:
-        q = jnp.asarray(rng.standard_normal((2, 77, 4, head_dim)), dtype)
-        k, v = (jnp.asarray(rng.standard_normal((2, 93, 2, head_dim)), dtype) for _ in range(2))
+        q, k, v = random_qkv(rng, (2, 77, 4, head_dim), (2, 93, 2, head_dim), dtype)
 
         def loss(q, k, v):
             out = jax_flashattn.attention(q, k, v, implementation="cuda", **kwargs)
@@ -76,14 +75,21 @@ def main():
 def forward_case(rng, name, q_shape, kv_shape, kernel=None, **kwargs):
     """One bf16 forward call on fresh inputs (q, then k and v of kv_shape); fails unless the
     dispatcher picks `kernel` (when given) and the output is finite."""
-    q = jnp.asarray(rng.standard_normal(q_shape), jnp.bfloat16)
-    k, v = (jnp.asarray(rng.standard_normal(kv_shape), jnp.bfloat16) for _ in range(2))
+    q, k, v = random_qkv(rng, q_shape, kv_shape, jnp.bfloat16)
     if kernel is not None:
         assert jax_flashattn.forward_kernel(q, k) == kernel, name
     out = jax.jit(lambda q, k, v: jax_flashattn.attention(
         q, k, v, implementation="cuda", **kwargs))(q, k, v)
     assert np.isfinite(np.asarray(out, np.float32)).all(), name
     print(f"ok: {name}")
+
+
+def random_qkv(rng, q_shape, kv_shape, dtype):
+    """Fresh standard-normal q of q_shape, then k and v of kv_shape, in dtype."""
+    q = jnp.asarray(rng.standard_normal(q_shape), dtype)
+    k, v = (jnp.asarray(rng.standard_normal(kv_shape), dtype) for _ in range(2))
+    return q, k, v
+
 
 if __name__ == "__main__":
     main()
