@@ -189,6 +189,28 @@ def test_warpgroups_past_the_query_length(rng, dtype, head_dim, t, s, kwargs):
     check(*random_qkv(rng, 2, t, s, 4, 2, head_dim, dtype), **kwargs)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("window", [(-3, 40), (200, -1), (None, -1), (-130, None), (10**12, 2),
+                                    (-(10**12), 10**12), (5, -(10**12)), (2**31 + 5, 2**32)])
+def test_kernel_windows(rng, head_dim, window):
+    """Windows as ring attention's blocks hand them to the kernel (`_ops.forward`): bounds that
+    leave the diagonal out (s >= t + 3, s <= t - 1), one side unbounded, and bounds far past the
+    lengths, which the Hopper forward clamps into int32 (hiding no key, or every key: then every
+    row is 0 with lse -inf). Checked against the reference with the window as a boolean mask;
+    T = 300 and S = 333 end in partial tiles."""
+    q, k, v = random_qkv(rng, 2, 300, 333, 4, 2, head_dim, jnp.bfloat16)
+    out, lse = jax.jit(lambda q, k, v: _ops.forward(
+        q, k, v, None, None, None, None, scale=head_dim ** -0.5, window=window))(q, k, v)
+    left, right = (np.inf if w is None else w for w in window)
+    t, s = np.arange(300)[:, None], np.arange(333)[None, :]
+    keep = (s >= t - left) & (s <= t + right)
+    lse_ref = assert_attention_close(out, q, k, v, mask=keep)
+    lse = np.swapaxes(np.asarray(lse), 1, 2)  # [B, N, T] -> [B, T, N], as the reference's
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    finite = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[finite], lse_ref[finite], rtol=2e-3, atol=2e-3)
+
+
 @pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(17, 5)),
                                     dict(key_value_seq_lengths=np.array([150, 0], np.int32))])
 @pytest.mark.parametrize("head_dim", [72, 128])

@@ -460,13 +460,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
   // The block's next tile from the slot; false when there is none (the producer has left).
   int tiles_read = 0;
+  const cuda::Visibility32 call_vis = cuda::Visibility32::make(p);
   const auto read_tile = [&](ForwardTile& tile) {
     ptx::mbarrier_wait(bar(bars.tile_full), uint32_t(tiles_read) & 1);
-    const bool more = TileSlot::load(tile_slot, p, tile);
+    const bool more = TileSlot::load(tile_slot, call_vis, tile);
     ptx::mbarrier_arrive(bar(bars.tile_empty));
     ++tiles_read;
-    if constexpr (!Traits::kWindowed)
-      tile.vis.window_left = tile.vis.window_right = kUnboundedWindow;
     return more;
   };
 
@@ -493,7 +492,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // the same arrivals. The test goes through a warp vote for ptxas's sake: as a plain compare
     // it moved the tile loop's values out of uniform registers and spilled 136 B with three
     // consumers.
-    if (__all_sync(0xffffffff, int64_t(t.row0) + wg_row0 >= t.vis.q_len)) {
+    if (__all_sync(0xffffffff, t.row0 + wg_row0 >= t.vis.q_len)) {
       store_pending();
       write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
       // Turn r issues S_r (r < n) and P_{r-1} V_{r-1} (r > 0) on the computing path of a
@@ -530,21 +529,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     int wg_tiles = t.num_kv_tiles;
     bool half_last = false;
     if constexpr (Traits::kWindowed) {
-      int64_t key_lo, key_hi;
-      t.vis.key_range(int64_t(t.row0) + wg_row0, int64_t(t.row0) + wg_row0 + 64, key_lo, key_hi);
+      int key_lo, key_hi;
+      t.vis.key_range(t.row0 + wg_row0, t.row0 + wg_row0 + 64, key_lo, key_hi);
       if (key_hi > key_lo) {
-        const int last = int((key_hi - 1) / kBlockN) - t.tile_begin;
+        const int last = int(unsigned(key_hi - 1) / kBlockN) - t.tile_begin;
         if (last + 1 < wg_tiles) wg_tiles = last + 1;
-        half_last = key_hi - int64_t(t.tile_begin + wg_tiles - 1) * kBlockN <= kBlockN / 2;
+        half_last = key_hi - (t.tile_begin + wg_tiles - 1) * kBlockN <= kBlockN / 2;
       }
     }
     cuda::OnlineSoftmax<1> softmax;
     softmax.init();
-    // The tiles no boundary crosses for this warp's rows, worked out once per query block
-    // (64-bit): two int32 compares per tile remain, and the visibility for the masked path.
+    // The tiles no boundary crosses for this warp's rows, worked out once per query block:
+    // two compares per tile remain, and the tile's bounds on the masked path.
     int interior_lo, interior_hi;
-    t.vis.all_visible_tiles(int64_t(t.row0) + warp_row0, int64_t(t.row0) + warp_row0 + 16,
-                            t.tile_begin, kBlockN, interior_lo, interior_hi);
+    t.vis.all_visible_tiles<kBlockN>(t.row0 + warp_row0, t.row0 + warp_row0 + 16, t.tile_begin,
+                                     interior_lo, interior_hi);
     const uint32_t q_tile = sQ(q_stage) + wg_row0 * kRowBytes;
     // The full update of tile j over its first kUsed 8-column tiles: where a boundary crosses
     // the tile for this warp's rows (not interior), the scores it hides set to -inf first.
@@ -552,14 +551,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                            float (&correction)[1][2]) {
       constexpr int kUsed = decltype(used)::value;
       if (!interior) {
-        // t.vis again, rebuilt from the parameters (the lengths one load away): kept, its four
-        // 64-bit bounds held 8 registers through the tile loop, which spilled with three
-        // consumers. The opaque batch index keeps the compiler from reusing the first loads.
-        cuda::Visibility vis = cuda::Visibility::make(p, ptx::opaque(uint32_t(t.b)), t.n);
-        vis.mask = nullptr;
-        if constexpr (!Traits::kWindowed) vis.window_left = vis.window_right = kUnboundedWindow;
+        // The bounds rebuilt from the parameters (the lengths one load away): t.vis, kept live
+        // through the tile loop for this, spilled 24 B with three consumers (ptxas, CUDA 13.0).
+        // The opaque batch index keeps the compiler from reusing the tile's first loads.
+        const cuda::Visibility32 vis = cuda::Visibility32::make(p, ptx::opaque(uint32_t(t.b)));
         const cuda::TileVisibility tile_vis = cuda::TileVisibility::make(
-            vis, t.row0, int64_t(t.tile_begin + j) * kBlockN, kBlockM + kBlockN);
+            vis, t.row0, (t.tile_begin + j) * kBlockN, kBlockM + kBlockN);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           int lo, hi;  // this thread's visible columns, relative to its column offset

@@ -20,7 +20,7 @@ struct ForwardTile {
   int row0;          // first query row of the block
   int tile_begin;    // first K/V tile the block visits
   int num_kv_tiles;  // 0 when no row of the block sees a key
-  cuda::Visibility vis;
+  cuda::Visibility32 vis;
 };
 
 // A claimed tile as the producer hands it to the consumers: 32 bytes of shared memory (16-byte
@@ -38,12 +38,12 @@ struct TileSlot {
   __device__ static void store_end(uint32_t address) {
     ptx::st_shared_v4_b32(address, uint32_t(-1), 0, 0, 0);
   }
-  // The tile in the slot, with the call's window and no elementwise mask (the Hopper kernel
-  // runs without one); false when the slot says there is none. Every lane loads the same
+  // The tile in the slot, with the windows of `call` (Visibility32::make(p), made once);
+  // false when the slot says there is none. Every lane loads the same
   // words; a warp reduction of each says so to ptxas, which then keeps the tile in uniform
   // registers and its loop bounds' branches uniform, as it did when the consumers decoded the
   // index themselves (loaded plainly, the eight words took vector registers).
-  __device__ static bool load(uint32_t address, const AttentionParams& p, ForwardTile& t) {
+  __device__ static bool load(uint32_t address, const cuda::Visibility32& call, ForwardTile& t) {
     uint32_t w[4], x[4];
     ptx::ld_shared_v4_b32(address, w);
     ptx::ld_shared_v4_b32(address + 16, x);
@@ -54,11 +54,9 @@ struct TileSlot {
     t.row0 = uniform(w[3]);
     t.tile_begin = uniform(x[0]);
     t.num_kv_tiles = uniform(x[1]);
-    t.vis = {};
+    t.vis = call;
     t.vis.q_len = uniform(x[2]);
     t.vis.kv_len = uniform(x[3]);
-    t.vis.window_left = p.window_left;
-    t.vis.window_right = p.window_right;
     return t.b >= 0;
   }
 };
@@ -93,14 +91,11 @@ struct TileScheduler {
     t.n = bh % heads;
     t.kv_head = t.n / group_size;
     t.row0 = (m_blocks - 1 - index % m_blocks) * kBlockM;
-    t.vis = cuda::Visibility::make(p, t.b, t.n);
-    // The Hopper kernel runs without an elementwise mask (the dispatcher's rule); saying so
-    // lets the compiler drop the mask's fields and tests.
-    t.vis.mask = nullptr;
-    int64_t key_lo, key_hi;
+    t.vis = cuda::Visibility32::make(p, t.b);
+    int key_lo, key_hi;
     t.vis.key_range(t.row0, t.row0 + kBlockM, key_lo, key_hi);
-    t.tile_begin = key_hi > key_lo ? int(key_lo / kBlockN) : 0;
-    t.num_kv_tiles = key_hi > key_lo ? int((key_hi + kBlockN - 1) / kBlockN) - t.tile_begin : 0;
+    t.tile_begin = key_hi > key_lo ? key_lo / kBlockN : 0;
+    t.num_kv_tiles = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN - t.tile_begin : 0;
     return t;
   }
 };

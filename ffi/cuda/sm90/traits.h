@@ -32,7 +32,7 @@ struct ForwardTraits {
   // tiles, whose K buffer holds consumer 0's 64 rows of O and whose V buffer consumer 1's.
   static constexpr bool kOInKV = kOInKV_;
   // Whether calls with causal or window bounds run on this configuration (if not, the kernel
-  // drops their tests, and the registers that hold the bounds).
+  // drops each warpgroup's own key range: every row then sees the same keys).
   static constexpr bool kWindowed = true;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
@@ -68,10 +68,11 @@ struct ForwardTraits {
 };
 
 // The tile scheduler keeps rows, (batch, head) and tile indices in 32 bits: T, S, batch * heads
-// and the tile count (at most one per 64 rows, per head) plus the grid must stay below 2^31.
+// and the tile count (at most one per 64 rows, per head) plus the grid must stay below 2^31, and
+// so must T + S, which the forward's bounds (cuda::Visibility32) add up.
 inline bool indices_fit_32_bits(const AttentionParams& p) {
   constexpr int64_t kLimit = 0x7fffffff - 1024;
-  return p.seqlen_q <= kLimit && p.seqlen_k <= kLimit && p.batch * p.num_heads <= kLimit &&
+  return p.seqlen_q + p.seqlen_k <= kLimit && p.batch * p.num_heads <= kLimit &&
          (p.seqlen_q / 64 + 1) <= kLimit / (p.batch * p.num_heads > 0 ? p.batch * p.num_heads : 1);
 }
 
