@@ -66,6 +66,10 @@ def main():
     # on 192-row tiles): 11 query tiles x 16 heads, more than the SMs, T ending mid-tile.
     forward_case(rng, "three consumer warpgroups", (1, 2100, 16, 64), (1, 2100, 4, 64),
                  is_causal=True)
+    # Head dim 64 below T = 2048 with causal bounds (two consumer warpgroups, three K/V
+    # stages): 8 query tiles x 24 heads, more than the SMs, so the ring of three wraps across
+    # a block's tiles; T ends mid-tile.
+    forward_case(rng, "three K/V stages", (1, 1000, 24, 64), (1, 1000, 8, 64), is_causal=True)
     # Head dim 256 on the Hopper kernel, O staged in the K/V stage the ring lends after each
     # query block's key tiles: 3 x 64 query tiles (more than the SMs), so a block's next
     # tile loads K/V into the stage its last tile's O was stored from; T ends mid-tile.

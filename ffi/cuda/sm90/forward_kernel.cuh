@@ -79,7 +79,7 @@ struct NamedBarriers {
 // empty barrier's phase of use n - kStages.
 template <int kStages>
 struct RingPosition {
-  uint32_t count = 0;  // unsigned: % and / by kStages are a mask and a shift
+  uint32_t count = 0;  // unsigned: % and / by kStages are a mask and a shift (a power of two)
   __device__ int stage() const { return int(count % kStages); }
   __device__ uint32_t phase() const { return uint32_t(count / kStages) & 1; }
   __device__ bool refill() const { return count >= kStages; }
