@@ -70,23 +70,6 @@ struct Visibility {
     return true;
   }
 
-  // The key tiles that all_visible accepts for rows [row_begin, row_end): tile j of a walk
-  // that starts at tile tile_begin (keys [(tile_begin + j) * block_n, + block_n)) passes iff
-  // lo <= j < hi. One 64-bit computation per block of rows, then two int32 compares per tile.
-  __device__ void all_visible_tiles(int64_t row_begin, int64_t row_end, int64_t tile_begin,
-                                    int64_t block_n, int& lo, int& hi) const {
-    lo = hi = 0;
-    if (mask != nullptr || row_end > q_len) return;
-    int64_t key_lo = 0, key_hi = kv_len;  // whole tiles inside [key_lo, key_hi) pass
-    if (window_left != kUnboundedWindow && row_end - 1 - window_left > key_lo)
-      key_lo = row_end - 1 - window_left;
-    if (window_right != kUnboundedWindow && row_begin + window_right + 1 < key_hi)
-      key_hi = row_begin + window_right + 1;
-    if (key_hi <= key_lo) return;
-    lo = int((key_lo + block_n - 1) / block_n - tile_begin);
-    hi = int(key_hi / block_n - tile_begin);
-  }
-
   __device__ bool visible(int64_t t, int64_t s) const {
     if (t >= q_len || s >= kv_len) return false;
     if (window_left != kUnboundedWindow && s < t - window_left) return false;
@@ -137,9 +120,10 @@ struct Visibility32 {
     hi = row_end > row_begin ? min(kv_len, row_end + window_right) : 0;
   }
 
-  // Visibility::all_visible_tiles in int32: tile j of a walk that starts at tile tile_begin
-  // (keys [(tile_begin + j) * kBlockN, + kBlockN)) is whole inside every row's visible keys of
-  // [row_begin, row_end) iff lo <= j < hi.
+  // The key tiles that Visibility::all_visible accepts for rows [row_begin, row_end): tile j of
+  // a walk that starts at tile tile_begin (keys [(tile_begin + j) * kBlockN, + kBlockN)) lies
+  // whole inside every row's visible keys iff lo <= j < hi. Worked out once per block of rows,
+  // it leaves two compares per tile.
   template <int kBlockN>
   __device__ void all_visible_tiles(int row_begin, int row_end, int tile_begin, int& lo,
                                     int& hi) const {

@@ -79,7 +79,9 @@ struct NamedBarriers {
 // empty barrier's phase of use n - kStages.
 template <int kStages>
 struct RingPosition {
-  uint32_t count = 0;  // unsigned: % and / by kStages are a mask and a shift (a power of two)
+  // Unsigned: with a power-of-two kStages, % and / are a mask and a shift. It wraps after
+  // 2^32 uses, which no call comes near (one block would run for over half an hour).
+  uint32_t count = 0;
   __device__ int stage() const { return int(count % kStages); }
   __device__ uint32_t phase() const { return uint32_t(count / kStages) & 1; }
   __device__ bool refill() const { return count >= kStages; }
@@ -525,7 +527,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // tiles past them are this warpgroup's tail: it takes their turns and releases their
     // buffers, as an idle warpgroup does, and computes nothing.
     // Without causal or window bounds (kWindowed false) every row sees the same keys: no tail,
-    // and a half-seen last tile only where the key length ends early in it.
+    // and the last tile is multiplied whole (keys past the length masked to zero).
     int wg_tiles = t.num_kv_tiles;
     bool half_last = false;
     if constexpr (Traits::kWindowed) {
