@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_flashattn
+from helpers import random_qkv  # tests/ is this script's directory, so it is on sys.path
 
 
 def main():
@@ -45,7 +46,7 @@ def main():
                                 mask=np.arange(93) % 3 != 1, deterministic_backward=True)),
     ]
     for dtype, head_dim, kwargs in cases:
-        q, k, v = random_qkv(rng, (2, 77, 4, head_dim), (2, 93, 2, head_dim), dtype)
+        q, k, v = random_qkv(rng, 2, 77, 93, 4, 2, head_dim, dtype)
 
         def loss(q, k, v):
             out = jax_flashattn.attention(q, k, v, implementation="cuda", **kwargs)
@@ -57,42 +58,34 @@ def main():
         print(f"ok: {jnp.dtype(dtype).name} H={head_dim} {sorted(kwargs)}")
 
     # The split-KV decode kernel and its combine: 3 queries, GQA 4:1, 1000 odd keys, lengths.
-    forward_case(rng, "decode", (2, 3, 8, 128), (2, 1001, 2, 128), kernel="decode",
+    forward_case(rng, "decode", (2, 3, 1001, 8, 2, 128), kernel="decode",
                  is_causal=True, key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
     # Forward with S >= 2048 and no causal or window bound (the Hopper kernel's 160-key tiles
     # and single Q buffer): 3 x 64 query tiles, more than the SMs, so blocks reuse the buffer.
-    forward_case(rng, "wide key tiles", (1, 300, 64, 128), (1, 2100, 8, 128))
+    forward_case(rng, "wide key tiles", (1, 300, 2100, 64, 8, 128))
     # Head dim 64, T >= 2048 with causal bounds (the Hopper kernel's three consumer warpgroups
     # on 192-row tiles): 11 query tiles x 16 heads, more than the SMs, T ending mid-tile.
-    forward_case(rng, "three consumer warpgroups", (1, 2100, 16, 64), (1, 2100, 4, 64),
-                 is_causal=True)
+    forward_case(rng, "three consumer warpgroups", (1, 2100, 2100, 16, 4, 64), is_causal=True)
     # Head dim 64 below T = 2048 with causal bounds (two consumer warpgroups, three K/V
     # stages): 8 query tiles x 24 heads, more than the SMs, so the ring of three wraps across
     # a block's tiles; T ends mid-tile.
-    forward_case(rng, "three K/V stages", (1, 1000, 24, 64), (1, 1000, 8, 64), is_causal=True)
+    forward_case(rng, "three K/V stages", (1, 1000, 1000, 24, 8, 64), is_causal=True)
     # Head dim 256 on the Hopper kernel, O staged in the K/V stage the ring lends after each
     # query block's key tiles: 3 x 64 query tiles (more than the SMs), so a block's next
     # tile loads K/V into the stage its last tile's O was stored from; T ends mid-tile.
-    forward_case(rng, "O in the K/V ring", (1, 300, 64, 256), (1, 300, 8, 256), is_causal=True)
+    forward_case(rng, "O in the K/V ring", (1, 300, 300, 64, 8, 256), is_causal=True)
 
 
-def forward_case(rng, name, q_shape, kv_shape, kernel=None, **kwargs):
-    """One bf16 forward call on fresh inputs (q, then k and v of kv_shape); fails unless the
-    dispatcher picks `kernel` (when given) and the output is finite."""
-    q, k, v = random_qkv(rng, q_shape, kv_shape, jnp.bfloat16)
+def forward_case(rng, name, sizes, kernel=None, **kwargs):
+    """One bf16 forward call on fresh inputs of `sizes` (B, T, S, N, K, H, as random_qkv takes
+    them); fails unless the dispatcher picks `kernel` (when given) and the output is finite."""
+    q, k, v = random_qkv(rng, *sizes, jnp.bfloat16)
     if kernel is not None:
         assert jax_flashattn.forward_kernel(q, k) == kernel, name
     out = jax.jit(lambda q, k, v: jax_flashattn.attention(
         q, k, v, implementation="cuda", **kwargs))(q, k, v)
     assert np.isfinite(np.asarray(out, np.float32)).all(), name
     print(f"ok: {name}")
-
-
-def random_qkv(rng, q_shape, kv_shape, dtype):
-    """Fresh standard-normal q of q_shape, then k and v of kv_shape, in dtype."""
-    q = jnp.asarray(rng.standard_normal(q_shape), dtype)
-    k, v = (jnp.asarray(rng.standard_normal(kv_shape), dtype) for _ in range(2))
-    return q, k, v
 
 
 if __name__ == "__main__":
