@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "ffi/cuda/common/ptx.cuh"
 #include "ffi/params.h"
 
 namespace jax_flashattn::cuda {
@@ -171,12 +172,42 @@ struct TileVisibility {
     return r < rows && c < keys && c - r >= diff_lo && c - r <= diff_hi;
   }
 
-  // The visible columns of row r as [lo, hi] (empty when lo > hi): two per-row bounds, so a
-  // kernel masks each element with two compares against compile-time column offsets.
+  // The visible columns of row r as [lo, hi] (empty when lo > hi): two per-row bounds, which
+  // column_bits turns into one bit per element of a thread's accumulator row.
   __device__ void columns(int r, int& lo, int& hi) const {
     lo = r + diff_lo > 0 ? r + diff_lo : 0;
     hi = r + diff_hi < keys - 1 ? r + diff_hi : keys - 1;
     if (r >= rows) hi = lo - 1;
+  }
+
+  // Row r's visible columns among one thread's share of an mma accumulator row: element
+  // (t, e) of 8-column tile t is column 8 t + e + col0 (e = 0, 1), and bit 2 t + e of `bits`
+  // (32 per word) says whether it is visible. Those columns rise with the bit index, so the
+  // visible ones are one run of bits, built with one bmsk per word; a kernel then masks each
+  // element with a predicate that ptxas takes seven at a time from a word (R2P), not with two
+  // compares. (H100, head dim 64, causal T = 512: the two compares per element and their
+  // bounds took about as long as the masked tile's softmax.)
+  template <int kTiles>
+  __device__ void column_bits(int r, int col0, uint32_t (&bits)[(2 * kTiles + 31) / 32]) const {
+    int lo, hi;
+    columns(r, lo, hi);
+    lo = max(lo - col0, 0);
+    hi -= col0;
+    // The first bit whose column is >= lo and one past the last whose column is <= hi, in
+    // arithmetic shifts (hi may be negative): column 8 t + e >= lo from 2 t + e on.
+    const int first = 2 * (lo >> 3) + min(lo & 7, 2);
+    const int end = 2 * (hi >> 3) + min(hi & 7, 1) + 1;
+#pragma unroll
+    for (int w = 0; w < (2 * kTiles + 31) / 32; ++w) {
+      const int start = max(first - 32 * w, 0);
+      bits[w] = ptx::bit_mask(uint32_t(start), uint32_t(max(end - 32 * w - start, 0)));
+    }
+  }
+
+  // Whether bit i of column_bits is set.
+  template <int kWords>
+  __device__ static bool column_visible(const uint32_t (&bits)[kWords], int i) {
+    return (bits[i / 32] >> (i % 32)) & 1u;
   }
 };
 

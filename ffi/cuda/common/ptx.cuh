@@ -105,6 +105,14 @@ __device__ __forceinline__ float log2_approx(float x) {
   return y;
 }
 
+// `width` set bits from bit `start` up (bmsk.clamp: both clamped to [0, 32], bits past 31
+// dropped), in one instruction.
+__device__ __forceinline__ uint32_t bit_mask(uint32_t start, uint32_t width) {
+  uint32_t mask;
+  asm("bmsk.clamp.b32 %0, %1, %2;\n" : "=r"(mask) : "r"(start), "r"(width));
+  return mask;
+}
+
 // Two floats rounded to the element type and packed into one register (low half first), the
 // layout of an mma operand pair.
 template <typename Elem>

@@ -157,6 +157,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       const bool all_visible = vis.all_visible(row0 + warp_row0, row0 + warp_row0 + kSlabs * 16,
                                                key0, key0 + kBlockN);
       if (kElementwise || !all_visible) {
+        // Each element's visibility from a bit of its row (TileVisibility::column_bits): ptxas
+        // spilled 212 -> 92 B at head dim 128 (280 -> 132 with a bias or mask), and 0 left at
+        // 64 and 192. With Q in registers (head dim 32) and a bias or mask, the bits spilled
+        // 556 B, so that instantiation keeps four compares per element.
+        constexpr bool kColumnBits = !(kElementwise && kQInRegisters);
         const cuda::TileVisibility tile_vis =
             cuda::TileVisibility::make(vis, row0, key0, kBlockM + kBlockN);
 #pragma unroll
@@ -164,6 +169,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int r = warp_row0 + m * 16 + quad_row + h * 8;
+            uint32_t bits[(2 * kNTiles + 31) / 32];  // this thread's visible elements of row r
+            if constexpr (kColumnBits) tile_vis.column_bits<kNTiles>(r, quad_col, bits);
             [[maybe_unused]] int64_t bias_base = 0, mask_base = 0;
             if constexpr (kElementwise) {
               bias_base = has_bias ? p.bias_strides.offset(b, p.batch_inner, n, row0 + r, key0) : 0;
@@ -176,7 +183,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
                 const int c = nt * 8 + quad_col + e;
                 float& score = s_acc[m][nt][2 * h + e];
                 // Visible elements lie inside [seqlen_q, seqlen_k): only they are read.
-                bool keep = tile_vis.visible(r, c);
+                bool keep = kColumnBits ? cuda::TileVisibility::column_visible(bits, 2 * nt + e)
+                                        : tile_vis.visible(r, c);
                 if constexpr (kElementwise) {
                   if (keep && has_bias)
                     score = fmaf(score, scale_log2,

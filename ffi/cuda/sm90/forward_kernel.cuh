@@ -561,15 +561,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             vis, t.row0, (t.tile_begin + j) * kBlockN, kBlockM + kBlockN);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          int lo, hi;  // this thread's visible columns, relative to its column offset
-          tile_vis.columns(warp_row0 + quad_row + 8 * h, lo, hi);
-          lo -= quad_col;
-          hi -= quad_col;
+          uint32_t bits[(2 * kUsed + 31) / 32];  // this thread's visible elements of the row
+          tile_vis.column_bits<kUsed>(warp_row0 + quad_row + 8 * h, quad_col, bits);
 #pragma unroll
           for (int c = 0; c < kUsed; ++c)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-              if (c * 8 + e < lo || c * 8 + e > hi) s_acc[0][c][2 * h + e] = -INFINITY;
+              if (!cuda::TileVisibility::column_visible(bits, 2 * c + e))
+                s_acc[0][c][2 * h + e] = -INFINITY;
         }
       }
       softmax.exponentiate_first<kUsed>(s_acc, scale_log2, correction);
