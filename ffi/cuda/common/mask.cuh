@@ -184,9 +184,9 @@ struct TileVisibility {
   // (t, e) of 8-column tile t is column 8 t + e + col0 (e = 0, 1), and bit 2 t + e of `bits`
   // (32 per word) says whether it is visible. Those columns rise with the bit index, so the
   // visible ones are one run of bits, built with one bmsk per word; a kernel then masks each
-  // element with a predicate that ptxas takes seven at a time from a word (R2P), not with two
-  // compares. (H100, head dim 64, causal T = 512: the two compares per element and their
-  // bounds took about as long as the masked tile's softmax.)
+  // element with a predicate that ptxas takes seven at a time from a word (R2P), not with
+  // compares against the bounds. (H100, head dim 64, causal T = 512: two compares per element
+  // and their bounds took about as long as the masked tile's softmax.)
   template <int kTiles>
   __device__ void column_bits(int r, int col0, uint32_t (&bits)[(2 * kTiles + 31) / 32]) const {
     int lo, hi;

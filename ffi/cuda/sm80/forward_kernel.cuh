@@ -157,10 +157,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       const bool all_visible = vis.all_visible(row0 + warp_row0, row0 + warp_row0 + kSlabs * 16,
                                                key0, key0 + kBlockN);
       if (kElementwise || !all_visible) {
-        // Each element's visibility from a bit of its row (TileVisibility::column_bits): ptxas
-        // spilled 212 -> 92 B at head dim 128 (280 -> 132 with a bias or mask), and 0 left at
-        // 64 and 192. With Q in registers (head dim 32) and a bias or mask, the bits spilled
-        // 556 B, so that instantiation keeps four compares per element.
+        // Each element's visibility from a bit of its row (TileVisibility::column_bits), not four
+        // compares: ptxas (sm_90a, CUDA 13.0) spilled 212 -> 92 B at head dim 128 (280 -> 132
+        // with a bias or mask), 108 -> 36 at 96, and 0 left at 64 and 192. With Q in registers
+        // (head dim 32) and a bias or mask, the bits spilled 556 B, so that instantiation keeps
+        // the compares.
         constexpr bool kColumnBits = !(kElementwise && kQInRegisters);
         const cuda::TileVisibility tile_vis =
             cuda::TileVisibility::make(vis, row0, key0, kBlockM + kBlockN);
