@@ -141,7 +141,8 @@ struct Visibility32 {
 // Visibility inside one (row block, key tile) in 32-bit tile-relative coordinates: row r and
 // key c of the tile (0 <= r, c < span) are visible iff r < rows, c < keys and
 // diff_lo <= c - r <= diff_hi. Clamping every bound to [-span, span] keeps each comparison's
-// outcome, so the per-element test is four int32 compares on compile-time column offsets.
+// outcome and every sum small: visible() is four int32 compares, and column_bits (what the
+// forward kernels' masked tiles use) one bit per element of a thread's accumulator row.
 // Sequence lengths and windows only: an elementwise mask is read separately.
 struct TileVisibility {
   int rows, keys, diff_lo, diff_hi;
