@@ -100,10 +100,26 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     return out, lse.reshape(args.out_shape[:-1])
 
 
-def error_budget(exact, rounded) -> float:
+def error_budget(exact, rounded, dtype) -> float:
     """DESIGN.md's rule for low-precision results: twice the error the float32 reference makes
-    when it rounds P and the output to the input dtype (`rounded`) against the unrounded
-    reference (`exact`), plus a small absolute term."""
+    when it rounds P and the output to `dtype` (`rounded`) against the unrounded reference
+    (`exact`), at least one `dtype` ulp of the largest output, plus a small absolute term.
+
+    The floor: a result whose pre-rounding value lies near a rounding midpoint of a largest
+    output rounds to either neighbour, one ulp apart. Twice the reference's error covers that
+    when the reference's own largest error falls among the largest outputs (half an ulp there
+    is one after doubling), not when it falls a binade lower; then the bound was below one ulp
+    of the largest outputs and a kernel's correctly rounded neighbour failed (bf16, an output
+    of -0.554 read as -0.551: 0.00354 against 0.00337, a bf16 ulp in [0.5, 1) being 0.0039).
+    """
     exact = np.asarray(exact, np.float64)
     err = np.max(np.abs(np.asarray(rounded, np.float64) - exact), initial=0.0)
-    return float(2 * err + 1e-5 * (np.max(np.abs(exact), initial=0.0) + 1))
+    largest = float(np.max(np.abs(exact), initial=0.0))
+    return float(max(2 * err, ulp(largest, dtype)) + 1e-5 * (largest + 1))
+
+
+def ulp(x: float, dtype) -> float:
+    """The spacing of `dtype`'s values at magnitude |x| (its smallest normal's below that)."""
+    info = jnp.finfo(dtype)
+    x = max(abs(float(x)), float(info.smallest_normal))
+    return float(2.0 ** (np.floor(np.log2(x)) - info.nmant))

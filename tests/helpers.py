@@ -64,7 +64,8 @@ def reference_attention(query, key, value, *args, return_residual=False, p_dtype
 def assert_attention_close(out, query, key, value, *args, **kwargs):
     """Checks `out` against the float32 reference with the error-ratio rule: a float32 result
     must match to ~1e-5 relative; a low-precision one may err by at most ~2x what the
-    reference itself errs when it rounds P and the output to the input dtype. Returns the
+    reference itself errs when it rounds P and the output to the input dtype (at least one ulp
+    of the largest output: `reference.error_budget`). Returns the
     reference's lse ([B, T, N], float32) for callers that check it too."""
     out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
     assert not np.isnan(out).any(), "NaN in output"
@@ -88,7 +89,7 @@ def assert_attention_close(out, query, key, value, *args, **kwargs):
         bound = 2e-5 * (np.max(np.abs(ref), initial=0.0) + 1) * logit_size
     else:
         rounded = reference_attention(q32, k32, v32, *args, p_dtype=dtype, **kwargs).astype(dtype)
-        bound = reference.error_budget(ref, jnp.asarray(rounded, jnp.float32))
+        bound = reference.error_budget(ref, jnp.asarray(rounded, jnp.float32), dtype)
     err = np.max(np.abs(out - ref), initial=0.0)
     assert err <= bound, f"max error {err:.3g} exceeds bound {bound:.3g}"
     return np.asarray(ref_lse)

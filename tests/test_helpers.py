@@ -32,3 +32,23 @@ def test_split_reference_matches(rng, monkeypatch, bias_batch, mask_batch, kwarg
     np.testing.assert_array_equal(
         np.asarray(helpers.reference_attention(q, k, v, bias, mask, **kwargs)),
         np.asarray(want_out))
+
+
+@pytest.mark.parametrize("dtype,top_ulp", [(jnp.bfloat16, 2.0 ** -8), (jnp.float16, 2.0 ** -11)])
+def test_error_budget_is_at_least_one_ulp_of_the_largest_output(dtype, top_ulp):
+    """Where the rounded reference errs most a binade below its largest outputs, twice that
+    error is less than one ulp of them; the budget still admits the neighbour one ulp away of
+    a largest output (what a kernel gives when its value lies near a rounding midpoint), and
+    no more. Where twice the error exceeds the ulp it is the budget, as before."""
+    exact = np.array([-0.5546875 - 1e-6, 0.2601, 0.01], np.float64)
+    rounded = np.asarray(jnp.asarray(exact, dtype).astype(jnp.float32), np.float64)
+    assert np.argmax(np.abs(rounded - exact)) != 0 and 2 * np.max(np.abs(rounded - exact)) < top_ulp
+    bound = reference.error_budget(exact, rounded, dtype)
+    assert reference.ulp(exact[0], dtype) == top_ulp
+    neighbour = exact.copy()
+    neighbour[0] = -0.5546875 + top_ulp
+    assert np.max(np.abs(neighbour - exact)) <= bound
+    assert bound == pytest.approx(top_ulp + 1e-5 * (0.5546885 + 1))
+    far = exact.copy()
+    far[2] += 4 * top_ulp
+    assert reference.error_budget(exact, far, dtype) == pytest.approx(8 * top_ulp + 1e-5 * (0.5546885 + 1))
