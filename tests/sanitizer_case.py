@@ -60,13 +60,13 @@ def main():
     # The split-KV decode kernel and its combine: 3 queries, GQA 4:1, 1000 odd keys, lengths.
     forward_case(rng, "decode", (2, 3, 1001, 8, 2, 128), kernel="decode",
                  is_causal=True, key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
-    # Forward with S >= 2048 and no causal or window bound (the Hopper kernel's 160-key tiles
+    # Forward with S >= 16384 and no causal or window bound (the Hopper kernel's 160-key tiles
     # and single Q buffer): 3 x 64 query tiles, more than the SMs, so blocks reuse the buffer.
-    forward_case(rng, "wide key tiles", (1, 300, 2100, 64, 8, 128))
-    # Head dim 64, T >= 2048 with causal bounds (the Hopper kernel's three consumer warpgroups
+    forward_case(rng, "wide key tiles", (1, 300, 16500, 64, 8, 128))
+    # Head dim 64, T >= 1024 with causal bounds (the Hopper kernel's three consumer warpgroups
     # on 192-row tiles): 11 query tiles x 16 heads, more than the SMs, T ending mid-tile.
     forward_case(rng, "three consumer warpgroups", (1, 2100, 2100, 16, 4, 64), is_causal=True)
-    # Head dim 64 below T = 2048 with causal bounds (two consumer warpgroups, three K/V
+    # Head dim 64 below T = 1024 with causal bounds (two consumer warpgroups, three K/V
     # stages): 8 query tiles x 24 heads, more than the SMs, so the ring of three wraps across
     # a block's tiles; T ends mid-tile.
     forward_case(rng, "three K/V stages", (1, 1000, 1000, 24, 8, 64), is_causal=True)

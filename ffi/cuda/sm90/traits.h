@@ -83,7 +83,7 @@ template <int kHeadDim, bool kWide = false>
 struct ForwardConfig;
 
 // S and P: 64 + 32 registers, O 32; smem 3 x 16 + 6 x 16 KiB = 145 KiB. Three K/V stages: a
-// causal call below T = 2048 (which takes this configuration) has 1-16 key tiles per query
+// causal call below T = 1024 (which takes this configuration) has 1-8 key tiles per query
 // block, and the third stage lets the next block's first K/V tile load under the current
 // block's last one (same-call A/Bs, H100, bf16, two calls, causal T = 512: 237-246 -> 245-250
 // TFLOP/s, T = 1024: 298-326 -> 314-325; with three consumers, T >= 2048, it lost 1-3%).
@@ -131,18 +131,20 @@ constexpr bool register_budgets_fit() {
 template <int kHeadDim>
 inline constexpr bool kHasWideConfig = kHeadDim == 64 || kHeadDim == 128;
 
-// Whether a call takes its head dim's kWide configuration.
-// - 64, three consumers: T >= 512 without a causal or window bound, T >= 2048 with one; below
-//   that (measured on an H100, bf16) the padding of the last 192-row tile and the larger tiles
-//   on the diagonal cost more than the third consumer gains: T = 1024 causal ran at 200 TFLOP/s
-//   with three consumers and 223 with two, T = 2048 297 against 284.
+// Whether a call takes its head dim's kWide configuration. Measured on an H200 (bf16 and fp16,
+// the standard grid's shapes) in one process per comparison, the dispatch choice switched
+// between calls and the two alternated for 12-16 rounds: differences of 1% are the noise of
+// that method, larger ones held in most rounds (docs/kernel_notes.md, eighteenth session).
+// - 64, three consumers: T >= 512 without a causal or window bound, T >= 1024 with one. Causal
+//   T = 1024 gained 1.3-1.8% with three consumers (19 of 24 rounds), T = 512 0.5-1.3% (noise);
+//   non-causal T = 512 lost 7% with two (350-356 against 380-382 TFLOP/s).
 // - 128, 160-key tiles: no causal or window bound (every key tile but the last is fully
-//   visible) and enough keys that padding the last tile costs little (S = 2048 computes 2080
-//   keys, 1.6% more, in 13 iterations instead of 16).
+//   visible) and S >= 16384. Below that 128-key tiles were ahead: S = 2048 by 2.5-3.0%, 4096
+//   by 1.2-1.7%, 8192 by 0.8-1.2%; at S = 16384 the 160-key tiles by 0.8-1.4%.
 template <int kHeadDim>
 inline bool wide_config_pays(const AttentionParams& p) {
-  if constexpr (kHeadDim == 64) return p.seqlen_q >= (p.unwindowed() ? 512 : 2048);
-  return kHeadDim == 128 && p.unwindowed() && p.seqlen_k >= 2048;
+  if constexpr (kHeadDim == 64) return p.seqlen_q >= (p.unwindowed() ? 512 : 1024);
+  return kHeadDim == 128 && p.unwindowed() && p.seqlen_k >= 16384;
 }
 
 // The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one
