@@ -27,10 +27,21 @@ inline constexpr int64_t kDecodeMinKeys = 256;
 inline constexpr int64_t kDecodeMaxKeys = int64_t(1) << 30;
 // The fewest keys a split owns, so that each block's pipeline has several tiles to stream.
 inline constexpr int64_t kDecodeMinKeysPerSplit = 256;
-// Blocks per SM the splits aim at: at most two waves of the two resident blocks per SM (96 KiB
-// each), so that splits of unequal length (per-batch kv_seqlens) even out. Rounded down: a
-// third wave with a few blocks would stream at the bandwidth of those few.
-inline constexpr int64_t kDecodeBlocksPerSm = 4;
+// Blocks per SM the splits aim at (decode_blocks_per_sm), rounded down: a last wave with a few
+// blocks would stream at the bandwidth of those few. Two blocks are resident per SM (96 KiB
+// each). Measured on an H200 (bf16, H = 128, T = 1 / 8 / 16, S = 32k-128k, 32-200 (batch,
+// kv head) units; docs/kernel_notes.md, eighteenth session), one process per comparison:
+// - with per-batch key lengths, two waves, so that splits of unequal length even out: with
+//   lengths spread over [S / 4, S] one wave was 9% (T = 1) to 20% (T = 16) slower;
+// - with equal lengths and every row in one 16-row slab (T = 1 with GQA up to 16), one block
+//   per SM: 1-3% faster than two or four at 32 and 64 units (fewer partial results to merge),
+//   even at 200, 0.5% slower at 100;
+// - with equal lengths and more rows, one wave of two per SM: even with two waves, 22-30%
+//   faster than one block per SM. (Two waves of 200 units took 1.5 waves, 12% slower at T = 1.)
+inline constexpr int64_t kDecodeBlocksPerSmRagged = 4;
+inline constexpr int64_t kDecodeBlocksPerSmOneSlab = 1;
+inline constexpr int64_t kDecodeBlocksPerSmManyRows = 2;
+inline constexpr int64_t kDecodeOneSlabRows = 16;
 // The SM count the Python side sizes the workspace for (no device is known at trace time);
 // a device with more SMs runs as many splits as that workspace holds.
 inline constexpr int64_t kDecodeMaxMultiprocessors = 256;
@@ -63,10 +74,21 @@ inline bool decode_shape_fits(const AttentionParams& p) {
          p.seqlen_k <= kDecodeMaxKeys;
 }
 
+// The blocks per SM a call's splits aim at (kDecodeBlocksPerSm* above). The ragged count is
+// the largest, which the workspace is sized for.
+inline int64_t decode_blocks_per_sm(const AttentionParams& p) {
+  static_assert(kDecodeBlocksPerSmRagged >= kDecodeBlocksPerSmManyRows &&
+                kDecodeBlocksPerSmRagged >= kDecodeBlocksPerSmOneSlab);
+  if (p.kv_seqlens != nullptr) return kDecodeBlocksPerSmRagged;
+  return p.seqlen_q * p.group_size() <= kDecodeOneSlabRows ? kDecodeBlocksPerSmOneSlab
+                                                           : kDecodeBlocksPerSmManyRows;
+}
+
 // Splits per work unit the occupancy rule asks for on `multiprocessors` SMs: as many blocks as
-// kDecodeBlocksPerSm per SM allows, but no split shorter than kDecodeMinKeysPerSplit keys.
-inline int64_t decode_splits_wanted(int64_t work_units, int64_t seqlen_k, int64_t multiprocessors) {
-  const int64_t by_occupancy = kDecodeBlocksPerSm * multiprocessors / work_units;
+// blocks_per_sm per SM allows, but no split shorter than kDecodeMinKeysPerSplit keys.
+inline int64_t decode_splits_wanted(int64_t work_units, int64_t seqlen_k, int64_t multiprocessors,
+                                    int64_t blocks_per_sm) {
+  const int64_t by_occupancy = blocks_per_sm * multiprocessors / work_units;
   const int64_t by_length = (seqlen_k + kDecodeMinKeysPerSplit - 1) / kDecodeMinKeysPerSplit;
   const int64_t splits = by_occupancy < by_length ? by_occupancy : by_length;
   return splits > 1 ? splits : 1;
@@ -87,7 +109,8 @@ inline bool make_decode_plan(const AttentionParams& p, int64_t multiprocessors, 
     return false;
   const int64_t per_split = decode_workspace_floats(p, 1);
   const int64_t capacity = p.decode_workspace_floats / per_split;
-  const int64_t wanted = decode_splits_wanted(p.batch * p.num_kv_heads, p.seqlen_k, multiprocessors);
+  const int64_t wanted = decode_splits_wanted(p.batch * p.num_kv_heads, p.seqlen_k, multiprocessors,
+                                              decode_blocks_per_sm(p));
   plan.splits = wanted < capacity ? wanted : capacity;
   if (plan.splits < 1) return false;
   plan.work_units = p.batch * p.num_kv_heads;
