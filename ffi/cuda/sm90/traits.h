@@ -137,9 +137,9 @@ inline constexpr bool kHasWideConfig = kHeadDim == 64 || kHeadDim == 128;
 // that method, larger ones held in most rounds (docs/kernel_notes.md, eighteenth session).
 // - 64, three consumers: T >= 512 without a causal or window bound, T >= 1024 with one. Causal
 //   T = 1024 gained 1.3-1.8% with three consumers (19 of 24 rounds), T = 512 0.5-1.3% (noise);
-//   non-causal T = 512 lost 7% with two (350-356 against 380-382 TFLOP/s).
+//   non-causal T = 512 lost 7% with two (350-356 against 380-382 TFLOP/s, separate builds).
 // - 128, 160-key tiles: no causal or window bound (every key tile but the last is fully
-//   visible) and S >= 16384. Below that 128-key tiles were ahead: S = 2048 by 2.5-3.0%, 4096
+//   visible) and S >= 16384. Below that 128-key tiles were ahead: S = 2048 by 1.6-3.0%, 4096
 //   by 1.2-1.7%, 8192 by 0.8-1.2%; at S = 16384 the 160-key tiles by 0.8-1.4%.
 template <int kHeadDim>
 inline bool wide_config_pays(const AttentionParams& p) {
