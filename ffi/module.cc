@@ -60,10 +60,11 @@ int64_t DecodeWorkspaceFloats(int dtype, int64_t batch, int64_t seqlen_q, int64_
   if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || batch < 1 ||
       !jax_flashattn::sm80::decode_shape_fits(p))
     return 0;
-  // The most splits a call of this shape asks for: with per-batch key lengths, which the
-  // trace-time shape does not tell.
-  const int64_t splits = jax_flashattn::sm80::decode_splits_wanted(
-      batch * num_kv_heads, seqlen_k, multiprocessors, jax_flashattn::sm80::kDecodeBlocksPerSmRagged);
+  // The most splits a call of this shape asks for (with per-batch key lengths): the size
+  // depends on the shape alone, and a call that aims at fewer splits runs them in it.
+  namespace sm80 = jax_flashattn::sm80;
+  const int64_t splits = sm80::decode_splits_wanted(
+      batch * num_kv_heads, seqlen_k, multiprocessors, sm80::kDecodeBlocksPerSmRagged);
   return jax_flashattn::sm80::decode_workspace_floats(p, splits);
 }
 

@@ -100,26 +100,39 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     return out, lse.reshape(args.out_shape[:-1])
 
 
-def error_budget(exact, rounded, dtype) -> float:
-    """DESIGN.md's rule for low-precision results: twice the error the float32 reference makes
-    when it rounds P and the output to `dtype` (`rounded`) against the unrounded reference
-    (`exact`), at least one `dtype` ulp of the largest output, plus a small absolute term.
+def error_budget(exact, rounded, dtype) -> np.ndarray:
+    """DESIGN.md's rule for low-precision results, per element: twice the largest error the
+    float32 reference makes when it rounds P and the output to `dtype` (`rounded`) against the
+    unrounded reference (`exact`), but at least one `dtype` ulp of that element, plus a small
+    absolute term.
 
-    The floor: a result whose pre-rounding value lies near a rounding midpoint of a largest
-    output rounds to either neighbour, one ulp apart. Twice the reference's error covers that
-    when the reference's own largest error falls among the largest outputs (half an ulp there
-    is one after doubling), not when it falls a binade lower; then the bound was below one ulp
-    of the largest outputs and a kernel's correctly rounded neighbour failed (bf16, an output
+    The floor: a result whose pre-rounding value lies near a rounding midpoint rounds to either
+    neighbour, one ulp apart. Twice the reference's largest error covers that for the largest
+    outputs when that error falls among them (half an ulp there is one after doubling), not when
+    it falls a binade lower: then a kernel's correctly rounded neighbour failed (bf16, an output
     of -0.554 read as -0.551: 0.00354 against 0.00337, a bf16 ulp in [0.5, 1) being 0.0039).
+    Per element, so that one large output does not loosen the check of the small ones.
     """
     exact = np.asarray(exact, np.float64)
     err = np.max(np.abs(np.asarray(rounded, np.float64) - exact), initial=0.0)
     largest = float(np.max(np.abs(exact), initial=0.0))
-    return float(max(2 * err, ulp(largest, dtype)) + 1e-5 * (largest + 1))
+    return np.maximum(2 * err, ulp(exact, dtype)) + 1e-5 * (largest + 1)
 
 
-def ulp(x: float, dtype) -> float:
-    """The spacing of `dtype`'s values at magnitude |x| (its smallest normal's below that)."""
+def worst_against_budget(error, bound) -> tuple[float, float]:
+    """(error, bound) at the element whose error lies furthest past its bound (or nearest
+    below it): the comparison that decides a per-element budget; (0, 0) for no elements."""
+    error = np.asarray(error, np.float64)
+    if error.size == 0:
+        return 0.0, 0.0
+    bound = np.broadcast_to(np.asarray(bound, np.float64), error.shape)
+    i = np.unravel_index(np.argmax(error - bound), error.shape)
+    return float(error[i]), float(bound[i])
+
+
+def ulp(x, dtype) -> np.ndarray:
+    """The spacing of `dtype`'s values at each magnitude |x| (its smallest normal's below that;
+    at a power of two, the spacing above it)."""
     info = jnp.finfo(dtype)
-    x = max(abs(float(x)), float(info.smallest_normal))
-    return float(2.0 ** (np.floor(np.log2(x)) - info.nmant))
+    x = np.maximum(np.abs(np.asarray(x, np.float64)), float(info.smallest_normal))
+    return np.exp2(np.floor(np.log2(x)) - info.nmant)

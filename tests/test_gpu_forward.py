@@ -169,16 +169,17 @@ def test_three_consumer_warpgroups(rng, head_dim, dtype, kwargs):
     key_value_seq_lengths=np.array([16401, 700], np.int32))])
 def test_wide_key_tiles(rng, dtype, head_dim, kwargs):
     """Without causal or window bounds and with S >= 16384, head dims 72-128 take the Hopper
-    kernel's 160-key tiles with one Q buffer: S = 16500 ends in a partial tile, and 2 x 48 x 3
+    kernel's 160-key tiles with one Q buffer: S = 16500 ends in a partial tile, and 2 x 24 x 3
     query tiles (more than the SMs) make every block reload that buffer across tiles."""
-    check(*random_qkv(rng, 2, 300, 16500, 48, 8, head_dim, dtype), **kwargs)
+    check(*random_qkv(rng, 2, 300, 16500, 24, 8, head_dim, dtype), **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim,t,s,kwargs", [
     (64, 512, 700, dict()), (64, 600, 1000, dict()), (64, 2200, 2200, dict(is_causal=True)),
     (64, 700, 900, dict(query_seq_lengths=np.array([700, 100], np.int32))), (64, 300, 700, dict()),
-    (128, 300, 16500, dict()), (128, 300, 500, dict(query_seq_lengths=np.array([300, 50], np.int32))),
+    (128, 300, 16500, dict()),
+    (128, 300, 500, dict(query_seq_lengths=np.array([300, 50], np.int32))),
     (256, 180, 300, dict()), (256, 180, 60, dict()),
 ])
 def test_warpgroups_past_the_query_length(rng, dtype, head_dim, t, s, kwargs):
@@ -271,8 +272,8 @@ def test_rising_row_maxima_long_keys(rng, dtype, head_dim, t, s, rise):
     tiles are recomputed or accepted above settled maxima. "steep": keys scaled by 1 + s / 8
     (past S = 4000 by 1 + (4000 / S) s / 8, which keeps the logits below ~500x their usual
     size: the low-precision budget does not grow with the logits, whose float32 rounding
-    does), so each tile's scores outrun the maxima, most by enough to overflow P (recomputed
-    tiles).
+    does), so each tile's scores outrun the maxima, many by enough to overflow P (recomputed
+    tiles: about half at S = 4000, a fifth at 16500).
     "drift": keys gain (s / S) c u for the queries' shared u, so maxima rise ~3 nats per 128
     keys: most tiles are accepted with P above 1."""
     q, k, v = (np.array(x, np.float32) for x in random_qkv(rng, 1, t, s, 2, 1, head_dim,
@@ -365,8 +366,17 @@ def test_decode_large_logits(rng, dtype):
 
 
 def test_decode_long_keys(rng):
-    """S = 131072 with one work unit per batch element (MQA): the most splits per unit."""
-    check_decode(*random_qkv(rng, 1, 1, 131072, 8, 1, 128, jnp.bfloat16))
+    """S = 131072 with one work unit per batch element (MQA) and per-batch key lengths (the
+    whole S), which aim at the most blocks per SM: the most splits per unit."""
+    check_decode(*random_qkv(rng, 1, 1, 131072, 8, 1, 128, jnp.bfloat16),
+                 key_value_seq_lengths=np.array([131072], np.int32))
+
+
+def test_decode_one_split_per_unit(rng):
+    """More work units (batch x kv heads) than SMs, equal key lengths and one 16-row slab of
+    rows: one block per SM leaves each unit a single split, whose result the merge passes
+    through."""
+    check_decode(*random_qkv(rng, 64, 1, 1000, 16, 4, 128, jnp.bfloat16))
 
 
 def test_decode_preset_shape(rng):

@@ -31,17 +31,20 @@ inline constexpr int64_t kDecodeMinKeysPerSplit = 256;
 // blocks would stream at the bandwidth of those few. Two blocks are resident per SM (96 KiB
 // each). Measured on an H200 (bf16, H = 128, T = 1 / 8 / 16, S = 32k-128k, 32-200 (batch,
 // kv head) units; docs/kernel_notes.md, eighteenth session), one process per comparison:
-// - with per-batch key lengths, two waves, so that splits of unequal length even out: with
-//   lengths spread over [S / 4, S] one wave was 9% (T = 1) to 20% (T = 16) slower;
-// - with equal lengths and every row in one 16-row slab (T = 1 with GQA up to 16), one block
-//   per SM: 1-3% faster than two or four at 32 and 64 units (fewer partial results to merge),
-//   even at 200, 0.5% slower at 100;
-// - with equal lengths and more rows, one wave of two per SM: even with two waves, 22-30%
-//   faster than one block per SM. (Two waves of 200 units took 1.5 waves, 12% slower at T = 1.)
+// - per-batch key lengths: four (two waves), so that splits of unequal length even out; with
+//   lengths spread over [S / 4, S], two (one wave) were 9% (T = 1) to 20% (T = 16) slower;
+// - equal lengths, every row in one 16-row slab (T = 1 with GQA up to 16): one, 2-3% faster
+//   than four and 1% faster than two at 32 and 64 units (fewer partial results to merge),
+//   within 0.5% of two at 100 and 200;
+// - equal lengths, more rows: two (one wave), level with four; one was 22-30% slower.
+// (Four per SM gave 200 units 400 blocks, 1.5 waves: 12% slower at T = 1 than one.)
 inline constexpr int64_t kDecodeBlocksPerSmRagged = 4;
 inline constexpr int64_t kDecodeBlocksPerSmOneSlab = 1;
 inline constexpr int64_t kDecodeBlocksPerSmManyRows = 2;
 inline constexpr int64_t kDecodeOneSlabRows = 16;
+static_assert(kDecodeBlocksPerSmRagged >= kDecodeBlocksPerSmOneSlab &&
+                  kDecodeBlocksPerSmRagged >= kDecodeBlocksPerSmManyRows,
+              "the workspace is sized for the ragged count, the largest");
 // The SM count the Python side sizes the workspace for (no device is known at trace time);
 // a device with more SMs runs as many splits as that workspace holds.
 inline constexpr int64_t kDecodeMaxMultiprocessors = 256;
@@ -61,6 +64,9 @@ struct DecodePlan {
   }
 };
 
+// Query rows of one work unit (one decode block): T * (N / K), every query head of the group.
+inline int64_t decode_rows(const AttentionParams& p) { return p.seqlen_q * p.group_size(); }
+
 // Whether the call's shape, dtype and options fit the decode kernel (before any workspace or
 // device question): bf16/fp16, scale > 0 (the softmax folds the scale after the row max), a
 // head dim multiple of 8 up to 256, no bias or boolean mask (those keep the normal kernels),
@@ -70,18 +76,15 @@ inline bool decode_shape_fits(const AttentionParams& p) {
   return tensor_core_dtype && p.scale > 0.f && p.head_dim > 0 && p.head_dim % 8 == 0 &&
          p.head_dim <= kDecodeMaxHeadDim && p.bias == nullptr && p.mask == nullptr &&
          p.num_kv_heads > 0 && p.seqlen_q > 0 &&
-         p.seqlen_q * p.group_size() <= kDecodeMaxRows && p.seqlen_k >= kDecodeMinKeys &&
+         decode_rows(p) <= kDecodeMaxRows && p.seqlen_k >= kDecodeMinKeys &&
          p.seqlen_k <= kDecodeMaxKeys;
 }
 
-// The blocks per SM a call's splits aim at (kDecodeBlocksPerSm* above). The ragged count is
-// the largest, which the workspace is sized for.
+// The blocks per SM a call's splits aim at (kDecodeBlocksPerSm* above).
 inline int64_t decode_blocks_per_sm(const AttentionParams& p) {
-  static_assert(kDecodeBlocksPerSmRagged >= kDecodeBlocksPerSmManyRows &&
-                kDecodeBlocksPerSmRagged >= kDecodeBlocksPerSmOneSlab);
   if (p.kv_seqlens != nullptr) return kDecodeBlocksPerSmRagged;
-  return p.seqlen_q * p.group_size() <= kDecodeOneSlabRows ? kDecodeBlocksPerSmOneSlab
-                                                           : kDecodeBlocksPerSmManyRows;
+  return decode_rows(p) <= kDecodeOneSlabRows ? kDecodeBlocksPerSmOneSlab
+                                              : kDecodeBlocksPerSmManyRows;
 }
 
 // Splits per work unit the occupancy rule asks for on `multiprocessors` SMs: as many blocks as
@@ -96,7 +99,7 @@ inline int64_t decode_splits_wanted(int64_t work_units, int64_t seqlen_k, int64_
 
 // Floats of workspace a plan with `splits` splits uses.
 inline int64_t decode_workspace_floats(const AttentionParams& p, int64_t splits) {
-  return p.batch * p.num_kv_heads * splits * p.seqlen_q * p.group_size() * (p.head_dim + 1);
+  return p.batch * p.num_kv_heads * splits * decode_rows(p) * (p.head_dim + 1);
 }
 
 // Fills `plan` and returns true when the call takes the decode kernel on a device with
@@ -114,7 +117,7 @@ inline bool make_decode_plan(const AttentionParams& p, int64_t multiprocessors, 
   plan.splits = wanted < capacity ? wanted : capacity;
   if (plan.splits < 1) return false;
   plan.work_units = p.batch * p.num_kv_heads;
-  plan.rows = p.seqlen_q * p.group_size();
+  plan.rows = decode_rows(p);
   plan.head_dim = p.head_dim;
   plan.o_partial = p.decode_workspace;
   plan.lse_partial = p.decode_workspace + plan.work_units * plan.splits * plan.rows * p.head_dim;

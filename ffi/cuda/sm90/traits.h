@@ -85,8 +85,9 @@ struct ForwardConfig;
 // S and P: 64 + 32 registers, O 32; smem 3 x 16 + 6 x 16 KiB = 145 KiB. Three K/V stages: a
 // causal call below T = 1024 (which takes this configuration) has 1-8 key tiles per query
 // block, and the third stage lets the next block's first K/V tile load under the current
-// block's last one (same-call A/Bs, H100, bf16, two calls, causal T = 512: 237-246 -> 245-250
-// TFLOP/s, T = 1024: 298-326 -> 314-325; with three consumers, T >= 2048, it lost 1-3%).
+// block's last one (same-call A/Bs, H100, bf16, two calls, sixteenth session, when causal
+// calls below T = 2048 took it: T = 512 237-246 -> 245-250 TFLOP/s, T = 1024 298-326 -> 314-325;
+// with three consumers, then T >= 2048, it lost 1-3%).
 template <>
 struct ForwardConfig<64> : ForwardTraits<64, 128, 3, 2, false> {};
 // Three consumers (192-row query tiles): at this head dim a tile's softmax takes longer than
