@@ -45,6 +45,7 @@ int64_t DecodeWorkspaceFloats(int dtype, int64_t batch, int64_t seqlen_q, int64_
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                               float scale, bool has_bias, bool has_mask,
                               int64_t multiprocessors) {
+  namespace sm80 = jax_flashattn::sm80;
   static const char buffer[16] = {};
   jax_flashattn::AttentionParams p;
   p.dtype = static_cast<jax_flashattn::ElemType>(dtype);
@@ -58,14 +59,13 @@ int64_t DecodeWorkspaceFloats(int dtype, int64_t batch, int64_t seqlen_q, int64_
   p.bias = has_bias ? buffer : nullptr;
   p.mask = has_mask ? reinterpret_cast<const bool*>(buffer) : nullptr;
   if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || batch < 1 ||
-      !jax_flashattn::sm80::decode_shape_fits(p))
+      !sm80::decode_shape_fits(p))
     return 0;
   // The most splits a call of this shape asks for (with per-batch key lengths): the size
   // depends on the shape alone, and a call that aims at fewer splits runs them in it.
-  namespace sm80 = jax_flashattn::sm80;
   const int64_t splits = sm80::decode_splits_wanted(
       batch * num_kv_heads, seqlen_k, multiprocessors, sm80::kDecodeBlocksPerSmRagged);
-  return jax_flashattn::sm80::decode_workspace_floats(p, splits);
+  return sm80::decode_workspace_floats(p, splits);
 }
 
 #ifdef JAX_FLASHATTN_WITH_CUDA
