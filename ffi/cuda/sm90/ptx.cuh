@@ -111,6 +111,17 @@ __device__ __forceinline__ void st_shared_v4_b32(uint32_t address, uint32_t x, u
                : "memory");
 }
 
+// Four 8x8 b16 matrices to shared memory (sm_90): lane l gives the address of row l % 8 of
+// matrix l / 8, and register i of lane l holds matrix i's elements (l / 4, 2 (l % 4) + {0, 1}),
+// the layout of an m16n8 accumulator packed in pairs. One instruction stores what takes four
+// st.shared.b32.
+__device__ __forceinline__ void stmatrix_x4(uint32_t address, uint32_t r0, uint32_t r1,
+                                            uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(address), "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 __device__ __forceinline__ void ld_shared_v4_b32(uint32_t address, uint32_t (&v)[4]) {
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
