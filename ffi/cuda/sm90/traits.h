@@ -89,7 +89,11 @@ struct ForwardConfig;
 // calls below T = 2048 took it: T = 512 237-246 -> 245-250 TFLOP/s, T = 1024 298-326 -> 314-325;
 // with three consumers, then T >= 2048, it lost 1-3%).
 template <>
-struct ForwardConfig<64> : ForwardTraits<64, 128, 3, 2, false> {};
+struct ForwardConfig<64> : ForwardTraits<64, 128, 3, 2, false> {
+  // The producer holds the next tile too (kQAhead); within 24 registers it spilled 60 B.
+  static constexpr int kProducerRegisters = 32;
+  static constexpr int kConsumerRegisters = 232;
+};
 // Three consumers (192-row query tiles): at this head dim a tile's softmax takes longer than
 // its two products, so each consumer's softmax runs under two others' products. S and P
 // 64 + 32 registers, O 32, within 160 (128 x 32 + 384 x 160 = 65536, the 128 x 512 the block
@@ -99,9 +103,15 @@ struct ForwardConfig<64, true> : ForwardTraits<64, 128, 2, 2, false, 3> {
   static constexpr int kProducerRegisters = 32;
   static constexpr int kConsumerRegisters = 160;
 };
-// S and P: 64 + 32 registers, O 64; smem 3 x 32 + 4 x 32 KiB = 225 KiB.
+// S and P: 64 + 32 registers, O 64; smem 3 x 32 + 4 x 32 KiB = 225 KiB. The producer holds
+// the next tile as well as the current one (two Q buffers: kQAhead in the kernel). Within 24
+// registers it spilled 40 B, and that version lost 1.5-4% to the next Q issued late on five of
+// six rows (H200, T = 512-2048); ptxas (CUDA 13.0): 0 spills with 32 / 232.
 template <>
-struct ForwardConfig<128> : ForwardTraits<128, 128, 2, 2, false> {};
+struct ForwardConfig<128> : ForwardTraits<128, 128, 2, 2, false> {
+  static constexpr int kProducerRegisters = 32;
+  static constexpr int kConsumerRegisters = 232;
+};
 // 160-key tiles: S and P 80 + 40 registers, O 64; smem one Q, one O tile of 32 KiB + 4 x 40 KiB
 // = 225 KiB. The single Q buffer is released once the tile's last S = Q K^T has landed, so the
 // next Q loads under the last softmax and O += P V.
