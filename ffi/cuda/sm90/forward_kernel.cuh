@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::setmaxnreg_dec<Traits::kProducerRegisters>();
     if (tid != 0) return;
     // Made here, not once above: a value live across the split was spilled within the
-    // producer's 24 registers.
+    // producer's 24 registers (the default budget).
     const auto scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
     // Each load goes into the next buffer of its ring once the consumers have released it.
     // Tiles without keys take no buffer (the consumers write their zeros and -inf lse).
@@ -231,18 +231,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
     // Tile k goes into the slot once every consumer thread has read tile k - 1's. While
     // the consumers compute tile k the producer issues the rest of tile k's loads, claims tile
-    // k + 1 (when it has issued them: the counter then hands out tiles in the order blocks
-    // near the end of theirs), publishes it and issues its first loads, which wait only for
-    // buffers that tile k releases. No consumer waits for another between tiles: a warpgroup
-    // that finishes tile k first starts tile k + 1 while the others finish tile k, and the
-    // ping-pong turns run on across the tile boundary.
+    // k + 1 (with one Q buffer, when it has issued them: the counter then hands out tiles in
+    // the order blocks near the end of theirs), publishes it and issues its first loads, which
+    // wait only for buffers that tile k releases. No consumer waits for another between tiles:
+    // a warpgroup that finishes tile k first starts tile k + 1 while the others finish tile k,
+    // and the ping-pong turns run on across the tile boundary.
     // With two Q buffers (kQAhead) the producer claims tile k + 1 and issues its Q before the
     // rest of tile k's loads, which wait for buffers that tile k releases: Q then lands a whole
-    // tile ahead instead of under tile k's last key tiles. Its buffer held tile k - 1's Q,
-    // released at tile k - 1's last S = Q K^T, which needs nothing the producer has yet to
-    // issue. Same-process A/B (H200, 10 rounds): head dim 64 non-causal T = 512 +5.8-6.7%,
-    // 1024 +3.3%, head dim 128 non-causal T = 512-2048 +1.2-3.6%; causal T >= 1024 even.
-    // (With one Q buffer, Q k + 1 waits for tile k's last S, which needs tile k's loads.)
+    // tile ahead instead of under tile k's last key tiles. Its buffer held the Q two loads
+    // back (tile k - 1's where tiles k - 1 and k have keys), released at that tile's last
+    // S = Q K^T, which needs nothing the producer has yet to issue. The claim moves a tile
+    // earlier with it, so a block may hold its next tile while it finishes a long causal one;
+    // alone that measured even (thirteenth session). Same-process A/B (H200, 10 rounds): head
+    // dim 64 non-causal T = 512 (three consumers) +5.8-6.7%, 1024 +3.3%; head dim 128
+    // non-causal T = 512-2048 +1.2-3.6%; causal T >= 1024 even.
+    // (With one Q buffer, Q k + 1 would wait for tile k's last S, which needs tile k's loads.)
     constexpr bool kQAhead = kQStages == 2;
     RingPosition<kQStages> q_ring;
     RingPosition<kStages> kv_ring;
@@ -250,10 +253,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ForwardTile t;           // the current tile, made once when it is claimed
     ForwardTile next;        // kQAhead: tile k + 1, made when claimed, its Q issued
     bool o_owed = false;     // kOInKV: tile k - 1 had keys, so its O takes a ring position
-    // Hands out tile k, the one at `index`: made, published once the consumers have read tile
-    // k - 1, (kOInKV) tile k - 1's O position lent, and its first loads issued; past the last
-    // tile, the end is published. The lending waits for tile k - 1's buffers, so it comes after
-    // the publication, which the consumers read under tile k - 1's last O += P V.
+    // Hands out tile k, the one at `index`: made (kQAhead, k > 0: made and its Q issued at
+    // the claim), published once the consumers have read tile k - 1, (kOInKV) tile k - 1's O
+    // position lent, and its first loads issued; past the last tile, the end is published.
+    // The lending waits for tile k - 1's buffers, so it comes after the publication, which the
+    // consumers read under tile k - 1's last O += P V.
     const auto hand_out = [&](int k) {
       const bool more = index < scheduler.num_tiles;
       if (more) t = kQAhead && k > 0 ? next : scheduler.tile(p, index);
@@ -423,10 +427,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   };
 
-  // A tile's epilogue: lse, and O (normalised) staged as Elem in this warpgroup's 64 rows at
-  // o_tile (in the O tile, or kOInKV in its K/V buffer), in the swizzled layout the TMA store
-  // reads, once the previous tile's store has read them; then one thread stores each span and
-  // lets the store run on.
+  // A tile's epilogue: O (normalised) staged as Elem in this warpgroup's 64 rows at o_tile
+  // (in the O tile, or kOInKV in its K/V buffer), in the swizzled layout the TMA store reads,
+  // once the previous tile's store has read them, and lse; then one thread stores each span
+  // and lets the store run on.
   constexpr uint32_t kOSpanBytes = (Traits::kOInKV ? 64 : kBlockM) * kRowBytes;
   const auto store_output = [&](int b, int n, int row0, const float (&row_lse)[1][2],
                                 uint32_t o_tile) {
@@ -439,12 +443,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // replaced: 2.7-3.5% faster at head dim 128, T = 512-1024, H100, same process). Matrix
     // m = lane / 8 of instruction i is rows 8 (m % 2) .. 8 (m % 2) + 7 of this warp's 16 and
     // 8-column tile 2 i + m / 2 of O; each lane gives the address of row lane % 8 of its
-    // matrix. Chunk c of row r sits at ((c ^ r % 8) << 4): with the lane's chunk-(m / 2) offset
-    // below, chunk 2 i + m / 2 (2 i % 8 in bits 5-6 only) is that offset XOR ((2 i % 8) << 4).
+    // matrix. Chunk c of row r sits in span c / 8 at ((c % 8 ^ r % 8) << 4): 2 i is even, so
+    // chunk 2 i + m / 2 lies in span 2 i / 8, and with the lane's chunk-(m / 2) offset below,
+    // at that offset XOR ((2 i % 8) << 4) (bits 5-6 only).
     // The lane's row and matrix are spelled in quad_row (lane / 4) and quad_col (2 (lane % 4)),
     // which the kernel holds anyway: from lane / 8 and lane % 8, three consumers spilled 32-44 B.
     // Opaque, so that the kDTiles / 2 addresses are formed here and not hoisted out of the tile
-    // loop.
+    // loop, where they would hold registers through it (spilled with 160-key tiles).
     {
       const int row = warp * 16 + 8 * ((quad_row >> 1) & 1) + 4 * (quad_row & 1) + quad_col / 2;
       const uint32_t row_offset =

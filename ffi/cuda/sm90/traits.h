@@ -87,10 +87,11 @@ struct ForwardConfig;
 // block, and the third stage lets the next block's first K/V tile load under the current
 // block's last one (same-call A/Bs, H100, bf16, two calls, sixteenth session, when causal
 // calls below T = 2048 took it: T = 512 237-246 -> 245-250 TFLOP/s, T = 1024 298-326 -> 314-325;
-// with three consumers, then T >= 2048, it lost 1-3%).
+// with three consumers, then T >= 2048, it lost 1-3%). The producer holds the next tile as well
+// as the current one (two Q buffers: kQAhead in the kernel): within 24 registers it spilled
+// 60 B, so it gets 32 and the consumers 232 (ptxas, CUDA 13.0: 0 spills).
 template <>
 struct ForwardConfig<64> : ForwardTraits<64, 128, 3, 2, false> {
-  // The producer holds the next tile too (kQAhead); within 24 registers it spilled 60 B.
   static constexpr int kProducerRegisters = 32;
   static constexpr int kConsumerRegisters = 232;
 };
@@ -105,8 +106,8 @@ struct ForwardConfig<64, true> : ForwardTraits<64, 128, 2, 2, false, 3> {
 };
 // S and P: 64 + 32 registers, O 64; smem 3 x 32 + 4 x 32 KiB = 225 KiB. The producer holds
 // the next tile as well as the current one (two Q buffers: kQAhead in the kernel). Within 24
-// registers it spilled 40 B, and that version lost 1.5-4% to the next Q issued late on five of
-// six rows (H200, T = 512-2048); ptxas (CUDA 13.0): 0 spills with 32 / 232.
+// registers it spilled 40 B, and that version was 1.5-4% slower than issuing the next Q late,
+// on five of six rows (H200, T = 512-2048); ptxas (CUDA 13.0): 0 spills with 32 / 232.
 template <>
 struct ForwardConfig<128> : ForwardTraits<128, 128, 2, 2, false> {
   static constexpr int kProducerRegisters = 32;
