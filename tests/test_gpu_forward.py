@@ -143,9 +143,18 @@ def test_many_tiles_per_block(rng, head_dim, kwargs):
     """More query tiles than SMs, so every block of the Hopper kernel runs several: head dims
     above 128 keep one Q buffer and stage O in it, which each next tile waits for (at 136 most
     of the padded head dim is zero-filled by TMA); head dims up to 64 run three consumer
-    warpgroups without a causal or window bound (two with one), whose turn order must carry
-    across tiles."""
+    warpgroups (T >= 512), whose turn order must carry across tiles."""
     check(*random_qkv(rng, 3, 1000, 1000, 48, 8, head_dim, jnp.bfloat16), **kwargs)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(70, 9))])
+def test_next_q_issued_ahead(rng, head_dim, kwargs):
+    """The Hopper configurations with two Q buffers (head dim 64 below T = 512, 128 on 128-key
+    tiles) claim each next tile and issue its Q before the current tile's loads that wait for
+    buffers: T = 400 gives 4 query blocks per head, 3 x 48 x 4 tiles (more than the SMs) make
+    every block run several, and the causal mask and the window give them 1-4 key tiles."""
+    check(*random_qkv(rng, 3, 400, 400, 48, 8, head_dim, jnp.bfloat16), **kwargs)
 
 
 @pytest.mark.parametrize("head_dim", [40, 64])
@@ -155,10 +164,9 @@ def test_many_tiles_per_block(rng, head_dim, kwargs):
     (jnp.bfloat16, dict(query_seq_lengths=np.array([2100, 0, 700], np.int32),
                         key_value_seq_lengths=np.array([1900, 40, 0], np.int32), is_causal=True))])
 def test_three_consumer_warpgroups(rng, head_dim, dtype, kwargs):
-    """Head dims up to 64 with T >= 1024 (512 without a causal or window bound) run the Hopper
-    kernel's three consumer warpgroups on 192-row query tiles: T = 2100 ends in a partial
-    tile, and 3 x 16 x 11 tiles (more than the SMs) make every block run several, with the
-    round-robin turn order carried across them."""
+    """Head dims up to 64 with T >= 512 run the Hopper kernel's three consumer warpgroups on
+    192-row query tiles: T = 2100 ends in a partial tile, and 3 x 16 x 11 tiles (more than the
+    SMs) make every block run several, with the round-robin turn order carried across them."""
     check(*random_qkv(rng, 3, 2100, 2100, 16, 4, head_dim, dtype), **kwargs)
 
 

@@ -82,12 +82,12 @@ inline bool indices_fit_32_bits(const AttentionParams& p) {
 template <int kHeadDim, bool kWide = false>
 struct ForwardConfig;
 
-// S and P: 64 + 32 registers, O 32; smem 3 x 16 + 6 x 16 KiB = 145 KiB. Three K/V stages: a
-// causal call below T = 1024 (which takes this configuration) has 1-8 key tiles per query
-// block, and the third stage lets the next block's first K/V tile load under the current
-// block's last one (same-call A/Bs, H100, bf16, two calls, sixteenth session, when causal
-// calls below T = 2048 took it: T = 512 237-246 -> 245-250 TFLOP/s, T = 1024 298-326 -> 314-325;
-// with three consumers, then T >= 2048, it lost 1-3%). The producer holds the next tile as well
+// S and P: 64 + 32 registers, O 32; smem 3 x 16 + 6 x 16 KiB = 145 KiB. Calls below T = 512
+// take this configuration. Three K/V stages: a short block has few key tiles, and the third
+// stage lets the next block's first K/V tile load under the current block's last one
+// (same-call A/Bs, H100, bf16, two calls, sixteenth session, when causal calls below T = 2048
+// took it: T = 512 237-246 -> 245-250 TFLOP/s, T = 1024 298-326 -> 314-325; with three
+// consumers, then T >= 2048, it lost 1-3%). The producer holds the next tile as well
 // as the current one (two Q buffers: kQAhead in the kernel): within 24 registers it spilled
 // 60 B, so it gets 32 and the consumers 232 (ptxas, CUDA 13.0: 0 spills).
 template <>
@@ -147,15 +147,16 @@ inline constexpr bool kHasWideConfig = kHeadDim == 64 || kHeadDim == 128;
 // the standard grid's shapes) in one process per comparison, the dispatch choice switched
 // between calls and the two alternated for 12-16 rounds: differences of 1% are the noise of
 // that method, larger ones held in most rounds (docs/kernel_notes.md, eighteenth session).
-// - 64, three consumers: T >= 512 without a causal or window bound, T >= 1024 with one. Causal
-//   T = 1024 gained 1.3-1.8% with three consumers (19 of 24 rounds), T = 512 0.5-1.3% (noise);
-//   non-causal T = 512 lost 7% with two (350-356 against 380-382 TFLOP/s, separate builds).
+// - 64, three consumers: T >= 512. Causal T = 512 gained 2.8-4.1% with three consumers once the
+//   next Q was issued a tile ahead (ahead in 13 of 14 rounds; nineteenth session; before that
+//   0.5-1.3%, noise), causal T = 1024 1.3-1.8% (19 of 24 rounds); non-causal T = 512 lost 7%
+//   with two (350-356 against 380-382 TFLOP/s, separate builds).
 // - 128, 160-key tiles: no causal or window bound (every key tile but the last is fully
 //   visible) and S >= 16384. Below that 128-key tiles were ahead: S = 2048 by 1.6-3.0%, 4096
 //   by 1.2-1.7%, 8192 by 0.8-1.2%; at S = 16384 the 160-key tiles by 0.8-1.4%.
 template <int kHeadDim>
 inline bool wide_config_pays(const AttentionParams& p) {
-  if constexpr (kHeadDim == 64) return p.seqlen_q >= (p.unwindowed() ? 512 : 1024);
+  if constexpr (kHeadDim == 64) return p.seqlen_q >= 512;
   return kHeadDim == 128 && p.unwindowed() && p.seqlen_k >= 16384;
 }
 
