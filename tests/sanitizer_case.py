@@ -63,13 +63,13 @@ def main():
     # Forward with S >= 16384 and no causal or window bound (the Hopper kernel's 160-key tiles
     # and single Q buffer): 3 x 64 query tiles, more than the SMs, so blocks reuse the buffer.
     forward_case(rng, "wide key tiles", (1, 300, 16500, 64, 8, 128))
-    # Head dim 64, T >= 1024 with causal bounds (the Hopper kernel's three consumer warpgroups
-    # on 192-row tiles): 11 query tiles x 16 heads, more than the SMs, T ending mid-tile.
+    # Head dim 64, T >= 512 (the Hopper kernel's three consumer warpgroups on 192-row tiles),
+    # causal: 11 query tiles x 16 heads, more than the SMs, T ending mid-tile.
     forward_case(rng, "three consumer warpgroups", (1, 2100, 2100, 16, 4, 64), is_causal=True)
-    # Head dim 64 below T = 1024 with causal bounds (two consumer warpgroups, three K/V
-    # stages): 8 query tiles x 24 heads, more than the SMs, so the ring of three wraps across
-    # a block's tiles; T ends mid-tile.
-    forward_case(rng, "three K/V stages", (1, 1000, 1000, 24, 8, 64), is_causal=True)
+    # Head dim 64 below T = 512 (two consumer warpgroups, three K/V stages, each next tile's Q
+    # issued ahead), causal: 4 query tiles x 48 heads, more than the SMs, so the ring of three
+    # wraps across a block's tiles; T ends mid-tile.
+    forward_case(rng, "three K/V stages", (1, 400, 400, 48, 8, 64), is_causal=True)
     # Head dim 256 on the Hopper kernel, O staged in the K/V stage the ring lends after each
     # query block's key tiles: 3 x 64 query tiles (more than the SMs), so a block's next
     # tile loads K/V into the stage its last tile's O was stored from; T ends mid-tile.
