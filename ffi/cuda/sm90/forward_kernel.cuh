@@ -259,8 +259,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // The lending waits for tile k - 1's buffers, so it comes after the publication, which the
     // consumers read under tile k - 1's last O += P V.
     const auto hand_out = [&](int k) {
-      const bool more = index < scheduler.num_tiles;
-      if (more) t = kQAhead && k > 0 ? next : scheduler.tile(p, index);
+      const bool more = index < scheduler.num_tiles, claimed_ahead = kQAhead && k > 0;
+      if (more) t = claimed_ahead ? next : scheduler.tile(p, index);
       if (k > 0) ptx::mbarrier_wait(bar(bars.tile_empty), uint32_t(k - 1) & 1);
       if (more)
         TileSlot::store(tile_slot, t);
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (o_owed) lend_for_o(kv_ring);
         o_owed = more && t.num_kv_tiles > 0;
       }
-      if (more) load_first(t, q_ring, kv_ring, kQAhead && k > 0);
+      if (more) load_first(t, q_ring, kv_ring, claimed_ahead);
     };
     const auto claim = [&] { index = int(gridDim.x) + atomicAdd(p.tile_counter, 1); };
     hand_out(0);
