@@ -141,9 +141,10 @@ def test_dispatch_is_visible():
                                          is_causal=True)])
 def test_many_tiles_per_block(rng, head_dim, kwargs):
     """More query tiles than SMs, so every block of the Hopper kernel runs several: head dims
-    above 128 keep one Q buffer and stage O in it, which each next tile waits for (at 136 most
-    of the padded head dim is zero-filled by TMA); head dims up to 64 run three consumer
-    warpgroups (T >= 512), whose turn order must carry across tiles."""
+    above 128 keep one Q buffer, which each next tile's Q waits for, and stage O in the K/V
+    stage the ring lends after a tile's key tiles (at 136 most of the padded head dim is
+    zero-filled by TMA); head dims up to 64 run three consumer warpgroups (T >= 512), whose
+    turn order must carry across tiles."""
     check(*random_qkv(rng, 3, 1000, 1000, 48, 8, head_dim, jnp.bfloat16), **kwargs)
 
 
