@@ -222,18 +222,39 @@ def test_kernel_windows(rng, head_dim, window):
     assert_lse_close(np.swapaxes(np.asarray(lse), 1, 2), lse_ref)  # _ops' lse is [B, N, T]
 
 
+@pytest.mark.parametrize("loads", ["default", "cp.async"])
 @pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(17, 5)),
                                     dict(key_value_seq_lengths=np.array([150, 0], np.int32))])
-@pytest.mark.parametrize("head_dim", [72, 128])
-def test_mma_sync_family_where_hopper_kernel_exists(rng, monkeypatch, kwargs, head_dim):
+@pytest.mark.parametrize("head_dim", [40, 72, 128, 256])
+def test_mma_sync_family_where_hopper_kernel_exists(rng, monkeypatch, loads, kwargs, head_dim):
     """JAX_FLASHATTN_DISABLE_SM90 sends calls to the mma.sync family, which must stay correct on
-    the Hopper GPUs that would otherwise run the wgmma kernel (a no-op elsewhere). Head dim 72
-    runs on the 96 configuration, whose 12 chunks per row do not divide the block's threads
-    (load_tile's general copy path) and whose last 3 chunks are zero-filled."""
+    the Hopper GPUs that would otherwise run the wgmma kernel (a no-op elsewhere). There it
+    loads K and V by TMA; JAX_FLASHATTN_SM80_CP_ASYNC keeps the cp.async loads of other GPUs,
+    so both run here. Head dim 72 runs on the 96 configuration, whose 12 chunks per row do not
+    divide the block's threads (load_tile's general copy path) and whose last 3 chunks are
+    zero-filled (by TMA: the second 64-column box, three quarters past the head dim); 40 on 64,
+    one box five eighths inside; 256 on 32-key tiles of four boxes. S = 300 ends inside a key
+    tile of every configuration, so its last tile's keys past S are zero-filled too."""
     monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    if loads == "cp.async":
+        monkeypatch.setenv("JAX_FLASHATTN_SM80_CP_ASYNC", "1")
     q = jax.ShapeDtypeStruct((2, 100, 4, head_dim), jnp.bfloat16)
     assert jax_flashattn.forward_kernel(q, q) == "sm80"
     check(*random_qkv(rng, 2, 200, 300, 4, 2, head_dim, jnp.bfloat16), **kwargs)
+
+
+@pytest.mark.parametrize("loads", ["default", "cp.async"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mma_sync_loads_with_bias_and_mask(rng, monkeypatch, loads, dtype, head_dim):
+    """The bias and mask instantiation (which a Hopper GPU runs for every call with a bias or
+    mask) with either K/V load, over many key tiles: GQA, S not a whole number of tiles."""
+    if loads == "cp.async":
+        monkeypatch.setenv("JAX_FLASHATTN_SM80_CP_ASYNC", "1")
+    q, k, v = random_qkv(rng, 2, 130, 1000, 4, 2, head_dim, dtype)
+    mask = jnp.asarray(rng.random((2, 1, 130, 1000)) > 0.2)
+    bias = jnp.asarray(rng.standard_normal((1, 4, 130, 1000)), jnp.float32)
+    check(q, k, v, bias, mask, is_causal=True)
 
 
 @pytest.mark.parametrize("family", ["default", "sm80"])

@@ -23,13 +23,13 @@ namespace jax_flashattn::cuda {
 namespace {
 
 template <typename Elem>
-cudaError_t launch_sm80_for_head_dim(const AttentionParams& p, cudaStream_t stream) {
-  if (p.head_dim <= 32) return launch_forward_sm80<Elem, 32>(p, stream);
-  if (p.head_dim <= 64) return launch_forward_sm80<Elem, 64>(p, stream);
-  if (p.head_dim <= 96) return launch_forward_sm80<Elem, 96>(p, stream);
-  if (p.head_dim <= 128) return launch_forward_sm80<Elem, 128>(p, stream);
-  if (p.head_dim <= 192) return launch_forward_sm80<Elem, 192>(p, stream);
-  return launch_forward_sm80<Elem, 256>(p, stream);
+cudaError_t launch_sm80_for_head_dim(const AttentionParams& p, bool tma_kv, cudaStream_t stream) {
+  if (p.head_dim <= 32) return launch_forward_sm80<Elem, 32>(p, tma_kv, stream);
+  if (p.head_dim <= 64) return launch_forward_sm80<Elem, 64>(p, tma_kv, stream);
+  if (p.head_dim <= 96) return launch_forward_sm80<Elem, 96>(p, tma_kv, stream);
+  if (p.head_dim <= 128) return launch_forward_sm80<Elem, 128>(p, tma_kv, stream);
+  if (p.head_dim <= 192) return launch_forward_sm80<Elem, 192>(p, tma_kv, stream);
+  return launch_forward_sm80<Elem, 256>(p, tma_kv, stream);
 }
 
 template <typename Elem>
@@ -82,9 +82,11 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
     case ForwardKernel::kSm90:
       return bf16 ? launch_sm90_for_head_dim<__nv_bfloat16>(p, stream)
                   : launch_sm90_for_head_dim<__half>(p, stream);
-    case ForwardKernel::kSm80:
-      return bf16 ? launch_sm80_for_head_dim<__nv_bfloat16>(p, stream)
-                  : launch_sm80_for_head_dim<__half>(p, stream);
+    case ForwardKernel::kSm80: {
+      const bool tma_kv = sm90::tma_loads_apply(p, device);
+      return bf16 ? launch_sm80_for_head_dim<__nv_bfloat16>(p, tma_kv, stream)
+                  : launch_sm80_for_head_dim<__half>(p, tma_kv, stream);
+    }
     case ForwardKernel::kSimt:
       return launch_forward_simt(p, stream);
     case ForwardKernel::kDecode: {

@@ -12,9 +12,10 @@
 
 namespace jax_flashattn::cuda {
 
-// Tensor-core forward for bf16/fp16 and head dims that are a multiple of 8 up to kHeadDim.
+// Tensor-core forward for bf16/fp16 and head dims that are a multiple of 8 up to kHeadDim; with
+// tma_kv (sm90::tma_loads_apply) K and V tiles load by TMA.
 template <typename Elem, int kHeadDim>
-cudaError_t launch_forward_sm80(const AttentionParams& p, cudaStream_t stream);
+cudaError_t launch_forward_sm80(const AttentionParams& p, bool tma_kv, cudaStream_t stream);
 
 // TMA + wgmma forward for Hopper (an sm_90a build on a compute capability 9.0 device): bf16/fp16,
 // no bias or boolean mask, head dims that are a multiple of 8 up to kHeadDim, 16-byte aligned

@@ -6,18 +6,22 @@
 //   mask + bias          (only on tiles that straddle a boundary)
 //   online softmax       (exp2 with the scale folded into one FFMA)
 //   O += P V_j           (P re-packed from the S accumulators, V via ldmatrix.trans)
-// while tile j + 1 is in flight with cp.async. O is normalised once at the end and written
-// through shared memory with 16-byte stores.
+// while tile j + 1 is in flight: with cp.async, or on Hopper (kTmaKV) by TMA, which one thread
+// issues per tile and which completes on an mbarrier. O is normalised once at the end and
+// written through shared memory with 16-byte stores.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/softmax.cuh"
 #include "ffi/cuda/sm80/fragments.cuh"
 #include "ffi/cuda/sm80/smem_tile.cuh"
+#include "ffi/cuda/sm90/ptx.cuh"
+#include "ffi/cuda/sm90/tensor_maps.h"
 #include "ffi/params.h"
 
 namespace jax_flashattn::sm80 {
@@ -26,20 +30,31 @@ namespace jax_flashattn::sm80 {
 // Without one, only tiles that straddle a length or window boundary are masked, with int32
 // tile-relative compares; keeping the 64-bit bias/mask indexing out of that instantiation
 // keeps its registers for the accumulators.
-template <typename Elem, typename Traits, bool kElementwise>
-__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
-    forward_kernel(const __grid_constant__ AttentionParams p) {
+// kTmaKV (Hopper): K and V tiles come by TMA (maps.k, maps.v, boxes of kBlockN rows) in TMA's
+// 128-byte-swizzled span layout: one thread issues four to eight loads per tile where every
+// thread issued 16 cp.async with their 64-bit address arithmetic (~90 instructions per warp
+// and tile at head dim 128), and the stage's mbarrier, not a block barrier, says they landed.
+template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV>
+__device__ __forceinline__ void forward_block(const AttentionParams& p, const sm90::KVMaps& maps) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kSlabs = Traits::kSlabs, kSmemDim = Traits::kSmemDim;
   constexpr int kKSteps = Traits::kHeadDim / 16;  // QK^T reduction steps
   constexpr int kNTiles = kBlockN / 8;            // 8-key column tiles of S
   constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of O
 
-  // Aligned to a whole swizzled row (at most 512 bytes) for LdmatrixAddress's XOR.
+  // Aligned to a whole swizzled row (at most 512 bytes) for LdmatrixAddress's XOR; with kTmaKV
+  // to 1024 bytes (the period of TMA's swizzle, which SpanLdmatrixAddress assumes), up to 1 KiB
+  // further in.
   extern __shared__ __align__(512) unsigned char smem_raw[];
-  Elem* sQ = reinterpret_cast<Elem*>(smem_raw);                  // [kBlockM][kSmemDim]
+  unsigned char* smem = smem_raw;
+  if constexpr (kTmaKV) smem += (1024 - ptx::smem_address(smem_raw) % 1024) % 1024;
+  Elem* sQ = reinterpret_cast<Elem*>(smem);                      // [kBlockM][kSmemDim]
   Elem* sK = sQ + kBlockM * kSmemDim;                            // [kStages][kBlockN][kSmemDim]
   Elem* sV = sK + Traits::kStages * kBlockN * kSmemDim;          // [kStages][kBlockN][kSmemDim]
+  // kTmaKV: stage s's K and V tiles landed (one arrival with their bytes, then the bytes).
+  uint64_t* kv_full = reinterpret_cast<uint64_t*>(sV + Traits::kStages * kBlockN * kSmemDim);
+  using KVAddress =
+      std::conditional_t<kTmaKV, SpanLdmatrixAddress<kBlockN>, LdmatrixAddress<kSmemDim>>;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);  // mma accumulator coordinates
@@ -74,18 +89,50 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   }
 
   const int64_t tile_begin = key_lo / kBlockN, tile_end = (key_hi + kBlockN - 1) / kBlockN;
+  // TMA reads keys past S (and head dims past H) as zeros, as load_kv_tile's zero-fill does.
   auto load_kv = [&](int64_t tile, int stage) {
-    load_kv_tile<Traits>(sK + stage * kBlockN * kSmemDim, sV + stage * kBlockN * kSmemDim, k, v,
-                         tile * kBlockN, p, tid);
+    if constexpr (kTmaKV) {
+      if (tid != 0) return;
+      constexpr int kSpans = kSmemDim / 64, kTileBytes = kBlockN * kSmemDim * 2;
+      const uint32_t full = ptx::smem_address(&kv_full[stage]);
+      const uint32_t k_tile = ptx::smem_address(sK + stage * kBlockN * kSmemDim);
+      const uint32_t v_tile = ptx::smem_address(sV + stage * kBlockN * kSmemDim);
+      ptx::mbarrier_arrive_expect_tx(full, 2 * kTileBytes);
+#pragma unroll
+      for (int span = 0; span < kSpans; ++span) {
+        const uint32_t offset = span * kBlockN * 128;  // [kBlockN][128 bytes] per span
+        ptx::tma_load_4d(k_tile + offset, &maps.k, full, span * 64, int(kv_head),
+                         int(tile * kBlockN), int(b));
+        ptx::tma_load_4d(v_tile + offset, &maps.v, full, span * 64, int(kv_head),
+                         int(tile * kBlockN), int(b));
+      }
+    } else {
+      load_kv_tile<Traits>(sK + stage * kBlockN * kSmemDim, sV + stage * kBlockN * kSmemDim, k,
+                           v, tile * kBlockN, p, tid);
+    }
   };
 
-  // Prologue: Q and the first K/V tile in group 0, the second K/V tile (if any) in group 1.
+  // Prologue: Q and the first K/V tile in group 0, the second K/V tile (if any) in group 1
+  // (kTmaKV: Q alone in group 0, waited for here; the K/V tiles on their barriers, which are
+  // initialised before anything may arrive on them).
+  if constexpr (kTmaKV) {
+    if (tid == 0) {
+      for (int s = 0; s < Traits::kStages; ++s)
+        ptx::mbarrier_init(ptx::smem_address(&kv_full[s]), 1);
+      ptx::fence_barrier_init();
+    }
+    __syncthreads();
+  }
   load_tile<Traits, kBlockM>(sQ, q + row0 * p.q_row_stride, p.q_row_stride, valid_rows,
                              p.head_dim, tid);
   load_kv(tile_begin, 0);
   ptx::cp_async_commit();
   if (tile_begin + 1 < tile_end) load_kv(tile_begin + 1, 1);
   ptx::cp_async_commit();
+  if constexpr (kTmaKV) {
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+  }
 
   // Q fragments: all k-steps held for the whole loop, or one k-step at a time re-read from
   // shared memory (which frees the registers for a second slab per warp).
@@ -118,12 +165,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     const int stage = int((tile - tile_begin) % Traits::kStages);
-    const LdmatrixAddress<kSmemDim> k_address(sK + stage * kBlockN * kSmemDim,
-                                              (ld_matrix >> 1) * 8 + ld_row, ld_matrix & 1);
-    const LdmatrixAddress<kSmemDim> v_address(sV + stage * kBlockN * kSmemDim,
-                                              (ld_matrix & 1) * 8 + ld_row, ld_matrix >> 1);
-    ptx::cp_async_wait<1>();
-    __syncthreads();
+    const KVAddress k_address(sK + stage * kBlockN * kSmemDim, (ld_matrix >> 1) * 8 + ld_row,
+                              ld_matrix & 1);
+    const KVAddress v_address(sV + stage * kBlockN * kSmemDim, (ld_matrix & 1) * 8 + ld_row,
+                              ld_matrix >> 1);
+    if constexpr (kTmaKV) {
+      // The n-th use of a stage completes its barrier's phase n.
+      ptx::mbarrier_wait(ptx::smem_address(&kv_full[stage]),
+                         uint32_t((tile - tile_begin) / Traits::kStages) & 1);
+    } else {
+      ptx::cp_async_wait<1>();
+      __syncthreads();
+    }
 
     if (kQInRegisters && tile == tile_begin) {
 #pragma unroll
@@ -240,7 +293,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
     __syncthreads();  // every warp is done with this stage before it is refilled
     if (tile + Traits::kStages < tile_end) load_kv(tile + Traits::kStages, stage);
-    ptx::cp_async_commit();  // possibly empty, so wait<1> keeps meaning "this tile landed"
+    // Possibly empty, so wait<1> keeps meaning "this tile landed".
+    if constexpr (!kTmaKV) ptx::cp_async_commit();
   }
 
   // Epilogue: normalise, stage O in the (now idle) Q tile, then 16-byte coalesced stores.
@@ -260,6 +314,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   __syncthreads();
   store_tile<Traits, kBlockM>(out + row0 * p.q_row_stride, p.q_row_stride, sQ, valid_rows,
                               p.head_dim, tid);
+}
+
+// kTmaKV bodies exist only in the sm_90a image (TMA, mbarrier try_wait); the launcher picks them
+// only on compute capability 9.0 (sm90::tma_loads_apply).
+template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
+    forward_kernel(const __grid_constant__ AttentionParams p,
+                   const __grid_constant__ sm90::KVMaps maps) {
+  if constexpr (kTmaKV) {
+#ifdef JAX_FLASHATTN_SM90_BODY
+    forward_block<Elem, Traits, kElementwise, true>(p, maps);
+#endif
+  } else {
+    forward_block<Elem, Traits, kElementwise, false>(p, maps);
+  }
 }
 
 }  // namespace jax_flashattn::sm80

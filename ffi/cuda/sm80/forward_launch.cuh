@@ -5,28 +5,42 @@
 #include "ffi/cuda/launch.h"
 #include "ffi/cuda/sm80/forward_kernel.cuh"
 #include "ffi/cuda/sm80/traits.h"
+#include "ffi/cuda/sm90/tensor_maps.h"
 
 namespace jax_flashattn::cuda {
 
-template <typename Elem, typename Traits, bool kElementwise>
+template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV>
 cudaError_t launch_forward_sm80_kernel(const AttentionParams& p, cudaStream_t stream) {
-  constexpr auto kernel = sm80::forward_kernel<Elem, Traits, kElementwise>;
-  if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
+  constexpr auto kernel = sm80::forward_kernel<Elem, Traits, kElementwise, kTmaKV>;
+  constexpr int kSmemBytes = kTmaKV ? Traits::kTmaSmemBytes : Traits::kSmemBytes;
+  if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
   const int64_t m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   // One flat grid dimension; the kernel derives (query tile, batch, head) from it.
   if (m_blocks * p.batch * p.num_heads > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  // Without kTmaKV the maps are not read.
+  sm90::KVMaps maps{};
+  if constexpr (kTmaKV) {
+    if (cudaError_t e = sm90::encode_kv_maps(p, Traits::kBlockN, maps); e != cudaSuccess) return e;
+  }
   const dim3 grid(unsigned(m_blocks * p.batch * p.num_heads));
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(p, maps);
   return cudaGetLastError();
 }
 
-// The mask kind picks the instantiation: with a bias or boolean mask, or with neither.
+// The mask kind picks the instantiation (with a bias or boolean mask, or with neither), and
+// tma_kv (sm90::tma_loads_apply) how K and V tiles load.
+template <typename Elem, typename Traits, bool kElementwise>
+cudaError_t launch_forward_sm80_loads(const AttentionParams& p, bool tma_kv, cudaStream_t stream) {
+  if (tma_kv) return launch_forward_sm80_kernel<Elem, Traits, kElementwise, true>(p, stream);
+  return launch_forward_sm80_kernel<Elem, Traits, kElementwise, false>(p, stream);
+}
+
 template <typename Elem, int kHeadDim>
-cudaError_t launch_forward_sm80(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t launch_forward_sm80(const AttentionParams& p, bool tma_kv, cudaStream_t stream) {
   using Traits = sm80::ForwardConfig<kHeadDim>;
   if (p.bias != nullptr || p.mask != nullptr)
-    return launch_forward_sm80_kernel<Elem, Traits, true>(p, stream);
-  return launch_forward_sm80_kernel<Elem, Traits, false>(p, stream);
+    return launch_forward_sm80_loads<Elem, Traits, true>(p, tma_kv, stream);
+  return launch_forward_sm80_loads<Elem, Traits, false>(p, tma_kv, stream);
 }
 
 }  // namespace jax_flashattn::cuda

@@ -36,6 +36,24 @@ struct LdmatrixAddress {
   }
 };
 
+// The same for a tile of kRows rows stored as TMA writes it with the 128-byte swizzle: each
+// 64-element span of the rows in a [kRows][128 bytes] array of its own, spans one after
+// another, the tile 1024-byte aligned. Chunk 2 i + c of a row lies in span i / 4, at
+// ((c ^ row % 8) * 16) ^ (32 (i % 4)) bytes into that span's row.
+template <int kRows>
+struct SpanLdmatrixAddress {
+  static constexpr int kRowBytes = 128, kSpanBytes = kRows * kRowBytes;
+  uint32_t base;
+
+  __device__ SpanLdmatrixAddress(const void* tile, int lane_row, int lane_chunk)
+      : base(ptx::smem_address(tile) + lane_row * kRowBytes + ((lane_chunk ^ (lane_row & 7)) << 4)) {}
+
+  __device__ uint32_t operator()(int row_step, int col_step) const {
+    return (base ^ ((col_step & 3) << 5)) + (col_step >> 2) * kSpanBytes +
+           row_step * 16 * kRowBytes;
+  }
+};
+
 // Copies rows [0, kRows) x chunks [0, kChunks) of a [rows, head_dim] global tile into shared
 // memory, zero-filling rows >= valid_rows and chunks past head_dim.
 //

@@ -49,4 +49,30 @@ inline bool hopper_kernels_apply(const AttentionParams& p, int device) {
 #endif
 }
 
+// JAX_FLASHATTN_SM80_CP_ASYNC=1 keeps the mma.sync forward's K/V loads on cp.async on Hopper
+// too (as on sm_80), read per call like the switch above: for comparing the two loads in one
+// process, and for testing the cp.async path on the Hopper cards the tests run on.
+inline bool cp_async_by_environment() {
+  const char* value = std::getenv("JAX_FLASHATTN_SM80_CP_ASYNC");
+  return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
+}
+
+// Whether the mma.sync forward loads K and V by TMA (its kTmaKV kernels, compiled only into
+// the sm_90a image): on a compute capability 9.0 device, with the driver's tensor-map entry
+// point, 16-byte aligned tensors, and keys (up to the start of the tile past the last),
+// kv heads and batch entries addressable by TMA's int32 coordinates. Bias and mask calls take it too (they run on the mma.sync family on
+// Hopper). JAX_FLASHATTN_DISABLE_SM90 does not change it: that switch picks the family.
+inline bool tma_loads_apply(const AttentionParams& p, int device) {
+#ifdef JAX_FLASHATTN_HAS_SM90A
+  constexpr int64_t kInt32 = 0x7fffffff;
+  return p.seqlen_k + 256 <= kInt32 && p.num_kv_heads <= kInt32 && p.batch <= kInt32 &&
+         tma_compatible(p) && tensor_maps_available() && !cp_async_by_environment() &&
+         device_is_sm90(device);
+#else
+  (void)p;
+  (void)device;
+  return false;
+#endif
+}
+
 }  // namespace jax_flashattn::sm90

@@ -104,6 +104,15 @@ cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_row
   return cudaSuccess;
 }
 
+cudaError_t encode_kv_maps(const AttentionParams& p, int kv_rows, KVMaps& maps) {
+  if (cudaError_t e = encode(maps.k, p.dtype, p.k, p.head_dim, p.num_kv_heads, p.seqlen_k, p.batch,
+                             p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, kv_rows);
+      e != cudaSuccess)
+    return e;
+  return encode(maps.v, p.dtype, p.v, p.head_dim, p.num_kv_heads, p.seqlen_k, p.batch,
+                p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, kv_rows);
+}
+
 bool backward_tma_compatible(const AttentionParams& p) {
   // Box coordinates are int32: the last box starts below batch x N x T.
   const bool rows_addressable = p.batch * p.num_heads * p.seqlen_q <= 0x7fffffff;

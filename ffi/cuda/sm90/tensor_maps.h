@@ -27,6 +27,14 @@ bool tensor_maps_available();
 cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_rows, int out_rows,
                                 ForwardMaps& maps);
 
+// k and v alone, in the same view, for the mma.sync forward's K/V tile loads on Hopper
+// (sm80::forward_kernel with kTmaKV), in boxes of kv_rows rows.
+struct KVMaps {
+  CUtensorMap k, v;
+};
+
+cudaError_t encode_kv_maps(const AttentionParams& p, int kv_rows, KVMaps& maps);
+
 // The backward's maps, in the same view: q and d_out (loads), k and v (loads), dk and dv
 // (stores, which clip rows past S and head dims past H). lse and delta (float32 [batch, N, T])
 // are viewed as one flat row of batch x N x T elements: a row stride of T floats is not 16-byte
