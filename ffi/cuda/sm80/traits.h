@@ -35,8 +35,8 @@ struct ForwardTraits {
   static constexpr int kSmemBytes =
       (kBlockM + 2 * kStages * kBlockN) * kSmemDim * kElemBytes;
   // With TMA K/V loads (Hopper, kTmaKV): up to 1024 bytes to align the tiles to the swizzle's
-  // period, then one mbarrier per stage (at head dim 128, 2 x 97 KiB per SM).
-  static constexpr int kTmaSmemBytes = kSmemBytes + 1024 + 8 * kStages;
+  // period, then per stage an mbarrier and a counter (at head dim 128, 2 x 97 KiB per SM).
+  static constexpr int kTmaSmemBytes = kSmemBytes + 1024 + (8 + 4) * kStages;
 
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "mma k-steps are 16 wide");
   static_assert(kBlockM % (16 * kWarps) == 0, "each warp owns whole 16-row slabs");
