@@ -225,16 +225,17 @@ def test_kernel_windows(rng, head_dim, window):
 @pytest.mark.parametrize("loads", ["default", "cp.async"])
 @pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(17, 5)),
                                     dict(key_value_seq_lengths=np.array([150, 0], np.int32))])
-@pytest.mark.parametrize("head_dim", [40, 72, 128, 256])
+@pytest.mark.parametrize("head_dim", [32, 40, 72, 128, 160, 256])
 def test_mma_sync_family_where_hopper_kernel_exists(rng, monkeypatch, loads, kwargs, head_dim):
     """JAX_FLASHATTN_DISABLE_SM90 sends calls to the mma.sync family, which must stay correct on
     the Hopper GPUs that would otherwise run the wgmma kernel (a no-op elsewhere). There it
     loads K and V by TMA; JAX_FLASHATTN_SM80_CP_ASYNC keeps the cp.async loads of other GPUs,
-    so both run here. Head dim 72 runs on the 96 configuration, whose 12 chunks per row do not
-    divide the block's threads (load_tile's general copy path) and whose last 3 chunks are
-    zero-filled (by TMA: the second 64-column box, three quarters past the head dim); 40 on 64,
-    one box five eighths inside; 256 on 32-key tiles of four boxes. S = 300 ends inside a key
-    tile of every configuration, so its last tile's keys past S are zero-filled too."""
+    so both run here. Every configuration: 32 (Q in registers; one 64-column box, half of it
+    past the head dim), 40 on 64 (one box, 24 columns past), 72 on 96 (12 chunks per row, which
+    do not divide the block's threads: load_tile's general copy path; TMA's second box holds 8
+    head-dim columns), 128, 160 on 192 (32-key tiles, three boxes), 256 (four). S = 300 ends
+    inside a key tile of every configuration, so its last tile's keys past S are zero-filled
+    too."""
     monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
     if loads == "cp.async":
         monkeypatch.setenv("JAX_FLASHATTN_SM80_CP_ASYNC", "1")

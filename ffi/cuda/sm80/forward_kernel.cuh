@@ -32,7 +32,7 @@ namespace jax_flashattn::sm80 {
 // tile-relative compares; keeping the 64-bit bias/mask indexing out of that instantiation
 // keeps its registers for the accumulators.
 // kTmaKV (Hopper): K and V tiles come by TMA (maps.k, maps.v, boxes of kBlockN rows) in TMA's
-// 128-byte-swizzled span layout: one thread issues four to eight loads per tile where every
+// 128-byte-swizzled span layout: one thread issues two to eight loads per tile where every
 // thread issued 16 cp.async with their 64-bit address arithmetic (~90 instructions per warp
 // and tile at head dim 128), and the stage's mbarrier, not a block barrier, says they landed.
 // No block barrier says that a stage is free either: each warp counts itself done with it, and
@@ -98,18 +98,18 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm
   // kTmaKV: issued by one thread (the last warp done with the stage, or thread 0 at the start).
   auto issue_kv_tma = [&](int64_t tile, int stage) {
     if constexpr (kTmaKV) {
-      constexpr int kSpans = kSmemDim / 64, kTileBytes = kBlockN * kSmemDim * 2;
+      constexpr int kSpans = Traits::kTmaSpans, kSpanElems = Traits::kSpanElems;
+      constexpr int kSpanBytes = KVAddress::kSpanBytes;  // [kBlockN][128 bytes]
       const uint32_t full = ptx::smem_address(&kv_full[stage]);
       const uint32_t k_tile = ptx::smem_address(sK + stage * kBlockN * kSmemDim);
       const uint32_t v_tile = ptx::smem_address(sV + stage * kBlockN * kSmemDim);
-      ptx::mbarrier_arrive_expect_tx(full, 2 * kTileBytes);
+      ptx::mbarrier_arrive_expect_tx(full, 2 * kSpans * kSpanBytes);
 #pragma unroll
       for (int span = 0; span < kSpans; ++span) {
-        const uint32_t offset = span * kBlockN * 128;  // [kBlockN][128 bytes] per span
-        ptx::tma_load_4d(k_tile + offset, &maps.k, full, span * 64, int(kv_head),
-                         int(tile * kBlockN), int(b));
-        ptx::tma_load_4d(v_tile + offset, &maps.v, full, span * 64, int(kv_head),
-                         int(tile * kBlockN), int(b));
+        ptx::tma_load_4d(k_tile + span * kSpanBytes, &maps.k, full, span * kSpanElems,
+                         int(kv_head), int(tile * kBlockN), int(b));
+        ptx::tma_load_4d(v_tile + span * kSpanBytes, &maps.v, full, span * kSpanElems,
+                         int(kv_head), int(tile * kBlockN), int(b));
       }
     }
   };
@@ -325,10 +325,10 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm
       ptx::cp_async_commit();  // possibly empty, so wait<1> keeps meaning "this tile landed"
     }
   }
-  // kTmaKV: the other warps may still be reading Q (kQInRegisters false) when this one is done.
-  if constexpr (kTmaKV) __syncthreads();
 
-  // Epilogue: normalise, stage O in the (now idle) Q tile, then 16-byte coalesced stores.
+  // Epilogue: normalise, stage O in the Q tile (each warp in its own rows, which only it has
+  // read: no barrier before, even where warps leave the loop at different times), then 16-byte
+  // coalesced stores.
   float row_lse[kSlabs][2];
   softmax.finalize(o_acc, softmax_scale, row_lse);
 #pragma unroll

@@ -46,8 +46,10 @@ struct SpanLdmatrixAddress {
   uint32_t base;
 
   __device__ SpanLdmatrixAddress(const void* tile, int lane_row, int lane_chunk)
-      : base(ptx::smem_address(tile) + lane_row * kRowBytes + ((lane_chunk ^ (lane_row & 7)) << 4)) {}
+      : base(ptx::smem_address(tile) + lane_row * kRowBytes +
+             ((lane_chunk ^ (lane_row & 7)) << 4)) {}
 
+  // 16 x 16 operand at rows [16 row_step, +16), columns [16 col_step, +16).
   __device__ uint32_t operator()(int row_step, int col_step) const {
     return (base ^ ((col_step & 3) << 5)) + (col_step >> 2) * kSpanBytes +
            row_step * 16 * kRowBytes;

@@ -3,9 +3,12 @@
 // Each warp owns kSlabs slabs of 16 query rows. With kQInRegisters it keeps its Q fragments in
 // registers for the whole K/V loop; otherwise it re-reads them from shared memory at every
 // k-step, which costs shared-memory bandwidth but frees the registers that let a warp own two
-// slabs: every K/V fragment it loads then feeds twice as many mma. Shared memory holds the Q tile and kStages K and V tiles, each row padded to
-// kSmemDim (a multiple of 64 elements = 128 bytes) so the XOR swizzle of 16-byte chunks stays
-// inside the row; a head dim below kHeadDim is zero-filled there.
+// slabs: every K/V fragment it loads then feeds twice as many mma. Shared memory holds the Q
+// tile and kStages K and V tiles, each row padded to kSmemDim (a multiple of 64 elements = 128
+// bytes) so the XOR swizzle of 16-byte chunks stays inside the row; a head dim below kHeadDim
+// is zero-filled there. With TMA loads (Hopper) the K and V tiles are stored as TMA writes them
+// instead: each 64-element span of the rows a [kBlockN][128 bytes] array of its own, the same
+// XOR on the row's 8 chunks of a span.
 #pragma once
 
 namespace jax_flashattn::sm80 {
@@ -35,13 +38,20 @@ struct ForwardTraits {
   static constexpr int kSmemBytes =
       (kBlockM + 2 * kStages * kBlockN) * kSmemDim * kElemBytes;
   // With TMA K/V loads (Hopper, kTmaKV): up to 1024 bytes to align the tiles to the swizzle's
-  // period, then per stage an mbarrier and a counter (at head dim 128, 2 x 97 KiB per SM).
-  static constexpr int kTmaSmemBytes = kSmemBytes + 1024 + (8 + 4) * kStages;
+  // period, then per stage an mbarrier and a counter (at head dim 128, 2 x 97 KiB per SM). TMA
+  // loads only the spans that hold head dims (three of four at 192).
+  static constexpr int kTmaSmemBytes =
+      kSmemBytes + 1024 + (sizeof(unsigned long long) + sizeof(unsigned)) * kStages;
+  static constexpr int kSpanElems = 64;  // 128 bytes: the widest box of TMA's 128-byte swizzle
+  static constexpr int kTmaSpans = (kHeadDim + kSpanElems - 1) / kSpanElems;
 
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= 256, "mma k-steps are 16 wide");
   static_assert(kBlockM % (16 * kWarps) == 0, "each warp owns whole 16-row slabs");
   static_assert(kBlockN % 16 == 0, "P.V consumes keys 16 at a time");
   static_assert(kSmemDim % 64 == 0, "the swizzle XORs the chunk index with row % 8");
+  static_assert((kBlockM * kSmemDim * kElemBytes) % 1024 == 0 &&
+                    (kBlockN * kSmemDim * kElemBytes) % 1024 == 0 && kBlockN % 8 == 0,
+                "TMA's tiles and spans start at 1024-byte boundaries (the swizzle's period)");
   static_assert(kSmemBytes <= 99 * 1024, "fits the opt-in shared memory of every sm_8x/sm_120");
 };
 

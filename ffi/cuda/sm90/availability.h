@@ -59,15 +59,16 @@ inline bool cp_async_by_environment() {
 
 // Whether the mma.sync forward loads K and V by TMA (its kTmaKV kernels, compiled only into
 // the sm_90a image): on a compute capability 9.0 device, with the driver's tensor-map entry
-// point, 16-byte aligned tensors, and keys (up to the start of the tile past the last),
-// kv heads and batch entries addressable by TMA's int32 coordinates. Bias and mask calls take it too (they run on the mma.sync family on
-// Hopper). JAX_FLASHATTN_DISABLE_SM90 does not change it: that switch picks the family.
+// point, keys (a tensor map has no empty dimension), 16-byte aligned tensors, and keys, kv
+// heads and batch entries addressable by TMA's int32 coordinates (a tile starts below S).
+// Bias and mask calls take it too (they run on the mma.sync family on Hopper).
+// JAX_FLASHATTN_DISABLE_SM90 does not change it: that switch picks the family.
 inline bool tma_loads_apply(const AttentionParams& p, int device) {
 #ifdef JAX_FLASHATTN_HAS_SM90A
   constexpr int64_t kInt32 = 0x7fffffff;
-  return p.seqlen_k + 256 <= kInt32 && p.num_kv_heads <= kInt32 && p.batch <= kInt32 &&
-         tma_compatible(p) && tensor_maps_available() && !cp_async_by_environment() &&
-         device_is_sm90(device);
+  return p.seqlen_k > 0 && p.seqlen_k <= kInt32 && p.num_kv_heads <= kInt32 &&
+         p.batch <= kInt32 && tma_compatible(p) && tensor_maps_available() &&
+         !cp_async_by_environment() && device_is_sm90(device);
 #else
   (void)p;
   (void)device;

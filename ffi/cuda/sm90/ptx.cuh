@@ -91,8 +91,9 @@ __device__ __forceinline__ void bulk_wait_group_read_all() {
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 
-// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads
-// (a TMA store of what the thread wrote).
+// Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones:
+// its writes before a TMA store's reads of them, and (with the reads of other threads made
+// visible to it first) reads before a TMA load that overwrites them.
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
