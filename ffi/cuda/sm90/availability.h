@@ -26,13 +26,16 @@ inline bool device_is_sm90(int device) {
   });
 }
 
-// JAX_FLASHATTN_DISABLE_SM90=1 sends Hopper calls to the mma.sync family. Read per call, so a
-// benchmark or test can compare the two families in one process; change it only while no
+// Whether the environment switch `name` is on (set, not empty, not "0"). Read per call, so a
+// benchmark or test can compare two kernel choices in one process; change one only while no
 // attention call runs (getenv does not synchronise with a concurrent setenv).
-inline bool disabled_by_environment() {
-  const char* value = std::getenv("JAX_FLASHATTN_DISABLE_SM90");
+inline bool environment_switch(const char* name) {
+  const char* value = std::getenv(name);
   return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
 }
+
+// JAX_FLASHATTN_DISABLE_SM90=1 sends Hopper calls to the mma.sync family.
+inline bool disabled_by_environment() { return environment_switch("JAX_FLASHATTN_DISABLE_SM90"); }
 
 // What both Hopper kernels need, beside their own head-dim and alignment rules: a build with an
 // sm_90a image (JAX_FLASHATTN_HAS_SM90A, set by cmake/cuda.cmake), no bias or boolean mask
@@ -50,12 +53,9 @@ inline bool hopper_kernels_apply(const AttentionParams& p, int device) {
 }
 
 // JAX_FLASHATTN_SM80_CP_ASYNC=1 keeps the mma.sync forward's K/V loads on cp.async on Hopper
-// too (as on sm_80), read per call like the switch above: for comparing the two loads in one
-// process, and for testing the cp.async path on the Hopper cards the tests run on.
-inline bool cp_async_by_environment() {
-  const char* value = std::getenv("JAX_FLASHATTN_SM80_CP_ASYNC");
-  return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
-}
+// too (as on sm_80): for comparing the two loads in one process, and for testing the cp.async
+// path on the Hopper cards the tests run on.
+inline bool cp_async_by_environment() { return environment_switch("JAX_FLASHATTN_SM80_CP_ASYNC"); }
 
 // Whether the mma.sync forward loads K and V by TMA (its kTmaKV kernels, compiled only into
 // the sm_90a image): on a compute capability 9.0 device, with the driver's tensor-map entry

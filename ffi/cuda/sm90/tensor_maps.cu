@@ -71,6 +71,20 @@ cudaError_t encode_flat_f32(CUtensorMap& map, const float* base, int64_t element
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+// A [batch, T, N, H] tensor of the call (q, out, d_out) in boxes of `rows` rows.
+cudaError_t encode_query_like(CUtensorMap& map, const AttentionParams& p, const void* base,
+                              int rows) {
+  return encode(map, p.dtype, base, p.head_dim, p.num_heads, p.seqlen_q, p.batch, p.q_head_stride,
+                p.q_row_stride, p.q_batch_stride, rows);
+}
+
+// A [batch, S, K, H] tensor of the call (k, v, dk, dv) in boxes of `rows` rows.
+cudaError_t encode_key_like(CUtensorMap& map, const AttentionParams& p, const void* base,
+                            int rows) {
+  return encode(map, p.dtype, base, p.head_dim, p.num_kv_heads, p.seqlen_k, p.batch,
+                p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, rows);
+}
+
 bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
 
 bool strides_aligned16(int64_t head_stride, int64_t row_stride, int64_t batch_stride) {
@@ -90,27 +104,18 @@ bool tma_compatible(const AttentionParams& p) {
 
 cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_rows, int out_rows,
                                 ForwardMaps& maps) {
-  const cudaError_t errors[4] = {
-      encode(maps.q, p.dtype, p.q, p.head_dim, p.num_heads, p.seqlen_q, p.batch,
-             p.q_head_stride, p.q_row_stride, p.q_batch_stride, q_rows),
-      encode(maps.k, p.dtype, p.k, p.head_dim, p.num_kv_heads, p.seqlen_k, p.batch,
-             p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, kv_rows),
-      encode(maps.v, p.dtype, p.v, p.head_dim, p.num_kv_heads, p.seqlen_k, p.batch,
-             p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, kv_rows),
-      encode(maps.out, p.dtype, p.out, p.head_dim, p.num_heads, p.seqlen_q, p.batch,
-             p.q_head_stride, p.q_row_stride, p.q_batch_stride, out_rows)};
+  const cudaError_t errors[4] = {encode_query_like(maps.q, p, p.q, q_rows),
+                                 encode_key_like(maps.k, p, p.k, kv_rows),
+                                 encode_key_like(maps.v, p, p.v, kv_rows),
+                                 encode_query_like(maps.out, p, p.out, out_rows)};
   for (cudaError_t e : errors)
     if (e != cudaSuccess) return e;
   return cudaSuccess;
 }
 
 cudaError_t encode_kv_maps(const AttentionParams& p, int kv_rows, KVMaps& maps) {
-  if (cudaError_t e = encode(maps.k, p.dtype, p.k, p.head_dim, p.num_kv_heads, p.seqlen_k, p.batch,
-                             p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, kv_rows);
-      e != cudaSuccess)
-    return e;
-  return encode(maps.v, p.dtype, p.v, p.head_dim, p.num_kv_heads, p.seqlen_k, p.batch,
-                p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, kv_rows);
+  if (cudaError_t e = encode_key_like(maps.k, p, p.k, kv_rows); e != cudaSuccess) return e;
+  return encode_key_like(maps.v, p, p.v, kv_rows);
 }
 
 bool backward_tma_compatible(const AttentionParams& p) {
@@ -125,19 +130,13 @@ bool backward_tma_compatible(const AttentionParams& p) {
 
 cudaError_t encode_backward_maps(const AttentionParams& p, int q_rows, int kv_rows, int dkv_rows,
                                  BackwardMaps& maps) {
-  const auto q_like = [&](CUtensorMap& map, const void* base) {
-    return encode(map, p.dtype, base, p.head_dim, p.num_heads, p.seqlen_q, p.batch,
-                  p.q_head_stride, p.q_row_stride, p.q_batch_stride, q_rows);
-  };
-  const auto kv_like = [&](CUtensorMap& map, const void* base, int rows) {
-    return encode(map, p.dtype, base, p.head_dim, p.num_kv_heads, p.seqlen_k, p.batch,
-                  p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, rows);
-  };
   const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
-  const cudaError_t errors[8] = {q_like(maps.q, p.q),           q_like(maps.d_out, p.d_out),
-                                 kv_like(maps.k, p.k, kv_rows), kv_like(maps.v, p.v, kv_rows),
-                                 kv_like(maps.dk, p.dk, dkv_rows),
-                                 kv_like(maps.dv, p.dv, dkv_rows),
+  const cudaError_t errors[8] = {encode_query_like(maps.q, p, p.q, q_rows),
+                                 encode_query_like(maps.d_out, p, p.d_out, q_rows),
+                                 encode_key_like(maps.k, p, p.k, kv_rows),
+                                 encode_key_like(maps.v, p, p.v, kv_rows),
+                                 encode_key_like(maps.dk, p, p.dk, dkv_rows),
+                                 encode_key_like(maps.dv, p, p.dv, dkv_rows),
                                  encode_flat_f32(maps.lse, p.lse, rows, q_rows + kFlatAlignElems),
                                  encode_flat_f32(maps.delta, p.delta, rows,
                                                  q_rows + kFlatAlignElems)};
