@@ -169,7 +169,8 @@ def main(argv=None) -> int:
                   + ("" if "cudnn" in impls or "cudnn" not in args.impls
                      else " (cudnn needs a GPU)"))
     header.append(f"timing: median of up to {settings.repeats} runs of a jitted loop over "
-                  f"{settings.n_sets} input sets, ~{settings.target_s * 1e3:g} ms per run; "
+                  f"{settings.n_sets} input sets, ~{settings.target_s * 1e3:g} ms per run, "
+                  "the implementations of a case in alternation; "
                   "FLOPs 4*B*N*T*S*H forward (/2 causal), 3.5x for forward+backward")
     if "ours" in impls:
         header.append("our forward kernel: " + _bench.forward_kernel_summary(configs))

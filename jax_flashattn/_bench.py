@@ -34,7 +34,10 @@ How it is timed (`measure`)
   the first run (after a separate, untimed compile) is a warm-up whose outputs feed the
   correctness check; then the median over `repeats` runs of run time / calls.
 * Every implementation goes through the same loop in the same process, so the ratios are
-  like for like; on a shared, noisy GPU they are what to compare.
+  like for like; on a shared, noisy GPU they are what to compare. The implementations of one
+  case are compiled, warmed up and checked first, then timed in alternation (ABBA: A B, B A,
+  A B, ...), so that a drift of the GPU's clocks or load during the case reaches every
+  implementation alike instead of landing in the ratio.
 
 Correctness gate (`reference_slice`, `forward_verdict`, `grad_verdict`)
 -----------------------------------------------------------------------
@@ -511,12 +514,34 @@ def _short(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def measure(cfg: Config, impl: str, mode: str, inputs: Inputs, ref: ReferenceSlice | None,
-            settings: TimingSettings) -> dict:
-    """Checks, then times one (config, implementation, mode). Never raises: failures come back
-    as status "FAIL" (wrong result), "OOM" or "error", with a message."""
+class _Timed:
+    """One implementation of one (config, mode), compiled, warmed up and checked: `run()`
+    times one run and returns its seconds per call; `record` collects the outcome."""
+
+    def __init__(self, record: dict, compiled, results, calls: int, warm_s: float):
+        self.record, self.compiled, self.results = record, compiled, results
+        self.calls, self.warm_s, self.per_call = calls, warm_s, []
+
+    def run(self, inputs: Inputs) -> None:
+        t0 = time.perf_counter()
+        inputs.sets, self.results = self.compiled(inputs.sets, self.results, inputs.g)
+        jax.block_until_ready(self.results)
+        self.per_call.append((time.perf_counter() - t0) / self.calls)
+
+
+def _fail(record: dict, e: BaseException, inputs: Inputs) -> dict:
+    record.update(status="OOM" if is_oom(e) else "error", message=_short(e))
+    inputs.invalidate()
+    gc.collect()  # a failed run's traceback may hold device buffers
+    return record
+
+
+def prepare(cfg: Config, impl: str, mode: str, inputs: Inputs, ref: ReferenceSlice | None,
+            settings: TimingSettings) -> tuple[dict, _Timed | None]:
+    """Compiles, warms up and checks one (config, implementation, mode). Never raises:
+    failures come back as status "FAIL" (wrong result), "OOM" or "error", with a message, and
+    no timer."""
     record = dict(impl=impl, mode=mode, status="error", message="")
-    results = None
     try:
         fn = attention_fn(impl, cfg.causal)
         iters = settings.iterations(cfg, mode)
@@ -535,7 +560,7 @@ def measure(cfg: Config, impl: str, mode: str, inputs: Inputs, ref: ReferenceSli
         inputs.sets, results = compiled(inputs.sets, results, inputs.g)
         jax.block_until_ready(results)
         warm_s = time.perf_counter() - t0
-        record["warmup_s"] = warm_s
+        record.update(warmup_s=warm_s, iterations=iters, calls=calls)
 
         if ref is None:
             raise RuntimeError("no reference to check against")
@@ -545,27 +570,43 @@ def measure(cfg: Config, impl: str, mode: str, inputs: Inputs, ref: ReferenceSli
         record["check"] = dict(verdict.metrics, detail=verdict.detail)
         if not verdict.ok:
             record.update(status="FAIL", message=verdict.detail)
-            return record
-
-        repeats = max(settings.min_repeats,
-                      min(settings.repeats, int(settings.time_budget_s / max(warm_s, 1e-9))))
-        per_call = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            inputs.sets, results = compiled(inputs.sets, results, inputs.g)
-            jax.block_until_ready(results)
-            per_call.append((time.perf_counter() - t0) / calls)
-        seconds = statistics.median(per_call)
-        record.update(status="ok", seconds=seconds, times_s=per_call, calls=calls,
-                      iterations=iters, repeats=repeats,
-                      tflops=cfg.flops(mode) / seconds / 1e12,
-                      kv_tbps=cfg.kv_bytes() / seconds / 1e12)
+            return record, None
+        return record, _Timed(record, compiled, results, calls, warm_s)
     except Exception as e:  # noqa: BLE001 - one config must never end the run
-        record.update(status="OOM" if is_oom(e) else "error", message=_short(e))
-        inputs.invalidate()
-        results = None
-        gc.collect()  # a failed run's traceback may hold device buffers
-    return record
+        return _fail(record, e, inputs), None
+
+
+def time_interleaved(cfg: Config, timers: Sequence[_Timed], inputs: Inputs,
+                     settings: TimingSettings, mode: str = "fwd") -> None:
+    """Times the prepared implementations of one (config, mode) in alternation, ABBA order
+    (A B, then B A, ...), the same number of runs each; each record gets the median of its
+    runs' seconds per call. In alternation they share whatever the GPU's clocks and
+    neighbours do during the case, which back-to-back blocks of runs do not: a drift within
+    the case would otherwise land in the ratio. Never raises: an implementation that fails
+    here is marked and dropped from the remaining rounds."""
+    if not timers:
+        return
+    slowest = max(t.warm_s for t in timers)
+    repeats = max(settings.min_repeats,
+                  min(settings.repeats, int(settings.time_budget_s / max(slowest, 1e-9))))
+    live = list(timers)
+    for round_index in range(repeats):
+        for timer in (live if round_index % 2 == 0 else live[::-1]):
+            try:
+                inputs.ensure_alive()
+                timer.run(inputs)
+            except Exception as e:  # noqa: BLE001
+                _fail(timer.record, e, inputs)
+                timer.results = None
+                live = [t for t in live if t is not timer]
+    for timer in timers:
+        if timer in live:
+            seconds = statistics.median(timer.per_call)
+            timer.record.update(status="ok", seconds=seconds, times_s=timer.per_call,
+                                repeats=len(timer.per_call),
+                                tflops=cfg.flops(mode) / seconds / 1e12,
+                                kv_tbps=cfg.kv_bytes() / seconds / 1e12)
+        timer.compiled = timer.results = None
 
 
 # ----------------------------------------------------------------------------- driver
@@ -644,7 +685,8 @@ def config_record(cfg: Config) -> dict:
 
 def run_benchmark(configs: Sequence[Config], impls: Sequence[str], modes: Sequence[str],
                   settings: TimingSettings | None = None, progress: bool = True) -> list[dict]:
-    """Every (config, mode, impl), checked then timed; one flat list of records."""
+    """Every (config, mode, impl), checked then timed, the implementations of a (config, mode)
+    in alternation (`time_interleaved`); one flat list of records."""
     settings = settings or TimingSettings.for_backend()
     jobs = [(cfg, mode) for cfg in configs for mode in modes
             if not (cfg.kind == "decode" and mode != "fwd")]
@@ -675,6 +717,7 @@ def run_benchmark(configs: Sequence[Config], impls: Sequence[str], modes: Sequen
                     except Exception as e:  # noqa: BLE001
                         ref_error = "reference check failed: " + _short(e)
                         inputs.invalidate()
+                case_records, timers = [], []
                 for impl in impls:
                     bar.step(f"{cfg.label()} {mode} {impl}")
                     if inputs is None:
@@ -682,14 +725,20 @@ def run_benchmark(configs: Sequence[Config], impls: Sequence[str], modes: Sequen
                     elif ref is None:
                         record = dict(impl=impl, mode=mode, status="error", message=ref_error)
                     else:
-                        record = measure(cfg, impl, mode, inputs, ref, settings)
-                    record = dict(config_record(cfg), **record,
-                                  flops=cfg.flops(mode), kv_bytes=cfg.kv_bytes(),
-                                  draw_s=t_draw, reference_s=t_ref)
+                        record, timer = prepare(cfg, impl, mode, inputs, ref, settings)
+                        if timer is not None:
+                            timers.append(timer)
+                    case_records.append(record)
+                    bar.advance()
+                if timers:
+                    bar.step(f"{cfg.label()} {mode}: timing {', '.join(impls)}")
+                    time_interleaved(cfg, timers, inputs, settings, mode)
+                for record in case_records:
+                    record = dict(config_record(cfg), **record, flops=cfg.flops(mode),
+                                  kv_bytes=cfg.kv_bytes(), draw_s=t_draw, reference_s=t_ref)
                     records.append(record)
                     bar.log(format_record(cfg, record))
-                    bar.advance()
-                del ref
+                del ref, timers
             del inputs
             gc.collect()
     return records
