@@ -70,7 +70,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     Layout [B, T, N, H] (or [T, N, H]); key and value [B, S, K, H] with N % K == 0 (GQA/MQA
     read the shared head, nothing is copied). `bias` (float) and `mask` (bool, True = keep)
     broadcast to [B, N, T, S]. `is_causal` lets query i see keys j <= i; `local_window_size`
-    (l, r) lets it see [i - l, i + r]; the seq lengths are int [B] padding masks.
+    (l, r) lets it see [i - l, i + r]; the seq lengths are int [B] padding masks. K/V rows
+    past a length are left out of the softmax but must be finite, as in jax.nn: on a GPU a
+    NaN or Inf there can reach the output and gradients (README).
 
     One difference from jax.nn: a query row that sees no key returns 0 (lse -inf) rather than
     an average of V. `return_residual=True` returns (out, lse) with lse float32 [B, T, N]

@@ -121,6 +121,21 @@ def test_seq_lengths_beyond_size_equal_none(rng):
     np.testing.assert_allclose(got, jax_flashattn.attention(q, k, v), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("fill", [np.nan, np.inf])
+def test_cpu_kernel_never_reads_keys_past_the_length(rng, fill):
+    """The CPU kernel reads K/V rows [0, kv_len) only: NaN or Inf past a length (which the GPU
+    full-length kernels would carry into the output, README) changes nothing."""
+    q, k, v = random_qkv(rng, 3, 20, 40, 4, 2, 16, jnp.bfloat16)
+    kv_lens = np.array([13, 40, 1], np.int32)
+    past = np.arange(40)[None, :, None, None] >= kv_lens[:, None, None, None]
+    poisoned = [jnp.where(past, jnp.asarray(fill, x.dtype), x) for x in (k, v)]
+    for is_causal in (False, True):
+        kw = dict(key_value_seq_lengths=jnp.asarray(kv_lens), is_causal=is_causal,
+                  implementation="cpu")
+        np.testing.assert_array_equal(jax_flashattn.attention(q, *poisoned, **kw),
+                                      jax_flashattn.attention(q, k, v, **kw))
+
+
 def test_negative_seq_lengths_mean_empty(rng):
     """Lengths are runtime values: a negative one hides everything, like 0 (no crash, no
     out-of-bounds read)."""

@@ -390,6 +390,22 @@ def test_decode_masks(rng, dtype, kwargs):
     check_decode(*random_qkv(rng, 4, 8, 33333, 8, 2, 128, dtype), **kwargs)
 
 
+@pytest.mark.parametrize("fill", [np.nan, np.inf])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_decode_never_reads_keys_past_the_length(rng, fill, head_dim):
+    """A padded cache may hold anything past a batch entry's length: the decode kernel
+    zero-fills those rows instead of reading them, so NaN or Inf there changes nothing (the
+    full-length kernels load a straddling key tile whole; README)."""
+    q, k, v = random_qkv(rng, 3, 4, 3001, 8, 2, head_dim, jnp.bfloat16)
+    assert jax_flashattn.forward_kernel(q, k) == "decode"
+    kv_lens = np.array([1000, 3001, 77], np.int32)
+    past = np.arange(3001)[None, :, None, None] >= kv_lens[:, None, None, None]
+    poisoned = [jnp.where(past, jnp.asarray(fill, x.dtype), x) for x in (k, v)]
+    kw = dict(key_value_seq_lengths=jnp.asarray(kv_lens))
+    for got, want in zip(run(q, *poisoned, **kw), run(q, k, v, **kw)):  # out, lse
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_decode_large_logits(rng, dtype):
     """Splits whose maxima differ widely: the merge through the lse must not overflow."""
