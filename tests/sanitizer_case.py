@@ -63,8 +63,9 @@ def main():
     # Forward with S >= 16384 and no causal or window bound (the Hopper kernel's 160-key tiles
     # and single Q buffer): 3 x 64 query tiles, more than the SMs, so blocks reuse the buffer.
     forward_case(rng, "wide key tiles", (1, 300, 16500, 64, 8, 128))
-    # Head dim 64, T >= 512 (the Hopper kernel's three consumer warpgroups on 192-row tiles),
-    # causal: 11 query tiles x 16 heads, more than the SMs, T ending mid-tile.
+    # Head dim 64, T >= 512 (the Hopper kernel's three consumer warpgroups on 192-row tiles,
+    # four K/V stages), causal: 11 query tiles x 16 heads, more than the SMs, so the ring of
+    # four wraps across a block's tiles; T ends mid-tile.
     forward_case(rng, "three consumer warpgroups", (1, 2100, 2100, 16, 4, 64), is_causal=True)
     # Head dim 64 below T = 512 (two consumer warpgroups, three K/V stages, each next tile's Q
     # issued ahead), causal: 4 query tiles x 48 heads, more than the SMs, so the ring of three
