@@ -168,9 +168,10 @@ def main(argv=None) -> int:
     header.append(f"implementations: {', '.join(impls)}"
                   + ("" if "cudnn" in impls or "cudnn" not in args.impls
                      else " (cudnn needs a GPU)"))
-    header.append(f"timing: median of up to {settings.repeats} runs of a jitted loop over "
-                  f"{settings.n_sets} input sets, ~{settings.target_s * 1e3:g} ms per run, "
-                  "the implementations of a case in alternation; "
+    header.append(f"timing: median of {settings.min_repeats}-{settings.repeats} runs of a "
+                  f"jitted loop over {settings.n_sets} input sets, ~{settings.target_s * 1e3:g} "
+                  "ms per run, the implementations of a case in alternation after an untimed "
+                  "round; "
                   "FLOPs 4*B*N*T*S*H forward (/2 causal), 3.5x for forward+backward")
     if "ours" in impls:
         header.append("our forward kernel: " + _bench.forward_kernel_summary(configs))

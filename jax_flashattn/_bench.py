@@ -35,9 +35,12 @@ How it is timed (`measure`)
   correctness check; then the median over `repeats` runs of run time / calls.
 * Every implementation goes through the same loop in the same process, so the ratios are
   like for like; on a shared, noisy GPU they are what to compare. The implementations of one
-  case are compiled, warmed up and checked first, then timed in alternation (ABBA: A B, B A,
-  A B, ...), so that a drift of the GPU's clocks or load during the case reaches every
-  implementation alike instead of landing in the ratio.
+  case are compiled, warmed up and checked first, then run once more untimed (the first run
+  after the checks, which leave the GPU idle, came out up to 1.7x slow on an H100), then timed
+  in alternation (ABBA: A B, B A, A B, ...) for 7-15 rounds of about 0.6 s in all, so that a
+  drift of the GPU's clocks or load during the case reaches every implementation alike
+  instead of landing in the ratio. (With back-to-back blocks of three runs each, the short
+  rows' ratios moved by up to 0.17 between runs of the same code.)
 
 Correctness gate (`reference_slice`, `forward_verdict`, `grad_verdict`)
 -----------------------------------------------------------------------
@@ -454,9 +457,9 @@ def check_outputs(cfg: Config, outputs, ref: ReferenceSlice) -> Verdict:
 @dataclasses.dataclass
 class TimingSettings:
     target_s: float = 0.025      # wall time of one timed run
-    repeats: int = 7             # timed runs per case (at most)
-    min_repeats: int = 3
-    time_budget_s: float = 0.25  # repeats are cut so that timing one case takes about this
+    repeats: int = 15            # timed runs per implementation and case (at most)
+    min_repeats: int = 7
+    time_budget_s: float = 0.6   # rounds (one run of every implementation) fill about this
     n_sets: int = 2              # input sets the calls rotate through
     max_iters: int = 256
     seed: int = 0
@@ -518,15 +521,15 @@ class _Timed:
     """One implementation of one (config, mode), compiled, warmed up and checked: `run()`
     times one run and returns its seconds per call; `record` collects the outcome."""
 
-    def __init__(self, record: dict, compiled, results, calls: int, warm_s: float):
+    def __init__(self, record: dict, compiled, results, calls: int):
         self.record, self.compiled, self.results = record, compiled, results
-        self.calls, self.warm_s, self.per_call = calls, warm_s, []
+        self.calls, self.per_call = calls, []
 
-    def run(self, inputs: Inputs) -> None:
+    def run(self, inputs: Inputs) -> float:
         t0 = time.perf_counter()
         inputs.sets, self.results = self.compiled(inputs.sets, self.results, inputs.g)
         jax.block_until_ready(self.results)
-        self.per_call.append((time.perf_counter() - t0) / self.calls)
+        return time.perf_counter() - t0
 
 
 def _fail(record: dict, e: BaseException, inputs: Inputs) -> dict:
@@ -571,7 +574,7 @@ def prepare(cfg: Config, impl: str, mode: str, inputs: Inputs, ref: ReferenceSli
         if not verdict.ok:
             record.update(status="FAIL", message=verdict.detail)
             return record, None
-        return record, _Timed(record, compiled, results, calls, warm_s)
+        return record, _Timed(record, compiled, results, calls)
     except Exception as e:  # noqa: BLE001 - one config must never end the run
         return _fail(record, e, inputs), None
 
@@ -582,23 +585,35 @@ def time_interleaved(cfg: Config, timers: Sequence[_Timed], inputs: Inputs,
     (A B, then B A, ...), the same number of runs each; each record gets the median of its
     runs' seconds per call. In alternation they share whatever the GPU's clocks and
     neighbours do during the case, which back-to-back blocks of runs do not: a drift within
-    the case would otherwise land in the ratio. Never raises: an implementation that fails
-    here is marked and dropped from the remaining rounds."""
-    if not timers:
-        return
-    slowest = max(t.warm_s for t in timers)
-    repeats = max(settings.min_repeats,
-                  min(settings.repeats, int(settings.time_budget_s / max(slowest, 1e-9))))
+    the case would otherwise land in the ratio. One untimed round goes first: after the
+    correctness checks (on the host, GPU idle) the first run came out up to 1.7x slower than
+    the next ones (H100). The rounds fill `time_budget_s`, as that round's times allow,
+    within [min_repeats, repeats]. Never raises: an implementation that fails here is marked
+    and dropped from the remaining rounds."""
     live = list(timers)
-    for round_index in range(repeats):
-        for timer in (live if round_index % 2 == 0 else live[::-1]):
+
+    def one_round(order, keep: bool) -> float:
+        nonlocal live
+        total = 0.0
+        for timer in order:
             try:
                 inputs.ensure_alive()
-                timer.run(inputs)
+                seconds = timer.run(inputs)
             except Exception as e:  # noqa: BLE001
                 _fail(timer.record, e, inputs)
                 timer.results = None
                 live = [t for t in live if t is not timer]
+                continue
+            total += seconds
+            if keep:
+                timer.per_call.append(seconds / timer.calls)
+        return total
+
+    round_s = one_round(live, keep=False)
+    repeats = min(settings.repeats, max(settings.min_repeats,
+                                        int(settings.time_budget_s / max(round_s, 1e-9))))
+    for round_index in range(repeats):
+        one_round(live if round_index % 2 == 0 else live[::-1], keep=True)
     for timer in timers:
         if timer in live:
             seconds = statistics.median(timer.per_call)

@@ -100,20 +100,22 @@ def test_benchmark_marks_a_wrong_implementation_fail(monkeypatch):
 
 
 def test_benchmark_times_implementations_in_alternation(monkeypatch):
-    # A case's implementations are timed in ABBA rounds, the same number of runs each, so
-    # that a drift during the case reaches both alike; each record's median is of its own runs.
+    # A case's implementations run one untimed round, then are timed in ABBA rounds, the
+    # same number of runs each, so that a drift during the case reaches both alike; each
+    # record's median is of its own runs.
     order = []
     real_run = _bench._Timed.run
 
     def logged(self, inputs):
         order.append(self.record["impl"])
-        real_run(self, inputs)
+        return real_run(self, inputs)
 
     monkeypatch.setattr(_bench._Timed, "run", logged)
-    settings = _bench.TimingSettings.for_backend(repeats=4, min_repeats=4, target_s=0.001)
+    settings = _bench.TimingSettings.for_backend(repeats=4, min_repeats=4, target_s=0.001,
+                                                 time_budget_s=0.0)
     cfg = _bench.Config(1, 32, 32, 2, 2, 32, "bf16", False)
     records = _bench.run_benchmark([cfg], ["ours", "xla"], ["fwd"], settings, progress=False)
-    assert order == ["ours", "xla", "xla", "ours"] * 2
+    assert order == ["ours", "xla"] + ["ours", "xla", "xla", "ours"] * 2  # untimed round first
     for r in records:
         assert r["status"] == "ok" and r["repeats"] == 4 and len(r["times_s"]) == 4
         assert r["seconds"] == statistics.median(r["times_s"])
