@@ -40,6 +40,13 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _names(choices):
     def parse(text: str) -> list[str]:
         names = [x for x in text.split(",") if x]
@@ -76,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="N = hidden / H (default %(default)s)")
     p.add_argument("--kv-len", type=int, default=None,
                    help="decode only: S (default %d)" % _bench.DECODE_SHAPE["kv_len"])
-    p.add_argument("--repeats", type=int, default=None, help="timed runs per case, at most")
+    p.add_argument("--repeats", type=_positive, default=None,
+                   help="timed runs per implementation and case, at most")
     p.add_argument("--target-ms", type=float, default=None,
                    help="wall time of one timed run (a jitted loop of calls)")
     p.add_argument("--sets", type=int, default=None, help="input sets the calls rotate through")
@@ -168,7 +176,8 @@ def main(argv=None) -> int:
     header.append(f"implementations: {', '.join(impls)}"
                   + ("" if "cudnn" in impls or "cudnn" not in args.impls
                      else " (cudnn needs a GPU)"))
-    header.append(f"timing: median of {settings.min_repeats}-{settings.repeats} runs of a "
+    header.append(f"timing: median of {min(settings.min_repeats, settings.repeats)}-"
+                  f"{settings.repeats} runs of a "
                   f"jitted loop over {settings.n_sets} input sets, ~{settings.target_s * 1e3:g} "
                   "ms per run, the implementations of a case in alternation after an untimed "
                   "round; "

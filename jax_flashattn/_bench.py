@@ -9,8 +9,8 @@ What is measured
   dq, dk, dv. That is `jax.value_and_grad` of the scalar loss sum(out * g) minus the loss's own
   reduction, which would add the same memory pass to every implementation.
 
-How it is timed (`measure`)
----------------------------
+How it is timed (`prepare`, `time_interleaved`)
+-----------------------------------------------
 * One timed run executes one jitted program: a `lax.fori_loop` with a static trip count whose
   body calls attention once on each of `n_sets` (2 by default) independently drawn input
   sets, so consecutive calls read different buffers (each set's K and V alone outsize the L2
@@ -519,7 +519,8 @@ def _short(e: BaseException, limit: int = 300) -> str:
 
 class _Timed:
     """One implementation of one (config, mode), compiled, warmed up and checked: `run()`
-    times one run and returns its seconds per call; `record` collects the outcome."""
+    times one run (of `calls` calls) and returns its seconds; `per_call` collects the timed
+    rounds' seconds per call and `record` the outcome."""
 
     def __init__(self, record: dict, compiled, results, calls: int):
         self.record, self.compiled, self.results = record, compiled, results
@@ -588,8 +589,9 @@ def time_interleaved(cfg: Config, timers: Sequence[_Timed], inputs: Inputs,
     the case would otherwise land in the ratio. One untimed round goes first: after the
     correctness checks (on the host, GPU idle) the first run came out up to 1.7x slower than
     the next ones (H100). The rounds fill `time_budget_s`, as that round's times allow,
-    within [min_repeats, repeats]. Never raises: an implementation that fails here is marked
-    and dropped from the remaining rounds."""
+    within [min_repeats, repeats] (repeats, at least 1, is a hard cap). Every implementation's
+    program and results stay alive until the case ends. Never raises: an implementation that
+    fails here is marked and dropped from the remaining rounds."""
     live = list(timers)
 
     def one_round(order, keep: bool) -> float:
@@ -600,8 +602,8 @@ def time_interleaved(cfg: Config, timers: Sequence[_Timed], inputs: Inputs,
                 inputs.ensure_alive()
                 seconds = timer.run(inputs)
             except Exception as e:  # noqa: BLE001
+                timer.results = timer.compiled = None  # so that _fail's collection frees them
                 _fail(timer.record, e, inputs)
-                timer.results = None
                 live = [t for t in live if t is not timer]
                 continue
             total += seconds
@@ -610,8 +612,8 @@ def time_interleaved(cfg: Config, timers: Sequence[_Timed], inputs: Inputs,
         return total
 
     round_s = one_round(live, keep=False)
-    repeats = min(settings.repeats, max(settings.min_repeats,
-                                        int(settings.time_budget_s / max(round_s, 1e-9))))
+    repeats = max(1, min(settings.repeats, max(settings.min_repeats,
+                                               int(settings.time_budget_s / max(round_s, 1e-9)))))
     for round_index in range(repeats):
         one_round(live if round_index % 2 == 0 else live[::-1], keep=True)
     for timer in timers:

@@ -127,23 +127,28 @@ def test_bias_grad_dtype(rng, bias_dtype):
     assert_grads_close(dbias, want, normwise=2e-2, name="dbias")
 
 
-def test_cpu_grads_never_read_keys_past_the_length(rng):
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_cpu_grads_never_read_keys_past_the_length(rng, is_causal):
     """NaN in K/V past a length leaves the CPU kernels' gradients as they are with finite
     values there (dK and dV past the length 0)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("implementation='cpu' needs the CPU backend")
     q, k, v = random_qkv(rng, 2, 11, 23, 2, 1, 8, jnp.float32)
-    kv_lens = np.array([9, 23], np.int32)
+    kv_lens = np.array([9, 17], np.int32)
     past = np.arange(23)[None, :, None, None] >= kv_lens[:, None, None, None]
     poisoned = [jnp.where(past, jnp.nan, x) for x in (k, v)]
     d_out = jnp.asarray(rng.standard_normal(q.shape, dtype=np.float32))
 
     def fn(q, k, v, bias=None):
         return jax_flashattn.attention(q, k, v, bias, key_value_seq_lengths=jnp.asarray(kv_lens),
-                                       is_causal=True, implementation="cpu")
+                                       is_causal=is_causal, implementation="cpu")
     got = grads(fn, q, *poisoned, None, d_out)
     want = grads(fn, q, k, v, None, d_out)
     for g, w in zip(got[:4], want[:4]):  # out, dq, dk, dv
         np.testing.assert_array_equal(g, w)
-    assert (np.asarray(got[2])[0, 9:] == 0).all() and (np.asarray(got[3])[0, 9:] == 0).all()
+    for b, length in enumerate(kv_lens):
+        assert (np.asarray(got[2])[b, length:] == 0).all()
+        assert (np.asarray(got[3])[b, length:] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

@@ -121,6 +121,30 @@ def test_benchmark_times_implementations_in_alternation(monkeypatch):
         assert r["seconds"] == statistics.median(r["times_s"])
 
 
+def test_benchmark_survives_an_implementation_failing_mid_case(monkeypatch):
+    # xla fails on its third run, after donating the inputs: it is marked, dropped from the
+    # remaining rounds, and ours is still timed on redrawn inputs.
+    real_run = _bench._Timed.run
+    runs = {"ours": 0, "xla": 0}
+
+    def flaky(self, inputs):
+        impl = self.record["impl"]
+        runs[impl] += 1
+        if impl == "xla" and runs[impl] == 3:
+            inputs.sets = None
+            raise RuntimeError("injected failure")
+        return real_run(self, inputs)
+
+    monkeypatch.setattr(_bench._Timed, "run", flaky)
+    settings = _bench.TimingSettings.for_backend(repeats=4, min_repeats=4, target_s=0.001,
+                                                 time_budget_s=0.0)
+    cfg = _bench.Config(1, 32, 32, 2, 2, 32, "bf16", False)
+    ours, xla = _bench.run_benchmark([cfg], ["ours", "xla"], ["fwd"], settings, progress=False)
+    assert ours["status"] == "ok" and ours["repeats"] == 4
+    assert xla["status"] == "error" and "injected failure" in xla["message"]
+    assert "seconds" not in xla
+
+
 def test_bench_script_smoke(tmp_path, capsys):
     bench = _load_bench_script()
     out = tmp_path / "bench"
