@@ -102,8 +102,8 @@ struct ForwardConfig<64> : ForwardTraits<64, 128, 3, 2, false> {
 // 192-row block has 2-16 key tiles, and the two more stages let the producer load the next
 // block's first K/V tiles under the current block's last ones. Against two stages, in one
 // process (H100, 16 rounds alternating, twenty-second session): causal T = 512-2048 +0.8-3.4%,
-// non-causal +0.3-4.4%, ahead in 8-15 of 16 rounds on all twelve bf16/fp16 rows; three stages
-// lost up to 3.8% at T >= 1024.
+// non-causal +0.3-4.4% (fp16 non-causal +0.3-0.6%, level), B ahead or level in 8-15 of 16;
+// three stages lost up to 3.8% at T >= 1024.
 template <>
 struct ForwardConfig<64, true> : ForwardTraits<64, 128, 4, 2, false, 3> {
   static constexpr int kProducerRegisters = 32;
