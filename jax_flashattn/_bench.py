@@ -580,8 +580,8 @@ def prepare(cfg: Config, impl: str, mode: str, inputs: Inputs, ref: ReferenceSli
         return _fail(record, e, inputs), None
 
 
-def time_interleaved(cfg: Config, timers: Sequence[_Timed], inputs: Inputs,
-                     settings: TimingSettings, mode: str = "fwd") -> None:
+def time_interleaved(cfg: Config, mode: str, timers: Sequence[_Timed], inputs: Inputs,
+                     settings: TimingSettings) -> None:
     """Times the prepared implementations of one (config, mode) in alternation, ABBA order
     (A B, then B A, ...), the same number of runs each; each record gets the median of its
     runs' seconds per call. In alternation they share whatever the GPU's clocks and
@@ -611,9 +611,8 @@ def time_interleaved(cfg: Config, timers: Sequence[_Timed], inputs: Inputs,
                 timer.per_call.append(seconds / timer.calls)
         return total
 
-    round_s = one_round(live, keep=False)
-    repeats = max(1, min(settings.repeats, max(settings.min_repeats,
-                                               int(settings.time_budget_s / max(round_s, 1e-9)))))
+    fill = int(settings.time_budget_s / max(one_round(live, keep=False), 1e-9))
+    repeats = max(1, min(settings.repeats, max(settings.min_repeats, fill)))
     for round_index in range(repeats):
         one_round(live if round_index % 2 == 0 else live[::-1], keep=True)
     for timer in timers:
@@ -749,7 +748,7 @@ def run_benchmark(configs: Sequence[Config], impls: Sequence[str], modes: Sequen
                     bar.advance()
                 if timers:
                     bar.step(f"{cfg.label()} {mode}: timing {', '.join(impls)}")
-                    time_interleaved(cfg, timers, inputs, settings, mode)
+                    time_interleaved(cfg, mode, timers, inputs, settings)
                 for record in case_records:
                     record = dict(config_record(cfg), **record, flops=cfg.flops(mode),
                                   kv_bytes=cfg.kv_bytes(), draw_s=t_draw, reference_s=t_ref)

@@ -32,6 +32,13 @@ def poison(*like):
     del blocks
 
 
+def fill_past_lengths(key, value, kv_lens, fill):
+    """key and value [B, S, K, H] with every row past its batch entry's length set to `fill`
+    (NaN, Inf: what a padded cache may hold there)."""
+    past = np.arange(key.shape[1])[None, :, None, None] >= np.asarray(kv_lens)[:, None, None, None]
+    return tuple(jnp.where(past, jnp.asarray(fill, x.dtype), x) for x in (key, value))
+
+
 def reference_attention(query, key, value, *args, return_residual=False, p_dtype=None,
                         implementation=None, **kwargs):
     """`reference.attention`, one batch entry at a time when the problem is large: the same

@@ -9,7 +9,7 @@ import pytest
 
 import jax_flashattn
 from jax_flashattn import reference
-from helpers import random_qkv
+from helpers import fill_past_lengths, random_qkv
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 DTYPE_IDS = ["f32", "bf16", "f16"]
@@ -135,8 +135,7 @@ def test_cpu_grads_never_read_keys_past_the_length(rng, is_causal):
         pytest.skip("implementation='cpu' needs the CPU backend")
     q, k, v = random_qkv(rng, 2, 11, 23, 2, 1, 8, jnp.float32)
     kv_lens = np.array([9, 17], np.int32)
-    past = np.arange(23)[None, :, None, None] >= kv_lens[:, None, None, None]
-    poisoned = [jnp.where(past, jnp.nan, x) for x in (k, v)]
+    poisoned = fill_past_lengths(k, v, kv_lens, np.nan)
     d_out = jnp.asarray(rng.standard_normal(q.shape, dtype=np.float32))
 
     def fn(q, k, v, bias=None):

@@ -7,7 +7,7 @@ import pytest
 
 import jax_flashattn
 from jax_flashattn import reference
-from helpers import assert_attention_close, random_qkv
+from helpers import assert_attention_close, fill_past_lengths, random_qkv
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 DTYPE_IDS = ["f32", "bf16", "f16"]
@@ -129,8 +129,7 @@ def test_cpu_kernel_never_reads_keys_past_the_length(rng, fill):
         pytest.skip("implementation='cpu' needs the CPU backend")
     q, k, v = random_qkv(rng, 3, 20, 40, 4, 2, 16, jnp.bfloat16)
     kv_lens = np.array([13, 40, 1], np.int32)
-    past = np.arange(40)[None, :, None, None] >= kv_lens[:, None, None, None]
-    poisoned = [jnp.where(past, jnp.asarray(fill, x.dtype), x) for x in (k, v)]
+    poisoned = fill_past_lengths(k, v, kv_lens, fill)
     for is_causal in (False, True):
         kw = dict(key_value_seq_lengths=jnp.asarray(kv_lens), is_causal=is_causal,
                   implementation="cpu")

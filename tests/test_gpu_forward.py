@@ -12,7 +12,7 @@ import pytest
 
 import jax_flashattn
 from jax_flashattn import _ops, reference
-from helpers import assert_attention_close, poison, random_qkv
+from helpers import assert_attention_close, fill_past_lengths, poison, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -399,8 +399,7 @@ def test_decode_never_reads_keys_past_the_length(rng, fill, head_dim):
     q, k, v = random_qkv(rng, 3, 4, 3001, 8, 2, head_dim, jnp.bfloat16)
     assert jax_flashattn.forward_kernel(q, k) == "decode"
     kv_lens = np.array([1000, 3001, 77], np.int32)
-    past = np.arange(3001)[None, :, None, None] >= kv_lens[:, None, None, None]
-    poisoned = [jnp.where(past, jnp.asarray(fill, x.dtype), x) for x in (k, v)]
+    poisoned = fill_past_lengths(k, v, kv_lens, fill)
     kw = dict(key_value_seq_lengths=jnp.asarray(kv_lens))
     for got, want in zip(run(q, *poisoned, **kw), run(q, k, v, **kw)):  # out, lse
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
