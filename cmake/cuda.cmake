@@ -72,6 +72,13 @@ foreach(_elem_pair "bf16;__nv_bfloat16" "fp16;__half")
     configure_file(ffi/cuda/instantiations/decode_sm80.cu.in "${_file}" @ONLY)
     list(APPEND _instantiations "${_file}")
   endforeach()
+  # The Hopper decode forward per head dim of sm90::kDecodeHeadDims (an empty kernel outside
+  # sm_90a).
+  foreach(HEAD_DIM 64 128)
+    set(_file "${CMAKE_CURRENT_BINARY_DIR}/instantiations/decode_sm90_${_tag}_hd${HEAD_DIM}.cu")
+    configure_file(ffi/cuda/instantiations/decode_sm90.cu.in "${_file}" @ONLY)
+    list(APPEND _instantiations "${_file}")
+  endforeach()
   # The mma.sync backward (dK/dV pass and dQ pass) per head dim of sm80::kBackwardHeadDims.
   foreach(HEAD_DIM 32 64 96 128)
     set(_file "${CMAKE_CURRENT_BINARY_DIR}/instantiations/backward_sm80_${_tag}_hd${HEAD_DIM}.cu")

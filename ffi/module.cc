@@ -129,6 +129,8 @@ std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t s
       return "simt";
     case jax_flashattn::cuda::ForwardKernel::kDecode:
       return "decode";
+    case jax_flashattn::cuda::ForwardKernel::kDecodeSm90:
+      return "decode_sm90";
   }
   return "unknown";
 }

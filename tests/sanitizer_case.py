@@ -60,6 +60,13 @@ def main():
     # The split-KV decode kernel and its combine: 3 queries, GQA 4:1, 1000 odd keys, lengths.
     forward_case(rng, "decode", (2, 3, 1001, 8, 2, 128), kernel="decode",
                  is_causal=True, key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
+    # 64 query rows per block (16 queries, GQA 4:1; on Hopper the wgmma decode kernel), head
+    # dim 72 zero-filled to 128, 1001 odd keys, lengths.
+    hopper = (jax.devices()[0].compute_capability == "9.0"
+              and "90a" in jax_flashattn.cuda_architectures())
+    forward_case(rng, "decode, 64 rows", (2, 16, 1001, 8, 2, 72),
+                 kernel="decode_sm90" if hopper else "decode",
+                 key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
     # Forward with S >= 16384 and no causal or window bound (the Hopper kernel's 160-key tiles
     # and single Q buffer): 3 x 64 query tiles, more than the SMs, so blocks reuse the buffer.
     forward_case(rng, "wide key tiles", (1, 300, 16500, 64, 8, 128))

@@ -5,6 +5,8 @@ write shows up as NaN (XLA's allocator hands the freed block to the next allocat
 size), then checks every element against the float32 reference with the error-ratio rule.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,16 +122,21 @@ def test_scales(rng, dtype, scale):
     check(*random_qkv(rng, 2, 100, 130, 4, 2, 128, dtype), scale=scale, is_causal=True)
 
 
+def hopper():
+    """Whether the first device runs the Hopper (sm_90a) kernels of this install."""
+    device = jax.devices()[0]
+    return device.compute_capability == "9.0" and "90a" in jax_flashattn.cuda_architectures()
+
+
 def test_dispatch_is_visible():
     """forward_kernel reports the family the dispatcher launches: the Hopper kernel on compute
     capability 9.0 (when the install has sm_90a) without bias or mask, at every head dim."""
-    device = jax.devices()[0]
     q = jax.ShapeDtypeStruct((2, 100, 4, 128), jnp.bfloat16)
     big = jax.ShapeDtypeStruct((2, 100, 4, 256), jnp.bfloat16)
-    hopper = device.compute_capability == "9.0" and "90a" in jax_flashattn.cuda_architectures()
-    assert jax_flashattn.forward_kernel(q, q) == ("sm90" if hopper else "sm80")
+    hopper_kernels = hopper()
+    assert jax_flashattn.forward_kernel(q, q) == ("sm90" if hopper_kernels else "sm80")
     assert jax_flashattn.forward_kernel(q, q, bias=q) == "sm80"
-    assert jax_flashattn.forward_kernel(big, big) == ("sm90" if hopper else "sm80")
+    assert jax_flashattn.forward_kernel(big, big) == ("sm90" if hopper_kernels else "sm80")
     f32 = jax.ShapeDtypeStruct((2, 100, 4, 64), jnp.float32)
     assert jax_flashattn.forward_kernel(f32, f32) == "simt"
 
@@ -342,11 +349,21 @@ def test_score_spikes_above_settled_maxima(rng, monkeypatch, family, dtype, head
 # ----------------------------------------------------------------------------- split-KV decode
 
 
+def decode_kernel(q, k):
+    """The decode family the dispatcher must pick for a decoding shape: on Hopper the wgmma one
+    for more than 32 query rows per kv head (T * N / K) at head dims up to 128, unless
+    JAX_FLASHATTN_DISABLE_SM90 is set; else the mma.sync one."""
+    t, n, h = q.shape[-3:]
+    wgmma = (hopper() and t * n // k.shape[-2] > 32 and h <= 128
+             and os.environ.get("JAX_FLASHATTN_DISABLE_SM90", "0") in ("", "0"))
+    return "decode_sm90" if wgmma else "decode"
+
+
 def check_decode(q, k, v, **kwargs):
-    """check() for a shape the dispatcher must send to the split-KV decode kernel; also poisons
-    lse and the decode workspace, so a split partial the combine reads without it having been
-    written shows up as NaN."""
-    assert jax_flashattn.forward_kernel(q, k) == "decode"
+    """check() for a shape the dispatcher must send to a split-KV decode kernel (decode_kernel);
+    also poisons lse and the decode workspace, so a split partial the combine reads without it
+    having been written shows up as NaN."""
+    assert jax_flashattn.forward_kernel(q, k) == decode_kernel(q, k)
     *lead, t, n, _ = q.shape
     floats = _ops.decode_workspace_size(q.shape, k.shape, q.dtype, scale=q.shape[-1] ** -0.5,
                                         has_bias=False, has_mask=False)
@@ -355,20 +372,34 @@ def check_decode(q, k, v, **kwargs):
     check(q, k, v, **kwargs)
 
 
+# "sm80" sends every decoding shape to the mma.sync decode kernel (on Hopper the wgmma one
+# takes the shapes with the most rows by default).
+DECODE_FAMILIES = ["default", "sm80"]
+
+
+def pick_decode_family(monkeypatch, family):
+    if family == "sm80":
+        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+
+
+@pytest.mark.parametrize("family", DECODE_FAMILIES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("t", [1, 3, 8, 16])
+@pytest.mark.parametrize("t", [1, 3, 8, 9, 13, 16])
 @pytest.mark.parametrize("n,kv", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
-def test_decode_shapes(rng, dtype, t, n, kv):
-    """T * N / K query rows per block from 1 to 64 (one to four 16-row slabs, padded), an odd
-    key count that leaves a partial last tile."""
+def test_decode_shapes(rng, monkeypatch, family, dtype, t, n, kv):
+    """T * N / K query rows per block from 1 to 64 (one to four 16-row slabs, padded; 36, 52
+    and 64 on the wgmma kernel), an odd key count that leaves a partial last tile."""
+    pick_decode_family(monkeypatch, family)
     check_decode(*random_qkv(rng, 2, t, 4097, n, kv, 128, dtype))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("t", [3, 16])
 @pytest.mark.parametrize("head_dim", [40, 64, 72, 128, 200, 256])
-def test_decode_head_dims(rng, dtype, head_dim):
-    """The three instantiations (64, 128, 256) and head dims padded up to them."""
-    check_decode(*random_qkv(rng, 3, 3, 1111, 8, 2, head_dim, dtype))
+def test_decode_head_dims(rng, dtype, t, head_dim):
+    """The instantiations (64, 128, 256; wgmma: 64 and 128, at T = 16) and head dims padded up
+    to them."""
+    check_decode(*random_qkv(rng, 3, t, 1111, 8, 2, head_dim, dtype))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -384,20 +415,23 @@ def test_decode_head_dims(rng, dtype, head_dim):
          local_window_size=(8000, 5000)),
 ], ids=["causal", "window_left", "window_both", "window_causal", "kv_lengths",
         "kv_and_q_lengths", "kv_lengths_window"])
-def test_decode_masks(rng, dtype, kwargs):
+@pytest.mark.parametrize("t", [8, 16])
+def test_decode_masks(rng, dtype, kwargs, t):
     """Causal is top-left aligned (query t sees keys <= t), so with T << S only the first split
-    has keys; windows and lengths leave many splits empty, and zero-length rows give 0 / -inf."""
-    check_decode(*random_qkv(rng, 4, 8, 33333, 8, 2, 128, dtype), **kwargs)
+    has keys; windows and lengths leave many splits empty, and zero-length rows give 0 / -inf.
+    T = 8 runs 32 rows per block (the mma.sync kernel), T = 16 64 (on Hopper the wgmma one)."""
+    check_decode(*random_qkv(rng, 4, t, 33333, 8, 2, 128, dtype), **kwargs)
 
 
 @pytest.mark.parametrize("fill", [np.nan, np.inf])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_decode_never_reads_keys_past_the_length(rng, fill, head_dim):
-    """A padded cache may hold anything past a batch entry's length: the decode kernel
-    zero-fills those rows instead of reading them, so NaN or Inf there changes nothing (the
+@pytest.mark.parametrize("t", [4, 16])
+def test_decode_never_reads_keys_past_the_length(rng, fill, head_dim, t):
+    """A padded cache may hold anything past a batch entry's length: the decode kernels
+    zero-fill those rows instead of reading them, so NaN or Inf there changes nothing (the
     full-length kernels load a straddling key tile whole; README)."""
-    q, k, v = random_qkv(rng, 3, 4, 3001, 8, 2, head_dim, jnp.bfloat16)
-    assert jax_flashattn.forward_kernel(q, k) == "decode"
+    q, k, v = random_qkv(rng, 3, t, 3001, 8, 2, head_dim, jnp.bfloat16)
+    assert jax_flashattn.forward_kernel(q, k) == decode_kernel(q, k)
     kv_lens = np.array([1000, 3001, 77], np.int32)
     poisoned = fill_past_lengths(k, v, kv_lens, fill)
     kw = dict(key_value_seq_lengths=jnp.asarray(kv_lens))
@@ -425,25 +459,29 @@ def test_decode_one_split_per_unit(rng):
     check_decode(*random_qkv(rng, 64, 1, 1000, 16, 4, 128, jnp.bfloat16))
 
 
-def test_decode_preset_shape(rng):
+@pytest.mark.parametrize("family", DECODE_FAMILIES)
+def test_decode_preset_shape(rng, monkeypatch, family):
     """The benchmark's decode shape (B=8, N=32, K=8, H=128) at T=16 with a shorter S."""
+    pick_decode_family(monkeypatch, family)
     check_decode(*random_qkv(rng, 8, 16, 8191, 32, 8, 128, jnp.bfloat16))
 
 
-def test_decode_vmap(rng):
+@pytest.mark.parametrize("t", [2, 16])
+def test_decode_vmap(rng, t):
     """A vmapped decode call is one launch over the extra batch dim, its workspace scaled up."""
-    q, k, v = random_qkv(rng, (2, 3), 2, 3000, 8, 2, 64, jnp.bfloat16)
-    assert jax_flashattn.forward_kernel(q, k) == "decode"
+    q, k, v = random_qkv(rng, (2, 3), t, 3000, 8, 2, 64, jnp.bfloat16)
+    assert jax_flashattn.forward_kernel(q, k) == decode_kernel(q, k)
     f = jax.vmap(lambda q, k, v: jax_flashattn.attention(q, k, v, implementation="cuda"))
     out = jax.jit(f)(q, k, v)
     for i in range(2):
         assert_attention_close(out[i], q[i], k[i], v[i])
 
 
-def test_decode_gradients(rng):
+@pytest.mark.parametrize("t", [3, 16])
+def test_decode_gradients(rng, t):
     """The backward reads the decode kernel's out and lse."""
-    q, k, v = random_qkv(rng, 2, 3, 2000, 8, 2, 64, jnp.bfloat16)
-    assert jax_flashattn.forward_kernel(q, k) == "decode"
+    q, k, v = random_qkv(rng, 2, t, 2000, 8, 2, 64, jnp.bfloat16)
+    assert jax_flashattn.forward_kernel(q, k) == decode_kernel(q, k)
 
     def loss(fn, q, k, v):
         out = fn(q, k, v, key_value_seq_lengths=jnp.array([2000, 700], jnp.int32))
@@ -461,18 +499,27 @@ def test_decode_gradients(rng):
         assert err < 3e-2, f"d{name}: relative error {err:.3g}"
 
 
-def test_decode_dispatch():
-    """forward_kernel reports the decode kernel for decoding shapes only: few query rows per kv
-    head (T * N / K <= 64), enough keys, bf16/fp16, no bias or mask."""
+def test_decode_dispatch(monkeypatch):
+    """forward_kernel reports a decode kernel for decoding shapes only: few query rows per kv
+    head (T * N / K <= 64), enough keys, bf16/fp16, no bias or mask; on Hopper the wgmma one
+    past 32 rows at head dims up to 128, unless JAX_FLASHATTN_DISABLE_SM90."""
     def kernel(t, n, kv, s, h=128, dtype=jnp.bfloat16, **kwargs):
         return jax_flashattn.forward_kernel(jax.ShapeDtypeStruct((8, t, n, h), dtype),
                                             jax.ShapeDtypeStruct((8, s, kv, h), dtype), **kwargs)
-    for t in (1, 8, 16):
-        assert kernel(t, 32, 8, 65536) == "decode"
-        assert kernel(t, 32, 8, 65536, dtype=jnp.float16) == "decode"
+    wgmma = "decode_sm90" if hopper() else "decode"
+    for dtype in (jnp.bfloat16, jnp.float16):
+        assert kernel(1, 32, 8, 65536, dtype=dtype) == "decode"
+        assert kernel(8, 32, 8, 65536, dtype=dtype) == "decode"  # 32 rows
+        assert kernel(9, 32, 8, 65536, dtype=dtype) == wgmma  # 36 rows
+        assert kernel(16, 32, 8, 65536, dtype=dtype) == wgmma
     assert kernel(1, 32, 8, 65536, h=72) == "decode"
+    assert kernel(16, 32, 8, 65536, h=72) == wgmma
+    assert kernel(16, 32, 8, 65536, h=64) == wgmma
+    assert kernel(16, 32, 8, 65536, h=136) == "decode"  # past the wgmma kernel's head dims
     assert kernel(17, 32, 8, 65536) != "decode"  # 68 rows per kv head
     assert kernel(1, 32, 8, 100) != "decode"  # too few keys to split
     assert kernel(1, 32, 8, 65536, dtype=jnp.float32) == "simt"
     bias = jax.ShapeDtypeStruct((8, 32, 1, 65536), jnp.bfloat16)
     assert kernel(1, 32, 8, 65536, bias=bias) == "sm80"
+    monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    assert kernel(16, 32, 8, 65536) == "decode"

@@ -7,7 +7,7 @@
 
 namespace jax_flashattn::cuda {
 
-enum class ForwardKernel { kSm90, kSm80, kSimt, kDecode };
+enum class ForwardKernel { kSm90, kSm80, kSimt, kDecode, kDecodeSm90 };
 
 // The forward kernel a call runs on CUDA device `device` (the current device for a launch).
 ForwardKernel choose_forward_kernel(const AttentionParams& p, int device);

@@ -4,8 +4,10 @@
 // A scale <= 0 also takes the CUDA-core kernel: the tensor-core softmax takes the row maximum
 // before scaling and multiplies masked (-inf) scores by the scale, which needs scale > 0.
 // Decoding shapes (few query rows per kv head, a long key sequence; sm80/decode_plan.h) take
-// the split-KV decode kernel on every architecture, ahead of the others, when the call's
-// workspace holds its splits; calls with a bias or boolean mask keep the normal kernels.
+// a split-KV decode kernel on every architecture, ahead of the others, when the call's
+// workspace holds its splits: on Hopper the wgmma one where it applies
+// (sm90::decode_kernel_applies), else the mma.sync one; calls with a bias or boolean mask keep
+// the normal kernels.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -40,6 +42,13 @@ cudaError_t launch_sm90_for_head_dim(const AttentionParams& p, cudaStream_t stre
 }
 
 template <typename Elem>
+cudaError_t launch_decode_sm90_for_head_dim(const AttentionParams& p, const sm80::DecodePlan& plan,
+                                            cudaStream_t stream) {
+  if (p.head_dim <= 64) return launch_forward_decode_sm90<Elem, 64>(p, plan, stream);
+  return launch_forward_decode_sm90<Elem, 128>(p, plan, stream);
+}
+
+template <typename Elem>
 cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const sm80::DecodePlan& plan,
                                        cudaStream_t stream) {
   if (p.head_dim <= 64) return launch_forward_decode<Elem, 64>(p, plan, stream);
@@ -69,7 +78,9 @@ ForwardKernel choose_forward_kernel(const AttentionParams& p, int device) {
   if (!tensor_core_dtype || p.head_dim <= 0 || p.head_dim % 8 != 0 ||
       p.head_dim > max_head_dim || !(p.scale > 0.f))
     return ForwardKernel::kSimt;
-  if (sm80::DecodePlan plan; decode_plan_for(p, device, plan)) return ForwardKernel::kDecode;
+  if (sm80::DecodePlan plan; decode_plan_for(p, device, plan))
+    return sm90::decode_kernel_applies(p, device) ? ForwardKernel::kDecodeSm90
+                                                  : ForwardKernel::kDecode;
   return sm90_applies(p, device) ? ForwardKernel::kSm90 : ForwardKernel::kSm80;
 }
 
@@ -94,6 +105,12 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
       if (!decode_plan_for(p, device, plan)) return cudaErrorInvalidValue;
       return bf16 ? launch_decode_for_head_dim<__nv_bfloat16>(p, plan, stream)
                   : launch_decode_for_head_dim<__half>(p, plan, stream);
+    }
+    case ForwardKernel::kDecodeSm90: {
+      sm80::DecodePlan plan;
+      if (!decode_plan_for(p, device, plan)) return cudaErrorInvalidValue;
+      return bf16 ? launch_decode_sm90_for_head_dim<__nv_bfloat16>(p, plan, stream)
+                  : launch_decode_sm90_for_head_dim<__half>(p, plan, stream);
     }
   }
   return cudaErrorInvalidValue;

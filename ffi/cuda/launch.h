@@ -29,6 +29,12 @@ template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_decode(const AttentionParams& p, const sm80::DecodePlan& plan,
                                   cudaStream_t stream);
 
+// The same with the Hopper decode kernel (an sm_90a build on a compute capability 9.0 device;
+// head dims up to kHeadDim of sm90::kDecodeHeadDims).
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const sm80::DecodePlan& plan,
+                                       cudaStream_t stream);
+
 // CUDA-core forward for any dtype and head dim (float32 arithmetic throughout).
 cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);
 

@@ -1,11 +1,9 @@
 // Split-KV decode forward with mma.sync (sm_80 and newer): the first of two kernels, each block
 // computing one split's partial attention; sm80/decode_combine.cuh merges the splits.
 //
-// One block per (split, kv head, batch). Its query rows are the (t, head-in-group) pairs of the
-// kv head's whole GQA group, T * (N / K) <= 64 of them (row r = t * group + g), so each K/V
-// byte is read from HBM once per group. The block streams its split's key tiles through a
-// three-stage cp.async ring; per step (16 keys or a whole tile: sm80/decode_traits.h) a warp
-// computes
+// The block (its rows and its split: sm80/decode_block.cuh) streams its split's key tiles
+// through a three-stage cp.async ring; per step (16 keys or a whole tile: sm80/decode_traits.h)
+// a warp computes
 //   S = Q K^T              (Q fragments in registers, loaded once from global memory)
 //   mask                   (per-row key bounds: lengths, causal, window)
 //   online softmax         (exp2 with the scale folded into one FFMA)
@@ -17,89 +15,15 @@
 #include <cmath>
 #include <cstdint>
 
-#include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/softmax.cuh"
+#include "ffi/cuda/sm80/decode_block.cuh"
 #include "ffi/cuda/sm80/decode_plan.h"
 #include "ffi/cuda/sm80/fragments.cuh"
 #include "ffi/cuda/sm80/smem_tile.cuh"
 #include "ffi/params.h"
 
 namespace jax_flashattn::sm80 {
-
-// Keys [lo, hi) that query rows [row_begin, row_end) may see, clamped to [0, kv_len] so they fit
-// 32 bits (decode_shape_fits bounds seqlen_k): key positions in the decode kernel are int32,
-// which keeps its per-chunk arithmetic off the 64-bit registers pairs.
-__device__ __forceinline__ void decode_key_range(const cuda::Visibility& vis, int64_t row_begin,
-                                                 int64_t row_end, int& lo, int& hi) {
-  int64_t lo64, hi64;
-  vis.key_range(row_begin, row_end, lo64, hi64);
-  auto clamp = [&](int64_t x) { return int(x < 0 ? 0 : (x > vis.kv_len ? vis.kv_len : x)); };
-  lo = clamp(lo64);
-  hi = clamp(hi64);
-}
-
-// This thread's two rows of a 16-row slab (lane / 4 and lane / 4 + 8) and, for each, the keys
-// [lo, hi) its query sees; empty (hi <= lo) for padding rows and rows past q_seqlens.
-struct DecodeRows {
-  int row[2];
-  int key_lo[2], key_hi[2];
-
-  __device__ static DecodeRows make(const cuda::Visibility& vis, int slab, int lane, int64_t rows,
-                                    int64_t group) {
-    DecodeRows d;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      d.row[h] = slab * 16 + lane / 4 + h * 8;
-      const int64_t t = d.row[h] / group;
-      d.key_lo[h] = 0;
-      d.key_hi[h] = 0;
-      if (d.row[h] < rows) decode_key_range(vis, t, t + 1, d.key_lo[h], d.key_hi[h]);
-    }
-    return d;
-  }
-
-  // Sets the scores of keys [key0, key0 + 8 kNTiles) this thread's rows do not see to -inf.
-  template <int kNTiles>
-  __device__ void mask(float (&s)[kNTiles][4], int key0, int quad_col) const {
-    auto clamp = [](int x) { return x < 0 ? 0 : (x > 8 * kNTiles ? 8 * kNTiles : x); };
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int lo = clamp(key_lo[h] - key0), hi = clamp(key_hi[h] - key0);
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = nt * 8 + quad_col + e;
-          if (c < lo || c >= hi) s[nt][2 * h + e] = -INFINITY;
-        }
-    }
-  }
-};
-
-// A operand fragments (16 rows x head dim) of one slab, straight from global memory: register
-// i of k-step ks holds row lane / 4 + 8 (i % 2), columns 16 ks + 8 (i / 2) + 2 (lane % 4) + {0, 1}
-// (the ldmatrix layout of fragments.cuh). Zero past the rows or the head dim. Q is read once per
-// block, a few KiB against the split's K/V, so uncoalesced 4-byte loads cost nothing visible.
-template <typename Elem, int kKSteps>
-__device__ __forceinline__ void load_q_fragments(uint32_t (&q_frag)[kKSteps][4],
-                                                 const AttentionParams& p, const Elem* q_group,
-                                                 const DecodeRows& rows, int64_t num_rows,
-                                                 int64_t group, int quad_col) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int64_t r = rows.row[h];
-    const Elem* q_row = q_group + (r / group) * p.q_row_stride + (r % group) * p.q_head_stride;
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int col = ks * 16 + half * 8 + quad_col;
-        q_frag[ks][h + 2 * half] =
-            r < num_rows && col < p.head_dim ? *reinterpret_cast<const uint32_t*>(q_row + col) : 0u;
-      }
-  }
-}
 
 template <typename Elem, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
@@ -119,8 +43,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int quad_col = 2 * (lane % 4);  // mma accumulator column pair
-  const int64_t unit = blockIdx.x / plan.splits, split = blockIdx.x % plan.splits;
-  const int64_t b = unit / p.num_kv_heads, kv_head = unit % p.num_kv_heads;
   const int64_t group = p.group_size();
 
   // Warp roles: slab `slab` of the rows, steps key_group, key_group + key_groups, ... of a tile.
@@ -129,25 +51,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int slab = warp % slabs, key_group = warp / slabs;
   const bool computes = warp < slabs * key_groups;
 
-  const cuda::Visibility vis = cuda::Visibility::make(p, b, kv_head * group);
-  // Keys any row of the block sees, cut into key tiles, dealt to the splits in equal runs.
-  int key_lo, key_hi;
-  decode_key_range(vis, 0, p.seqlen_q, key_lo, key_hi);
-  const int first_tile = key_lo / kBlockN;
-  const int tiles = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN - first_tile : 0;
-  const int per_split = int((tiles + plan.splits - 1) / plan.splits);
-  const int64_t begin64 = first_tile + split * per_split;  // may pass the last tile
-  const int tile_begin = int(begin64 < first_tile + tiles ? begin64 : first_tile + tiles);
-  const int tile_end = tile_begin + per_split < first_tile + tiles ? tile_begin + per_split
-                                                                   : first_tile + tiles;
-
-  float* lse_partial = plan.lse_partial + plan.partial_row(unit, split, 0);
-  if (tile_begin >= tile_end) {  // no key for this split: the combine skips it by its lse
-    for (int64_t r = tid; r < plan.rows; r += Traits::kThreads) lse_partial[r] = -INFINITY;
+  const DecodeSplit sp = DecodeSplit::make<kBlockN>(p, plan, blockIdx.x);
+  const cuda::Visibility& vis = sp.vis;
+  const int key_lo = sp.key_lo, key_hi = sp.key_hi;
+  const int tile_begin = sp.tile_begin, tile_end = sp.tile_end;
+  if (tile_begin >= tile_end) {
+    store_empty_split(plan, sp.unit, sp.split, tid, Traits::kThreads);
     return;
   }
 
-  const int64_t kv_offset = b * p.kv_batch_stride + kv_head * p.kv_head_stride;
+  const int64_t kv_offset = sp.b * p.kv_batch_stride + sp.kv_head * p.kv_head_stride;
   const Elem* k = static_cast<const Elem*>(p.k) + kv_offset;
   const Elem* v = static_cast<const Elem*>(p.v) + kv_offset;
   // Keys past kv_seqlens are zero-filled, not read: a padded cache may hold anything there.
@@ -169,8 +82,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const DecodeRows rows = DecodeRows::make(vis, slab, lane, plan.rows, group);
   uint32_t q_frag[kKSteps][4];
   load_q_fragments<Elem>(q_frag, p,
-                         static_cast<const Elem*>(p.q) + b * p.q_batch_stride +
-                             kv_head * group * p.q_head_stride,
+                         static_cast<const Elem*>(p.q) + sp.b * p.q_batch_stride +
+                             sp.kv_head * group * p.q_head_stride,
                          rows, plan.rows, group, quad_col);
   float o_acc[1][kDTiles][4] = {};
   cuda::OnlineSoftmax<1> softmax;
@@ -281,19 +194,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // Normalise this split's O and write it with its lse.
   float row_lse[1][2];
   softmax.finalize(o_acc, scale_log2, row_lse);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = rows.row[h];
-    if (r >= plan.rows) continue;
-    float* o_row = plan.o_partial + plan.partial_row(unit, split, r) * plan.head_dim;
-#pragma unroll
-    for (int d = 0; d < kDTiles; ++d) {
-      const int col = d * 8 + quad_col;
-      if (col < plan.head_dim)
-        *reinterpret_cast<float2*>(o_row + col) = make_float2(o_acc[0][d][2 * h], o_acc[0][d][2 * h + 1]);
-    }
-    if (lane % 4 == 0) lse_partial[r] = row_lse[0][h];
-  }
+  store_split_partial(plan, sp.unit, sp.split, rows, o_acc[0], row_lse[0], lane);
 }
 
 }  // namespace jax_flashattn::sm80

@@ -16,6 +16,23 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
   return row * kSmemDim + ((chunk ^ (row & 7)) << 3);
 }
 
+// The layouts load_tile writes, each an element offset of 16-byte chunk `chunk` of row `row`:
+// rows of kSmemDim elements with the XOR swizzle above (the mma.sync kernels), ...
+template <int kSmemDim>
+struct SwizzledRows {
+  __device__ static int offset(int row, int chunk) { return swizzled<kSmemDim>(row, chunk); }
+};
+
+// ... or the layout TMA writes with the 128-byte swizzle (SpanLdmatrixAddress below, and the
+// wgmma descriptors of sm90/): each 64-element span of the kRows rows a [kRows][64] array of its
+// own, spans one after another, chunk c of a row at c ^ row % 8 within its span's row.
+template <int kRows>
+struct SwizzledSpans {
+  __device__ static int offset(int row, int chunk) {
+    return (chunk >> 3) * kRows * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+  }
+};
+
 // ldmatrix addresses into a swizzled tile whose rows are kSmemDim * 2 bytes and whose start is
 // aligned to that (a power of two). Lane l addresses row `lane_row` (== l % 8 mod 8) and 16-byte
 // chunk `lane_chunk` (0 or 1) of each 16 x 16 operand. Chunk 2 i + c of a row sits at
@@ -57,7 +74,7 @@ struct SpanLdmatrixAddress {
 };
 
 // Copies rows [0, kRows) x chunks [0, kChunks) of a [rows, head_dim] global tile into shared
-// memory, zero-filling rows >= valid_rows and chunks past head_dim.
+// memory laid out as Layout, zero-filling rows >= valid_rows and chunks past head_dim.
 //
 // Copy j of thread tid is chunk tid + j kThreads of the tile in row-major order, over a loop of
 // compile-time length: bounded by the runtime tid instead, ptxas kept the loop and spent ~25
@@ -65,7 +82,8 @@ struct SpanLdmatrixAddress {
 // than the whole softmax of a K/V tile (ncu, H = 128 forward). Where whole rows fit the block
 // (kThreads a multiple of kChunks) every copy of a thread is the same chunk column, kRowStep
 // rows further on: one 64-bit add per copy.
-template <typename Traits, int kRows, typename Elem>
+template <typename Traits, int kRows, typename Layout = SwizzledRows<Traits::kSmemDim>,
+          typename Elem>
 __device__ __forceinline__ void load_tile(Elem* smem, const Elem* global, int64_t row_stride,
                                           int64_t valid_rows, int64_t head_dim, int tid) {
   constexpr int kChunks = Traits::kChunks, kThreads = Traits::kThreads;
@@ -89,7 +107,7 @@ __device__ __forceinline__ void load_tile(Elem* smem, const Elem* global, int64_
       for (int j = 0; j < kCopies; ++j) {
         const int row = row0 + j * kRowStep;
         if (kTotal % kThreads != 0 && row >= kRows) break;
-        ptx::cp_async_16(ptx::smem_address(smem + swizzled<Traits::kSmemDim>(row, chunk)),
+        ptx::cp_async_16(ptx::smem_address(smem + Layout::offset(row, chunk)),
                          src + j * src_step);
       }
       return;
@@ -99,7 +117,7 @@ __device__ __forceinline__ void load_tile(Elem* smem, const Elem* global, int64_
       const int row = row0 + j * kRowStep;
       if (kTotal % kThreads != 0 && row >= kRows) break;
       const bool valid = chunk_valid && row < rows;
-      ptx::cp_async_16(ptx::smem_address(smem + swizzled<Traits::kSmemDim>(row, chunk)),
+      ptx::cp_async_16(ptx::smem_address(smem + Layout::offset(row, chunk)),
                        valid ? src + j * src_step : global, valid);
     }
   } else {
@@ -110,7 +128,7 @@ __device__ __forceinline__ void load_tile(Elem* smem, const Elem* global, int64_
       const int row = int(i / kChunks), chunk = int(i % kChunks);
       const bool valid = row < rows && chunk < head_chunks;
       const Elem* src = valid ? global + row * row_stride + chunk * 8 : global;
-      ptx::cp_async_16(ptx::smem_address(smem + swizzled<Traits::kSmemDim>(row, chunk)), src,
+      ptx::cp_async_16(ptx::smem_address(smem + Layout::offset(row, chunk)), src,
                        valid);
     }
   }

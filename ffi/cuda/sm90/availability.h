@@ -9,6 +9,8 @@
 #include <cstring>
 
 #include "ffi/cuda/launch.h"
+#include "ffi/cuda/sm80/decode_plan.h"
+#include "ffi/cuda/sm90/decode_traits.h"
 #include "ffi/cuda/sm90/tensor_maps.h"
 #include "ffi/cuda/sm90/traits.h"
 #include "ffi/params.h"
@@ -45,6 +47,23 @@ inline bool hopper_kernels_apply(const AttentionParams& p, int device) {
 #ifdef JAX_FLASHATTN_HAS_SM90A
   return p.bias == nullptr && p.mask == nullptr && p.seqlen_k > 0 && indices_fit_32_bits(p) &&
          tensor_maps_available() && !disabled_by_environment() && device_is_sm90(device);
+#else
+  (void)p;
+  (void)device;
+  return false;
+#endif
+}
+
+// Whether a call that takes a split-KV decode kernel (sm80::make_decode_plan accepted it) takes
+// the Hopper one: an sm_90a build on a compute capability 9.0 device, no
+// JAX_FLASHATTN_DISABLE_SM90, a head dim up to the largest of kDecodeHeadDims, and more query
+// rows per block than kDecodeMinRows (sm90/decode_traits.h). It loads by cp.async, so it needs
+// neither the tensor-map entry point nor TMA's alignment.
+inline bool decode_kernel_applies(const AttentionParams& p, int device) {
+#ifdef JAX_FLASHATTN_HAS_SM90A
+  constexpr int kMaxHeadDim = kDecodeHeadDims[sizeof(kDecodeHeadDims) / sizeof(int) - 1];
+  return p.head_dim <= kMaxHeadDim && sm80::decode_rows(p) > kDecodeMinRows &&
+         !disabled_by_environment() && device_is_sm90(device);
 #else
   (void)p;
   (void)device;

@@ -218,6 +218,12 @@ template <int N, typename Elem>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4],
                                          uint64_t b_desc);
 
+// D (+)= A B, A from registers, B from shared memory K-major (the reduction dim contiguous): the
+// decode kernel's S = Q K^T, whose few query rows stay in registers.
+template <int N, typename Elem>
+__device__ __forceinline__ void wgmma_rs_k_major(float (&d)[N / 8][4], const uint32_t (&a)[4],
+                                                 uint64_t b_desc, bool accumulate);
+
 // Accumulator operand lists: the register template and the "+f" bindings of d[N / 8][4].
 #define JAX_FLASHATTN_WGMMA_D64_REGS \
   "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
@@ -322,6 +328,19 @@ JAX_FLASHATTN_WGMMA_SS(128, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D128_REGS
                        JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66)
 JAX_FLASHATTN_WGMMA_SS(128, __half, "f16", JAX_FLASHATTN_WGMMA_D128_REGS,
                        JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66)
+// As JAX_FLASHATTN_WGMMA_RS with imm-trans-b = 0 and the scale-d flag from `accumulate`.
+#define JAX_FLASHATTN_WGMMA_RS_K(N, ELEM, TYPE, REGS, OPERANDS, A0, A1, A2, A3, B, SCALE_D)     \
+  template <>                                                                                \
+  __device__ __forceinline__ void wgmma_rs_k_major<N, ELEM>(                                  \
+      float(&d)[N / 8][4], const uint32_t(&a)[4], uint64_t b_desc, bool accumulate) {         \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SCALE_D ", 0;\n"                      \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS    \
+                 ", {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1, 0;\n}\n"        \
+                 : OPERANDS(d)                                                               \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc),                  \
+                   "r"(int(accumulate)));                                                    \
+  }
+
 JAX_FLASHATTN_WGMMA_RS(64, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D64_REGS,
                        JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34, 35, 36, 37)
 JAX_FLASHATTN_WGMMA_RS(64, __half, "f16", JAX_FLASHATTN_WGMMA_D64_REGS,
@@ -339,8 +358,17 @@ JAX_FLASHATTN_WGMMA_RS(256, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D256_REGS
                        JAX_FLASHATTN_WGMMA_D256_OPERANDS, 128, 129, 130, 131, 132, 133)
 JAX_FLASHATTN_WGMMA_RS(256, __half, "f16", JAX_FLASHATTN_WGMMA_D256_REGS,
                        JAX_FLASHATTN_WGMMA_D256_OPERANDS, 128, 129, 130, 131, 132, 133)
+JAX_FLASHATTN_WGMMA_RS_K(64, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D64_REGS,
+                         JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34, 35, 36, 37)
+JAX_FLASHATTN_WGMMA_RS_K(64, __half, "f16", JAX_FLASHATTN_WGMMA_D64_REGS,
+                         JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34, 35, 36, 37)
+JAX_FLASHATTN_WGMMA_RS_K(128, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D128_REGS,
+                         JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66, 67, 68, 69)
+JAX_FLASHATTN_WGMMA_RS_K(128, __half, "f16", JAX_FLASHATTN_WGMMA_D128_REGS,
+                         JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66, 67, 68, 69)
 #undef JAX_FLASHATTN_WGMMA_SS
 #undef JAX_FLASHATTN_WGMMA_RS
+#undef JAX_FLASHATTN_WGMMA_RS_K
 #undef JAX_FLASHATTN_WGMMA_D64_REGS
 #undef JAX_FLASHATTN_WGMMA_D128_REGS
 #undef JAX_FLASHATTN_WGMMA_D64_OPERANDS

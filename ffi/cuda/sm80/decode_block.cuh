@@ -1,0 +1,163 @@
+// What the two split-KV decode kernels (sm80/decode_kernel.cuh with mma.sync,
+// sm90/decode_kernel.cuh with wgmma) share about one block: its query rows and their key
+// bounds, its split's range of key tiles, its Q fragments, and how it writes its partial result
+// (workspace layout: sm80/decode_plan.h).
+//
+// One block per (split, kv head, batch). Its query rows are the (t, head-in-group) pairs of the
+// kv head's whole GQA group, T * (N / K) <= 64 of them (row r = t * group + g), so each K/V byte
+// is read from HBM once per group.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "ffi/cuda/common/mask.cuh"
+#include "ffi/cuda/sm80/decode_plan.h"
+#include "ffi/params.h"
+
+namespace jax_flashattn::sm80 {
+
+// Keys [lo, hi) that query rows [row_begin, row_end) may see, clamped to [0, kv_len] so they fit
+// 32 bits (decode_shape_fits bounds seqlen_k): key positions in the decode kernels are int32,
+// which keeps their per-tile arithmetic off the 64-bit registers pairs.
+__device__ __forceinline__ void decode_key_range(const cuda::Visibility& vis, int64_t row_begin,
+                                                 int64_t row_end, int& lo, int& hi) {
+  int64_t lo64, hi64;
+  vis.key_range(row_begin, row_end, lo64, hi64);
+  auto clamp = [&](int64_t x) { return int(x < 0 ? 0 : (x > vis.kv_len ? vis.kv_len : x)); };
+  lo = clamp(lo64);
+  hi = clamp(hi64);
+}
+
+// The block's work unit (one batch entry's kv head), its split, the unit's visibility (whose
+// first head stands for the group: every head of a group sees the same keys), and the split's
+// key tiles: the keys any row of the block sees, cut into kBlockN-key tiles, dealt to the
+// splits in equal runs [tile_begin, tile_end) (empty for a split past the last tile).
+struct DecodeSplit {
+  int64_t unit, split, b, kv_head;
+  cuda::Visibility vis;
+  int key_lo, key_hi;  // keys some row of the block sees
+  int tile_begin, tile_end;
+
+  template <int kBlockN>
+  __device__ static DecodeSplit make(const AttentionParams& p, const DecodePlan& plan,
+                                     int64_t block) {
+    DecodeSplit s;
+    s.unit = block / plan.splits;
+    s.split = block % plan.splits;
+    s.b = s.unit / p.num_kv_heads;
+    s.kv_head = s.unit % p.num_kv_heads;
+    s.vis = cuda::Visibility::make(p, s.b, s.kv_head * p.group_size());
+    decode_key_range(s.vis, 0, p.seqlen_q, s.key_lo, s.key_hi);
+    const int first_tile = s.key_lo / kBlockN;
+    const int tiles = s.key_hi > s.key_lo ? (s.key_hi + kBlockN - 1) / kBlockN - first_tile : 0;
+    const int per_split = int((tiles + plan.splits - 1) / plan.splits);
+    const int64_t begin64 = first_tile + s.split * per_split;  // may pass the last tile
+    s.tile_begin = int(begin64 < first_tile + tiles ? begin64 : first_tile + tiles);
+    s.tile_end = s.tile_begin + per_split < first_tile + tiles ? s.tile_begin + per_split
+                                                               : first_tile + tiles;
+    return s;
+  }
+};
+
+// This thread's two rows of a 16-row slab (lane / 4 and lane / 4 + 8) and, for each, the keys
+// [lo, hi) its query sees; empty (hi <= lo) for padding rows and rows past q_seqlens.
+struct DecodeRows {
+  int row[2];
+  int key_lo[2], key_hi[2];
+
+  __device__ static DecodeRows make(const cuda::Visibility& vis, int slab, int lane, int64_t rows,
+                                    int64_t group) {
+    DecodeRows d;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      d.row[h] = slab * 16 + lane / 4 + h * 8;
+      const int64_t t = d.row[h] / group;
+      d.key_lo[h] = 0;
+      d.key_hi[h] = 0;
+      if (d.row[h] < rows) decode_key_range(vis, t, t + 1, d.key_lo[h], d.key_hi[h]);
+    }
+    return d;
+  }
+
+  // Whether both rows see every key of [key0, key0 + keys): no score of theirs there to mask.
+  __device__ bool sees_all(int key0, int keys) const {
+    return key_lo[0] <= key0 && key_lo[1] <= key0 && key0 + keys <= key_hi[0] &&
+           key0 + keys <= key_hi[1];
+  }
+
+  // Sets the scores of keys [key0, key0 + 8 kNTiles) this thread's rows do not see to -inf.
+  template <int kNTiles>
+  __device__ void mask(float (&s)[kNTiles][4], int key0, int quad_col) const {
+    auto clamp = [](int x) { return x < 0 ? 0 : (x > 8 * kNTiles ? 8 * kNTiles : x); };
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int lo = clamp(key_lo[h] - key0), hi = clamp(key_hi[h] - key0);
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = nt * 8 + quad_col + e;
+          if (c < lo || c >= hi) s[nt][2 * h + e] = -INFINITY;
+        }
+    }
+  }
+};
+
+// A operand fragments (16 rows x head dim) of one slab, straight from global memory: register
+// i of k-step ks holds row lane / 4 + 8 (i % 2), columns 16 ks + 8 (i / 2) + 2 (lane % 4) + {0, 1}
+// (the mma.sync m16n8k16 A layout, which is also a warp's share of wgmma's register A). Zero
+// past the rows or the head dim. Q is read once per block, a few KiB against the split's K/V,
+// so uncoalesced 4-byte loads cost nothing visible.
+template <typename Elem, int kKSteps>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&q_frag)[kKSteps][4],
+                                                 const AttentionParams& p, const Elem* q_group,
+                                                 const DecodeRows& rows, int64_t num_rows,
+                                                 int64_t group, int quad_col) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t r = rows.row[h];
+    const Elem* q_row = q_group + (r / group) * p.q_row_stride + (r % group) * p.q_head_stride;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int col = ks * 16 + half * 8 + quad_col;
+        q_frag[ks][h + 2 * half] =
+            r < num_rows && col < p.head_dim ? *reinterpret_cast<const uint32_t*>(q_row + col) : 0u;
+      }
+  }
+}
+
+// Writes a slab's normalised O (accumulator fragments, kDTiles 8-column tiles) and its rows'
+// lse as split `split` of work unit `unit`.
+template <int kDTiles>
+__device__ __forceinline__ void store_split_partial(const DecodePlan& plan, int64_t unit,
+                                                    int64_t split, const DecodeRows& rows,
+                                                    const float (&o)[kDTiles][4],
+                                                    const float (&lse)[2], int lane) {
+  const int quad_col = 2 * (lane % 4);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = rows.row[h];
+    if (r >= plan.rows) continue;
+    float* o_row = plan.o_partial + plan.partial_row(unit, split, r) * plan.head_dim;
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) {
+      const int col = d * 8 + quad_col;
+      if (col < plan.head_dim)
+        *reinterpret_cast<float2*>(o_row + col) = make_float2(o[d][2 * h], o[d][2 * h + 1]);
+    }
+    if (lane % 4 == 0) plan.lse_partial[plan.partial_row(unit, split, r)] = lse[h];
+  }
+}
+
+// A split with no key: its lse rows are -inf, which the combine reads as weight 0 without
+// reading its O.
+__device__ __forceinline__ void store_empty_split(const DecodePlan& plan, int64_t unit,
+                                                  int64_t split, int tid, int threads) {
+  float* lse = plan.lse_partial + plan.partial_row(unit, split, 0);
+  for (int64_t r = tid; r < plan.rows; r += threads) lse[r] = -INFINITY;
+}
+
+}  // namespace jax_flashattn::sm80

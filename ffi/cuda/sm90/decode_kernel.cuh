@@ -1,0 +1,171 @@
+// Split-KV decode forward for Hopper (sm_90a): the first of two kernels, each block computing
+// one split's partial attention with wgmma; sm80/decode_combine.cuh merges the splits, as it
+// does for the mma.sync decode kernel, whose plan, rows and workspace this one shares
+// (sm80/decode_block.cuh). Configurations and why: sm90/decode_traits.h.
+//
+// The block's one warpgroup streams its split's key tiles through a cp.async ring; per tile it
+// computes
+//   S = Q K^T              wgmma, Q from registers (loaded once from global memory), K from
+//                          shared memory
+//   mask                   per-row key bounds (lengths, causal, window), on the threads whose
+//                          rows do not see the whole tile
+//   online softmax         exp2 with the scale folded into one FFMA
+//   O += P V               wgmma, P re-packed from the S accumulators
+// and writes its normalised O and lse to the workspace.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/softmax.cuh"
+#include "ffi/cuda/sm80/decode_block.cuh"
+#include "ffi/cuda/sm80/decode_plan.h"
+#include "ffi/cuda/sm80/fragments.cuh"
+#include "ffi/cuda/sm80/smem_tile.cuh"
+#include "ffi/cuda/sm90/ptx.cuh"
+#include "ffi/cuda/sm90/swizzle_layout.h"
+#include "ffi/params.h"
+
+namespace jax_flashattn::sm90 {
+
+template <typename Elem, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
+    decode_split_kernel(const __grid_constant__ AttentionParams p, const sm80::DecodePlan plan) {
+#ifdef JAX_FLASHATTN_SM90_BODY
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kKSteps = kHeadDim / 16;  // k16 steps of S = Q K^T
+  constexpr int kPSteps = kBlockN / 16;   // k16 steps of O += P V
+  constexpr int kNTiles = kBlockN / 8;    // 8-key column tiles of S
+  constexpr int kDTiles = kHeadDim / 8;   // 8-wide column tiles of O
+
+  // The ring at the next 1024-byte boundary (the 128-byte swizzle's period): stage s holds its
+  // K tile, then its V tile.
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_address = ptx::smem_address(smem_raw);
+  const uint32_t base = (raw_address + kGroupBytes - 1) & ~(kGroupBytes - 1);
+  Elem* ring = reinterpret_cast<Elem*>(smem_raw + (base - raw_address));
+  constexpr int kTileElems = kBlockN * kHeadDim;
+  const auto stage_k = [&](int stage) { return ring + stage * 2 * kTileElems; };
+  const auto stage_v = [&](int stage) { return stage_k(stage) + kTileElems; };
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int quad_col = 2 * (lane % 4);  // accumulator column pair
+  const int64_t group = p.group_size();
+
+  const sm80::DecodeSplit sp = sm80::DecodeSplit::make<kBlockN>(p, plan, blockIdx.x);
+  if (sp.tile_begin >= sp.tile_end) {
+    sm80::store_empty_split(plan, sp.unit, sp.split, tid, Traits::kThreads);
+    return;
+  }
+
+  const int64_t kv_offset = sp.b * p.kv_batch_stride + sp.kv_head * p.kv_head_stride;
+  const Elem* k = static_cast<const Elem*>(p.k) + kv_offset;
+  const Elem* v = static_cast<const Elem*>(p.v) + kv_offset;
+  // Keys past kv_seqlens are zero-filled, not read: a padded cache may hold anything there.
+  using Layout = sm80::SwizzledSpans<kBlockN>;
+  const auto load_stage = [&](int tile, int stage) {
+    const int key0 = tile * kBlockN;
+    sm80::load_tile<Traits, kBlockN, Layout>(stage_k(stage), k + key0 * p.kv_row_stride,
+                                             p.kv_row_stride, sp.vis.kv_len - key0, p.head_dim,
+                                             tid);
+    sm80::load_tile<Traits, kBlockN, Layout>(stage_v(stage), v + key0 * p.kv_row_stride,
+                                             p.kv_row_stride, sp.vis.kv_len - key0, p.head_dim,
+                                             tid);
+  };
+
+  // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (sp.tile_begin + s < sp.tile_end) load_stage(sp.tile_begin + s, s);
+    ptx::cp_async_commit();
+  }
+
+  const sm80::DecodeRows rows = sm80::DecodeRows::make(sp.vis, warp, lane, plan.rows, group);
+  uint32_t q_frag[kKSteps][4];
+  sm80::load_q_fragments<Elem>(q_frag, p,
+                               static_cast<const Elem*>(p.q) + sp.b * p.q_batch_stride +
+                                   sp.kv_head * group * p.q_head_stride,
+                               rows, plan.rows, group, quad_col);
+  float o_acc[1][kDTiles][4] = {};
+  cuda::OnlineSoftmax<1> softmax;
+  softmax.init();
+  const float scale_log2 = p.scale * cuda::kLog2e;
+
+  // Descriptors as in the forward kernel: K is K-major (head dim contiguous), k-step ks in span
+  // ks / 4, 32 bytes per step into each 128-byte row; V is MN-major for O += P V, k-step kk 16
+  // rows down, spans kBlockN rows apart (LBO). Each is stage 0's, advanced by a byte offset.
+  const uint64_t k_desc0 = ptx::smem_descriptor_sw128(base, 16, kGroupBytes);
+  const uint64_t v_desc0 =
+      ptx::smem_descriptor_sw128(base + Traits::kKVBytes, kBlockN * kRowBytes, kGroupBytes);
+  const auto k_desc = [&](int stage, int ks) {
+    return ptx::smem_descriptor_advance(
+        k_desc0, stage * Traits::kStageBytes + (ks / 4) * kBlockN * kRowBytes + (ks % 4) * 32);
+  };
+  const auto v_desc = [&](int stage, int kk) {
+    return ptx::smem_descriptor_advance(v_desc0, stage * Traits::kStageBytes + kk * 16 * kRowBytes);
+  };
+
+  float s_acc[1][kNTiles][4];
+  const auto fence_s = [&] {
+#pragma unroll
+    for (int t = 0; t < kNTiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ptx::fence_register(s_acc[0][t][e]);
+  };
+  const auto fence_o = [&] {
+#pragma unroll
+    for (int t = 0; t < kDTiles; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ptx::fence_register(o_acc[0][t][e]);
+  };
+
+  for (int tile = sp.tile_begin; tile < sp.tile_end; ++tile) {
+    const int j = tile - sp.tile_begin;
+    ptx::cp_async_wait<kStages - 2>();
+    // This thread's copies of tile j have landed; the proxy fence makes them visible to wgmma,
+    // which reads shared memory through the async proxy, and the barrier makes every thread's
+    // visible, and tells that every warp is done with tile j - 1, whose stage the load below
+    // refills (its products were waited for).
+    ptx::fence_proxy_async_shared();
+    __syncthreads();
+    if (tile + kStages - 1 < sp.tile_end)
+      load_stage(tile + kStages - 1, (j + kStages - 1) % kStages);
+    ptx::cp_async_commit();
+    const int stage = j % kStages;
+
+    fence_s();
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      ptx::wgmma_rs_k_major<kBlockN, Elem>(s_acc[0], q_frag[ks], k_desc(stage, ks), ks > 0);
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait<0>();
+    fence_s();
+
+    const int key0 = tile * kBlockN;
+    if (!rows.sees_all(key0, kBlockN)) rows.mask(s_acc[0], key0, quad_col);
+    softmax.update(s_acc, o_acc, scale_log2);
+
+    uint32_t p_frag[kPSteps][4];
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) sm80::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
+    fence_o();
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk)
+      ptx::wgmma_rs<kHeadDim, Elem>(o_acc[0], p_frag[kk], v_desc(stage, kk));
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait<0>();
+    fence_o();
+  }
+  ptx::cp_async_wait<0>();
+
+  float row_lse[1][2];
+  softmax.finalize(o_acc, scale_log2, row_lse);
+  sm80::store_split_partial(plan, sp.unit, sp.split, rows, o_acc[0], row_lse[0], lane);
+#endif
+}
+
+}  // namespace jax_flashattn::sm90

@@ -1,0 +1,71 @@
+// Tile configurations of the Hopper split-KV decode kernel (sm90/decode_kernel.cuh), one per
+// instantiated head dim.
+//
+// Why a Hopper kernel beside the mma.sync one (sm80/decode_kernel.cuh): at 64 query rows per
+// block (T = 16 with GQA 4) a decode step does 128 FLOP per K/V element it reads, and on an
+// H200 the mma.sync kernel streamed K/V at 3.40-3.46 TB/s, computing at ~220 TFLOP/s: its eight
+// warps per SM, each a chain of ldmatrix, mma.sync and softmax, could not keep up with HBM. One
+// wgmma warpgroup computes the same 64 rows with 8 + 4 instructions per 64-key tile (m64n64k16
+// for S, m64n128k16 for O at head dim 128) where four warps issue 128 mma.sync and 64
+// ldmatrix each.
+//
+// One warpgroup per block: warp w owns the 16-row slab w of the block's (up to) 64 rows, as a
+// wgmma accumulator lays them out. K and V stream through a ring of kStages stages by cp.async
+// (every thread a share of each tile; keys past the length zero-filled, never read, as in the
+// mma.sync kernel), written in the 128-byte-swizzled span layout wgmma's descriptors read. Each
+// stage is 32 KiB (K and V tiles of kBlockN keys), the ring 96 KiB, so two blocks fit one SM
+// with four stages (128 KiB) in flight per SM, as the mma.sync decode kernel keeps: the split
+// counts of sm80/decode_plan.h hold for both.
+//
+// Registers per thread: Q as wgmma's register A operand kHeadDim / 4 (loaded once from global
+// memory), O kHeadDim / 2 floats, S kBlockN / 2, P kBlockN / 4: 16 + 32 + 64 + 32 = 144 at head
+// dim 64 and 32 + 64 + 32 + 16 = 144 at 128, within the 255 of two 128-thread blocks per SM.
+// Head dim 256 (64 + 128 registers of Q and O before S) stays on the mma.sync kernel.
+#pragma once
+
+#include "ffi/cuda/sm80/decode_plan.h"
+#include "ffi/cuda/sm90/swizzle_layout.h"
+
+namespace jax_flashattn::sm90 {
+
+template <int kHeadDim_, int kBlockN_, int kStages_>
+struct DecodeTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;  // keys per K/V tile
+  static constexpr int kStages = kStages_;  // K/V tiles in the ring: kStages - 1 in flight
+  static constexpr int kThreads = 128;      // one warpgroup, one 16-row slab per warp
+  static constexpr int kMinBlocks = 2;      // per SM, for __launch_bounds__
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row (sm80::load_tile)
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile
+  static constexpr int kStageBytes = 2 * kKVBytes;
+  // The ring, plus kGroupBytes to align its start to the swizzle's period.
+  static constexpr int kSmemBytes = kStages * kStageBytes + int(kGroupBytes);
+
+  static_assert(kHeadDim % 64 == 0, "tiles are whole 128-byte swizzle spans");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N is a multiple of 16 up to 256");
+  static_assert(kKVBytes % kGroupBytes == 0, "tiles stay 1024-byte aligned");
+  static_assert(kThreads % kChunks == 0, "every copy of a thread is the same chunk column");
+  static_assert(64 >= sm80::kDecodeMaxRows, "one warpgroup holds every row of a block");
+  static_assert(kMinBlocks * (kSmemBytes + 1024) <= 228 * 1024,
+                "two blocks (and their 1 KiB of reserved shared memory) fit one SM");
+};
+
+template <int kHeadDim>
+struct DecodeConfig;
+
+// Stage (128 + 128) keys x 64 x 2 B = 32 KiB; ring 96 KiB.
+template <>
+struct DecodeConfig<64> : DecodeTraits<64, 128, 3> {};
+// Stage (64 + 64) keys x 128 x 2 B = 32 KiB; ring 96 KiB.
+template <>
+struct DecodeConfig<128> : DecodeTraits<128, 64, 3> {};
+
+// Query rows per block from which (exclusive) a decode call takes this kernel; fewer stay on the
+// mma.sync decode kernel.
+inline constexpr int64_t kDecodeMinRows = 32;
+
+// The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one
+// that is at least as large (the columns past it are zero-filled in shared memory and Q).
+inline constexpr int kDecodeHeadDims[] = {64, 128};
+
+}  // namespace jax_flashattn::sm90
