@@ -503,6 +503,8 @@ def test_decode_dispatch(monkeypatch):
     """forward_kernel reports a decode kernel for decoding shapes only: few query rows per kv
     head (T * N / K <= 64), enough keys, bf16/fp16, no bias or mask; on Hopper the wgmma one
     past 32 rows at head dims up to 128, unless JAX_FLASHATTN_DISABLE_SM90."""
+    monkeypatch.delenv("JAX_FLASHATTN_DISABLE_SM90", raising=False)
+
     def kernel(t, n, kv, s, h=128, dtype=jnp.bfloat16, **kwargs):
         return jax_flashattn.forward_kernel(jax.ShapeDtypeStruct((8, t, n, h), dtype),
                                             jax.ShapeDtypeStruct((8, s, kv, h), dtype), **kwargs)

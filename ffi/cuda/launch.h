@@ -94,6 +94,15 @@ inline cudaError_t multiprocessor_count(int device, int& count) {
   return error;
 }
 
+// Whether CUDA device `device` runs programmatic dependent launches (compute capability 9.0+).
+inline bool programmatic_launch_supported(int device) {
+  return once_per_device(device, false, [](int d) {
+    int major = 0;
+    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) == cudaSuccess &&
+           major >= 9;
+  });
+}
+
 // The same for the current device.
 inline cudaError_t multiprocessor_count(int& count) {
   int device = 0;

@@ -35,6 +35,22 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+// Programmatic dependent launch (sm_90+; nothing on older targets, where the launch attribute
+// that lets a dependent grid start early is not set either). launch_dependents: this block has
+// no more reason to hold back a grid launched after it with that attribute. grid_dependency_wait:
+// waits until the grids this one depends on have completed and their memory is visible.
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8, row l % 8. Register i
 // of lane l receives row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix i.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {

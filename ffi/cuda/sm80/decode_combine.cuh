@@ -44,6 +44,9 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   const int64_t n = bn % p.num_heads, b = bn / p.num_heads;
   const int64_t group = p.group_size();
   const int64_t unit = b * p.num_kv_heads + n / group, r = t * group + n % group;
+  // Launched while the split kernel finishes (launch_decode_combine): its partials are complete
+  // and visible only past this wait.
+  ptx::grid_dependency_wait();
 
   const float* lse_s = plan.lse_partial + plan.partial_row(unit, 0, r);  // stride plan.rows
   float max_lse = -INFINITY;

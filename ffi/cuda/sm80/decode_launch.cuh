@@ -23,16 +23,32 @@ cudaError_t launch_decode_splits(const AttentionParams& p, const sm80::DecodePla
   return cudaGetLastError();
 }
 
-// The combine kernel: one warp per output row.
+// The combine kernel: one warp per output row. On compute capability 9.0+ it is a programmatic
+// dependent launch: it may start once every split block has passed its main loop
+// (ptx::launch_dependents) and waits for the split kernel's stores in the kernel
+// (ptx::grid_dependency_wait), so its launch overlaps the splits' last stores instead of
+// following them. Measured on an H200 (bench --decode, bf16, two runs each): 1.3-2 us less per
+// call at S = 8192-65536 and T = 1-16, e.g. T = 1, S = 8192 74.0-74.3 -> 72.7-72.8 us.
 template <typename Elem>
 cudaError_t launch_decode_combine(const AttentionParams& p, const sm80::DecodePlan& plan,
                                   cudaStream_t stream) {
   const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
   const int64_t blocks = (rows + sm80::kCombineWarps - 1) / sm80::kCombineWarps;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  sm80::decode_combine_kernel<Elem>
-      <<<unsigned(blocks), sm80::kCombineWarps * 32, 0, stream>>>(p, plan);
-  return cudaGetLastError();
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  cudaLaunchAttribute early_launch;
+  early_launch.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early_launch.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(blocks));
+  config.blockDim = dim3(sm80::kCombineWarps * 32);
+  config.stream = stream;
+  if (programmatic_launch_supported(device)) {
+    config.attrs = &early_launch;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, sm80::decode_combine_kernel<Elem>, p, plan);
 }
 
 template <typename Elem, typename Traits>
