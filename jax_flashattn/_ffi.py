@@ -54,8 +54,8 @@ def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
     """Which forward kernel family `attention` runs for these inputs on `device` (default: the
     first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync), "decode" (split-KV
     mma.sync, for few query rows against many keys), "decode_sm90" (split-KV wgmma, Hopper, for
-    decoding shapes with more than 32 query rows per kv head), "simt" (CUDA cores) on an NVIDIA GPU,
-    "cpu" on the host. Reads only shapes and dtypes (arrays or jax.ShapeDtypeStruct) and
+    decoding shapes with more than 32 query rows per kv head and head dims up to 128), "simt"
+    (CUDA cores) on an NVIDIA GPU, "cpu" on the host. Reads only shapes and dtypes (arrays or jax.ShapeDtypeStruct) and
     assumes the default scale; contiguous inputs as XLA lays them out are assumed."""
     device, dtype_code = _kernel_query(query, device)
     if device.platform == "cpu":

@@ -415,12 +415,16 @@ def test_decode_head_dims(rng, dtype, t, head_dim):
          local_window_size=(8000, 5000)),
 ], ids=["causal", "window_left", "window_both", "window_causal", "kv_lengths",
         "kv_and_q_lengths", "kv_lengths_window"])
-@pytest.mark.parametrize("t", [8, 16])
-def test_decode_masks(rng, dtype, kwargs, t):
+@pytest.mark.parametrize("t,head_dim,family", [(8, 128, "default"), (16, 64, "default"),
+                                                (16, 128, "default"), (16, 128, "sm80")])
+def test_decode_masks(rng, monkeypatch, dtype, kwargs, t, head_dim, family):
     """Causal is top-left aligned (query t sees keys <= t), so with T << S only the first split
     has keys; windows and lengths leave many splits empty, and zero-length rows give 0 / -inf.
-    T = 8 runs 32 rows per block (the mma.sync kernel), T = 16 64 (on Hopper the wgmma one)."""
-    check_decode(*random_qkv(rng, 4, t, 33333, 8, 2, 128, dtype), **kwargs)
+    T = 8 runs 32 rows per block (the mma.sync kernel), T = 16 64 (on Hopper the wgmma one,
+    with 128-key tiles at head dim 64 and 64-key tiles at 128; "sm80": the mma.sync kernel's
+    whole-tile steps)."""
+    pick_decode_family(monkeypatch, family)
+    check_decode(*random_qkv(rng, 4, t, 33333, 8, 2, head_dim, dtype), **kwargs)
 
 
 @pytest.mark.parametrize("fill", [np.nan, np.inf])

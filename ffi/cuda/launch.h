@@ -94,20 +94,26 @@ inline cudaError_t multiprocessor_count(int device, int& count) {
   return error;
 }
 
-// Whether CUDA device `device` runs programmatic dependent launches (compute capability 9.0+).
-inline bool programmatic_launch_supported(int device) {
-  return once_per_device(device, false, [](int d) {
-    int major = 0;
-    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) == cudaSuccess &&
-           major >= 9;
-  });
-}
-
 // The same for the current device.
 inline cudaError_t multiprocessor_count(int& count) {
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   return multiprocessor_count(device, count);
+}
+
+// Whether kKernel, as loaded on CUDA device `device`, may be launched as a programmatic
+// dependent launch: the device is compute capability 9.0+ and the kernel's image was compiled
+// for it (PTX version 9.0+), so its griddepcontrol.wait exists. A build without an sm_90 image
+// runs there from JIT-compiled sm_80 PTX, which has no wait: such a kernel must launch plainly.
+template <auto kKernel>
+bool programmatic_launch_supported(int device) {
+  return once_per_device(device, false, [](int d) {
+    int major = 0;
+    cudaFuncAttributes attributes = {};
+    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) == cudaSuccess &&
+           major >= 9 && cudaFuncGetAttributes(&attributes, kKernel) == cudaSuccess &&
+           attributes.ptxVersion >= 90;
+  });
 }
 
 }  // namespace jax_flashattn::cuda

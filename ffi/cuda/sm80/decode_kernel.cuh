@@ -191,9 +191,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     }
   }
 
-  // Normalise this split's O and write it with its lse.
   // The combine may launch now; it waits for this grid's stores before it reads them.
   ptx::launch_dependents();
+  // Normalise this split's O and write it with its lse.
   float row_lse[1][2];
   softmax.finalize(o_acc, scale_log2, row_lse);
   store_split_partial(plan, sp.unit, sp.split, rows, o_acc[0], row_lse[0], lane);

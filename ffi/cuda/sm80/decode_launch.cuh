@@ -23,9 +23,9 @@ cudaError_t launch_decode_splits(const AttentionParams& p, const sm80::DecodePla
   return cudaGetLastError();
 }
 
-// The combine kernel: one warp per output row. On compute capability 9.0+ it is a programmatic
-// dependent launch: it may start once every split block has passed its main loop
-// (ptx::launch_dependents) and waits for the split kernel's stores in the kernel
+// The combine kernel: one warp per output row. On compute capability 9.0+ (from an image built
+// for it) it is a programmatic dependent launch: it may start once every split block has passed
+// its main loop (ptx::launch_dependents) and waits for the split kernel's stores in the kernel
 // (ptx::grid_dependency_wait), so its launch overlaps the splits' last stores instead of
 // following them. Measured on an H200 (bench --decode, bf16, two runs each): 1.3-2 us less per
 // call at S = 8192-65536 and T = 1-16, e.g. T = 1, S = 8192 74.0-74.3 -> 72.7-72.8 us.
@@ -44,15 +44,16 @@ cudaError_t launch_decode_combine(const AttentionParams& p, const sm80::DecodePl
   config.gridDim = dim3(unsigned(blocks));
   config.blockDim = dim3(sm80::kCombineWarps * 32);
   config.stream = stream;
-  if (programmatic_launch_supported(device)) {
+  if (programmatic_launch_supported<sm80::decode_combine_kernel<Elem>>(device)) {
     config.attrs = &early_launch;
     config.numAttrs = 1;
   }
   return cudaLaunchKernelEx(&config, sm80::decode_combine_kernel<Elem>, p, plan);
 }
 
+// The mma.sync split kernel of configuration Traits.
 template <typename Elem, typename Traits>
-cudaError_t launch_decode_split(const AttentionParams& p, const sm80::DecodePlan& plan,
+cudaError_t launch_decode_split_config(const AttentionParams& p, const sm80::DecodePlan& plan,
                                 cudaStream_t stream) {
   return launch_decode_splits<sm80::decode_split_kernel<Elem, Traits>>(
       p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
@@ -66,8 +67,8 @@ cudaError_t launch_forward_decode(const AttentionParams& p, const sm80::DecodePl
   using ChunkSteps = sm80::DecodeConfig<kHeadDim, 1>;
   using ManyRowSteps = sm80::DecodeConfig<kHeadDim, sm80::kDecodeManyRowsStepChunks<kHeadDim>>;
   const cudaError_t e = plan.rows > sm80::kDecodeChunkStepMaxRows
-                            ? launch_decode_split<Elem, ManyRowSteps>(p, plan, stream)
-                            : launch_decode_split<Elem, ChunkSteps>(p, plan, stream);
+                            ? launch_decode_split_config<Elem, ManyRowSteps>(p, plan, stream)
+                            : launch_decode_split_config<Elem, ChunkSteps>(p, plan, stream);
   if (e != cudaSuccess) return e;
   return launch_decode_combine<Elem>(p, plan, stream);
 }

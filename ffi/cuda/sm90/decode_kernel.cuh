@@ -14,7 +14,6 @@
 // and writes its normalised O and lse to the workspace.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 
 #include "ffi/cuda/common/ptx.cuh"
