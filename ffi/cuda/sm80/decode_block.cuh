@@ -13,6 +13,7 @@
 
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/sm80/decode_plan.h"
+#include "ffi/cuda/sm80/smem_tile.cuh"
 #include "ffi/params.h"
 
 namespace jax_flashattn::sm80 {
@@ -35,6 +36,7 @@ __device__ __forceinline__ void decode_key_range(const cuda::Visibility& vis, in
 // splits in equal runs [tile_begin, tile_end) (empty for a split past the last tile).
 struct DecodeSplit {
   int64_t unit, split, b, kv_head;
+  int64_t kv_offset;  // elements from K's (and V's) start to the unit's first key
   cuda::Visibility vis;
   int key_lo, key_hi;  // keys some row of the block sees
   int tile_begin, tile_end;
@@ -47,6 +49,7 @@ struct DecodeSplit {
     s.split = block % plan.splits;
     s.b = s.unit / p.num_kv_heads;
     s.kv_head = s.unit % p.num_kv_heads;
+    s.kv_offset = s.b * p.kv_batch_stride + s.kv_head * p.kv_head_stride;
     s.vis = cuda::Visibility::make(p, s.b, s.kv_head * p.group_size());
     decode_key_range(s.vis, 0, p.seqlen_q, s.key_lo, s.key_hi);
     const int first_tile = s.key_lo / kBlockN;
@@ -104,16 +107,19 @@ struct DecodeRows {
   }
 };
 
-// A operand fragments (16 rows x head dim) of one slab, straight from global memory: register
-// i of k-step ks holds row lane / 4 + 8 (i % 2), columns 16 ks + 8 (i / 2) + 2 (lane % 4) + {0, 1}
-// (the mma.sync m16n8k16 A layout, which is also a warp's share of wgmma's register A). Zero
-// past the rows or the head dim. Q is read once per block, a few KiB against the split's K/V,
-// so uncoalesced 4-byte loads cost nothing visible.
+// A operand fragments (16 rows x head dim) of one slab of split `sp`'s rows, straight from
+// global memory: register i of k-step ks holds row lane / 4 + 8 (i % 2), columns
+// 16 ks + 8 (i / 2) + 2 (lane % 4) + {0, 1} (the mma.sync m16n8k16 A layout, which is also a
+// warp's share of wgmma's register A). Zero past the rows or the head dim. Q is read once per
+// block, a few KiB against the split's K/V, so uncoalesced 4-byte loads cost nothing visible.
 template <typename Elem, int kKSteps>
 __device__ __forceinline__ void load_q_fragments(uint32_t (&q_frag)[kKSteps][4],
-                                                 const AttentionParams& p, const Elem* q_group,
+                                                 const AttentionParams& p, const DecodeSplit& sp,
                                                  const DecodeRows& rows, int64_t num_rows,
-                                                 int64_t group, int quad_col) {
+                                                 int quad_col) {
+  const int64_t group = p.group_size();
+  const Elem* q_group = static_cast<const Elem*>(p.q) + sp.b * p.q_batch_stride +
+                        sp.kv_head * group * p.q_head_stride;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int64_t r = rows.row[h];
@@ -127,6 +133,21 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&q_frag)[kKSteps][4],
             r < num_rows && col < p.head_dim ? *reinterpret_cast<const uint32_t*>(q_row + col) : 0u;
       }
   }
+}
+
+// Issues the cp.async copies of key tile `tile` of split `sp`'s K and V into sK and sV (kBlockN
+// rows each, laid out as Layout). Keys past the batch entry's length are zero-filled, not read:
+// a padded cache may hold anything there.
+template <typename Traits, typename Layout, typename Elem>
+__device__ __forceinline__ void load_split_tile(Elem* sK, Elem* sV, const AttentionParams& p,
+                                                const DecodeSplit& sp, int tile, int tid) {
+  constexpr int kBlockN = Traits::kBlockN;
+  const int64_t offset = sp.kv_offset + int64_t(tile) * kBlockN * p.kv_row_stride;
+  const int64_t valid_keys = sp.vis.kv_len - int64_t(tile) * kBlockN;
+  load_tile<Traits, kBlockN, Layout>(sK, static_cast<const Elem*>(p.k) + offset, p.kv_row_stride,
+                                     valid_keys, p.head_dim, tid);
+  load_tile<Traits, kBlockN, Layout>(sV, static_cast<const Elem*>(p.v) + offset, p.kv_row_stride,
+                                     valid_keys, p.head_dim, tid);
 }
 
 // Writes a slab's normalised O (accumulator fragments, kDTiles 8-column tiles) and its rows'

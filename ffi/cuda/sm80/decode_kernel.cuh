@@ -60,16 +60,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     return;
   }
 
-  const int64_t kv_offset = sp.b * p.kv_batch_stride + sp.kv_head * p.kv_head_stride;
-  const Elem* k = static_cast<const Elem*>(p.k) + kv_offset;
-  const Elem* v = static_cast<const Elem*>(p.v) + kv_offset;
-  // Keys past kv_seqlens are zero-filled, not read: a padded cache may hold anything there.
-  auto load_stage = [&](int tile, int stage) {
-    const int key0 = tile * kBlockN;
-    load_tile<Traits, kBlockN>(stage_k(stage), k + key0 * p.kv_row_stride, p.kv_row_stride,
-                               vis.kv_len - key0, p.head_dim, tid);
-    load_tile<Traits, kBlockN>(stage_v(stage), v + key0 * p.kv_row_stride, p.kv_row_stride,
-                               vis.kv_len - key0, p.head_dim, tid);
+  // The ring's stage `stage` <- key tile `tile` (keys past the length zero-filled).
+  const auto load_stage = [&](int tile, int stage) {
+    load_split_tile<Traits, SwizzledRows<kSmemDim>>(stage_k(stage), stage_v(stage), p, sp, tile,
+                                                    tid);
   };
 
   // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
@@ -81,10 +75,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   const DecodeRows rows = DecodeRows::make(vis, slab, lane, plan.rows, group);
   uint32_t q_frag[kKSteps][4];
-  load_q_fragments<Elem>(q_frag, p,
-                         static_cast<const Elem*>(p.q) + sp.b * p.q_batch_stride +
-                             sp.kv_head * group * p.q_head_stride,
-                         rows, plan.rows, group, quad_col);
+  load_q_fragments<Elem>(q_frag, p, sp, rows, plan.rows, quad_col);
   float o_acc[1][kDTiles][4] = {};
   cuda::OnlineSoftmax<1> softmax;
   softmax.init();

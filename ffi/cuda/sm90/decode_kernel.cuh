@@ -59,19 +59,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     return;
   }
 
-  const int64_t kv_offset = sp.b * p.kv_batch_stride + sp.kv_head * p.kv_head_stride;
-  const Elem* k = static_cast<const Elem*>(p.k) + kv_offset;
-  const Elem* v = static_cast<const Elem*>(p.v) + kv_offset;
-  // Keys past kv_seqlens are zero-filled, not read: a padded cache may hold anything there.
-  using Layout = sm80::SwizzledSpans<kBlockN>;
+  // The ring's stage `stage` <- key tile `tile` (keys past the length zero-filled), in the
+  // layout wgmma's descriptors read.
   const auto load_stage = [&](int tile, int stage) {
-    const int key0 = tile * kBlockN;
-    sm80::load_tile<Traits, kBlockN, Layout>(stage_k(stage), k + key0 * p.kv_row_stride,
-                                             p.kv_row_stride, sp.vis.kv_len - key0, p.head_dim,
-                                             tid);
-    sm80::load_tile<Traits, kBlockN, Layout>(stage_v(stage), v + key0 * p.kv_row_stride,
-                                             p.kv_row_stride, sp.vis.kv_len - key0, p.head_dim,
-                                             tid);
+    sm80::load_split_tile<Traits, sm80::SwizzledSpans<kBlockN>>(stage_k(stage), stage_v(stage), p,
+                                                                sp, tile, tid);
   };
 
   // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
@@ -83,10 +75,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   const sm80::DecodeRows rows = sm80::DecodeRows::make(sp.vis, warp, lane, plan.rows, group);
   uint32_t q_frag[kKSteps][4];
-  sm80::load_q_fragments<Elem>(q_frag, p,
-                               static_cast<const Elem*>(p.q) + sp.b * p.q_batch_stride +
-                                   sp.kv_head * group * p.q_head_stride,
-                               rows, plan.rows, group, quad_col);
+  sm80::load_q_fragments<Elem>(q_frag, p, sp, rows, plan.rows, quad_col);
   float o_acc[1][kDTiles][4] = {};
   cuda::OnlineSoftmax<1> softmax;
   softmax.init();
@@ -107,19 +96,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   };
 
   float s_acc[1][kNTiles][4];
-  const auto fence_s = [&] {
-#pragma unroll
-    for (int t = 0; t < kNTiles; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) ptx::fence_register(s_acc[0][t][e]);
-  };
-  const auto fence_o = [&] {
-#pragma unroll
-    for (int t = 0; t < kDTiles; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) ptx::fence_register(o_acc[0][t][e]);
-  };
-
   for (int tile = sp.tile_begin; tile < sp.tile_end; ++tile) {
     const int j = tile - sp.tile_begin;
     ptx::cp_async_wait<kStages - 2>();
@@ -134,14 +110,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     ptx::cp_async_commit();
     const int stage = j % kStages;
 
-    fence_s();
+    ptx::fence_registers(s_acc[0]);
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
       ptx::wgmma_rs_k_major<kBlockN, Elem>(s_acc[0], q_frag[ks], k_desc(stage, ks), ks > 0);
     ptx::wgmma_commit_group();
     ptx::wgmma_wait<0>();
-    fence_s();
+    ptx::fence_registers(s_acc[0]);
 
     const int key0 = tile * kBlockN;
     if (!rows.sees_all(key0, kBlockN)) rows.mask(s_acc[0], key0, quad_col);
@@ -150,14 +126,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     uint32_t p_frag[kPSteps][4];
 #pragma unroll
     for (int kk = 0; kk < kPSteps; ++kk) sm80::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
-    fence_o();
+    ptx::fence_registers(o_acc[0]);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kPSteps; ++kk)
       ptx::wgmma_rs<kHeadDim, Elem>(o_acc[0], p_frag[kk], v_desc(stage, kk));
     ptx::wgmma_commit_group();
     ptx::wgmma_wait<0>();
-    fence_o();
+    ptx::fence_registers(o_acc[0]);
   }
   ptx::cp_async_wait<0>();
 

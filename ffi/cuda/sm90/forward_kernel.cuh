@@ -327,18 +327,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   uint32_t p_frag[kPSteps][4];
   const float scale_log2 = p.scale * cuda::kLog2e;
 
-  const auto fence_s = [&] {
-#pragma unroll
-    for (int t = 0; t < kNTiles; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) ptx::fence_register(s_acc[0][t][e]);
-  };
-  const auto fence_o = [&] {
-#pragma unroll
-    for (int t = 0; t < kDTiles; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) ptx::fence_register(o_acc[0][t][e]);
-  };
+  const auto fence_s = [&] { ptx::fence_registers(s_acc[0]); };
+  const auto fence_o = [&] { ptx::fence_registers(o_acc[0]); };
   const auto issue_qk = [&](uint32_t q_tile, int stage) {  // S = Q K^T, overwriting S
     // Q's address is the same for every K/V tile: without this opaque copy ptxas hoists all
     // kKSteps 64-bit Q descriptors out of the tile loop (32 registers at head dim 256, which

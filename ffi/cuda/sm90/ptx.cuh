@@ -183,6 +183,15 @@ __device__ __forceinline__ void fence_register(uint32_t& x) {
   asm volatile("" : "+r"(x)::"memory");
 }
 
+// fence_register on every accumulator of a wgmma fragment.
+template <int kTiles>
+__device__ __forceinline__ void fence_registers(float (&d)[kTiles][4]) {
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) fence_register(d[t][e]);
+}
+
 // The same value, opaque to the compiler (no instruction): what is computed from it cannot be
 // hoisted out of the loop it sits in, where keeping the results would cost registers.
 __device__ __forceinline__ uint32_t opaque(uint32_t x) {
@@ -213,10 +222,11 @@ template <int N, typename Elem>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], uint64_t a_desc, uint64_t b_desc,
                                          bool accumulate);
 
-// D += A B, A from registers, B from shared memory MN-major (N contiguous: the transposed form).
+// D (+)= A B, A from registers, B from shared memory MN-major (N contiguous: the transposed
+// form).
 template <int N, typename Elem>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4],
-                                         uint64_t b_desc);
+                                         uint64_t b_desc, bool accumulate = true);
 
 // D (+)= A B, A from registers, B from shared memory K-major (the reduction dim contiguous): the
 // decode kernel's S = Q K^T, whose few query rows stay in registers.
@@ -309,16 +319,26 @@ __device__ __forceinline__ void wgmma_rs_k_major(float (&d)[N / 8][4], const uin
                  : "l"(a_desc), "l"(b_desc), "r"(int(accumulate)));                          \
   }
 
-#define JAX_FLASHATTN_WGMMA_RS(N, ELEM, TYPE, REGS, OPERANDS, A0, A1, A2, A3, B, SCALE_D)       \
+// The register-A forms, one function per B major-ness (TRANS_B: imm-trans-b, 1 for MN-major),
+// for both element types at once.
+#define JAX_FLASHATTN_WGMMA_RS_ONE(NAME, TRANS_B, N, ELEM, TYPE, REGS, OPERANDS, A0, A1, A2, A3, \
+                                   B, SCALE_D)                                               \
   template <>                                                                                \
-  __device__ __forceinline__ void wgmma_rs<N, ELEM>(float(&d)[N / 8][4], const uint32_t(&a)[4], \
-                                                    uint64_t b_desc) {                        \
+  __device__ __forceinline__ void NAME<N, ELEM>(float(&d)[N / 8][4], const uint32_t(&a)[4],    \
+                                                uint64_t b_desc, bool accumulate) {           \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SCALE_D ", 0;\n"                      \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS    \
-                 ", {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1, 1;\n}\n"        \
+                 ", {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1, " #TRANS_B    \
+                 ";\n}\n"                                                                    \
                  : OPERANDS(d)                                                               \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(1));         \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc),                  \
+                   "r"(int(accumulate)));                                                    \
   }
+#define JAX_FLASHATTN_WGMMA_RS(NAME, TRANS_B, N, REGS, OPERANDS, A0, A1, A2, A3, B, SCALE_D)    \
+  JAX_FLASHATTN_WGMMA_RS_ONE(NAME, TRANS_B, N, __nv_bfloat16, "bf16", REGS, OPERANDS, A0, A1,  \
+                             A2, A3, B, SCALE_D)                                             \
+  JAX_FLASHATTN_WGMMA_RS_ONE(NAME, TRANS_B, N, __half, "f16", REGS, OPERANDS, A0, A1, A2, A3,  \
+                             B, SCALE_D)
 
 JAX_FLASHATTN_WGMMA_SS(64, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D64_REGS,
                        JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34)
@@ -328,47 +348,24 @@ JAX_FLASHATTN_WGMMA_SS(128, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D128_REGS
                        JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66)
 JAX_FLASHATTN_WGMMA_SS(128, __half, "f16", JAX_FLASHATTN_WGMMA_D128_REGS,
                        JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66)
-// As JAX_FLASHATTN_WGMMA_RS with imm-trans-b = 0 and the scale-d flag from `accumulate`.
-#define JAX_FLASHATTN_WGMMA_RS_K(N, ELEM, TYPE, REGS, OPERANDS, A0, A1, A2, A3, B, SCALE_D)     \
-  template <>                                                                                \
-  __device__ __forceinline__ void wgmma_rs_k_major<N, ELEM>(                                  \
-      float(&d)[N / 8][4], const uint32_t(&a)[4], uint64_t b_desc, bool accumulate) {         \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SCALE_D ", 0;\n"                      \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS    \
-                 ", {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1, 0;\n}\n"        \
-                 : OPERANDS(d)                                                               \
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc),                  \
-                   "r"(int(accumulate)));                                                    \
-  }
-
-JAX_FLASHATTN_WGMMA_RS(64, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D64_REGS,
+JAX_FLASHATTN_WGMMA_RS(wgmma_rs, 1, 64, JAX_FLASHATTN_WGMMA_D64_REGS,
                        JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34, 35, 36, 37)
-JAX_FLASHATTN_WGMMA_RS(64, __half, "f16", JAX_FLASHATTN_WGMMA_D64_REGS,
-                       JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34, 35, 36, 37)
-JAX_FLASHATTN_WGMMA_RS(128, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D128_REGS,
+JAX_FLASHATTN_WGMMA_RS(wgmma_rs, 1, 128, JAX_FLASHATTN_WGMMA_D128_REGS,
                        JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66, 67, 68, 69)
-JAX_FLASHATTN_WGMMA_RS(128, __half, "f16", JAX_FLASHATTN_WGMMA_D128_REGS,
+JAX_FLASHATTN_WGMMA_RS(wgmma_rs_k_major, 0, 64, JAX_FLASHATTN_WGMMA_D64_REGS,
+                       JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34, 35, 36, 37)
+JAX_FLASHATTN_WGMMA_RS(wgmma_rs_k_major, 0, 128, JAX_FLASHATTN_WGMMA_D128_REGS,
                        JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66, 67, 68, 69)
 
 JAX_FLASHATTN_WGMMA_SS(160, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D160_REGS,
                        JAX_FLASHATTN_WGMMA_D160_OPERANDS, 80, 81, 82)
 JAX_FLASHATTN_WGMMA_SS(160, __half, "f16", JAX_FLASHATTN_WGMMA_D160_REGS,
                        JAX_FLASHATTN_WGMMA_D160_OPERANDS, 80, 81, 82)
-JAX_FLASHATTN_WGMMA_RS(256, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D256_REGS,
+JAX_FLASHATTN_WGMMA_RS(wgmma_rs, 1, 256, JAX_FLASHATTN_WGMMA_D256_REGS,
                        JAX_FLASHATTN_WGMMA_D256_OPERANDS, 128, 129, 130, 131, 132, 133)
-JAX_FLASHATTN_WGMMA_RS(256, __half, "f16", JAX_FLASHATTN_WGMMA_D256_REGS,
-                       JAX_FLASHATTN_WGMMA_D256_OPERANDS, 128, 129, 130, 131, 132, 133)
-JAX_FLASHATTN_WGMMA_RS_K(64, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D64_REGS,
-                         JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34, 35, 36, 37)
-JAX_FLASHATTN_WGMMA_RS_K(64, __half, "f16", JAX_FLASHATTN_WGMMA_D64_REGS,
-                         JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34, 35, 36, 37)
-JAX_FLASHATTN_WGMMA_RS_K(128, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D128_REGS,
-                         JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66, 67, 68, 69)
-JAX_FLASHATTN_WGMMA_RS_K(128, __half, "f16", JAX_FLASHATTN_WGMMA_D128_REGS,
-                         JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66, 67, 68, 69)
 #undef JAX_FLASHATTN_WGMMA_SS
 #undef JAX_FLASHATTN_WGMMA_RS
-#undef JAX_FLASHATTN_WGMMA_RS_K
+#undef JAX_FLASHATTN_WGMMA_RS_ONE
 #undef JAX_FLASHATTN_WGMMA_D64_REGS
 #undef JAX_FLASHATTN_WGMMA_D128_REGS
 #undef JAX_FLASHATTN_WGMMA_D64_OPERANDS
