@@ -134,6 +134,8 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   p.scale = attrs.scale;
   p.window_left = attrs.window_left;
   p.window_right = attrs.window_right;
+  p.disable_sm90 = attrs.disable_sm90 != 0;
+  p.sm80_cp_async = attrs.sm80_cp_async != 0;
 
   const size_t expected = size_t(attrs.has_bias != 0) + size_t(attrs.has_mask != 0) +
                           size_t(attrs.has_q_seqlens != 0) + size_t(attrs.has_kv_seqlens != 0);

@@ -22,6 +22,9 @@ struct CallAttrs {
   int32_t has_kv_seqlens;
   // Backward only (the forward passes 0): dQ without atomics, bit-identical across runs.
   int32_t deterministic;
+  // The kernel switches (AttentionParams::disable_sm90, sm80_cp_async).
+  int32_t disable_sm90;
+  int32_t sm80_cp_async;
 };
 
 // Fills every field of p for a forward call: inputs, the optional inputs (which follow the fixed
@@ -92,7 +95,9 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_flashattn::CallAttrs,
                                       xla::ffi::StructMember<int32_t>("has_mask"),
                                       xla::ffi::StructMember<int32_t>("has_q_seqlens"),
                                       xla::ffi::StructMember<int32_t>("has_kv_seqlens"),
-                                      xla::ffi::StructMember<int32_t>("deterministic"));
+                                      xla::ffi::StructMember<int32_t>("deterministic"),
+                                      xla::ffi::StructMember<int32_t>("disable_sm90"),
+                                      xla::ffi::StructMember<int32_t>("sm80_cp_async"));
 
 // The four handlers, one per (op, platform); module.cc exposes them to Python.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(jax_flashattn_forward_cpu);

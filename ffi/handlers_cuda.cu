@@ -1,5 +1,9 @@
 // CUDA handlers: decode the call and launch on XLA's stream. Never synchronises, never
-// allocates: every buffer the kernels touch is an operand or a result of the call.
+// allocates, never queries the stream: every buffer the kernels touch is an operand or a result
+// of the call, and the launches depend only on the call's shapes, attributes and buffers. That
+// makes them safe to record into XLA's command buffers (CUDA graphs, by stream capture), so the
+// handlers say so (kCmdBufferCompatible): a jitted step then replays our kernels in the same
+// graph as its fusions instead of leaving the graph for each call.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -50,8 +54,10 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_flashattn_forward_cuda, jax_flashattn::ForwardCuda,
     jax_flashattn::BindForward(
-        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     jax_flashattn_backward_cuda, jax_flashattn::BackwardCuda,
     jax_flashattn::BindBackward(
-        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+        xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});

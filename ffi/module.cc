@@ -70,12 +70,13 @@ int64_t DecodeWorkspaceFloats(int dtype, int64_t batch, int64_t seqlen_q, int64_
 
 #ifdef JAX_FLASHATTN_WITH_CUDA
 // Params of a call of this shape and dtype (0 float32, 1 bfloat16, 2 float16) with the default
-// scale, for the dispatchers' kernel choice only: contiguous buffers as XLA lays them out, every
-// pointer at one aligned dummy that nothing reads or writes.
+// scale and these kernel switches, for the dispatchers' kernel choice only: contiguous buffers
+// as XLA lays them out, every pointer at one aligned dummy that nothing reads or writes.
 jax_flashattn::AttentionParams ShapeOnlyParams(int dtype, int64_t head_dim, int64_t seqlen_k,
                                                bool has_bias, bool has_mask, int64_t batch,
                                                int64_t seqlen_q, int64_t num_heads,
-                                               int64_t num_kv_heads) {
+                                               int64_t num_kv_heads, bool disable_sm90,
+                                               bool sm80_cp_async) {
   using jax_flashattn::ElemType;
   if (dtype < 0 || dtype > 2) throw std::invalid_argument("dtype code must be 0, 1 or 2");
   if (batch < 1 || seqlen_q < 1 || num_kv_heads < 1 || num_heads % num_kv_heads != 0)
@@ -105,6 +106,8 @@ jax_flashattn::AttentionParams ShapeOnlyParams(int dtype, int64_t head_dim, int6
   p.mask = has_mask ? reinterpret_cast<const bool*>(buffer) : nullptr;
   // The backward's bias gradient exists exactly when there is a bias.
   p.dbias = has_bias ? reinterpret_cast<float*>(writable) : nullptr;
+  p.disable_sm90 = disable_sm90;
+  p.sm80_cp_async = sm80_cp_async;
   return p;
 }
 
@@ -114,9 +117,11 @@ jax_flashattn::AttentionParams ShapeOnlyParams(int dtype, int64_t head_dim, int6
 std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t seqlen_k,
                               bool has_bias, bool has_mask, int64_t batch, int64_t seqlen_q,
                               int64_t num_heads, int64_t num_kv_heads,
-                              int64_t decode_workspace_floats) {
-  jax_flashattn::AttentionParams p = ShapeOnlyParams(
-      dtype, head_dim, seqlen_k, has_bias, has_mask, batch, seqlen_q, num_heads, num_kv_heads);
+                              int64_t decode_workspace_floats, bool disable_sm90,
+                              bool sm80_cp_async) {
+  jax_flashattn::AttentionParams p =
+      ShapeOnlyParams(dtype, head_dim, seqlen_k, has_bias, has_mask, batch, seqlen_q, num_heads,
+                      num_kv_heads, disable_sm90, sm80_cp_async);
   // Only the dispatcher's capacity check reads these; nothing is written.
   p.decode_workspace = p.dq_accum;
   p.decode_workspace_floats = decode_workspace_floats;
@@ -140,9 +145,11 @@ std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t s
 // current device alone.
 std::string CudaBackwardKernel(int device, int dtype, int64_t head_dim, int64_t seqlen_k,
                                bool has_bias, bool has_mask, bool deterministic, int64_t batch,
-                               int64_t seqlen_q, int64_t num_heads, int64_t num_kv_heads) {
-  jax_flashattn::AttentionParams p = ShapeOnlyParams(
-      dtype, head_dim, seqlen_k, has_bias, has_mask, batch, seqlen_q, num_heads, num_kv_heads);
+                               int64_t seqlen_q, int64_t num_heads, int64_t num_kv_heads,
+                               bool disable_sm90, bool sm80_cp_async) {
+  jax_flashattn::AttentionParams p =
+      ShapeOnlyParams(dtype, head_dim, seqlen_k, has_bias, has_mask, batch, seqlen_q, num_heads,
+                      num_kv_heads, disable_sm90, sm80_cp_async);
   p.deterministic = deterministic;
   switch (jax_flashattn::cuda::choose_backward_kernel(p, device)) {
     case jax_flashattn::cuda::BackwardKernel::kSm90:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
+from typing import NamedTuple
 
 import jax
+import numpy as np
 
 from jax_flashattn import _jax_flashattn as _ext
 
@@ -29,6 +32,33 @@ def cuda_architectures() -> list[str]:
 
 
 _DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+# The kernel switches: environment variable -> the call attribute that carries it. Each is on
+# when set to anything but "" or "0". JAX_FLASHATTN_DISABLE_SM90 sends Hopper calls to the
+# mma.sync family (decoding calls to "decode"); JAX_FLASHATTN_SM80_CP_ASYNC keeps that family's
+# K/V loads on cp.async on Hopper (as on other GPUs) instead of TMA.
+_SWITCHES = {"JAX_FLASHATTN_DISABLE_SM90": "disable_sm90",
+             "JAX_FLASHATTN_SM80_CP_ASYNC": "sm80_cp_async"}
+
+
+class KernelSwitches(NamedTuple):
+    """The kernel switches of one call: static (hashable) data that travels from the public
+    functions, which read them from the environment when they run or are traced, down to the
+    custom call's attributes. Part of the compiled program, so a jitted function keeps the
+    kernels it was traced with (XLA may replay them from a CUDA graph) and a change takes
+    effect at the next trace."""
+    disable_sm90: bool = False
+    sm80_cp_async: bool = False
+
+    def attrs(self) -> dict:
+        """The custom call's attributes (int32 0/1, as ffi/decode.h decodes them)."""
+        return {name: np.int32(value) for name, value in self._asdict().items()}
+
+
+def kernel_switches() -> KernelSwitches:
+    """The kernel switches the environment sets now."""
+    return KernelSwitches(**{attr: os.environ.get(name, "") not in ("", "0")
+                             for name, attr in _SWITCHES.items()})
 
 
 def _device_with_kernels(device):
@@ -55,7 +85,8 @@ def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
     first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync), "decode" (split-KV
     mma.sync, for few query rows against many keys), "decode_sm90" (split-KV wgmma, Hopper, for
     decoding shapes with more than 32 query rows per kv head and head dims up to 128), "simt"
-    (CUDA cores) on an NVIDIA GPU, "cpu" on the host. Reads only shapes and dtypes (arrays or jax.ShapeDtypeStruct) and
+    (CUDA cores) on an NVIDIA GPU, "cpu" on the host. Reads only shapes and dtypes (arrays or
+    jax.ShapeDtypeStruct) and the kernel switches in the environment now (kernel_switches);
     assumes the default scale; contiguous inputs as XLA lays them out are assumed."""
     device, dtype_code = _kernel_query(query, device)
     if device.platform == "cpu":
@@ -68,7 +99,8 @@ def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
                                                has_mask=mask is not None)
     return _ext.cuda_forward_kernel(device.local_hardware_id, dtype_code, h,
                                     key.shape[-3], bias is not None, mask is not None,
-                                    math.prod(lead), t, n, key.shape[-2], decode_floats)
+                                    math.prod(lead), t, n, key.shape[-2], decode_floats,
+                                    *kernel_switches())
 
 
 def backward_kernel(query, key, bias=None, mask=None, *, deterministic=False,
@@ -77,11 +109,13 @@ def backward_kernel(query, key, bias=None, mask=None, *, deterministic=False,
     `device` (default: the first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync),
     "simt" (CUDA cores) on an NVIDIA GPU, "cpu" on the host. `deterministic` is attention's
     `deterministic_backward`. Reads only shapes and dtypes (arrays or jax.ShapeDtypeStruct) and
-    assumes the default scale; contiguous inputs as XLA lays them out are assumed."""
+    the kernel switches in the environment now; assumes the default scale; contiguous inputs as
+    XLA lays them out are assumed."""
     device, dtype_code = _kernel_query(query, device)
     if device.platform == "cpu":
         return "cpu"
     *lead, t, n, h = query.shape
     return _ext.cuda_backward_kernel(device.local_hardware_id, dtype_code, h,
                                      key.shape[-3], bias is not None, mask is not None,
-                                     bool(deterministic), math.prod(lead), t, n, key.shape[-2])
+                                     bool(deterministic), math.prod(lead), t, n, key.shape[-2],
+                                     *kernel_switches())

@@ -26,11 +26,13 @@ def _optional_operands(bias, mask, q_lens, kv_lens):
 UNBOUNDED_WINDOW = np.iinfo(np.int64).min
 
 
-def _attrs(scale: float, window: tuple[int | None, int | None], deterministic: bool = False):
+def _attrs(scale: float, window: tuple[int | None, int | None],
+           switches: _ffi.KernelSwitches, deterministic: bool = False):
     """window: (left, right), None for an unbounded side."""
     left, right = (UNBOUNDED_WINDOW if w is None else w for w in window)
     return dict(scale=np.float32(scale), window_left=np.int64(left),
-                window_right=np.int64(right), deterministic=np.int32(deterministic))
+                window_right=np.int64(right), deterministic=np.int32(deterministic),
+                **switches.attrs())
 
 
 def decode_workspace_size(q_shape, k_shape, dtype, *, scale: float, has_bias: bool,
@@ -49,8 +51,10 @@ def decode_workspace_size(q_shape, k_shape, dtype, *, scale: float, has_bias: bo
         float(scale), has_bias, has_mask, _ffi._ext.DECODE_MAX_MULTIPROCESSORS)
 
 
-def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple):
-    """(out [..., B, T, N, H] in q's dtype, lse [..., B, N, T] float32).
+def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple,
+            switches: _ffi.KernelSwitches):
+    """(out [..., B, T, N, H] in q's dtype, lse [..., B, N, T] float32). `switches`: the
+    kernel switches the public function read (_ffi.KernelSwitches).
 
     The call's third and fourth results are the CUDA kernels' workspaces, so that XLA owns
     their memory: an int32 the Hopper kernel's blocks claim tiles from (zeroed on the stream
@@ -68,12 +72,12 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple
          jax.ShapeDtypeStruct((1,), jnp.int32),
          jax.ShapeDtypeStruct((decode_floats,), jnp.float32)),
         vmap_method="broadcast_all")
-    out, lse, _, _ = call(q, k, v, *optional, **flags, **_attrs(scale, window))
+    out, lse, _, _ = call(q, k, v, *optional, **flags, **_attrs(scale, window, switches))
     return out, lse
 
 
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: float,
-             window: tuple, deterministic: bool = False):
+             window: tuple, switches: _ffi.KernelSwitches, deterministic: bool = False):
     """(dq, dk, dv, dbias) where dbias is the float32 [..., B, N, T, S] gradient of the logits'
     bias before any broadcast is summed out, or None without bias.
 
@@ -93,5 +97,5 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: fl
         results.append(jax.ShapeDtypeStruct((*lead, n, t, s), jnp.float32))
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
     grads = call(q, k, v, out, lse, d_out, *optional, **flags,
-                 **_attrs(scale, window, deterministic))
+                 **_attrs(scale, window, switches, deterministic))
     return (*grads[:3], grads[5] if bias is not None else None)

@@ -251,17 +251,18 @@ def _vary_like(outs, operands):
     return tuple(None if x is None else vary(x) for x in outs)
 
 
-def kernel_forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale, window):
+def kernel_forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale, window, switches):
     """`_ops.forward` for operands with any dims before [T, N, H]."""
     operands = (q, k, v, bias, mask, q_lens, kv_lens)
-    return _vary_like(_ops.forward(*operands, scale=scale, window=window), operands)
+    return _vary_like(_ops.forward(*operands, scale=scale, window=window, switches=switches),
+                      operands)
 
 
 def kernel_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale, window,
-                    deterministic=False):
+                    switches, deterministic=False):
     """`_ops.backward` for operands with any dims before [T, N, H]."""
     operands = (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens)
-    return _vary_like(_ops.backward(*operands, scale=scale, window=window,
+    return _vary_like(_ops.backward(*operands, scale=scale, window=window, switches=switches,
                                     deterministic=deterministic), operands)
 
 
@@ -429,7 +430,7 @@ def _pass_on(xs, axes, devices):
 
 
 def seq_forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale, window: Window,
-                schedule: Schedule, axes):
+                schedule: Schedule, axes, switches):
     """(out, lse [..., N, T_local]) of local shards under `schedule`. bias and mask must
     broadcast over T and S (their last two dims 1); the lengths are global."""
     devices, ring = schedule.devices, schedule.mode == RING
@@ -452,7 +453,7 @@ def seq_forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale, window: Window,
             def run(window, visible, qb=qb, kb=kb, vb=vb, q_len=q_len, kv_len=kv_len):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
                 return kernel_forward(qb, kb, vb, bias, mask, q_len, kv_len, scale=scale,
-                                     window=window)
+                                     window=window, switches=switches)
 
             out, lse = _dispatch(block.call, p, run, functools.partial(_empty_forward, qb),
                                  (qb, kb, vb, q_len, kv_len))
@@ -478,7 +479,7 @@ def reduce_to(x, shape):
 
 
 def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale,
-                 window: Window, schedule: Schedule, axes, deterministic=False):
+                 window: Window, schedule: Schedule, axes, switches, deterministic=False):
     """(dq, dk, dv, dbias summed to bias's shape or None) of local shards under `schedule`,
     from the global out and lse of the forward."""
     devices, ring = schedule.devices, schedule.mode == RING
@@ -506,7 +507,7 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale
                     kv_len=kv_len):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
                 grads = kernel_backward(qb, kb, vb, ob, lb, dob, bias, mask, q_len, kv_len,
-                                       scale=scale, window=window,
+                                       scale=scale, window=window, switches=switches,
                                        deterministic=deterministic)
                 return grads[:3] + (() if bias is None else (reduce_to(grads[3], bias.shape),))
 

@@ -12,23 +12,27 @@ from jax_flashattn import _ffi, _validate, sharding
 
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _flash(q, k, v, bias, mask, q_lens, kv_lens, scale, window, deterministic):
-    return sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, scale=scale, window=window)
+# switches: the kernel switches (_ffi.KernelSwitches), read by `attention` each time it runs or
+# is traced and passed down as static data, so that no cached trace below keeps a stale one.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _flash(q, k, v, bias, mask, q_lens, kv_lens, scale, window, deterministic, switches):
+    return sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, scale=scale, window=window,
+                            switches=switches)
 
 
-def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, scale, window, deterministic):
+def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, scale, window, deterministic, switches):
     del deterministic  # a backward option
-    out, lse = sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, scale=scale, window=window)
+    out, lse = sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, scale=scale, window=window,
+                                switches=switches)
     # Only the inputs, the output and the log-sum-exp are saved: the backward recomputes P.
     return (out, lse), (q, k, v, bias, mask, q_lens, kv_lens, out, lse)
 
 
-def _flash_bwd(scale, window, deterministic, residuals, cotangents):
+def _flash_bwd(scale, window, deterministic, switches, residuals, cotangents):
     q, k, v, bias, mask, q_lens, kv_lens, out, lse = residuals
     d_out, _ = cotangents  # the lse output is a residual with no gradient, as in jax.nn
     dq, dk, dv, dbias = sharding.backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens,
-                                          scale=scale, window=window,
+                                          scale=scale, window=window, switches=switches,
                                           deterministic=deterministic)
     if bias is not None:  # already summed over bias's broadcast dims by sharding.backward
         dbias = dbias.astype(bias.dtype)
@@ -105,7 +109,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
             return_residual=return_residual)
     out, lse = _flash(args.query, args.key, args.value, args.bias, args.mask,
                       args.query_seq_lengths, args.key_value_seq_lengths, args.scale,
-                      args.kernel_window, deterministic_backward)
+                      args.kernel_window, deterministic_backward, _ffi.kernel_switches())
     out = out.reshape(args.out_shape)
     if not return_residual:
         return out

@@ -38,7 +38,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flashattn import _ring, _validate
+from jax_flashattn import _ffi, _ring, _validate
 
 __all__ = ["ring_attention", "ring_schedule", "zigzag", "unzigzag", "forward", "backward"]
 
@@ -52,12 +52,14 @@ class _RingConfig:
     window: tuple
     schedule: _ring.Schedule
     axes: tuple
+    switches: _ffi.KernelSwitches
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _ring_call(q, k, v, q_lens, kv_lens, config):
     return _ring.seq_forward(q, k, v, None, None, q_lens, kv_lens, scale=config.scale,
-                             window=config.window, schedule=config.schedule, axes=config.axes)
+                             window=config.window, schedule=config.schedule, axes=config.axes,
+                             switches=config.switches)
 
 
 def _ring_fwd(q, k, v, q_lens, kv_lens, config):
@@ -70,7 +72,8 @@ def _ring_bwd(config, residuals, cotangents):
     d_out, _ = cotangents
     dq, dk, dv, _ = _ring.seq_backward(q, k, v, out, lse, d_out, None, None, q_lens, kv_lens,
                                        scale=config.scale, window=config.window,
-                                       schedule=config.schedule, axes=config.axes)
+                                       schedule=config.schedule, axes=config.axes,
+                                       switches=config.switches)
     return dq, dk, dv, None, None
 
 
@@ -144,7 +147,7 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
     schedule = ring_schedule(devices, t_local * devices, s_local * devices, is_causal=is_causal,
                              local_window_size=local_window_size, layout=layout,
                              load_balance=load_balance)
-    config = _RingConfig(args.scale, args.kernel_window, schedule, axes)
+    config = _RingConfig(args.scale, args.kernel_window, schedule, axes, _ffi.kernel_switches())
     out, lse = _ring_call(args.query, args.key, args.value, args.query_seq_lengths,
                           args.key_value_seq_lengths, config)
     out = out.reshape(args.out_shape)
@@ -191,19 +194,20 @@ def _flags(bias, mask, q_lens, kv_lens):
     return tuple(x is not None for x in (bias, mask, q_lens, kv_lens))
 
 
-def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window):
+def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window,
+            switches: _ffi.KernelSwitches):
     """`_ops.forward` that partitions under jit: (out, lse [..., N, T] float32)."""
     op = _partitioned("fwd", _flags(bias, mask, q_lens, kv_lens), float(scale), tuple(window),
-                      False)
+                      False, switches)
     return tuple(op(q, k, v, *_present(bias, mask, q_lens, kv_lens)))
 
 
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: float, window,
-             deterministic: bool = False):
+             switches: _ffi.KernelSwitches, deterministic: bool = False):
     """`_ops.backward` that partitions under jit: (dq, dk, dv, dbias), where dbias is float32
     already summed to bias's shape (None without bias). `deterministic`: see _ops.backward."""
     flags = _flags(bias, mask, q_lens, kv_lens)
-    op = _partitioned("bwd", flags, float(scale), tuple(window), bool(deterministic))
+    op = _partitioned("bwd", flags, float(scale), tuple(window), bool(deterministic), switches)
     grads = op(q, k, v, out, lse, d_out, *_present(bias, mask, q_lens, kv_lens))
     return (*grads[:3], grads[3] if bias is not None else None)
 
@@ -259,18 +263,19 @@ def _typed_like(x, like, dims=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned(kind, flags, scale, window, deterministic):
+def _partitioned(kind, flags, scale, window, deterministic, switches):
     def body(*xs):
         a = _unpack(kind, flags, xs)
         if kind == "fwd":
             out, lse = _ring.kernel_forward(a.q, a.k, a.v, a.bias, a.mask, a.q_lens, a.kv_lens,
-                                            scale=scale, window=window)
+                                            scale=scale, window=window, switches=switches)
             lead = tuple(range(a.q.ndim - 3))
             return (_typed_like(out, a.q),
                     _typed_like(lse, a.q, lead + (a.q.ndim - 2, a.q.ndim - 3)))
         dq, dk, dv, dbias = _ring.kernel_backward(a.q, a.k, a.v, a.out, a.lse, a.d_out, a.bias,
                                                   a.mask, a.q_lens, a.kv_lens, scale=scale,
-                                                  window=window, deterministic=deterministic)
+                                                  window=window, switches=switches,
+                                                  deterministic=deterministic)
         grads = (_typed_like(dq, a.q), _typed_like(dk, a.k), _typed_like(dv, a.v))
         if a.bias is None:
             return grads
@@ -278,7 +283,7 @@ def _partitioned(kind, flags, scale, window, deterministic):
 
     op = custom_partitioning(body)
     op.def_partition(partition=functools.partial(_partition, kind, flags, scale, window,
-                                                 deterministic),
+                                                 deterministic, switches),
                      sharding_rule=functools.partial(_sharding_rule, kind, flags))
     op = _broadcasting_vmap(op)
     jitted = jax.jit(op)
@@ -451,7 +456,8 @@ def _shardings(kind, flags, mesh, plan: _Plan, arg_shapes):
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
-def _partition(kind, flags, scale, window, deterministic, mesh, arg_shapes, result_shape):
+def _partition(kind, flags, scale, window, deterministic, switches, mesh, arg_shapes,
+               result_shape):
     del result_shape
     if mesh.empty:
         devices = sorted(arg_shapes[0].sharding.device_set, key=lambda d: d.id)
@@ -462,7 +468,7 @@ def _partition(kind, flags, scale, window, deterministic, mesh, arg_shapes, resu
     if flags[0]:
         bias = _unpack(kind, flags, arg_shapes).bias
         bias_shape = tuple(bias.shape)
-    local = functools.partial(_local, kind, flags, scale, window, deterministic, plan,
+    local = functools.partial(_local, kind, flags, scale, window, deterministic, switches, plan,
                               bias_shape)
 
     def lower(*xs):
@@ -510,7 +516,7 @@ def _unselect_kv_heads(plan: _Plan, *grads):
     return out
 
 
-def _local(kind, flags, scale, window, deterministic, plan: _Plan, bias_shape, *xs):
+def _local(kind, flags, scale, window, deterministic, switches, plan: _Plan, bias_shape, *xs):
     """The per-device computation of one partitioned call."""
     a = _unpack(kind, flags, xs)
     k, v = a.k, a.v
@@ -520,19 +526,21 @@ def _local(kind, flags, scale, window, deterministic, plan: _Plan, bias_shape, *
     if kind == "fwd":
         if schedule is None:
             return _ring.kernel_forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens,
-                                        scale=scale, window=window)
+                                        scale=scale, window=window, switches=switches)
         return _ring.seq_forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, scale=scale,
-                                 window=window, schedule=schedule, axes=plan.seq_axes)
+                                 window=window, schedule=schedule, axes=plan.seq_axes,
+                                 switches=switches)
     if schedule is None:
         dq, dk, dv, dbias = _ring.kernel_backward(a.q, k, v, a.out, a.lse, a.d_out, a.bias,
                                                   a.mask, a.q_lens, a.kv_lens, scale=scale,
-                                                  window=window, deterministic=deterministic)
+                                                  window=window, switches=switches,
+                                                  deterministic=deterministic)
         if dbias is not None:
             dbias = _ring.reduce_to(dbias, a.bias.shape)
     else:
         dq, dk, dv, dbias = _ring.seq_backward(
             a.q, k, v, a.out, a.lse, a.d_out, a.bias, a.mask, a.q_lens, a.kv_lens, scale=scale,
-            window=window, schedule=schedule, axes=plan.seq_axes,
+            window=window, schedule=schedule, axes=plan.seq_axes, switches=switches,
             deterministic=deterministic)
     if not plan.kv_heads_split:
         dk, dv = _unselect_kv_heads(plan, dk, dv)

@@ -212,7 +212,7 @@ FLAGS = dict(has_bias=np.int32(0), has_mask=np.int32(0), has_q_seqlens=np.int32(
              has_kv_seqlens=np.int32(0))
 ATTRS = dict(scale=np.float32(0.25), window_left=np.int64(_ops.UNBOUNDED_WINDOW),
              window_right=np.int64(_ops.UNBOUNDED_WINDOW),
-             deterministic=np.int32(0))
+             deterministic=np.int32(0), **_ffi.KernelSwitches().attrs())
 
 
 def _raw_forward(q, k, v, *optional, out_shape=None, lse_shape=None, lse_dtype=jnp.float32,

@@ -1,5 +1,7 @@
 """Forward values of `attention` against the float32 reference (and jax.nn as a drop-in check)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -345,11 +347,13 @@ def test_matches_jax_nn_xla(rng, case):
                 jnp.asarray(mask))
         kw = {}
     got = jax_flashattn.attention(q, kk, v, *args, **kw)
-    want = jax.nn.dot_product_attention(q, kk, v, *args, implementation="xla", **kw)
+    # Full float32 products: on a GPU, XLA's float32 dots default to TF32 (~1e-3).
+    with jax.default_matmul_precision("highest"):
+        want = jax.nn.dot_product_attention(q, kk, v, *args, implementation="xla", **kw)
+        # implementation="xla" delegates to jax.nn.
+        delegated = jax_flashattn.attention(q, kk, v, *args, implementation="xla", **kw)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
-    # implementation="xla" delegates to jax.nn.
-    delegated = jax_flashattn.attention(q, kk, v, *args, implementation="xla", **kw)
     np.testing.assert_array_equal(delegated, want)
 
 
@@ -384,6 +388,37 @@ def test_numpy_inputs(rng):
 def test_forward_kernel_query_on_cpu():
     q = jax.ShapeDtypeStruct((2, 10, 4, 64), jnp.bfloat16)
     assert jax_flashattn.forward_kernel(q, q, device=jax.devices("cpu")[0]) == "cpu"
+
+
+def _traced_switches(fn, *args):
+    """{attribute: values} of the kernel switches in fn's lowered program, one value per
+    custom call (the forward, and the backward when fn differentiates)."""
+    text = jax.jit(fn).lower(*args).as_text()
+    found = {}
+    for name, value in re.findall(r"(disable_sm90|sm80_cp_async) = (\d+)", text):
+        found.setdefault(name, []).append(int(value))
+    return found
+
+
+@pytest.mark.parametrize("setting", [None, "", "0", "1", "yes"])
+@pytest.mark.parametrize("variable, attribute", [
+    ("JAX_FLASHATTN_DISABLE_SM90", "disable_sm90"),
+    ("JAX_FLASHATTN_SM80_CP_ASYNC", "sm80_cp_async")])
+def test_kernel_switches_are_traced_into_every_call(monkeypatch, variable, attribute, setting):
+    """The environment's kernel switches travel as attributes of the forward and backward custom
+    calls, read at trace time (so that a call XLA replays from a CUDA graph keeps the kernels it
+    was traced with): on for any value but unset, "" and "0"; the other switch stays off."""
+    for name in ("JAX_FLASHATTN_DISABLE_SM90", "JAX_FLASHATTN_SM80_CP_ASYNC"):
+        monkeypatch.delenv(name, raising=False)
+    if setting is not None:
+        monkeypatch.setenv(variable, setting)
+    q = jnp.zeros((1, 5, 2, 8), jnp.float32)
+    on = int(setting not in (None, "", "0"))
+    other = "sm80_cp_async" if attribute == "disable_sm90" else "disable_sm90"
+    forward = _traced_switches(lambda q: jax_flashattn.attention(q, q, q), q)
+    assert forward == {attribute: [on], other: [0]}
+    both = _traced_switches(jax.grad(lambda q: jax_flashattn.attention(q, q, q).sum()), q)
+    assert both == {attribute: [on, on], other: [0, 0]}
 
 
 # The split-KV decode kernel's workspace: sized at trace time by the C++ rule at the most SMs

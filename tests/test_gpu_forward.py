@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_flashattn
-from jax_flashattn import _ops, reference
+from jax_flashattn import _ffi, _ops, reference
 from helpers import assert_attention_close, fill_past_lengths, poison, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -221,7 +221,8 @@ def test_kernel_windows(rng, head_dim, window):
     T = 300 and S = 333 end in partial tiles."""
     q, k, v = random_qkv(rng, 2, 300, 333, 4, 2, head_dim, jnp.bfloat16)
     out, lse = jax.jit(lambda q, k, v: _ops.forward(
-        q, k, v, None, None, None, None, scale=head_dim ** -0.5, window=window))(q, k, v)
+        q, k, v, None, None, None, None, scale=head_dim ** -0.5, window=window,
+        switches=_ffi.kernel_switches()))(q, k, v)
     left, right = (np.inf if w is None else w for w in window)
     t, s = np.arange(300)[:, None], np.arange(333)[None, :]
     keep = (s >= t - left) & (s <= t + right)

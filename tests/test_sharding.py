@@ -286,7 +286,7 @@ def test_causal_work_is_balanced_at_run_time(monkeypatch):
 
     real = _ring.kernel_forward
 
-    def counting(q, k, v, bias, mask, q_len, kv_len, *, scale, window):
+    def counting(q, k, v, bias, mask, q_len, kv_len, *, scale, window, switches):
         rows = jnp.arange(q.shape[-3])[None, :]  # [1, T]
         cols = k.shape[-3] if kv_len is None else kv_len[:, None]  # per batch entry
         begin = 0 if window[0] is None else jnp.maximum(rows - window[0], 0)
@@ -296,7 +296,8 @@ def test_causal_work_is_balanced_at_run_time(monkeypatch):
             pairs = jnp.where(rows < q_len[:, None], pairs, 0)
         pairs = jnp.sum(jnp.broadcast_to(pairs, (batch, q.shape[-3])))
         jax.debug.callback(record, lax.axis_index("sp"), pairs)
-        return real(q, k, v, bias, mask, q_len, kv_len, scale=scale, window=window)
+        return real(q, k, v, bias, mask, q_len, kv_len, scale=scale, window=window,
+                    switches=switches)
 
     rng = np.random.default_rng(0)
     q, k, v = _qkv(rng, batch, t, t, 2, 2, 16)

@@ -1,12 +1,10 @@
 // Host-side conditions for launching the Hopper (sm_90a) kernels, shared by the forward and
-// backward dispatchers: the build, the device, the JAX_FLASHATTN_DISABLE_SM90 switch and what
-// both kernels require of a call.
+// backward dispatchers: the build, the device, the call's kernel switches (AttentionParams::
+// disable_sm90, sm80_cp_async, traced from the environment) and what both kernels require of a
+// call.
 #pragma once
 
 #include <cuda_runtime.h>
-
-#include <cstdlib>
-#include <cstring>
 
 #include "ffi/cuda/launch.h"
 #include "ffi/cuda/sm80/decode_plan.h"
@@ -28,25 +26,14 @@ inline bool device_is_sm90(int device) {
   });
 }
 
-// Whether the environment switch `name` is on (set, not empty, not "0"). Read per call, so a
-// benchmark or test can compare two kernel choices in one process; change one only while no
-// attention call runs (getenv does not synchronise with a concurrent setenv).
-inline bool environment_switch(const char* name) {
-  const char* value = std::getenv(name);
-  return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
-}
-
-// JAX_FLASHATTN_DISABLE_SM90=1 sends Hopper calls to the mma.sync family.
-inline bool disabled_by_environment() { return environment_switch("JAX_FLASHATTN_DISABLE_SM90"); }
-
 // What both Hopper kernels need, beside their own head-dim and alignment rules: a build with an
 // sm_90a image (JAX_FLASHATTN_HAS_SM90A, set by cmake/cuda.cmake), no bias or boolean mask
 // (neither kernel has their terms), keys, 32-bit tile indices, the driver's tensor-map entry
-// point, no JAX_FLASHATTN_DISABLE_SM90, and a compute capability 9.0 device.
+// point, no disable_sm90 switch, and a compute capability 9.0 device.
 inline bool hopper_kernels_apply(const AttentionParams& p, int device) {
 #ifdef JAX_FLASHATTN_HAS_SM90A
   return p.bias == nullptr && p.mask == nullptr && p.seqlen_k > 0 && indices_fit_32_bits(p) &&
-         tensor_maps_available() && !disabled_by_environment() && device_is_sm90(device);
+         tensor_maps_available() && !p.disable_sm90 && device_is_sm90(device);
 #else
   (void)p;
   (void)device;
@@ -56,14 +43,14 @@ inline bool hopper_kernels_apply(const AttentionParams& p, int device) {
 
 // Whether a call that takes a split-KV decode kernel (sm80::make_decode_plan accepted it) takes
 // the Hopper one: an sm_90a build on a compute capability 9.0 device, no
-// JAX_FLASHATTN_DISABLE_SM90, a head dim up to the largest of kDecodeHeadDims, and more query
+// disable_sm90 switch, a head dim up to the largest of kDecodeHeadDims, and more query
 // rows per block than kDecodeMinRows (sm90/decode_traits.h). It loads by cp.async, so it needs
 // neither the tensor-map entry point nor TMA's alignment.
 inline bool decode_kernel_applies(const AttentionParams& p, int device) {
 #ifdef JAX_FLASHATTN_HAS_SM90A
   constexpr int kMaxHeadDim = kDecodeHeadDims[sizeof(kDecodeHeadDims) / sizeof(int) - 1];
   return p.head_dim <= kMaxHeadDim && sm80::decode_rows(p) > kDecodeMinRows &&
-         !disabled_by_environment() && device_is_sm90(device);
+         !p.disable_sm90 && device_is_sm90(device);
 #else
   (void)p;
   (void)device;
@@ -71,23 +58,20 @@ inline bool decode_kernel_applies(const AttentionParams& p, int device) {
 #endif
 }
 
-// JAX_FLASHATTN_SM80_CP_ASYNC=1 keeps the mma.sync forward's K/V loads on cp.async on Hopper
-// too (as on sm_80): for comparing the two loads in one process, and for testing the cp.async
-// path on the Hopper cards the tests run on.
-inline bool cp_async_by_environment() { return environment_switch("JAX_FLASHATTN_SM80_CP_ASYNC"); }
-
 // Whether the mma.sync forward loads K and V by TMA (its kTmaKV kernels, compiled only into
 // the sm_90a image): on a compute capability 9.0 device, with the driver's tensor-map entry
 // point, keys (a tensor map has no empty dimension), 16-byte aligned tensors, and keys, kv
 // heads and batch entries addressable by TMA's int32 coordinates (a tile starts below S).
-// Bias and mask calls take it too (they run on the mma.sync family on Hopper).
-// JAX_FLASHATTN_DISABLE_SM90 does not change it: that switch picks the family.
+// Bias and mask calls take it too (they run on the mma.sync family on Hopper). The
+// sm80_cp_async switch keeps the cp.async loads of other GPUs (for comparing the two loads in
+// one process, and for testing the cp.async path on the Hopper cards the tests run on);
+// disable_sm90 does not change it: that switch picks the family.
 inline bool tma_loads_apply(const AttentionParams& p, int device) {
 #ifdef JAX_FLASHATTN_HAS_SM90A
   constexpr int64_t kInt32 = 0x7fffffff;
   return p.seqlen_k > 0 && p.seqlen_k <= kInt32 && p.num_kv_heads <= kInt32 &&
          p.batch <= kInt32 && tma_compatible(p) && tensor_maps_available() &&
-         !cp_async_by_environment() && device_is_sm90(device);
+         !p.sm80_cp_async && device_is_sm90(device);
 #else
   (void)p;
   (void)device;
