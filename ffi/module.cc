@@ -1,11 +1,13 @@
 // The Python extension: hands the FFI handlers to Python as capsules, per platform.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cmath>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ffi/cuda/sm80/decode_plan.h"
@@ -140,6 +142,30 @@ std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t s
   return "unknown";
 }
 
+// (splits, merge) of a decode call of this shape and dtype (as CudaForwardKernel, no bias or
+// mask) on CUDA device `device`: merge "cluster" or "combine"; (0, "") when the call takes no
+// split-KV decode kernel. Makes `device` current for the query (the cluster occupancy is asked
+// of the current device) and restores the caller's.
+std::pair<int64_t, std::string> CudaDecodeLayout(int device, int dtype, int64_t head_dim,
+                                                 int64_t seqlen_k, int64_t batch,
+                                                 int64_t seqlen_q, int64_t num_heads,
+                                                 int64_t num_kv_heads,
+                                                 int64_t decode_workspace_floats,
+                                                 bool disable_sm90) {
+  jax_flashattn::AttentionParams p =
+      ShapeOnlyParams(dtype, head_dim, seqlen_k, false, false, batch, seqlen_q, num_heads,
+                      num_kv_heads, disable_sm90, false);
+  p.decode_workspace = p.dq_accum;
+  p.decode_workspace_floats = decode_workspace_floats;
+  int caller = 0;
+  if (cudaGetDevice(&caller) != cudaSuccess || cudaSetDevice(device) != cudaSuccess)
+    throw std::runtime_error("cannot make CUDA device " + std::to_string(device) + " current");
+  const jax_flashattn::cuda::DecodeLayout layout = jax_flashattn::cuda::decode_layout(p, device);
+  cudaSetDevice(caller);
+  if (layout.splits == 0) return {0, ""};
+  return {layout.splits, layout.cluster_merge ? "cluster" : "combine"};
+}
+
 // The backward kernel family the CUDA dispatcher picks on CUDA device `device` for a call of
 // this shape and dtype (ShapeOnlyParams), with or without the deterministic dQ pass. Leaves the
 // current device alone.
@@ -185,6 +211,7 @@ NB_MODULE(_jax_flashattn, m) {
   m.attr("DECODE_MAX_MULTIPROCESSORS") = jax_flashattn::sm80::kDecodeMaxMultiprocessors;
 #ifdef JAX_FLASHATTN_WITH_CUDA
   m.def("cuda_forward_kernel", &CudaForwardKernel);
+  m.def("cuda_decode_layout", &CudaDecodeLayout);
   m.def("cuda_backward_kernel", &CudaBackwardKernel);
 #endif
 }

@@ -103,6 +103,27 @@ def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
                                     *kernel_switches())
 
 
+def decode_layout(query, key, *, device=None) -> tuple[int, str]:
+    """(splits, merge) of a call without bias or mask on `device` (default: the first JAX
+    device) that takes a split-KV decode kernel ("decode", "decode_sm90"): its key ranges per
+    (batch entry, kv head), and "cluster" where they merge inside their thread block cluster
+    (compute capability 9.0+, at most 8 splits, every cluster resident at once) or "combine"
+    where they merge through a second kernel; (0, "") for any other call. Shapes and dtypes
+    only, as forward_kernel."""
+    device, dtype_code = _kernel_query(query, device)
+    if device.platform == "cpu":
+        return 0, ""
+    from jax_flashattn import _ops  # _ops imports this module
+    *lead, t, n, h = query.shape
+    decode_floats = _ops.decode_workspace_size(query.shape, key.shape, query.dtype,
+                                               scale=h ** -0.5 if h else 1.0, has_bias=False,
+                                               has_mask=False)
+    splits, merge = _ext.cuda_decode_layout(device.local_hardware_id, dtype_code, h,
+                                            key.shape[-3], math.prod(lead), t, n, key.shape[-2],
+                                            decode_floats, kernel_switches().disable_sm90)
+    return int(splits), merge
+
+
 def backward_kernel(query, key, bias=None, mask=None, *, deterministic=False,
                     device=None) -> str:
     """Which backward kernel family the gradient of `attention` runs for these inputs on

@@ -57,9 +57,13 @@ def main():
             assert np.isfinite(np.asarray(x, np.float32)).all(), (dtype, head_dim, kwargs)
         print(f"ok: {jnp.dtype(dtype).name} H={head_dim} {sorted(kwargs)}")
 
-    # The split-KV decode kernel and its combine: 3 queries, GQA 4:1, 1000 odd keys, lengths.
+    # The split-KV decode kernel: 3 queries, GQA 4:1, 1000 odd keys, lengths. 4 splits per kv
+    # head, which on Hopper merge in their thread block cluster (distributed shared memory);
+    # 4097 keys give 17, which merge through the workspace and the combine kernel.
     forward_case(rng, "decode", (2, 3, 1001, 8, 2, 128), kernel="decode",
                  is_causal=True, key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
+    forward_case(rng, "decode, combine", (2, 3, 4097, 8, 2, 128), kernel="decode",
+                 key_value_seq_lengths=jnp.array([4097, 300], jnp.int32))
     # 64 query rows per block (16 queries, GQA 4:1): on Hopper the wgmma decode kernel (unless
     # JAX_FLASHATTN_DISABLE_SM90), elsewhere the mma.sync one; head dim 72 zero-filled to 128,
     # 1001 odd keys, lengths.

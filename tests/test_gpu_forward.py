@@ -362,14 +362,14 @@ def decode_kernel(q, k):
 
 def check_decode(q, k, v, **kwargs):
     """check() for a shape the dispatcher must send to a split-KV decode kernel (decode_kernel);
-    also poisons lse and the decode workspace, so a split partial the combine reads without it
-    having been written shows up as NaN."""
+    also poisons out, lse and the decode workspace, so a split partial the combine reads without
+    it having been written, or a row neither merge writes, shows up as NaN."""
     assert jax_flashattn.forward_kernel(q, k) == decode_kernel(q, k)
     *lead, t, n, _ = q.shape
     floats = _ops.decode_workspace_size(q.shape, k.shape, q.dtype, scale=q.shape[-1] ** -0.5,
                                         has_bias=False, has_mask=False)
     poison(jax.ShapeDtypeStruct((floats,), jnp.float32),
-           jax.ShapeDtypeStruct((*lead, n, t), jnp.float32))
+           jax.ShapeDtypeStruct((*lead, n, t), jnp.float32), jax.ShapeDtypeStruct(q.shape, q.dtype))
     check(q, k, v, **kwargs)
 
 
@@ -426,6 +426,47 @@ def test_decode_masks(rng, monkeypatch, dtype, kwargs, t, head_dim, family):
     whole-tile steps)."""
     pick_decode_family(monkeypatch, family)
     check_decode(*random_qkv(rng, 4, t, 33333, 8, 2, head_dim, dtype), **kwargs)
+
+
+# Key counts that give 4 kv heads (B = 2, K = 2) 3, 8 and 17 splits (at least 256 keys each;
+# an SM count of at least 68 asks for more): on Hopper the first two merge in their thread block
+# cluster, the last through the combine kernel (elsewhere all three do).
+MERGE_KEYS = {"cluster3": (700, 3), "cluster8": (2048, 8), "combine17": (4097, 17)}
+
+
+@pytest.mark.parametrize("family", DECODE_FAMILIES)
+@pytest.mark.parametrize("t", [1, 16])
+@pytest.mark.parametrize("merge", MERGE_KEYS)
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(is_causal=True),
+    dict(key_value_seq_lengths=np.array([100, 0], np.int32)),
+    dict(key_value_seq_lengths=np.array([699, 1500], np.int32), local_window_size=(300, 0)),
+], ids=["full", "causal", "short_and_empty", "lengths_window"])
+def test_decode_merges(rng, monkeypatch, family, t, merge, kwargs):
+    """Both merges of the splits at 4 and 64 query rows per kv head (T * 4), on both decode
+    kernels. Causal (top-left) leaves one split with keys, short lengths leave most splits
+    empty and the zero length every one (its rows 0 with lse -inf); the cluster merge deals
+    rows to the blocks in shares that do not divide evenly (64 over 3, 4 over 8)."""
+    pick_decode_family(monkeypatch, family)
+    s, splits = MERGE_KEYS[merge]
+    q, k, v = random_qkv(rng, 2, t, s, 8, 2, 128, jnp.bfloat16)
+    want = "cluster" if hopper() and merge.startswith("cluster") else "combine"
+    assert _ffi.decode_layout(q, k) == (splits, want)
+    check_decode(q, k, v, **kwargs)
+
+
+def test_decode_preset_layout():
+    """The decode preset's layout on Hopper (132 SMs): one 16-row slab (T = 1) gives each of
+    the 64 kv heads 2 splits, whose clusters are all resident at once: the cluster merge. 64 rows
+    (T = 16) give 4 two-per-SM splits, whose merge depends on how many such clusters the GPU
+    holds at once (62 on an H200: the combine)."""
+    if not hopper():
+        pytest.skip("the layout checked is Hopper's")
+    k = jax.ShapeDtypeStruct((8, 8192, 8, 128), jnp.bfloat16)
+    q1, q16 = (jax.ShapeDtypeStruct((8, t, 32, 128), jnp.bfloat16) for t in (1, 16))
+    assert _ffi.decode_layout(q1, k) == (2, "cluster")
+    assert _ffi.decode_layout(q16, k)[0] == 4
 
 
 @pytest.mark.parametrize("fill", [np.nan, np.inf])

@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "ffi/params.h"
 
 namespace jax_flashattn::cuda {
@@ -11,6 +13,16 @@ enum class ForwardKernel { kSm90, kSm80, kSimt, kDecode, kDecodeSm90 };
 
 // The forward kernel a call runs on CUDA device `device` (the current device for a launch).
 ForwardKernel choose_forward_kernel(const AttentionParams& p, int device);
+
+// How a call that takes a split-KV decode kernel runs on CUDA device `device` (the current
+// one): its key ranges (splits) per work unit, and whether they merge inside each unit's thread
+// block cluster or through the workspace and the combine kernel (sm80/decode_launch.cuh).
+// splits = 0 for a call that takes no decode kernel.
+struct DecodeLayout {
+  int64_t splits = 0;
+  bool cluster_merge = false;
+};
+DecodeLayout decode_layout(const AttentionParams& p, int device);
 
 // Launches the chosen forward kernel on `stream`.
 cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream);

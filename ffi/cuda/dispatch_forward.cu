@@ -56,6 +56,18 @@ cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const sm80::Dec
   return launch_forward_decode<Elem, 256>(p, plan, stream);
 }
 
+// Whether the decode call (on the wgmma kernel with sm90) merges its splits in clusters.
+template <typename Elem>
+bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const sm80::DecodePlan& plan,
+                              int device) {
+  if (sm90)
+    return p.head_dim <= 64 ? forward_decode_sm90_merges_in_cluster<Elem, 64>(plan, device)
+                            : forward_decode_sm90_merges_in_cluster<Elem, 128>(plan, device);
+  if (p.head_dim <= 64) return forward_decode_merges_in_cluster<Elem, 64>(plan, device);
+  if (p.head_dim <= 128) return forward_decode_merges_in_cluster<Elem, 128>(plan, device);
+  return forward_decode_merges_in_cluster<Elem, 256>(plan, device);
+}
+
 // The decode kernel's plan for this call on CUDA device `device`; false when it does not apply.
 bool decode_plan_for(const AttentionParams& p, int device, sm80::DecodePlan& plan) {
   int multiprocessors = 0;
@@ -82,6 +94,19 @@ ForwardKernel choose_forward_kernel(const AttentionParams& p, int device) {
     return sm90::decode_kernel_applies(p, device) ? ForwardKernel::kDecodeSm90
                                                   : ForwardKernel::kDecode;
   return sm90_applies(p, device) ? ForwardKernel::kSm90 : ForwardKernel::kSm80;
+}
+
+DecodeLayout decode_layout(const AttentionParams& p, int device) {
+  const ForwardKernel kernel = choose_forward_kernel(p, device);
+  sm80::DecodePlan plan;
+  if ((kernel != ForwardKernel::kDecode && kernel != ForwardKernel::kDecodeSm90) ||
+      !decode_plan_for(p, device, plan))
+    return {};
+  const bool sm90 = kernel == ForwardKernel::kDecodeSm90;
+  const bool cluster = p.dtype == ElemType::kBFloat16
+                           ? decode_merges_in_cluster<__nv_bfloat16>(sm90, p, plan, device)
+                           : decode_merges_in_cluster<__half>(sm90, p, plan, device);
+  return {plan.splits, cluster};
 }
 
 cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {

@@ -24,16 +24,22 @@ template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream);
 
 // Split-KV decode forward for bf16/fp16 and head dims that are a multiple of 8 up to kHeadDim:
-// the splits' partial results into plan's workspace, then their merge into out and lse.
+// the splits' partial results, merged into out and lse inside each work unit's thread block
+// cluster where forward_decode_merges_in_cluster (on the current device `device`), else through
+// plan's workspace and a combine kernel.
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_decode(const AttentionParams& p, const sm80::DecodePlan& plan,
                                   cudaStream_t stream);
+template <typename Elem, int kHeadDim>
+bool forward_decode_merges_in_cluster(const sm80::DecodePlan& plan, int device);
 
 // The same with the Hopper decode kernel (an sm_90a build on a compute capability 9.0 device;
 // head dims up to kHeadDim of sm90::kDecodeHeadDims).
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const sm80::DecodePlan& plan,
                                        cudaStream_t stream);
+template <typename Elem, int kHeadDim>
+bool forward_decode_sm90_merges_in_cluster(const sm80::DecodePlan& plan, int device);
 
 // CUDA-core forward for any dtype and head dim (float32 arithmetic throughout).
 cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);
@@ -101,12 +107,13 @@ inline cudaError_t multiprocessor_count(int& count) {
   return multiprocessor_count(device, count);
 }
 
-// Whether kKernel, as loaded on CUDA device `device`, may be launched as a programmatic
-// dependent launch: the device is compute capability 9.0+ and the kernel's image was compiled
-// for it (PTX version 9.0+), so its griddepcontrol.wait exists. A build without an sm_90 image
-// runs there from JIT-compiled sm_80 PTX, which has no wait: such a kernel must launch plainly.
+// Whether kKernel, as loaded on CUDA device `device`, runs from an image compiled for compute
+// capability 9.0+ on a 9.0+ device (PTX version 9.0+), so the sm_90 instructions in its body
+// exist: griddepcontrol.wait for a programmatic dependent launch, the cluster barrier and
+// distributed shared memory for a cluster merge. A build without an sm_90 image runs there from
+// JIT-compiled sm_80 PTX, where those are compiled out: such a kernel must launch plainly.
 template <auto kKernel>
-bool programmatic_launch_supported(int device) {
+bool runs_sm90_image(int device) {
   return once_per_device(device, false, [](int d) {
     int major = 0;
     cudaFuncAttributes attributes = {};

@@ -51,6 +51,54 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
+// Thread block clusters and distributed shared memory (sm_90+). The kernels that use them are
+// launched only from an image built for 9.0+ (cuda::runs_sm90_image), so the empty bodies of
+// older targets never run.
+//
+// cluster_arrive: this thread is done with its writes to shared memory (release), which the
+// cluster's other blocks may read once cluster_wait returns; cluster_wait: every thread of the
+// cluster has arrived (acquire). Every thread of every block of the cluster executes both.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+
+// The shared::cluster address of shared-memory address `address` (this block's) in the block
+// of cluster rank `rank`.
+__device__ __forceinline__ uint32_t map_shared_rank(uint32_t address, uint32_t rank) {
+  uint32_t mapped = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(mapped) : "r"(address), "r"(rank));
+#endif
+  return mapped;
+}
+
+__device__ __forceinline__ float ld_shared_cluster_f32(uint32_t address) {
+  float x = 0.f;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(x) : "r"(address) : "memory");
+#endif
+  return x;
+}
+
+__device__ __forceinline__ float4 ld_shared_cluster_v4_f32(uint32_t address) {
+  float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
+               : "r"(address)
+               : "memory");
+#endif
+  return x;
+}
+
 // Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8, row l % 8. Register i
 // of lane l receives row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix i.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {

@@ -1,7 +1,8 @@
 // What the two split-KV decode kernels (sm80/decode_kernel.cuh with mma.sync,
 // sm90/decode_kernel.cuh with wgmma) share about one block: its query rows and their key
 // bounds, its split's range of key tiles, its Q fragments, and how it writes its partial result
-// (workspace layout: sm80/decode_plan.h).
+// (to the workspace, layout in sm80/decode_plan.h, or to its shared memory for the cluster
+// merge, sm80/decode_cluster_merge.cuh).
 //
 // One block per (split, kv head, batch). Its query rows are the (t, head-in-group) pairs of the
 // kv head's whole GQA group, T * (N / K) <= 64 of them (row r = t * group + g), so each K/V byte
@@ -150,11 +151,26 @@ __device__ __forceinline__ void load_split_tile(Elem* sK, Elem* sV, const Attent
                                      valid_keys, p.head_dim, tid);
 }
 
+// Where one split's partial result goes: row r's normalised O (plan.head_dim floats) at
+// o + r * o_stride, its natural-log lse at lse[r].
+struct PartialRows {
+  float* o;
+  int64_t o_stride;
+  float* lse;
+};
+
+// Split `split` of work unit `unit` in the workspace, for the combine kernel.
+__device__ __forceinline__ PartialRows workspace_partial(const DecodePlan& plan, int64_t unit,
+                                                         int64_t split) {
+  const int64_t row0 = plan.partial_row(unit, split, 0);
+  return {plan.o_partial + row0 * plan.head_dim, plan.head_dim, plan.lse_partial + row0};
+}
+
 // Writes a slab's normalised O (accumulator fragments, kDTiles 8-column tiles) and its rows'
-// lse as split `split` of work unit `unit`.
+// lse to `dst`.
 template <int kDTiles>
-__device__ __forceinline__ void store_split_partial(const DecodePlan& plan, int64_t unit,
-                                                    int64_t split, const DecodeRows& rows,
+__device__ __forceinline__ void store_split_partial(const PartialRows& dst, const DecodePlan& plan,
+                                                    const DecodeRows& rows,
                                                     const float (&o)[kDTiles][4],
                                                     const float (&lse)[2], int lane) {
   const int quad_col = 2 * (lane % 4);
@@ -162,23 +178,22 @@ __device__ __forceinline__ void store_split_partial(const DecodePlan& plan, int6
   for (int h = 0; h < 2; ++h) {
     const int r = rows.row[h];
     if (r >= plan.rows) continue;
-    float* o_row = plan.o_partial + plan.partial_row(unit, split, r) * plan.head_dim;
+    float* o_row = dst.o + r * dst.o_stride;
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d) {
       const int col = d * 8 + quad_col;
       if (col < plan.head_dim)
         *reinterpret_cast<float2*>(o_row + col) = make_float2(o[d][2 * h], o[d][2 * h + 1]);
     }
-    if (lane % 4 == 0) plan.lse_partial[plan.partial_row(unit, split, r)] = lse[h];
+    if (lane % 4 == 0) dst.lse[r] = lse[h];
   }
 }
 
-// A split with no key: its lse rows are -inf, which the combine reads as weight 0 without
+// A split with no key: its lse rows are -inf, which either merge reads as weight 0 without
 // reading its O.
-__device__ __forceinline__ void store_empty_split(const DecodePlan& plan, int64_t unit,
-                                                  int64_t split, int tid, int threads) {
-  float* lse = plan.lse_partial + plan.partial_row(unit, split, 0);
-  for (int64_t r = tid; r < plan.rows; r += threads) lse[r] = -INFINITY;
+__device__ __forceinline__ void store_empty_split(const PartialRows& dst, const DecodePlan& plan,
+                                                  int tid, int threads) {
+  for (int64_t r = tid; r < plan.rows; r += threads) dst.lse[r] = -INFINITY;
 }
 
 }  // namespace jax_flashattn::sm80

@@ -1,5 +1,7 @@
-// Split-KV decode forward with mma.sync (sm_80 and newer): the first of two kernels, each block
-// computing one split's partial attention; sm80/decode_combine.cuh merges the splits.
+// Split-KV decode forward with mma.sync (sm_80 and newer): each block computes one split's
+// partial attention; the splits merge through the workspace and a second kernel
+// (sm80/decode_combine.cuh) or, with kClusterMerge (9.0+), inside the cluster of the unit's
+// splits (sm80/decode_cluster_merge.cuh).
 //
 // The block (its rows and its split: sm80/decode_block.cuh) streams its split's key tiles
 // through a three-stage cp.async ring; per step (16 keys or a whole tile: sm80/decode_traits.h)
@@ -9,7 +11,8 @@
 //   online softmax         (exp2 with the scale folded into one FFMA)
 //   O += P V               (P re-packed from the S accumulators, V via ldmatrix.trans)
 // Warps that computed the same rows on other keys merge their states through shared memory,
-// and the split writes its normalised O and lse to the workspace (layout: sm80/decode_plan.h).
+// and the split writes its normalised O and lse to the workspace (layout: sm80/decode_plan.h) or,
+// for the cluster merge, to its shared memory.
 #pragma once
 
 #include <cmath>
@@ -18,6 +21,7 @@
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/softmax.cuh"
 #include "ffi/cuda/sm80/decode_block.cuh"
+#include "ffi/cuda/sm80/decode_cluster_merge.cuh"
 #include "ffi/cuda/sm80/decode_plan.h"
 #include "ffi/cuda/sm80/fragments.cuh"
 #include "ffi/cuda/sm80/smem_tile.cuh"
@@ -25,7 +29,7 @@
 
 namespace jax_flashattn::sm80 {
 
-template <typename Elem, typename Traits>
+template <typename Elem, typename Traits, bool kClusterMerge>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_split_kernel(const __grid_constant__ AttentionParams p, const DecodePlan plan) {
   constexpr int kBlockN = Traits::kBlockN, kSmemDim = Traits::kSmemDim;
@@ -55,8 +59,18 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const cuda::Visibility& vis = sp.vis;
   const int key_lo = sp.key_lo, key_hi = sp.key_hi;
   const int tile_begin = sp.tile_begin, tile_end = sp.tile_end;
+  // Where the split's result goes: the workspace, or this block's shared memory (over the
+  // drained ring) for the cluster merge.
+  using Partial = ClusterPartial<Traits::kHeadDim>;
+  static_assert(Partial::kBytes <= Traits::kSmemBytes, "the cluster merge's partial fits");
+  float* cluster_partial = reinterpret_cast<float*>(smem_raw);
+  const PartialRows partial = kClusterMerge ? Partial::at(cluster_partial)
+                                            : workspace_partial(plan, sp.unit, sp.split);
   if (tile_begin >= tile_end) {
-    store_empty_split(plan, sp.unit, sp.split, tid, Traits::kThreads);
+    store_empty_split(partial, plan, tid, Traits::kThreads);
+    if constexpr (kClusterMerge)
+      merge_cluster_splits<Elem, Traits::kHeadDim>(p, plan, sp, cluster_partial, tid,
+                                                   Traits::kThreads);
     return;
   }
 
@@ -155,39 +169,54 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     }
   }
   __syncthreads();
-  if (!computes || key_group > 0) return;
+  // The key-group-0 warp of each slab holds its rows' whole state after the fold.
+  const bool folds = computes && key_group == 0;
+  if constexpr (!kClusterMerge) {
+    if (!folds) return;
+  }
 
-  for (int g = 1; g < key_groups; ++g) {
-    const float* other = merge + (g * slabs + slab) * Traits::kMergeFloatsPerWarp + lane;
+  if (folds) {
+    for (int g = 1; g < key_groups; ++g) {
+      const float* other = merge + (g * slabs + slab) * Traits::kMergeFloatsPerWarp + lane;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float other_max = other[(kStateFloats + h) * 32];
-      const float new_max = fmaxf(softmax.row_max[0][h], other_max);
-      if (new_max == -INFINITY) continue;  // neither has seen a key for this row
-      // Scores are unscaled: a row's weights are exp2((max - new_max) * scale_log2).
-      const float mine_factor = softmax.row_max[0][h] == -INFINITY
-                                    ? 0.f
-                                    : ptx::exp2_approx((softmax.row_max[0][h] - new_max) * scale_log2);
-      const float other_factor =
-          other_max == -INFINITY ? 0.f : ptx::exp2_approx((other_max - new_max) * scale_log2);
-      softmax.row_max[0][h] = new_max;
-      softmax.row_sum[0][h] = softmax.row_sum[0][h] * mine_factor +
-                              other[(kStateFloats + 2 + h) * 32] * other_factor;
+      for (int h = 0; h < 2; ++h) {
+        const float other_max = other[(kStateFloats + h) * 32];
+        const float new_max = fmaxf(softmax.row_max[0][h], other_max);
+        if (new_max == -INFINITY) continue;  // neither has seen a key for this row
+        // Scores are unscaled: a row's weights are exp2((max - new_max) * scale_log2).
+        const float mine_factor =
+            softmax.row_max[0][h] == -INFINITY
+                ? 0.f
+                : ptx::exp2_approx((softmax.row_max[0][h] - new_max) * scale_log2);
+        const float other_factor =
+            other_max == -INFINITY ? 0.f : ptx::exp2_approx((other_max - new_max) * scale_log2);
+        softmax.row_max[0][h] = new_max;
+        softmax.row_sum[0][h] = softmax.row_sum[0][h] * mine_factor +
+                                other[(kStateFloats + 2 + h) * 32] * other_factor;
 #pragma unroll
-      for (int d = 0; d < kDTiles; ++d)
+        for (int d = 0; d < kDTiles; ++d)
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
-          o_acc[0][d][2 * h + e] = o_acc[0][d][2 * h + e] * mine_factor +
-                                   other[(d * 4 + 2 * h + e) * 32] * other_factor;
+          for (int e = 0; e < 2; ++e)
+            o_acc[0][d][2 * h + e] = o_acc[0][d][2 * h + e] * mine_factor +
+                                     other[(d * 4 + 2 * h + e) * 32] * other_factor;
+      }
     }
   }
 
-  // The combine may launch now; it waits for this grid's stores before it reads them.
-  ptx::launch_dependents();
   // Normalise this split's O and write it with its lse.
   float row_lse[1][2];
   softmax.finalize(o_acc, scale_log2, row_lse);
-  store_split_partial(plan, sp.unit, sp.split, rows, o_acc[0], row_lse[0], lane);
+  if constexpr (kClusterMerge) {
+    // Every warp has read the states the partial overwrites.
+    __syncthreads();
+    if (folds) store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
+    merge_cluster_splits<Elem, Traits::kHeadDim>(p, plan, sp, cluster_partial, tid,
+                                                 Traits::kThreads);
+  } else {
+    // The combine may launch now; it waits for this grid's stores before it reads them.
+    ptx::launch_dependents();
+    store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
+  }
 }
 
 }  // namespace jax_flashattn::sm80

@@ -1,7 +1,8 @@
-// Split-KV decode forward for Hopper (sm_90a): the first of two kernels, each block computing
-// one split's partial attention with wgmma; sm80/decode_combine.cuh merges the splits, as it
-// does for the mma.sync decode kernel, whose plan, rows and workspace this one shares
-// (sm80/decode_block.cuh). Configurations and why: sm90/decode_traits.h.
+// Split-KV decode forward for Hopper (sm_90a): each block computes one split's partial attention
+// with wgmma; the splits merge as the mma.sync decode kernel's do, whose plan, rows and
+// workspace this one shares (sm80/decode_block.cuh): through the workspace and the combine
+// kernel (sm80/decode_combine.cuh), or, with kClusterMerge, inside the cluster of the unit's
+// splits (sm80/decode_cluster_merge.cuh). Configurations and why: sm90/decode_traits.h.
 //
 // The block's one warpgroup streams its split's key tiles through a cp.async ring; per tile it
 // computes
@@ -11,7 +12,8 @@
 //                          rows do not see the whole tile
 //   online softmax         exp2 with the scale folded into one FFMA
 //   O += P V               wgmma, P re-packed from the S accumulators
-// and writes its normalised O and lse to the workspace.
+// and writes its normalised O and lse to the workspace or, for the cluster merge, to its shared
+// memory.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +21,7 @@
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/softmax.cuh"
 #include "ffi/cuda/sm80/decode_block.cuh"
+#include "ffi/cuda/sm80/decode_cluster_merge.cuh"
 #include "ffi/cuda/sm80/decode_plan.h"
 #include "ffi/cuda/sm80/fragments.cuh"
 #include "ffi/cuda/sm80/smem_tile.cuh"
@@ -28,7 +31,7 @@
 
 namespace jax_flashattn::sm90 {
 
-template <typename Elem, typename Traits>
+template <typename Elem, typename Traits, bool kClusterMerge>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_split_kernel(const __grid_constant__ AttentionParams p, const sm80::DecodePlan plan) {
 #ifdef JAX_FLASHATTN_SM90_BODY
@@ -54,8 +57,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int64_t group = p.group_size();
 
   const sm80::DecodeSplit sp = sm80::DecodeSplit::make<kBlockN>(p, plan, blockIdx.x);
+  // Where the split's result goes: the workspace, or this block's shared memory (over the
+  // drained ring) for the cluster merge.
+  using ClusterPartial = sm80::ClusterPartial<kHeadDim>;
+  static_assert(ClusterPartial::kBytes <= Traits::kStages * Traits::kStageBytes,
+                "the cluster merge's partial fits in the ring");
+  float* cluster_partial = reinterpret_cast<float*>(ring);
+  const sm80::PartialRows partial =
+      kClusterMerge ? ClusterPartial::at(cluster_partial)
+                    : sm80::workspace_partial(plan, sp.unit, sp.split);
   if (sp.tile_begin >= sp.tile_end) {
-    sm80::store_empty_split(plan, sp.unit, sp.split, tid, Traits::kThreads);
+    sm80::store_empty_split(partial, plan, tid, Traits::kThreads);
+    if constexpr (kClusterMerge)
+      sm80::merge_cluster_splits<Elem, kHeadDim>(p, plan, sp, cluster_partial, tid,
+                                                 Traits::kThreads);
     return;
   }
 
@@ -137,11 +152,19 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   }
   ptx::cp_async_wait<0>();
 
-  // The combine may launch now; it waits for this grid's stores before it reads them.
-  ptx::launch_dependents();
   float row_lse[1][2];
   softmax.finalize(o_acc, scale_log2, row_lse);
-  sm80::store_split_partial(plan, sp.unit, sp.split, rows, o_acc[0], row_lse[0], lane);
+  if constexpr (kClusterMerge) {
+    // Every warp's last products have read the ring that the partial overwrites.
+    __syncthreads();
+    sm80::store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
+    sm80::merge_cluster_splits<Elem, kHeadDim>(p, plan, sp, cluster_partial, tid,
+                                               Traits::kThreads);
+  } else {
+    // The combine may launch now; it waits for this grid's stores before it reads them.
+    ptx::launch_dependents();
+    sm80::store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
+  }
 #endif
 }
 
