@@ -143,18 +143,20 @@ std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t s
 }
 
 // (splits, merge) of a decode call of this shape and dtype (as CudaForwardKernel, no bias or
-// mask) on CUDA device `device`: merge "cluster" or "combine"; (0, "") when the call takes no
-// split-KV decode kernel. Makes `device` current for the query (the cluster occupancy is asked
-// of the current device) and restores the caller's.
+// mask, with or without per-batch key lengths, which change the split count) on CUDA device
+// `device`: merge "cluster" or "combine"; (0, "") when the call takes no split-KV decode
+// kernel. Makes `device` current for the query (the cluster occupancy is asked of the current
+// device) and restores the caller's.
 std::pair<int64_t, std::string> CudaDecodeLayout(int device, int dtype, int64_t head_dim,
                                                  int64_t seqlen_k, int64_t batch,
                                                  int64_t seqlen_q, int64_t num_heads,
-                                                 int64_t num_kv_heads,
+                                                 int64_t num_kv_heads, bool has_kv_seqlens,
                                                  int64_t decode_workspace_floats,
                                                  bool disable_sm90) {
   jax_flashattn::AttentionParams p =
       ShapeOnlyParams(dtype, head_dim, seqlen_k, false, false, batch, seqlen_q, num_heads,
                       num_kv_heads, disable_sm90, false);
+  if (has_kv_seqlens) p.kv_seqlens = reinterpret_cast<const int32_t*>(p.q);
   p.decode_workspace = p.dq_accum;
   p.decode_workspace_floats = decode_workspace_floats;
   int caller = 0;

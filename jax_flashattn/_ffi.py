@@ -103,13 +103,14 @@ def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
                                     *kernel_switches())
 
 
-def decode_layout(query, key, *, device=None) -> tuple[int, str]:
+def decode_layout(query, key, *, key_value_seq_lengths=False, device=None) -> tuple[int, str]:
     """(splits, merge) of a call without bias or mask on `device` (default: the first JAX
     device) that takes a split-KV decode kernel ("decode", "decode_sm90"): its key ranges per
     (batch entry, kv head), and "cluster" where they merge inside their thread block cluster
     (compute capability 9.0+, at most 8 splits, every cluster resident at once) or "combine"
-    where they merge through a second kernel; (0, "") for any other call. Shapes and dtypes
-    only, as forward_kernel."""
+    where they merge through a second kernel; (0, "") for any other call.
+    `key_value_seq_lengths`: whether the call passes them (it then aims at more splits). Shapes
+    and dtypes only, as forward_kernel."""
     device, dtype_code = _kernel_query(query, device)
     if device.platform == "cpu":
         return 0, ""
@@ -120,7 +121,8 @@ def decode_layout(query, key, *, device=None) -> tuple[int, str]:
                                                has_mask=False)
     splits, merge = _ext.cuda_decode_layout(device.local_hardware_id, dtype_code, h,
                                             key.shape[-3], math.prod(lead), t, n, key.shape[-2],
-                                            decode_floats, kernel_switches().disable_sm90)
+                                            bool(key_value_seq_lengths), decode_floats,
+                                            kernel_switches().disable_sm90)
     return int(splits), merge
 
 

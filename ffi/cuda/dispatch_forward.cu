@@ -56,16 +56,16 @@ cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const sm80::Dec
   return launch_forward_decode<Elem, 256>(p, plan, stream);
 }
 
-// Whether the decode call (on the wgmma kernel with sm90) merges its splits in clusters.
+// Whether the decode call (on the wgmma kernel with sm90) merges its splits in clusters on the
+// current device.
 template <typename Elem>
-bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const sm80::DecodePlan& plan,
-                              int device) {
+bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const sm80::DecodePlan& plan) {
   if (sm90)
-    return p.head_dim <= 64 ? forward_decode_sm90_merges_in_cluster<Elem, 64>(plan, device)
-                            : forward_decode_sm90_merges_in_cluster<Elem, 128>(plan, device);
-  if (p.head_dim <= 64) return forward_decode_merges_in_cluster<Elem, 64>(plan, device);
-  if (p.head_dim <= 128) return forward_decode_merges_in_cluster<Elem, 128>(plan, device);
-  return forward_decode_merges_in_cluster<Elem, 256>(plan, device);
+    return p.head_dim <= 64 ? forward_decode_sm90_merges_in_cluster<Elem, 64>(plan)
+                            : forward_decode_sm90_merges_in_cluster<Elem, 128>(plan);
+  if (p.head_dim <= 64) return forward_decode_merges_in_cluster<Elem, 64>(plan);
+  if (p.head_dim <= 128) return forward_decode_merges_in_cluster<Elem, 128>(plan);
+  return forward_decode_merges_in_cluster<Elem, 256>(plan);
 }
 
 // The decode kernel's plan for this call on CUDA device `device`; false when it does not apply.
@@ -104,8 +104,8 @@ DecodeLayout decode_layout(const AttentionParams& p, int device) {
     return {};
   const bool sm90 = kernel == ForwardKernel::kDecodeSm90;
   const bool cluster = p.dtype == ElemType::kBFloat16
-                           ? decode_merges_in_cluster<__nv_bfloat16>(sm90, p, plan, device)
-                           : decode_merges_in_cluster<__half>(sm90, p, plan, device);
+                           ? decode_merges_in_cluster<__nv_bfloat16>(sm90, p, plan)
+                           : decode_merges_in_cluster<__half>(sm90, p, plan);
   return {plan.splits, cluster};
 }
 

@@ -25,13 +25,13 @@ cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream);
 
 // Split-KV decode forward for bf16/fp16 and head dims that are a multiple of 8 up to kHeadDim:
 // the splits' partial results, merged into out and lse inside each work unit's thread block
-// cluster where forward_decode_merges_in_cluster (on the current device `device`), else through
-// plan's workspace and a combine kernel.
+// cluster where forward_decode_merges_in_cluster (on the current device), else through plan's
+// workspace and a combine kernel.
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_decode(const AttentionParams& p, const sm80::DecodePlan& plan,
                                   cudaStream_t stream);
 template <typename Elem, int kHeadDim>
-bool forward_decode_merges_in_cluster(const sm80::DecodePlan& plan, int device);
+bool forward_decode_merges_in_cluster(const sm80::DecodePlan& plan);
 
 // The same with the Hopper decode kernel (an sm_90a build on a compute capability 9.0 device;
 // head dims up to kHeadDim of sm90::kDecodeHeadDims).
@@ -39,7 +39,7 @@ template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const sm80::DecodePlan& plan,
                                        cudaStream_t stream);
 template <typename Elem, int kHeadDim>
-bool forward_decode_sm90_merges_in_cluster(const sm80::DecodePlan& plan, int device);
+bool forward_decode_sm90_merges_in_cluster(const sm80::DecodePlan& plan);
 
 // CUDA-core forward for any dtype and head dim (float32 arithmetic throughout).
 cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);
@@ -107,19 +107,24 @@ inline cudaError_t multiprocessor_count(int& count) {
   return multiprocessor_count(device, count);
 }
 
-// Whether kKernel, as loaded on CUDA device `device`, runs from an image compiled for compute
+// Whether kKernel, as loaded on CUDA device `device` (the current one: the kernel's attributes
+// are the current device's), runs from an image compiled for compute
 // capability 9.0+ on a 9.0+ device (PTX version 9.0+), so the sm_90 instructions in its body
 // exist: griddepcontrol.wait for a programmatic dependent launch, the cluster barrier and
 // distributed shared memory for a cluster merge. A build without an sm_90 image runs there from
 // JIT-compiled sm_80 PTX, where those are compiled out: such a kernel must launch plainly.
+// False where a query fails, whose error is cleared so that no later launch reports it.
 template <auto kKernel>
 bool runs_sm90_image(int device) {
   return once_per_device(device, false, [](int d) {
     int major = 0;
     cudaFuncAttributes attributes = {};
-    return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) == cudaSuccess &&
-           major >= 9 && cudaFuncGetAttributes(&attributes, kKernel) == cudaSuccess &&
-           attributes.ptxVersion >= 90;
+    const bool sm90 =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) == cudaSuccess &&
+        major >= 9 && cudaFuncGetAttributes(&attributes, kKernel) == cudaSuccess &&
+        attributes.ptxVersion >= 90;
+    if (!sm90) cudaGetLastError();
+    return sm90;
   });
 }
 

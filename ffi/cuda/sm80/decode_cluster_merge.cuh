@@ -9,7 +9,7 @@
 // no split saw gets out = 0 and lse = -inf, as from the combine. No partial result goes through
 // global memory and no second kernel runs, which at short S is a visible share of a call: on an
 // H200, T = 1 of the decode preset at S = 8192 ran 68.5 us per call on the device timeline
-// against 69.7 with the combine (bench: 0.99-1.00x cuDNN before, 1.02x after; S = 65536
+// against 69.7 with the combine (bench: 0.99-1.00x cuDNN before, 1.01-1.02x after; S = 65536
 // 1.02-1.03x). Only where every unit's cluster is resident at once (sm80/decode_launch.cuh):
 // docs/kernel_notes.md, "The cluster merge".
 #pragma once
@@ -38,6 +38,7 @@ struct ClusterPartial {
   static constexpr int kRowFloats = kHeadDim + 8;
   static constexpr int kLseOffset = int(kDecodeMaxRows) * kRowFloats;
   static constexpr int kBytes = (kLseOffset + int(kDecodeMaxRows)) * int(sizeof(float));
+  static_assert(kRowFloats % 4 == 0, "rows start 16-byte aligned");
 
   __device__ static PartialRows at(float* base) { return {base, kRowFloats, base + kLseOffset}; }
 };
@@ -53,7 +54,9 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
                                                      const DecodeSplit& sp, const float* partial,
                                                      int tid, int threads) {
   using Layout = ClusterPartial<kHeadDim>;
-  // Every block's partial is written (release) and visible here (acquire).
+  // Every block's partial is written (release) and visible here (acquire). The barrier is
+  // .aligned: the warp reconverges first (its threads may have left the stores' loops apart).
+  __syncwarp();
   ptx::cluster_arrive();
   ptx::cluster_wait();
 
@@ -107,6 +110,7 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
   }
 
   // No block leaves (and frees its shared memory) while another may still read it.
+  __syncwarp();
   ptx::cluster_arrive();
   ptx::cluster_wait();
 }

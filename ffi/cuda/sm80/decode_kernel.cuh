@@ -1,7 +1,7 @@
 // Split-KV decode forward with mma.sync (sm_80 and newer): each block computes one split's
 // partial attention; the splits merge through the workspace and a second kernel
-// (sm80/decode_combine.cuh) or, with kClusterMerge (9.0+), inside the cluster of the unit's
-// splits (sm80/decode_cluster_merge.cuh).
+// (sm80/decode_combine.cuh) or, with plan.cluster_merge (9.0+), inside the cluster of the
+// unit's splits (sm80/decode_cluster_merge.cuh).
 //
 // The block (its rows and its split: sm80/decode_block.cuh) streams its split's key tiles
 // through a three-stage cp.async ring; per step (16 keys or a whole tile: sm80/decode_traits.h)
@@ -29,7 +29,7 @@
 
 namespace jax_flashattn::sm80 {
 
-template <typename Elem, typename Traits, bool kClusterMerge>
+template <typename Elem, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_split_kernel(const __grid_constant__ AttentionParams p, const DecodePlan plan) {
   constexpr int kBlockN = Traits::kBlockN, kSmemDim = Traits::kSmemDim;
@@ -64,11 +64,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   using Partial = ClusterPartial<Traits::kHeadDim>;
   static_assert(Partial::kBytes <= Traits::kSmemBytes, "the cluster merge's partial fits");
   float* cluster_partial = reinterpret_cast<float*>(smem_raw);
-  const PartialRows partial = kClusterMerge ? Partial::at(cluster_partial)
-                                            : workspace_partial(plan, sp.unit, sp.split);
+  const PartialRows partial = plan.cluster_merge ? Partial::at(cluster_partial)
+                                                : workspace_partial(plan, sp.unit, sp.split);
   if (tile_begin >= tile_end) {
     store_empty_split(partial, plan, tid, Traits::kThreads);
-    if constexpr (kClusterMerge)
+    if (plan.cluster_merge)
       merge_cluster_splits<Elem, Traits::kHeadDim>(p, plan, sp, cluster_partial, tid,
                                                    Traits::kThreads);
     return;
@@ -171,9 +171,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   __syncthreads();
   // The key-group-0 warp of each slab holds its rows' whole state after the fold.
   const bool folds = computes && key_group == 0;
-  if constexpr (!kClusterMerge) {
-    if (!folds) return;
-  }
+  if (!plan.cluster_merge && !folds) return;
 
   if (folds) {
     for (int g = 1; g < key_groups; ++g) {
@@ -206,7 +204,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // Normalise this split's O and write it with its lse.
   float row_lse[1][2];
   softmax.finalize(o_acc, scale_log2, row_lse);
-  if constexpr (kClusterMerge) {
+  if (plan.cluster_merge) {
     // Every warp has read the states the partial overwrites.
     __syncthreads();
     if (folds) store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);

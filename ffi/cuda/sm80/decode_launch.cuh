@@ -17,11 +17,11 @@
 namespace jax_flashattn::cuda {
 
 // The split kernel `split_kernel` (of shared memory smem_bytes, threads per block) on one block
-// per (work unit, split); with `cluster`, each work unit's splits form one thread block cluster
-// (block unit * splits + s has cluster rank s).
+// per (work unit, split); with plan.cluster_merge, each work unit's splits form one thread
+// block cluster (block unit * splits + s has cluster rank s).
 template <auto split_kernel>
 cudaError_t launch_decode_splits(const AttentionParams& p, const sm80::DecodePlan& plan,
-                                 int threads, int smem_bytes, bool cluster, cudaStream_t stream) {
+                                 int threads, int smem_bytes, cudaStream_t stream) {
   const int64_t blocks = plan.work_units * plan.splits;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if (cudaError_t e = ensure_smem_limit<split_kernel>(smem_bytes); e != cudaSuccess) return e;
@@ -35,7 +35,7 @@ cudaError_t launch_decode_splits(const AttentionParams& p, const sm80::DecodePla
   config.blockDim = dim3(unsigned(threads));
   config.dynamicSmemBytes = size_t(smem_bytes);
   config.stream = stream;
-  if (cluster) {
+  if (plan.cluster_merge) {
     config.attrs = &cluster_dims;
     config.numAttrs = 1;
   }
@@ -70,14 +70,23 @@ cudaError_t launch_decode_combine(const AttentionParams& p, const sm80::DecodePl
   return cudaLaunchKernelEx(&config, sm80::decode_combine_kernel<Elem>, p, plan);
 }
 
-// How many clusters of 1..kMaxClusterSplits blocks of `kernel` (threads, smem_bytes) can be
-// resident at once on CUDA device `device` (index: the cluster size), asked once per device.
+// How many clusters of size 1..kMaxClusterSplits (the index) of `kernel` (threads,
+// smem_bytes) can be resident at once on the current device, asked once per device; 0 for a
+// size the query failed for (its error is cleared, so no later launch reports it).
 template <auto kernel>
-cudaError_t resident_clusters(int device, int threads, int smem_bytes,
-                              std::array<int, sm80::kMaxClusterSplits + 1>& counts) {
+std::array<int, sm80::kMaxClusterSplits + 1> resident_clusters(int threads, int smem_bytes) {
   using Counts = std::array<int, sm80::kMaxClusterSplits + 1>;
-  const auto query = [threads, smem_bytes](int) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return Counts{};
+  }
+  return once_per_device(device, Counts{}, [threads, smem_bytes](int) {
     Counts n = {};
+    if (ensure_smem_limit<kernel>(smem_bytes) != cudaSuccess) {
+      cudaGetLastError();
+      return n;
+    }
     for (int size = 1; size <= sm80::kMaxClusterSplits; ++size) {
       cudaLaunchAttribute cluster_dims;
       cluster_dims.id = cudaLaunchAttributeClusterDimension;
@@ -90,59 +99,50 @@ cudaError_t resident_clusters(int device, int threads, int smem_bytes,
       config.dynamicSmemBytes = size_t(smem_bytes);
       config.attrs = &cluster_dims;
       config.numAttrs = 1;
-      if (cudaError_t e = cudaOccupancyMaxActiveClusters(&n[size], kernel, &config);
-          e != cudaSuccess)
-        return std::pair{e, Counts{}};
+      if (cudaOccupancyMaxActiveClusters(&n[size], kernel, &config) != cudaSuccess) {
+        cudaGetLastError();
+        n[size] = 0;
+      }
     }
-    return std::pair{cudaSuccess, n};
-  };
-  const auto [error, n] =
-      once_per_device(device, std::pair{cudaErrorInvalidDevice, Counts{}}, query);
-  counts = n;
-  return error;
+    return n;
+  });
 }
 
 // Whether a call with this plan merges its splits in their thread block clusters
-// (`cluster_kernel`: sm80/decode_cluster_merge.cuh) on CUDA device `device`, the current one:
-// at most kMaxClusterSplits splits, an image built for 9.0+ (whose cluster instructions exist),
-// and every work unit's cluster resident at once. A unit whose cluster had to wait for another
-// to finish would double the call: the decode preset's 64 units of 4 two-per-SM blocks, on an
-// H200 with room for 62 such clusters, took 1.5-1.7x as long (docs/kernel_notes.md). False
-// where the occupancy query fails: the combine path always runs.
-template <auto cluster_kernel>
-bool cluster_merge_fits(const sm80::DecodePlan& plan, int threads, int smem_bytes, int device) {
-  if (plan.splits > sm80::kMaxClusterSplits || !runs_sm90_image<cluster_kernel>(device) ||
-      ensure_smem_limit<cluster_kernel>(smem_bytes) != cudaSuccess)
+// (sm80/decode_cluster_merge.cuh) with split kernel `kernel` on the current device: at most
+// kMaxClusterSplits splits, an image built for 9.0+ (whose cluster instructions exist), and
+// every work unit's cluster resident at once. A unit whose cluster had to wait for another to
+// finish would double the call: the decode preset's 64 units of 4 two-per-SM blocks, on an
+// H200 with room for 62 such clusters, took 1.5-1.7x as long (docs/kernel_notes.md).
+template <auto kernel>
+bool cluster_merge_fits(const sm80::DecodePlan& plan, int threads, int smem_bytes) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
     return false;
-  std::array<int, sm80::kMaxClusterSplits + 1> resident;
-  return resident_clusters<cluster_kernel>(device, threads, smem_bytes, resident) ==
-             cudaSuccess &&
-         plan.work_units <= resident[plan.splits];
+  }
+  return plan.splits <= sm80::kMaxClusterSplits && runs_sm90_image<kernel>(device) &&
+         plan.work_units <= resident_clusters<kernel>(threads, smem_bytes)[plan.splits];
 }
 
-// A decode call with split kernel `split_kernel` (its variant that merges in clusters:
-// `cluster_kernel`): the cluster merge where cluster_merge_fits, else the split kernel and the
-// combine kernel.
-template <typename Elem, auto split_kernel, auto cluster_kernel>
+// A decode call with split kernel `split_kernel`: the cluster merge where cluster_merge_fits,
+// else the split kernel writing the workspace and the combine kernel.
+template <typename Elem, auto split_kernel>
 cudaError_t launch_decode(const AttentionParams& p, const sm80::DecodePlan& plan, int threads,
                           int smem_bytes, cudaStream_t stream) {
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  if (cluster_merge_fits<cluster_kernel>(plan, threads, smem_bytes, device))
-    return launch_decode_splits<cluster_kernel>(p, plan, threads, smem_bytes, true, stream);
-  if (cudaError_t e =
-          launch_decode_splits<split_kernel>(p, plan, threads, smem_bytes, false, stream);
-      e != cudaSuccess)
+  sm80::DecodePlan launched = plan;
+  launched.cluster_merge = cluster_merge_fits<split_kernel>(plan, threads, smem_bytes);
+  if (cudaError_t e = launch_decode_splits<split_kernel>(p, launched, threads, smem_bytes, stream);
+      e != cudaSuccess || launched.cluster_merge)
     return e;
-  return launch_decode_combine<Elem>(p, plan, stream);
+  return launch_decode_combine<Elem>(p, launched, stream);
 }
 
 // The mma.sync decode call of configuration Traits.
 template <typename Elem, typename Traits>
 cudaError_t launch_decode_split_config(const AttentionParams& p, const sm80::DecodePlan& plan,
                                        cudaStream_t stream) {
-  return launch_decode<Elem, sm80::decode_split_kernel<Elem, Traits, false>,
-                       sm80::decode_split_kernel<Elem, Traits, true>>(
+  return launch_decode<Elem, sm80::decode_split_kernel<Elem, Traits>>(
       p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
 }
 
@@ -164,16 +164,16 @@ cudaError_t launch_forward_decode(const AttentionParams& p, const sm80::DecodePl
 }
 
 template <typename Elem, typename Traits>
-bool decode_config_merges_in_cluster(const sm80::DecodePlan& plan, int device) {
-  return cluster_merge_fits<sm80::decode_split_kernel<Elem, Traits, true>>(
-      plan, Traits::kThreads, Traits::kSmemBytes, device);
+bool decode_config_merges_in_cluster(const sm80::DecodePlan& plan) {
+  return cluster_merge_fits<sm80::decode_split_kernel<Elem, Traits>>(plan, Traits::kThreads,
+                                                                     Traits::kSmemBytes);
 }
 
 template <typename Elem, int kHeadDim>
-bool forward_decode_merges_in_cluster(const sm80::DecodePlan& plan, int device) {
+bool forward_decode_merges_in_cluster(const sm80::DecodePlan& plan) {
   return plan.rows > sm80::kDecodeChunkStepMaxRows
-             ? decode_config_merges_in_cluster<Elem, DecodeManyRowSteps<kHeadDim>>(plan, device)
-             : decode_config_merges_in_cluster<Elem, DecodeChunkSteps<kHeadDim>>(plan, device);
+             ? decode_config_merges_in_cluster<Elem, DecodeManyRowSteps<kHeadDim>>(plan)
+             : decode_config_merges_in_cluster<Elem, DecodeChunkSteps<kHeadDim>>(plan);
 }
 
 }  // namespace jax_flashattn::cuda

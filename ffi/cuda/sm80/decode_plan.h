@@ -58,6 +58,10 @@ struct DecodePlan {
   int64_t head_dim = 0;
   float* o_partial = nullptr;
   float* lse_partial = nullptr;
+  // The splits of a unit run as one thread block cluster and merge there
+  // (sm80/decode_cluster_merge.cuh); else through the workspace and the combine kernel. Set by
+  // the launch (cuda::launch_decode), which alone knows whether every cluster is resident.
+  bool cluster_merge = false;
 
   JAX_FLASHATTN_HOST_DEVICE int64_t partial_row(int64_t unit, int64_t split, int64_t row) const {
     return (unit * splits + split) * rows + row;

@@ -1,8 +1,8 @@
 // Split-KV decode forward for Hopper (sm_90a): each block computes one split's partial attention
 // with wgmma; the splits merge as the mma.sync decode kernel's do, whose plan, rows and
 // workspace this one shares (sm80/decode_block.cuh): through the workspace and the combine
-// kernel (sm80/decode_combine.cuh), or, with kClusterMerge, inside the cluster of the unit's
-// splits (sm80/decode_cluster_merge.cuh). Configurations and why: sm90/decode_traits.h.
+// kernel (sm80/decode_combine.cuh), or, with plan.cluster_merge, inside the cluster of the
+// unit's splits (sm80/decode_cluster_merge.cuh). Configurations and why: sm90/decode_traits.h.
 //
 // The block's one warpgroup streams its split's key tiles through a cp.async ring; per tile it
 // computes
@@ -31,7 +31,7 @@
 
 namespace jax_flashattn::sm90 {
 
-template <typename Elem, typename Traits, bool kClusterMerge>
+template <typename Elem, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_split_kernel(const __grid_constant__ AttentionParams p, const sm80::DecodePlan plan) {
 #ifdef JAX_FLASHATTN_SM90_BODY
@@ -64,11 +64,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
                 "the cluster merge's partial fits in the ring");
   float* cluster_partial = reinterpret_cast<float*>(ring);
   const sm80::PartialRows partial =
-      kClusterMerge ? ClusterPartial::at(cluster_partial)
-                    : sm80::workspace_partial(plan, sp.unit, sp.split);
+      plan.cluster_merge ? ClusterPartial::at(cluster_partial)
+                         : sm80::workspace_partial(plan, sp.unit, sp.split);
   if (sp.tile_begin >= sp.tile_end) {
     sm80::store_empty_split(partial, plan, tid, Traits::kThreads);
-    if constexpr (kClusterMerge)
+    if (plan.cluster_merge)
       sm80::merge_cluster_splits<Elem, kHeadDim>(p, plan, sp, cluster_partial, tid,
                                                  Traits::kThreads);
     return;
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   float row_lse[1][2];
   softmax.finalize(o_acc, scale_log2, row_lse);
-  if constexpr (kClusterMerge) {
+  if (plan.cluster_merge) {
     // Every warp's last products have read the ring that the partial overwrites.
     __syncthreads();
     sm80::store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);

@@ -15,16 +15,15 @@ template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const sm80::DecodePlan& plan,
                                        cudaStream_t stream) {
   using Traits = sm90::DecodeConfig<kHeadDim>;
-  return launch_decode<Elem, sm90::decode_split_kernel<Elem, Traits, false>,
-                       sm90::decode_split_kernel<Elem, Traits, true>>(
+  return launch_decode<Elem, sm90::decode_split_kernel<Elem, Traits>>(
       p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
 }
 
 template <typename Elem, int kHeadDim>
-bool forward_decode_sm90_merges_in_cluster(const sm80::DecodePlan& plan, int device) {
+bool forward_decode_sm90_merges_in_cluster(const sm80::DecodePlan& plan) {
   using Traits = sm90::DecodeConfig<kHeadDim>;
-  return cluster_merge_fits<sm90::decode_split_kernel<Elem, Traits, true>>(
-      plan, Traits::kThreads, Traits::kSmemBytes, device);
+  return cluster_merge_fits<sm90::decode_split_kernel<Elem, Traits>>(plan, Traits::kThreads,
+                                                                     Traits::kSmemBytes);
 }
 
 }  // namespace jax_flashattn::cuda
