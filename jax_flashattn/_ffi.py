@@ -80,6 +80,15 @@ def _kernel_query(query, device):
     return _device_with_kernels(device), _DTYPE_CODES[dtype]
 
 
+def _decode_floats(query, key, has_bias: bool, has_mask: bool) -> int:
+    """The decode workspace a call of these shapes gets at trace time (default scale)."""
+    from jax_flashattn import _ops  # _ops imports this module
+    h = query.shape[-1]
+    return _ops.decode_workspace_size(query.shape, key.shape, query.dtype,
+                                      scale=h ** -0.5 if h else 1.0, has_bias=has_bias,
+                                      has_mask=has_mask)
+
+
 def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
     """Which forward kernel family `attention` runs for these inputs on `device` (default: the
     first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync), "decode" (split-KV
@@ -91,12 +100,8 @@ def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
     device, dtype_code = _kernel_query(query, device)
     if device.platform == "cpu":
         return "cpu"
-    from jax_flashattn import _ops  # _ops imports this module
     *lead, t, n, h = query.shape
-    decode_floats = _ops.decode_workspace_size(query.shape, key.shape, query.dtype,
-                                               scale=h ** -0.5 if h else 1.0,
-                                               has_bias=bias is not None,
-                                               has_mask=mask is not None)
+    decode_floats = _decode_floats(query, key, bias is not None, mask is not None)
     return _ext.cuda_forward_kernel(device.local_hardware_id, dtype_code, h,
                                     key.shape[-3], bias is not None, mask is not None,
                                     math.prod(lead), t, n, key.shape[-2], decode_floats,
@@ -114,11 +119,8 @@ def decode_layout(query, key, *, key_value_seq_lengths=False, device=None) -> tu
     device, dtype_code = _kernel_query(query, device)
     if device.platform == "cpu":
         return 0, ""
-    from jax_flashattn import _ops  # _ops imports this module
     *lead, t, n, h = query.shape
-    decode_floats = _ops.decode_workspace_size(query.shape, key.shape, query.dtype,
-                                               scale=h ** -0.5 if h else 1.0, has_bias=False,
-                                               has_mask=False)
+    decode_floats = _decode_floats(query, key, False, False)
     splits, merge = _ext.cuda_decode_layout(device.local_hardware_id, dtype_code, h,
                                             key.shape[-3], math.prod(lead), t, n, key.shape[-2],
                                             bool(key_value_seq_lengths), decode_floats,

@@ -56,16 +56,17 @@ cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const sm80::Dec
   return launch_forward_decode<Elem, 256>(p, plan, stream);
 }
 
-// Whether the decode call (on the wgmma kernel with sm90) merges its splits in clusters on the
-// current device.
+// Whether the decode call (on the wgmma kernel with sm90) merges its splits in clusters on CUDA
+// device `device`, the current one.
 template <typename Elem>
-bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const sm80::DecodePlan& plan) {
+bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const sm80::DecodePlan& plan,
+                              int device) {
   if (sm90)
-    return p.head_dim <= 64 ? forward_decode_sm90_merges_in_cluster<Elem, 64>(plan)
-                            : forward_decode_sm90_merges_in_cluster<Elem, 128>(plan);
-  if (p.head_dim <= 64) return forward_decode_merges_in_cluster<Elem, 64>(plan);
-  if (p.head_dim <= 128) return forward_decode_merges_in_cluster<Elem, 128>(plan);
-  return forward_decode_merges_in_cluster<Elem, 256>(plan);
+    return p.head_dim <= 64 ? forward_decode_sm90_merges_in_cluster<Elem, 64>(plan, device)
+                            : forward_decode_sm90_merges_in_cluster<Elem, 128>(plan, device);
+  if (p.head_dim <= 64) return forward_decode_merges_in_cluster<Elem, 64>(plan, device);
+  if (p.head_dim <= 128) return forward_decode_merges_in_cluster<Elem, 128>(plan, device);
+  return forward_decode_merges_in_cluster<Elem, 256>(plan, device);
 }
 
 // The decode kernel's plan for this call on CUDA device `device`; false when it does not apply.
@@ -74,6 +75,18 @@ bool decode_plan_for(const AttentionParams& p, int device, sm80::DecodePlan& pla
   return sm80::decode_shape_fits(p) &&
          multiprocessor_count(device, multiprocessors) == cudaSuccess &&
          sm80::make_decode_plan(p, multiprocessors, plan);
+}
+
+// decode_plan_for for a call that takes decode kernel `kernel` (kDecode or kDecodeSm90), with
+// its merge decided (plan.cluster_merge): the one place the launch and decode_layout ask.
+bool decode_plan_with_merge(const AttentionParams& p, int device, ForwardKernel kernel,
+                            sm80::DecodePlan& plan) {
+  if (!decode_plan_for(p, device, plan)) return false;
+  const bool sm90 = kernel == ForwardKernel::kDecodeSm90;
+  plan.cluster_merge = p.dtype == ElemType::kBFloat16
+                           ? decode_merges_in_cluster<__nv_bfloat16>(sm90, p, plan, device)
+                           : decode_merges_in_cluster<__half>(sm90, p, plan, device);
+  return true;
 }
 
 bool sm90_applies(const AttentionParams& p, int device) {
@@ -100,13 +113,9 @@ DecodeLayout decode_layout(const AttentionParams& p, int device) {
   const ForwardKernel kernel = choose_forward_kernel(p, device);
   sm80::DecodePlan plan;
   if ((kernel != ForwardKernel::kDecode && kernel != ForwardKernel::kDecodeSm90) ||
-      !decode_plan_for(p, device, plan))
+      !decode_plan_with_merge(p, device, kernel, plan))
     return {};
-  const bool sm90 = kernel == ForwardKernel::kDecodeSm90;
-  const bool cluster = p.dtype == ElemType::kBFloat16
-                           ? decode_merges_in_cluster<__nv_bfloat16>(sm90, p, plan)
-                           : decode_merges_in_cluster<__half>(sm90, p, plan);
-  return {plan.splits, cluster};
+  return {plan.splits, plan.cluster_merge};
 }
 
 cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
@@ -127,13 +136,15 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
       return launch_forward_simt(p, stream);
     case ForwardKernel::kDecode: {
       sm80::DecodePlan plan;
-      if (!decode_plan_for(p, device, plan)) return cudaErrorInvalidValue;
+      if (!decode_plan_with_merge(p, device, ForwardKernel::kDecode, plan))
+        return cudaErrorInvalidValue;
       return bf16 ? launch_decode_for_head_dim<__nv_bfloat16>(p, plan, stream)
                   : launch_decode_for_head_dim<__half>(p, plan, stream);
     }
     case ForwardKernel::kDecodeSm90: {
       sm80::DecodePlan plan;
-      if (!decode_plan_for(p, device, plan)) return cudaErrorInvalidValue;
+      if (!decode_plan_with_merge(p, device, ForwardKernel::kDecodeSm90, plan))
+        return cudaErrorInvalidValue;
       return bf16 ? launch_decode_sm90_for_head_dim<__nv_bfloat16>(p, plan, stream)
                   : launch_decode_sm90_for_head_dim<__half>(p, plan, stream);
     }

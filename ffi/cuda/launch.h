@@ -25,13 +25,14 @@ cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream);
 
 // Split-KV decode forward for bf16/fp16 and head dims that are a multiple of 8 up to kHeadDim:
 // the splits' partial results, merged into out and lse inside each work unit's thread block
-// cluster where forward_decode_merges_in_cluster (on the current device), else through plan's
-// workspace and a combine kernel.
+// cluster with plan.cluster_merge, else through plan's workspace and a combine kernel.
+// forward_decode_merges_in_cluster says whether a plan's clusters fit on CUDA device `device`,
+// the current one (the dispatcher sets plan.cluster_merge from it).
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_decode(const AttentionParams& p, const sm80::DecodePlan& plan,
                                   cudaStream_t stream);
 template <typename Elem, int kHeadDim>
-bool forward_decode_merges_in_cluster(const sm80::DecodePlan& plan);
+bool forward_decode_merges_in_cluster(const sm80::DecodePlan& plan, int device);
 
 // The same with the Hopper decode kernel (an sm_90a build on a compute capability 9.0 device;
 // head dims up to kHeadDim of sm90::kDecodeHeadDims).
@@ -39,7 +40,7 @@ template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const sm80::DecodePlan& plan,
                                        cudaStream_t stream);
 template <typename Elem, int kHeadDim>
-bool forward_decode_sm90_merges_in_cluster(const sm80::DecodePlan& plan);
+bool forward_decode_sm90_merges_in_cluster(const sm80::DecodePlan& plan, int device);
 
 // CUDA-core forward for any dtype and head dim (float32 arithmetic throughout).
 cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);

@@ -16,6 +16,16 @@
 
 namespace jax_flashattn::cuda {
 
+// The launch attribute that makes thread block clusters of `size` blocks along x.
+inline cudaLaunchAttribute cluster_dimension(int size) {
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = unsigned(size);
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  return attribute;
+}
+
 // The split kernel `split_kernel` (of shared memory smem_bytes, threads per block) on one block
 // per (work unit, split); with plan.cluster_merge, each work unit's splits form one thread
 // block cluster (block unit * splits + s has cluster rank s).
@@ -25,18 +35,14 @@ cudaError_t launch_decode_splits(const AttentionParams& p, const sm80::DecodePla
   const int64_t blocks = plan.work_units * plan.splits;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if (cudaError_t e = ensure_smem_limit<split_kernel>(smem_bytes); e != cudaSuccess) return e;
-  cudaLaunchAttribute cluster_dims;
-  cluster_dims.id = cudaLaunchAttributeClusterDimension;
-  cluster_dims.val.clusterDim.x = unsigned(plan.splits);
-  cluster_dims.val.clusterDim.y = 1;
-  cluster_dims.val.clusterDim.z = 1;
+  cudaLaunchAttribute cluster = cluster_dimension(int(plan.splits));
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(unsigned(blocks));
   config.blockDim = dim3(unsigned(threads));
   config.dynamicSmemBytes = size_t(smem_bytes);
   config.stream = stream;
   if (plan.cluster_merge) {
-    config.attrs = &cluster_dims;
+    config.attrs = &cluster;
     config.numAttrs = 1;
   }
   return cudaLaunchKernelEx(&config, split_kernel, p, plan);
@@ -71,16 +77,13 @@ cudaError_t launch_decode_combine(const AttentionParams& p, const sm80::DecodePl
 }
 
 // How many clusters of size 1..kMaxClusterSplits (the index) of `kernel` (threads,
-// smem_bytes) can be resident at once on the current device, asked once per device; 0 for a
-// size the query failed for (its error is cleared, so no later launch reports it).
+// smem_bytes) can be resident at once on CUDA device `device`, the current one, asked once per
+// device; 0 for a size the query failed for (its error is cleared, so no later launch reports
+// it).
 template <auto kernel>
-std::array<int, sm80::kMaxClusterSplits + 1> resident_clusters(int threads, int smem_bytes) {
+std::array<int, sm80::kMaxClusterSplits + 1> resident_clusters(int device, int threads,
+                                                               int smem_bytes) {
   using Counts = std::array<int, sm80::kMaxClusterSplits + 1>;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();
-    return Counts{};
-  }
   return once_per_device(device, Counts{}, [threads, smem_bytes](int) {
     Counts n = {};
     if (ensure_smem_limit<kernel>(smem_bytes) != cudaSuccess) {
@@ -88,16 +91,12 @@ std::array<int, sm80::kMaxClusterSplits + 1> resident_clusters(int threads, int 
       return n;
     }
     for (int size = 1; size <= sm80::kMaxClusterSplits; ++size) {
-      cudaLaunchAttribute cluster_dims;
-      cluster_dims.id = cudaLaunchAttributeClusterDimension;
-      cluster_dims.val.clusterDim.x = unsigned(size);
-      cluster_dims.val.clusterDim.y = 1;
-      cluster_dims.val.clusterDim.z = 1;
+      cudaLaunchAttribute cluster = cluster_dimension(size);
       cudaLaunchConfig_t config = {};
       config.gridDim = dim3(unsigned(size));
       config.blockDim = dim3(unsigned(threads));
       config.dynamicSmemBytes = size_t(smem_bytes);
-      config.attrs = &cluster_dims;
+      config.attrs = &cluster;
       config.numAttrs = 1;
       if (cudaOccupancyMaxActiveClusters(&n[size], kernel, &config) != cudaSuccess) {
         cudaGetLastError();
@@ -109,71 +108,62 @@ std::array<int, sm80::kMaxClusterSplits + 1> resident_clusters(int threads, int 
 }
 
 // Whether a call with this plan merges its splits in their thread block clusters
-// (sm80/decode_cluster_merge.cuh) with split kernel `kernel` on the current device: at most
-// kMaxClusterSplits splits, an image built for 9.0+ (whose cluster instructions exist), and
-// every work unit's cluster resident at once. A unit whose cluster had to wait for another to
-// finish would double the call: the decode preset's 64 units of 4 two-per-SM blocks, on an
-// H200 with room for 62 such clusters, took 1.5-1.7x as long (docs/kernel_notes.md).
+// (sm80/decode_cluster_merge.cuh) with split kernel `kernel` on CUDA device `device`, the
+// current one: at most kMaxClusterSplits splits, an image built for 9.0+ (whose cluster
+// instructions exist), and every work unit's cluster resident at once. A unit whose cluster had
+// to wait for another to finish would double the call: the decode preset's 64 units of 4
+// two-per-SM blocks, on an H200 with room for 62 such clusters, took 1.5-1.7x as long
+// (docs/kernel_notes.md). The dispatcher asks it once per call and records the answer in
+// plan.cluster_merge, which the launch follows.
 template <auto kernel>
-bool cluster_merge_fits(const sm80::DecodePlan& plan, int threads, int smem_bytes) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
+bool cluster_merge_fits(const sm80::DecodePlan& plan, int threads, int smem_bytes, int device) {
   return plan.splits <= sm80::kMaxClusterSplits && runs_sm90_image<kernel>(device) &&
-         plan.work_units <= resident_clusters<kernel>(threads, smem_bytes)[plan.splits];
+         plan.work_units <= resident_clusters<kernel>(device, threads, smem_bytes)[plan.splits];
 }
 
-// A decode call with split kernel `split_kernel`: the cluster merge where cluster_merge_fits,
-// else the split kernel writing the workspace and the combine kernel.
+// A decode call with split kernel `split_kernel`: with plan.cluster_merge the split kernel
+// alone (its clusters merge), else the split kernel writing the workspace and the combine.
 template <typename Elem, auto split_kernel>
 cudaError_t launch_decode(const AttentionParams& p, const sm80::DecodePlan& plan, int threads,
                           int smem_bytes, cudaStream_t stream) {
-  sm80::DecodePlan launched = plan;
-  launched.cluster_merge = cluster_merge_fits<split_kernel>(plan, threads, smem_bytes);
-  if (cudaError_t e = launch_decode_splits<split_kernel>(p, launched, threads, smem_bytes, stream);
-      e != cudaSuccess || launched.cluster_merge)
+  if (cudaError_t e = launch_decode_splits<split_kernel>(p, plan, threads, smem_bytes, stream);
+      e != cudaSuccess || plan.cluster_merge)
     return e;
-  return launch_decode_combine<Elem>(p, launched, stream);
-}
-
-// The mma.sync decode call of configuration Traits.
-template <typename Elem, typename Traits>
-cudaError_t launch_decode_split_config(const AttentionParams& p, const sm80::DecodePlan& plan,
-                                       cudaStream_t stream) {
-  return launch_decode<Elem, sm80::decode_split_kernel<Elem, Traits>>(
-      p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
+  return launch_decode_combine<Elem>(p, plan, stream);
 }
 
 // The mma.sync decode configurations of head dim kHeadDim: longer warp steps once a warp owns
 // its slab alone (sm80/decode_traits.h); at head dims whose many-row step is one chunk both are
-// the same kernel.
+// the same kernel. with_decode_config calls f with the one a plan takes (a value of its type).
 template <int kHeadDim>
 using DecodeChunkSteps = sm80::DecodeConfig<kHeadDim, 1>;
 template <int kHeadDim>
 using DecodeManyRowSteps =
     sm80::DecodeConfig<kHeadDim, sm80::kDecodeManyRowsStepChunks<kHeadDim>>;
 
+template <int kHeadDim, typename F>
+auto with_decode_config(const sm80::DecodePlan& plan, F&& f) {
+  return plan.rows > sm80::kDecodeChunkStepMaxRows ? f(DecodeManyRowSteps<kHeadDim>{})
+                                                   : f(DecodeChunkSteps<kHeadDim>{});
+}
+
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_decode(const AttentionParams& p, const sm80::DecodePlan& plan,
                                   cudaStream_t stream) {
-  return plan.rows > sm80::kDecodeChunkStepMaxRows
-             ? launch_decode_split_config<Elem, DecodeManyRowSteps<kHeadDim>>(p, plan, stream)
-             : launch_decode_split_config<Elem, DecodeChunkSteps<kHeadDim>>(p, plan, stream);
-}
-
-template <typename Elem, typename Traits>
-bool decode_config_merges_in_cluster(const sm80::DecodePlan& plan) {
-  return cluster_merge_fits<sm80::decode_split_kernel<Elem, Traits>>(plan, Traits::kThreads,
-                                                                     Traits::kSmemBytes);
+  return with_decode_config<kHeadDim>(plan, [&](auto config) {
+    using Traits = decltype(config);
+    return launch_decode<Elem, sm80::decode_split_kernel<Elem, Traits>>(
+        p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
+  });
 }
 
 template <typename Elem, int kHeadDim>
-bool forward_decode_merges_in_cluster(const sm80::DecodePlan& plan) {
-  return plan.rows > sm80::kDecodeChunkStepMaxRows
-             ? decode_config_merges_in_cluster<Elem, DecodeManyRowSteps<kHeadDim>>(plan)
-             : decode_config_merges_in_cluster<Elem, DecodeChunkSteps<kHeadDim>>(plan);
+bool forward_decode_merges_in_cluster(const sm80::DecodePlan& plan, int device) {
+  return with_decode_config<kHeadDim>(plan, [&](auto config) {
+    using Traits = decltype(config);
+    return cluster_merge_fits<sm80::decode_split_kernel<Elem, Traits>>(
+        plan, Traits::kThreads, Traits::kSmemBytes, device);
+  });
 }
 
 }  // namespace jax_flashattn::cuda

@@ -60,7 +60,7 @@ struct DecodePlan {
   float* lse_partial = nullptr;
   // The splits of a unit run as one thread block cluster and merge there
   // (sm80/decode_cluster_merge.cuh); else through the workspace and the combine kernel. Set by
-  // the launch (cuda::launch_decode), which alone knows whether every cluster is resident.
+  // the dispatcher where every cluster is resident at once (cuda::cluster_merge_fits).
   bool cluster_merge = false;
 
   JAX_FLASHATTN_HOST_DEVICE int64_t partial_row(int64_t unit, int64_t split, int64_t row) const {

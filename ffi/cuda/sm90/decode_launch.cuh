@@ -20,10 +20,10 @@ cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const sm80::Dec
 }
 
 template <typename Elem, int kHeadDim>
-bool forward_decode_sm90_merges_in_cluster(const sm80::DecodePlan& plan) {
+bool forward_decode_sm90_merges_in_cluster(const sm80::DecodePlan& plan, int device) {
   using Traits = sm90::DecodeConfig<kHeadDim>;
   return cluster_merge_fits<sm90::decode_split_kernel<Elem, Traits>>(plan, Traits::kThreads,
-                                                                     Traits::kSmemBytes);
+                                                                     Traits::kSmemBytes, device);
 }
 
 }  // namespace jax_flashattn::cuda
