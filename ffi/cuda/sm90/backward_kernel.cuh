@@ -196,24 +196,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // LBO) and K [key][head dim] as an MN-major B from this warpgroup's first column: k-step kk is
   // 16 keys down both.
   const auto kmajor_desc = [&](uint32_t tile, int rows, int ks) {
-    return ptx::smem_descriptor_sw128(tile + (ks / 4) * rows * kRowBytes + (ks % 4) * 32, 16,
-                                      kGroupBytes);
+    return ptx::smem_descriptor_sw128(tile + k_major_step_bytes(rows, ks), 16, kGroupBytes);
   };
   // The K, V and dQ-K descriptors are the same on every tile: without an opaque copy of their
   // base per tile ptxas hoists all of them out of the tile loop (64-bit each: 48 registers at
   // head dim 128, which spilled); rebuilt per tile they cost two integer ops each.
   const auto qtile_desc = [&](uint32_t tile, int kk) {  // Q or dO as B of dK or dV
-    return ptx::smem_descriptor_sw128(tile + kk * 16 * kRowBytes, kBlockM * kRowBytes,
+    return ptx::smem_descriptor_sw128(tile + mn_major_step_bytes(kk), kBlockM * kRowBytes,
                                       kGroupBytes);
   };
   const uint32_t k_dq_offset = (dq_col0 / kSpanElems) * kBlockN * kRowBytes +
                                (dq_col0 % kSpanElems) * 2;
   const auto k_dq_desc = [&](uint32_t k_dq_tile, int kk) {
-    return ptx::smem_descriptor_sw128(k_dq_tile + kk * 16 * kRowBytes, kBlockN * kRowBytes,
+    return ptx::smem_descriptor_sw128(k_dq_tile + mn_major_step_bytes(kk), kBlockN * kRowBytes,
                                       kGroupBytes);
   };
   const auto ds_desc = [&](int buffer, int kk) {
-    return ptx::smem_descriptor_sw128(sdS(buffer) + kk * 16 * kRowBytes, Traits::kDsBytes,
+    return ptx::smem_descriptor_sw128(sdS(buffer) + mn_major_step_bytes(kk), Traits::kDsBytes,
                                       kGroupBytes);
   };
 

@@ -104,10 +104,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       ptx::smem_descriptor_sw128(base + Traits::kKVBytes, kBlockN * kRowBytes, kGroupBytes);
   const auto k_desc = [&](int stage, int ks) {
     return ptx::smem_descriptor_advance(
-        k_desc0, stage * Traits::kStageBytes + (ks / 4) * kBlockN * kRowBytes + (ks % 4) * 32);
+        k_desc0, stage * Traits::kStageBytes + k_major_step_bytes(kBlockN, ks));
   };
   const auto v_desc = [&](int stage, int kk) {
-    return ptx::smem_descriptor_advance(v_desc0, stage * Traits::kStageBytes + kk * 16 * kRowBytes);
+    return ptx::smem_descriptor_advance(v_desc0,
+                                        stage * Traits::kStageBytes + mn_major_step_bytes(kk));
   };
 
   float s_acc[1][kNTiles][4];

@@ -310,16 +310,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // the stage).
   const auto q_desc = [&](uint32_t q_tile, int ks) {  // q_tile: this warpgroup's rows
     return ptx::smem_descriptor_advance(ptx::smem_descriptor_sw128(q_tile, 16, kGroupBytes),
-                                        (ks / 4) * kBlockM * kRowBytes + (ks % 4) * 32);
+                                        k_major_step_bytes(kBlockM, ks));
   };
   const uint64_t k_desc0 = ptx::smem_descriptor_sw128(sK(0), 16, kGroupBytes);
   const uint64_t v_desc0 = ptx::smem_descriptor_sw128(sV(0), kBlockN * kRowBytes, kGroupBytes);
   const auto k_desc = [&](int stage, int ks) {
     return ptx::smem_descriptor_advance(
-        k_desc0, stage * Traits::kKVBytes + (ks / 4) * kBlockN * kRowBytes + (ks % 4) * 32);
+        k_desc0, stage * Traits::kKVBytes + k_major_step_bytes(kBlockN, ks));
   };
   const auto v_desc = [&](int stage, int kk) {
-    return ptx::smem_descriptor_advance(v_desc0, stage * Traits::kKVBytes + kk * 16 * kRowBytes);
+    return ptx::smem_descriptor_advance(v_desc0,
+                                        stage * Traits::kKVBytes + mn_major_step_bytes(kk));
   };
 
   float s_acc[1][kNTiles][4];

@@ -11,4 +11,14 @@ namespace jax_flashattn::sm90 {
 inline constexpr uint32_t kRowBytes = 128;              // one swizzle span of one row
 inline constexpr uint32_t kGroupBytes = 8 * kRowBytes;  // 8-row core-matrix groups (descriptor SBO)
 
+// Where wgmma's k-step `ks` (16 two-byte elements) starts in a tile of this layout, in bytes
+// from the tile's start, for the descriptors' start address:
+// - K-major (the reduction dim runs along the rows, e.g. Q or K for S = Q K^T): a row's 64
+//   elements of each span hold 4 k-steps of 32 bytes, and the spans are `rows` rows apart;
+// - MN-major (the reduction dim runs down the rows, e.g. V for O += P V): 16 rows per k-step.
+constexpr uint32_t k_major_step_bytes(uint32_t rows, int ks) {
+  return uint32_t(ks / 4) * rows * kRowBytes + uint32_t(ks % 4) * 32;
+}
+constexpr uint32_t mn_major_step_bytes(int kk) { return uint32_t(kk) * 16 * kRowBytes; }
+
 }  // namespace jax_flashattn::sm90
