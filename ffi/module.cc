@@ -144,9 +144,9 @@ std::string CudaForwardKernel(int device, int dtype, int64_t head_dim, int64_t s
 
 // (splits, merge) of a decode call of this shape and dtype (as CudaForwardKernel, no bias or
 // mask, with or without per-batch key lengths, which change the split count) on CUDA device
-// `device`: merge "cluster" or "combine"; (0, "") when the call takes no split-KV decode
-// kernel. Makes `device` current for the query (the cluster occupancy is asked of the current
-// device) and restores the caller's.
+// `device`: merge "cluster", "paired_cluster" (two splits per block, merged in the cluster) or
+// "combine"; (0, "") when the call takes no split-KV decode kernel. Makes `device` current for
+// the query (the cluster occupancy is asked of the current device) and restores the caller's.
 std::pair<int64_t, std::string> CudaDecodeLayout(int device, int dtype, int64_t head_dim,
                                                  int64_t seqlen_k, int64_t batch,
                                                  int64_t seqlen_q, int64_t num_heads,
@@ -165,7 +165,8 @@ std::pair<int64_t, std::string> CudaDecodeLayout(int device, int dtype, int64_t 
   const jax_flashattn::cuda::DecodeLayout layout = jax_flashattn::cuda::decode_layout(p, device);
   cudaSetDevice(caller);
   if (layout.splits == 0) return {0, ""};
-  return {layout.splits, layout.cluster_merge ? "cluster" : "combine"};
+  if (!layout.cluster_merge) return {layout.splits, "combine"};
+  return {layout.splits, layout.splits_per_block == 2 ? "paired_cluster" : "cluster"};
 }
 
 // The backward kernel family the CUDA dispatcher picks on CUDA device `device` for a call of

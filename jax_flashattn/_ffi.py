@@ -93,7 +93,7 @@ def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
     """Which forward kernel family `attention` runs for these inputs on `device` (default: the
     first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync), "decode" (split-KV
     mma.sync, for few query rows against many keys), "decode_sm90" (split-KV wgmma, Hopper, for
-    decoding shapes with more than 32 query rows per kv head and head dims up to 128), "simt"
+    decoding shapes with 32 or more query rows per kv head and head dims up to 128), "simt"
     (CUDA cores) on an NVIDIA GPU, "cpu" on the host. Reads only shapes and dtypes (arrays or
     jax.ShapeDtypeStruct) and the kernel switches in the environment now (kernel_switches);
     assumes the default scale; contiguous inputs as XLA lays them out are assumed."""
@@ -112,8 +112,10 @@ def decode_layout(query, key, *, key_value_seq_lengths=False, device=None) -> tu
     """(splits, merge) of a call without bias or mask on `device` (default: the first JAX
     device) that takes a split-KV decode kernel ("decode", "decode_sm90"): its key ranges per
     (batch entry, kv head), and "cluster" where they merge inside their thread block cluster
-    (compute capability 9.0+, at most 8 splits, every cluster resident at once) or "combine"
-    where they merge through a second kernel; (0, "") for any other call.
+    (compute capability 9.0+, at most 8 blocks per cluster, every cluster resident at once),
+    "paired_cluster" where each block runs two splits (one per warpgroup, "decode_sm90" only)
+    and the blocks merge them in their cluster, or "combine" where they merge through a second
+    kernel; (0, "") for any other call.
     `key_value_seq_lengths`: whether the call passes them (it then aims at more splits). Shapes
     and dtypes only, as forward_kernel."""
     device, dtype_code = _kernel_query(query, device)

@@ -60,9 +60,11 @@ def gradient_case(rng, sizes):
 
 def main():
     rng = np.random.default_rng(0)
-    # (B, T, S, N, K, H): 8 splits per kv head (on Hopper merged in their cluster), 17 splits
+    # (B, T, S, N, K, H): 8 splits per kv head (on Hopper merged in their cluster), 4 splits of
+    # 64 kv heads (on Hopper with 128+ SMs two per block, merged in clusters of 2), 17 splits
     # (the workspace and the combine kernel), T = 1 with lengths, and a full forward.
     forward_case(rng, "decode, 8 splits", (2, 16, 2048, 8, 2, 128))
+    forward_case(rng, "decode, paired splits", (8, 16, 1500, 32, 8, 128))
     forward_case(rng, "decode, 17 splits", (2, 16, 4097, 8, 2, 128))
     forward_case(rng, "decode, T = 1, lengths", (2, 1, 3000, 8, 2, 128),
                  key_value_seq_lengths=jnp.array([3000, 1234], jnp.int32))

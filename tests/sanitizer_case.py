@@ -70,6 +70,13 @@ def main():
     forward_case(rng, "decode, 64 rows", (2, 16, 1001, 8, 2, 72),
                  kernel=("decode", "decode_sm90"),
                  key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
+    # The decode preset's 64 kv heads at 64 rows per block with 4 splits: on Hopper with 128+
+    # SMs the wgmma kernel's two splits per block (one ring and named barrier per warpgroup),
+    # merged in clusters of 2; lengths leave warpgroups, blocks and a whole unit without keys.
+    forward_case(rng, "decode, paired splits", (8, 16, 1024, 32, 8, 128),
+                 kernel=("decode", "decode_sm90"),
+                 key_value_seq_lengths=jnp.array([1024, 0, 1, 300, 700, 555, 1023, 64],
+                                                 jnp.int32))
     # Forward with S >= 16384 and no causal or window bound (the Hopper kernel's 160-key tiles
     # and single Q buffer): 3 x 64 query tiles, more than the SMs, so blocks reuse the buffer.
     forward_case(rng, "wide key tiles", (1, 300, 16500, 64, 8, 128))

@@ -387,10 +387,10 @@ def test_score_spikes_above_settled_maxima(rng, monkeypatch, family, dtype, head
 
 def decode_kernel(q, k):
     """The decode family the dispatcher must pick for a decoding shape: on Hopper the wgmma one
-    for more than 32 query rows per kv head (T * N / K) at head dims up to 128, unless
+    for 32 or more query rows per kv head (T * N / K) at head dims up to 128, unless
     JAX_FLASHATTN_DISABLE_SM90 is set; else the mma.sync one."""
     t, n, h = q.shape[-3:]
-    wgmma = (hopper() and t * n // k.shape[-2] > 32 and h <= 128
+    wgmma = (hopper() and t * n // k.shape[-2] >= 32 and h <= 128
              and os.environ.get("JAX_FLASHATTN_DISABLE_SM90", "0") in ("", "0"))
     return "decode_sm90" if wgmma else "decode"
 
@@ -458,7 +458,7 @@ def test_decode_head_dims(rng, dtype, t, head_dim, s):
 def test_decode_masks(rng, monkeypatch, dtype, kwargs, t, head_dim, family):
     """Causal is top-left aligned (query t sees keys <= t), so with T << S only the first split
     has keys; windows and lengths leave many splits empty, and zero-length rows give 0 / -inf.
-    T = 8 runs 32 rows per block (the mma.sync kernel), T = 16 64 (on Hopper the wgmma one,
+    T = 8 runs 32 rows per block, T = 16 64 (both on Hopper the wgmma one,
     with 128-key tiles at head dim 64 and 64-key tiles at 128; "sm80": the mma.sync kernel's
     whole-tile steps)."""
     pick_decode_family(monkeypatch, family)
@@ -506,14 +506,40 @@ def test_decode_merges(rng, monkeypatch, family, t, merge, kwargs):
 def test_decode_preset_layout():
     """The decode preset's layout on Hopper: one 16-row slab (T = 1) gives each of the 64 kv
     heads one split per 64 SMs (one block per SM), whose clusters are all resident at once: the
-    cluster merge. 64 rows (T = 16) give two per 64 SMs, whose merge depends on how many such
-    clusters the GPU holds at once (62 clusters of 4 on an H200: the combine)."""
+    cluster merge. 64 rows (T = 16) give two per 64 SMs, four on 128-191 SMs, as two-per-SM
+    blocks 64 clusters of 4, more than an H100 or H200 holds at once (62 on an H200); the wgmma
+    kernel then runs them two per block, 64 clusters of 2 one-per-SM blocks, which it holds."""
     if not hopper():
         pytest.skip("the layout checked is Hopper's")
     k = jax.ShapeDtypeStruct((8, 8192, 8, 128), jnp.bfloat16)
     q1, q16 = (jax.ShapeDtypeStruct((8, t, 32, 128), jnp.bfloat16) for t in (1, 16))
     assert _ffi.decode_layout(q1, k) == (max(1, multiprocessors() // 64), "cluster")
-    assert _ffi.decode_layout(q16, k)[0] == max(1, 2 * multiprocessors() // 64)
+    if multiprocessors() < 128:
+        assert _ffi.decode_layout(q16, k)[0] == max(1, 2 * multiprocessors() // 64)
+    else:
+        assert _ffi.decode_layout(q16, k) == (4, "paired_cluster")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("t", [9, 16])
+@pytest.mark.parametrize("s,kwargs", [
+    (1500, dict()),
+    (1500, dict(is_causal=True)),
+    (1500, dict(local_window_size=(1000, 600))),
+    (1024, dict(key_value_seq_lengths=np.array([1024, 0, 1, 300, 700, 555, 1023, 64],
+                                                np.int32))),
+], ids=["full", "causal", "window", "lengths"])
+def test_decode_paired_splits(rng, s, kwargs, t, head_dim):
+    """The wgmma decode kernel with two splits per block (one per warpgroup) merged in the
+    unit's cluster of such blocks: the decode preset's 64 kv heads at 36 and 64 rows with four
+    splits. Causal (top-left) and the window leave splits, and so warpgroups beside a busy one,
+    without keys; the lengths leave whole blocks (and a whole unit: length 0) without."""
+    if not hopper() or multiprocessors() < 128:
+        pytest.skip("four splits of 64 units pair up on Hopper with at least 128 SMs")
+    q, k, v = random_qkv(rng, 8, t, s, 32, 8, head_dim, jnp.bfloat16)
+    assert _ffi.decode_layout(
+        q, k, key_value_seq_lengths="key_value_seq_lengths" in kwargs) == (4, "paired_cluster")
+    check_decode(q, k, v, **kwargs)
 
 
 @pytest.mark.parametrize("fill", [np.nan, np.inf])
@@ -595,7 +621,7 @@ def test_decode_gradients(rng, t):
 def test_decode_dispatch(monkeypatch):
     """forward_kernel reports a decode kernel for decoding shapes only: few query rows per kv
     head (T * N / K <= 64), enough keys, bf16/fp16, no bias or mask; on Hopper the wgmma one
-    past 32 rows at head dims up to 128, unless JAX_FLASHATTN_DISABLE_SM90."""
+    from 32 rows at head dims up to 128, unless JAX_FLASHATTN_DISABLE_SM90."""
     monkeypatch.delenv("JAX_FLASHATTN_DISABLE_SM90", raising=False)
 
     def kernel(t, n, kv, s, h=128, dtype=jnp.bfloat16, **kwargs):
@@ -604,8 +630,8 @@ def test_decode_dispatch(monkeypatch):
     wgmma = "decode_sm90" if hopper() else "decode"
     for dtype in (jnp.bfloat16, jnp.float16):
         assert kernel(1, 32, 8, 65536, dtype=dtype) == "decode"
-        assert kernel(8, 32, 8, 65536, dtype=dtype) == "decode"  # 32 rows
-        assert kernel(9, 32, 8, 65536, dtype=dtype) == wgmma  # 36 rows
+        assert kernel(7, 32, 8, 65536, dtype=dtype) == "decode"  # 28 rows
+        assert kernel(8, 32, 8, 65536, dtype=dtype) == wgmma  # 32 rows
         assert kernel(16, 32, 8, 65536, dtype=dtype) == wgmma
     assert kernel(1, 32, 8, 65536, h=72) == "decode"
     assert kernel(16, 32, 8, 65536, h=72) == wgmma

@@ -78,14 +78,28 @@ bool decode_plan_for(const AttentionParams& p, int device, sm80::DecodePlan& pla
 }
 
 // decode_plan_for for a call that takes decode kernel `kernel` (kDecode or kDecodeSm90), with
-// its merge decided (plan.cluster_merge): the one place the launch and decode_layout ask.
+// its merge and block shape decided (plan.cluster_merge, plan.splits_per_block): the one place
+// the launch and decode_layout ask. One split per block where its clusters are resident or
+// the combine is the only way; on the wgmma kernel, two splits per block where that makes the
+// clusters resident (an even split count; sm90/decode_traits.h).
 bool decode_plan_with_merge(const AttentionParams& p, int device, ForwardKernel kernel,
                             sm80::DecodePlan& plan) {
   if (!decode_plan_for(p, device, plan)) return false;
   const bool sm90 = kernel == ForwardKernel::kDecodeSm90;
-  plan.cluster_merge = p.dtype == ElemType::kBFloat16
-                           ? decode_merges_in_cluster<__nv_bfloat16>(sm90, p, plan, device)
-                           : decode_merges_in_cluster<__half>(sm90, p, plan, device);
+  const auto merges = [&](const sm80::DecodePlan& candidate) {
+    return p.dtype == ElemType::kBFloat16
+               ? decode_merges_in_cluster<__nv_bfloat16>(sm90, p, candidate, device)
+               : decode_merges_in_cluster<__half>(sm90, p, candidate, device);
+  };
+  plan.cluster_merge = merges(plan);
+  if (sm90 && !plan.cluster_merge && plan.splits % 2 == 0) {
+    sm80::DecodePlan paired = plan;
+    paired.splits_per_block = 2;
+    if (merges(paired)) {
+      plan = paired;
+      plan.cluster_merge = true;
+    }
+  }
   return true;
 }
 
@@ -115,7 +129,7 @@ DecodeLayout decode_layout(const AttentionParams& p, int device) {
   if ((kernel != ForwardKernel::kDecode && kernel != ForwardKernel::kDecodeSm90) ||
       !decode_plan_with_merge(p, device, kernel, plan))
     return {};
-  return {plan.splits, plan.cluster_merge};
+  return {plan.splits, plan.splits_per_block, plan.cluster_merge};
 }
 
 cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {

@@ -51,6 +51,17 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
+// Synchronises the `threads` threads (a multiple of 32) that use named barrier `id`.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// Arrives at named barrier `id` without waiting: with named_barrier_sync on the other side, one
+// group of warps signals another.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Thread block clusters and distributed shared memory (sm_90+). The kernels that use them are
 // launched only from an image built for 9.0+ (cuda::runs_sm90_image), so the empty bodies of
 // older targets never run.

@@ -31,23 +31,24 @@ __device__ __forceinline__ void decode_key_range(const cuda::Visibility& vis, in
   hi = clamp(hi64);
 }
 
-// The block's work unit (one batch entry's kv head), its split, the unit's visibility (whose
-// first head stands for the group: every head of a group sees the same keys), and the split's
-// key tiles: the keys any row of the block sees, cut into kBlockN-key tiles, dealt to the
-// splits in equal runs [tile_begin, tile_end) (empty for a split past the last tile).
+// A split's work unit (one batch entry's kv head), its index in the unit, the unit's
+// visibility (whose first head stands for the group: every head of a group sees the same
+// keys), and the split's key tiles: the keys any row of the unit sees, cut into kBlockN-key
+// tiles, dealt to the splits in equal runs [tile_begin, tile_end) (empty for a split past the
+// last tile).
 struct DecodeSplit {
   int64_t unit, split, b, kv_head;
   int64_t kv_offset;  // elements from K's (and V's) start to the unit's first key
   cuda::Visibility vis;
-  int key_lo, key_hi;  // keys some row of the block sees
+  int key_lo, key_hi;  // keys some row of the unit sees
   int tile_begin, tile_end;
 
   template <int kBlockN>
   __device__ static DecodeSplit make(const AttentionParams& p, const DecodePlan& plan,
-                                     int64_t block) {
+                                     int64_t unit, int64_t split) {
     DecodeSplit s;
-    s.unit = block / plan.splits;
-    s.split = block % plan.splits;
+    s.unit = unit;
+    s.split = split;
     s.b = s.unit / p.num_kv_heads;
     s.kv_head = s.unit % p.num_kv_heads;
     s.kv_offset = s.b * p.kv_batch_stride + s.kv_head * p.kv_head_stride;

@@ -26,16 +26,16 @@ inline cudaLaunchAttribute cluster_dimension(int size) {
   return attribute;
 }
 
-// The split kernel `split_kernel` (of shared memory smem_bytes, threads per block) on one block
-// per (work unit, split); with plan.cluster_merge, each work unit's splits form one thread
-// block cluster (block unit * splits + s has cluster rank s).
+// The split kernel `split_kernel` (of shared memory smem_bytes, threads per block) on
+// plan.blocks_per_unit() blocks per work unit; with plan.cluster_merge, each work unit's blocks
+// form one thread block cluster (block unit * blocks_per_unit() + i has cluster rank i).
 template <auto split_kernel>
 cudaError_t launch_decode_splits(const AttentionParams& p, const sm80::DecodePlan& plan,
                                  int threads, int smem_bytes, cudaStream_t stream) {
-  const int64_t blocks = plan.work_units * plan.splits;
+  const int64_t blocks = plan.work_units * plan.blocks_per_unit();
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   if (cudaError_t e = ensure_smem_limit<split_kernel>(smem_bytes); e != cudaSuccess) return e;
-  cudaLaunchAttribute cluster = cluster_dimension(int(plan.splits));
+  cudaLaunchAttribute cluster = cluster_dimension(int(plan.blocks_per_unit()));
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(unsigned(blocks));
   config.blockDim = dim3(unsigned(threads));
@@ -76,21 +76,21 @@ cudaError_t launch_decode_combine(const AttentionParams& p, const sm80::DecodePl
   return cudaLaunchKernelEx(&config, sm80::decode_combine_kernel<Elem>, p, plan);
 }
 
-// How many clusters of size 1..kMaxClusterSplits (the index) of `kernel` (threads,
+// How many clusters of size 1..kMaxClusterBlocks (the index) of `kernel` (threads,
 // smem_bytes) can be resident at once on CUDA device `device`, the current one, asked once per
 // device; 0 for a size the query failed for (its error is cleared, so no later launch reports
 // it).
 template <auto kernel>
-std::array<int, sm80::kMaxClusterSplits + 1> resident_clusters(int device, int threads,
+std::array<int, sm80::kMaxClusterBlocks + 1> resident_clusters(int device, int threads,
                                                                int smem_bytes) {
-  using Counts = std::array<int, sm80::kMaxClusterSplits + 1>;
+  using Counts = std::array<int, sm80::kMaxClusterBlocks + 1>;
   return once_per_device(device, Counts{}, [threads, smem_bytes](int) {
     Counts n = {};
     if (ensure_smem_limit<kernel>(smem_bytes) != cudaSuccess) {
       cudaGetLastError();
       return n;
     }
-    for (int size = 1; size <= sm80::kMaxClusterSplits; ++size) {
+    for (int size = 1; size <= sm80::kMaxClusterBlocks; ++size) {
       cudaLaunchAttribute cluster = cluster_dimension(size);
       cudaLaunchConfig_t config = {};
       config.gridDim = dim3(unsigned(size));
@@ -109,16 +109,17 @@ std::array<int, sm80::kMaxClusterSplits + 1> resident_clusters(int device, int t
 
 // Whether a call with this plan merges its splits in their thread block clusters
 // (sm80/decode_cluster_merge.cuh) with split kernel `kernel` on CUDA device `device`, the
-// current one: at most kMaxClusterSplits splits, an image built for 9.0+ (whose cluster
-// instructions exist), and every work unit's cluster resident at once. A unit whose cluster had
-// to wait for another to finish would double the call: the decode preset's 64 units of 4
-// two-per-SM blocks, on an H200 with room for 62 such clusters, took 1.5-1.7x as long
-// (docs/kernel_notes.md). The dispatcher asks it once per call and records the answer in
+// current one: at most kMaxClusterBlocks blocks per unit, an image built for 9.0+ (whose
+// cluster instructions exist), and every work unit's cluster resident at once. A unit whose
+// cluster had to wait for another to finish would double the call: the decode preset's 64
+// units of 4 two-per-SM blocks, on an H200 with room for 62 such clusters, took 1.5-1.7x as
+// long (docs/kernel_notes.md). The dispatcher asks it once per call and records the answer in
 // plan.cluster_merge, which the launch follows.
 template <auto kernel>
 bool cluster_merge_fits(const sm80::DecodePlan& plan, int threads, int smem_bytes, int device) {
-  return plan.splits <= sm80::kMaxClusterSplits && runs_sm90_image<kernel>(device) &&
-         plan.work_units <= resident_clusters<kernel>(device, threads, smem_bytes)[plan.splits];
+  const int64_t blocks = plan.blocks_per_unit();
+  return blocks <= sm80::kMaxClusterBlocks && runs_sm90_image<kernel>(device) &&
+         plan.work_units <= resident_clusters<kernel>(device, threads, smem_bytes)[blocks];
 }
 
 // A decode call with split kernel `split_kernel`: with plan.cluster_merge the split kernel

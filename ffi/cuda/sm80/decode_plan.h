@@ -29,8 +29,10 @@ inline constexpr int64_t kDecodeMaxKeys = int64_t(1) << 30;
 inline constexpr int64_t kDecodeMinKeysPerSplit = 256;
 // Blocks per SM the splits aim at (decode_blocks_per_sm), rounded down: a last wave with a few
 // blocks would stream at the bandwidth of those few. Two blocks are resident per SM (96 KiB
-// each). Measured on an H200 (bf16, H = 128, T = 1 / 8 / 16, S = 32k-128k, 32-200 (batch,
-// kv head) units; docs/kernel_notes.md, eighteenth session), one process per comparison:
+// each; the wgmma kernel's paired configuration runs the same two splits as one block of two
+// warpgroups, so the counts are in splits of 96 KiB rings). Measured on an H200 (bf16,
+// H = 128, T = 1 / 8 / 16, S = 32k-128k, 32-200 (batch, kv head) units; docs/kernel_notes.md,
+// eighteenth session), one process per comparison:
 // - per-batch key lengths: four (two waves), so that splits of unequal length even out; with
 //   lengths spread over [S / 4, S], two (one wave) were 9% (T = 1) to 20% (T = 16) slower;
 // - equal lengths, every row in one 16-row slab (T = 1 with GQA up to 16): one, 2-3% faster
@@ -58,10 +60,17 @@ struct DecodePlan {
   int64_t head_dim = 0;
   float* o_partial = nullptr;
   float* lse_partial = nullptr;
-  // The splits of a unit run as one thread block cluster and merge there
+  // Splits one block runs, one per warpgroup: 1, or 2 on the wgmma kernel's paired
+  // configuration (sm90/decode_traits.h), which the dispatcher takes only with the cluster merge
+  // and an even split count. Block unit * blocks_per_unit() + i runs splits
+  // [i * splits_per_block, (i + 1) * splits_per_block) of work unit `unit`.
+  int64_t splits_per_block = 1;
+  // The blocks of a unit run as one thread block cluster and merge its splits there
   // (sm80/decode_cluster_merge.cuh); else through the workspace and the combine kernel. Set by
   // the dispatcher where every cluster is resident at once (cuda::cluster_merge_fits).
   bool cluster_merge = false;
+
+  JAX_FLASHATTN_HOST_DEVICE int64_t blocks_per_unit() const { return splits / splits_per_block; }
 
   JAX_FLASHATTN_HOST_DEVICE int64_t partial_row(int64_t unit, int64_t split, int64_t row) const {
     return (unit * splits + split) * rows + row;

@@ -43,13 +43,13 @@ inline bool hopper_kernels_apply(const AttentionParams& p, int device) {
 
 // Whether a call that takes a split-KV decode kernel (sm80::make_decode_plan accepted it) takes
 // the Hopper one: an sm_90a build on a compute capability 9.0 device, no
-// disable_sm90 switch, a head dim up to the largest of kDecodeHeadDims, and more query
-// rows per block than kDecodeMinRows (sm90/decode_traits.h). It loads by cp.async, so it needs
+// disable_sm90 switch, a head dim up to the largest of kDecodeHeadDims, and at least
+// kDecodeMinRows query rows per block (sm90/decode_traits.h). It loads by cp.async, so it needs
 // neither the tensor-map entry point nor TMA's alignment.
 inline bool decode_kernel_applies(const AttentionParams& p, int device) {
 #ifdef JAX_FLASHATTN_HAS_SM90A
   constexpr int kMaxHeadDim = kDecodeHeadDims[sizeof(kDecodeHeadDims) / sizeof(int) - 1];
-  return p.head_dim <= kMaxHeadDim && sm80::decode_rows(p) > kDecodeMinRows &&
+  return p.head_dim <= kMaxHeadDim && sm80::decode_rows(p) >= kDecodeMinRows &&
          !p.disable_sm90 && device_is_sm90(device);
 #else
   (void)p;

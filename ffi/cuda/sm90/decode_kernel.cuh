@@ -1,19 +1,21 @@
-// Split-KV decode forward for Hopper (sm_90a): each block computes one split's partial attention
-// with wgmma; the splits merge as the mma.sync decode kernel's do, whose plan, rows and
-// workspace this one shares (sm80/decode_block.cuh): through the workspace and the combine
-// kernel (sm80/decode_combine.cuh), or, with plan.cluster_merge, inside the cluster of the
-// unit's splits (sm80/decode_cluster_merge.cuh). Configurations and why: sm90/decode_traits.h.
+// Split-KV decode forward for Hopper (sm_90a): each warpgroup computes one split's partial
+// attention with wgmma (one or two warpgroups per block: sm90/decode_traits.h); the splits merge
+// as the mma.sync decode kernel's do, whose plan, rows and workspace this one shares
+// (sm80/decode_block.cuh): through the workspace and the combine kernel
+// (sm80/decode_combine.cuh), or, with plan.cluster_merge, inside the cluster of the unit's
+// blocks (sm80/decode_cluster_merge.cuh).
 //
-// The block's one warpgroup streams its split's key tiles through a cp.async ring; per tile it
-// computes
+// Each warpgroup streams its split's key tiles through its own cp.async ring, synchronising
+// with a named barrier of its own (the warpgroups of a block never wait for each other before
+// the merge); per tile it computes
 //   S = Q K^T              wgmma, Q from registers (loaded once from global memory), K from
 //                          shared memory
 //   mask                   per-row key bounds (lengths, causal, window), on the threads whose
 //                          rows do not see the whole tile
 //   online softmax         exp2 with the scale folded into one FFMA
 //   O += P V               wgmma, P re-packed from the S accumulators
-// and writes its normalised O and lse to the workspace or, for the cluster merge, to its shared
-// memory.
+// and writes its normalised O and lse to the workspace or, for the cluster merge, to its
+// ring's shared memory.
 #pragma once
 
 #include <cstdint>
@@ -42,43 +44,70 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kNTiles = kBlockN / 8;    // 8-key column tiles of S
   constexpr int kDTiles = kHeadDim / 8;   // 8-wide column tiles of O
 
-  // The ring at the next 1024-byte boundary (the 128-byte swizzle's period): stage s holds its
-  // K tile, then its V tile.
+  constexpr int kSplitsPerBlock = Traits::kSplitsPerBlock;
+  constexpr int kGroupThreads = Traits::kWarpgroupThreads;
+
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int warpgroup = tid / kGroupThreads, group_tid = tid % kGroupThreads;
+  const int warp = group_tid / 32;  // the warp's 16-row slab
+  const int quad_col = 2 * (lane % 4);  // accumulator column pair
+  const int64_t group = p.group_size();
+
+  // The rings from the next 1024-byte boundary (the 128-byte swizzle's period), one per
+  // warpgroup: stage s of a ring holds its K tile, then its V tile.
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_address = ptx::smem_address(smem_raw);
-  const uint32_t base = (raw_address + kGroupBytes - 1) & ~(kGroupBytes - 1);
+  const uint32_t rings = (raw_address + kGroupBytes - 1) & ~(kGroupBytes - 1);
+  const uint32_t base = rings + warpgroup * Traits::kRingBytes;
   Elem* ring = reinterpret_cast<Elem*>(smem_raw + (base - raw_address));
   constexpr int kTileElems = kBlockN * kHeadDim;
   const auto stage_k = [&](int stage) { return ring + stage * 2 * kTileElems; };
   const auto stage_v = [&](int stage) { return stage_k(stage) + kTileElems; };
+  // The warpgroup's own barrier: the block's (barrier 0) for one warpgroup, else named barrier
+  // 1 + warpgroup, each with its id as a constant (a computed id makes ptxas reserve all 16).
+  const auto sync_warpgroup = [&] {
+    if constexpr (kSplitsPerBlock == 1)
+      __syncthreads();
+    else if (warpgroup == 0)
+      ptx::named_barrier_sync(1, kGroupThreads);
+    else
+      ptx::named_barrier_sync(2, kGroupThreads);
+  };
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int quad_col = 2 * (lane % 4);  // accumulator column pair
-  const int64_t group = p.group_size();
-
-  const sm80::DecodeSplit sp = sm80::DecodeSplit::make<kBlockN>(p, plan, blockIdx.x);
-  // Where the split's result goes: the workspace, or this block's shared memory (over the
-  // drained ring) for the cluster merge.
+  const int64_t blocks_per_unit = plan.blocks_per_unit();
+  const sm80::DecodeSplit sp = sm80::DecodeSplit::make<kBlockN>(
+      p, plan, blockIdx.x / blocks_per_unit,
+      blockIdx.x % blocks_per_unit * kSplitsPerBlock + warpgroup);
+  // Where the split's result goes: the workspace, or its ring's shared memory (drained) for the
+  // cluster merge, which finds the block's splits' partials a ring apart.
+  // The merge's scratch follows warpgroup 0's partial in its ring.
   using ClusterPartial = sm80::ClusterPartial<kHeadDim>;
-  static_assert(ClusterPartial::kBytes <= Traits::kStages * Traits::kStageBytes,
-                "the cluster merge's partial fits in the ring");
-  float* cluster_partial = reinterpret_cast<float*>(ring);
+  static_assert(ClusterPartial::kBytes % 8 == 0 &&
+                    ClusterPartial::kBytes + sm80::ClusterMergeScratch<kSplitsPerBlock>::kBytes <=
+                        Traits::kRingBytes,
+                "the cluster merge's partial and scratch fit in a ring");
+  float* cluster_partials =
+      reinterpret_cast<float*>(smem_raw + (rings - raw_address));  // warpgroup 0's
+  constexpr int kPartialStride = Traits::kRingBytes / int(sizeof(float));
+  const auto merge_in_cluster = [&] {
+    sm80::merge_cluster_splits<Elem, kHeadDim, kSplitsPerBlock>(
+        p, plan, sp, cluster_partials, kPartialStride,
+        cluster_partials + ClusterPartial::kBytes / int(sizeof(float)), tid, Traits::kThreads);
+  };
   const sm80::PartialRows partial =
-      plan.cluster_merge ? ClusterPartial::at(cluster_partial)
+      plan.cluster_merge ? ClusterPartial::at(reinterpret_cast<float*>(ring))
                          : sm80::workspace_partial(plan, sp.unit, sp.split);
   if (sp.tile_begin >= sp.tile_end) {
-    sm80::store_empty_split(partial, plan, tid, Traits::kThreads);
-    if (plan.cluster_merge)
-      sm80::merge_cluster_splits<Elem, kHeadDim>(p, plan, sp, cluster_partial, tid,
-                                                 Traits::kThreads);
+    sm80::store_empty_split(partial, plan, group_tid, kGroupThreads);
+    if (plan.cluster_merge) merge_in_cluster();
     return;
   }
 
   // The ring's stage `stage` <- key tile `tile` (keys past the length zero-filled), in the
   // layout wgmma's descriptors read.
   const auto load_stage = [&](int tile, int stage) {
-    sm80::load_split_tile<Traits, sm80::SwizzledSpans<kBlockN>>(stage_k(stage), stage_v(stage), p,
-                                                                sp, tile, tid);
+    sm80::load_split_tile<typename Traits::WarpgroupCopies, sm80::SwizzledSpans<kBlockN>>(
+        stage_k(stage), stage_v(stage), p, sp, tile, group_tid);
   };
 
   // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
@@ -117,10 +146,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     ptx::cp_async_wait<kStages - 2>();
     // This thread's copies of tile j have landed; the proxy fence makes them visible to wgmma,
     // which reads shared memory through the async proxy, and the barrier makes every thread's
-    // visible, and tells that every warp is done with tile j - 1, whose stage the load below
-    // refills (its products were waited for).
+    // of the warpgroup visible, and tells that every warp is done with tile j - 1, whose stage
+    // the load below refills (its products were waited for).
     ptx::fence_proxy_async_shared();
-    __syncthreads();
+    sync_warpgroup();
     if (tile + kStages - 1 < sp.tile_end)
       load_stage(tile + kStages - 1, (j + kStages - 1) % kStages);
     ptx::cp_async_commit();
@@ -157,10 +186,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   softmax.finalize(o_acc, scale_log2, row_lse);
   if (plan.cluster_merge) {
     // Every warp's last products have read the ring that the partial overwrites.
-    __syncthreads();
+    sync_warpgroup();
     sm80::store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
-    sm80::merge_cluster_splits<Elem, kHeadDim>(p, plan, sp, cluster_partial, tid,
-                                               Traits::kThreads);
+    merge_in_cluster();
   } else {
     // The combine may launch now; it waits for this grid's stores before it reads them.
     ptx::launch_dependents();

@@ -130,17 +130,6 @@ __device__ __forceinline__ void ld_shared_v4_b32(uint32_t address, uint32_t (&v)
                : "memory");
 }
 
-// Synchronises the `threads` threads (a multiple of 32) that use named barrier `id`.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
-// Arrives at named barrier `id` without waiting: with named_barrier_sync on the other side, one
-// group of warps signals another.
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 // ---- Register reallocation between warpgroups (every warp of the warpgroup executes it).
 
 template <int kRegisters>
