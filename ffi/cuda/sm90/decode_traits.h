@@ -20,13 +20,14 @@
 // Two block shapes hold those two rings per SM. One split per block, two blocks per SM: the
 // splits merge through the workspace and the combine, or in a cluster of the unit's splits
 // where every unit's cluster is resident at once. Two splits per block (the paired
-// configuration, one warpgroup and ring each, one block per SM): the unit's blocks merge in a
-// cluster of half as many blocks, which stays resident where the first's does not. The decode
-// preset at T = 16 (64 kv heads x 4 splits) is 64 clusters of 4 two-per-SM blocks, of which an
-// H200 holds 62 (1.5-1.7x slower launched anyway), or 64 clusters of 2 paired blocks, which it
-// holds; the paired configuration then saves the partials' round trip through HBM and the
-// combine (docs/kernel_notes.md, twenty-fifth session). The dispatcher takes it only for that:
-// with the cluster merge and an even split count, where the first shape would need the combine.
+// configuration, one warpgroup, ring and named barrier each, one block per SM): the unit's
+// blocks merge in a cluster of half as many blocks, which stays resident where the first's does
+// not. The decode preset at T = 16 (64 kv heads x 4 splits) is 64 clusters of 4 two-per-SM
+// blocks, of which an H200 holds 62 (1.5-1.7x slower launched anyway), or 64 clusters of 2
+// paired blocks, which it holds: no partials through HBM and no combine; with the merge made
+// lean, 3.56-3.60 TB/s against 3.37-3.41 at S = 8192 on an H200 (docs/kernel_notes.md, "Paired
+// decode blocks"). The dispatcher takes it only for that: with the cluster merge and an even
+// split count, where the first shape would need the combine.
 //
 // Registers per thread: Q as wgmma's register A operand kHeadDim / 4 (loaded once from global
 // memory), O kHeadDim / 2 floats, S kBlockN / 2, P kBlockN / 4: 16 + 32 + 64 + 32 = 144 at head
