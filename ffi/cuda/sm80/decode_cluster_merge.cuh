@@ -40,8 +40,11 @@ struct ClusterPartial {
   static constexpr int kLseOffset = int(kDecodeMaxRows) * kRowFloats;
   static constexpr int kBytes = (kLseOffset + int(kDecodeMaxRows)) * int(sizeof(float));
   static_assert(kRowFloats % 4 == 0, "rows start 16-byte aligned");
+  static_assert(kBytes % 8 == 0, "the merge's scratch after it starts 8-byte aligned");
 
   __device__ static PartialRows at(float* base) { return {base, kRowFloats, base + kLseOffset}; }
+  // The merge's scratch (ClusterMergeScratch) right after the partial at `base`.
+  __device__ static void* scratch_after(float* base) { return base + kBytes / int(sizeof(float)); }
 };
 
 // A block's scratch for the merge, in its shared memory beside its partials: for each of its

@@ -63,11 +63,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // Where the split's result goes: the workspace, or this block's shared memory (over the
   // drained ring) for the cluster merge.
   using Partial = ClusterPartial<Traits::kHeadDim>;
-  static_assert(Partial::kBytes % 8 == 0 &&
-                    Partial::kBytes + ClusterMergeScratch<1>::kBytes <= Traits::kSmemBytes,
+  static_assert(Partial::kBytes + ClusterMergeScratch<1>::kBytes <= Traits::kSmemBytes,
                 "the cluster merge's partial and scratch fit");
   float* cluster_partial = reinterpret_cast<float*>(smem_raw);
-  float* merge_scratch = cluster_partial + Partial::kBytes / int(sizeof(float));
+  void* merge_scratch = Partial::scratch_after(cluster_partial);
   const PartialRows partial = plan.cluster_merge ? Partial::at(cluster_partial)
                                                 : workspace_partial(plan, sp.unit, sp.split);
   if (tile_begin >= tile_end) {
