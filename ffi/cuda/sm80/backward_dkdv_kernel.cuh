@@ -208,17 +208,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int ld_row = lane % 8, ld_matrix = lane / 8;
   const int rows_first_row = (ld_matrix & 1) * 8 + ld_row, rows_first_chunk = ld_matrix >> 1;
   const int chunks_first_row = (ld_matrix >> 1) * 8 + ld_row, chunks_first_chunk = ld_matrix & 1;
-  const LdmatrixAddress<kSmemDim> k_mk(sK + key_row0 * kSmemDim, rows_first_row,
-                                       rows_first_chunk);  // (0, k-step)
-  const LdmatrixAddress<kSmemDim> v_mk(sV + key_row0 * kSmemDim, rows_first_row,
-                                       rows_first_chunk);  // (0, k-step)
-  const LdmatrixAddress<kSmemDim> k_kn(sK, rows_first_row, rows_first_chunk);  // (key, col)
+  using Address = LdmatrixAddress<SwizzledRows<kSmemDim>>;  // Q, dO, K and V tiles
+  using DsAddress = LdmatrixAddress<SwizzledRows<kDsDim>>;  // P and dS tiles
+  const Address k_mk(sK + key_row0 * kSmemDim, rows_first_row, rows_first_chunk);  // (0, k-step)
+  const Address v_mk(sV + key_row0 * kSmemDim, rows_first_row, rows_first_chunk);  // (0, k-step)
+  const Address k_kn(sK, rows_first_row, rows_first_chunk);  // (key, col)
   // acc = A B^T over this warp's 16 keys (A: K or V, `key_mk`) and the 16-query steps
   // step0.. of a sub-tile (B: Q or dO, `query_nk`), both K-major in shared memory: S^T = K Q^T
   // and dP^T = V dO^T.
-  const auto keys_by_queries = [&](float (&acc)[kSubTiles8][4],
-                                   const LdmatrixAddress<kSmemDim>& key_mk,
-                                   const LdmatrixAddress<kSmemDim>& query_nk, int step0) {
+  const auto keys_by_queries = [&](float (&acc)[kSubTiles8][4], const Address& key_mk,
+                                   const Address& query_nk, int step0) {
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
       uint32_t key_frag[4];
@@ -231,11 +230,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       }
     }
   };
-  const LdmatrixAddress<kDsDim> p_mk(sP + key_row0 * kDsDim, rows_first_row,
-                                     rows_first_chunk);  // (0, query step)
-  const LdmatrixAddress<kDsDim> ds_mk(sdS + key_row0 * kDsDim, rows_first_row,
-                                      rows_first_chunk);  // (0, query step)
-  const LdmatrixAddress<kDsDim> ds_km(sdS, chunks_first_row, chunks_first_chunk);  // (key, query)
+  const DsAddress p_mk(sP + key_row0 * kDsDim, rows_first_row,
+                       rows_first_chunk);  // (0, query step)
+  const DsAddress ds_mk(sdS + key_row0 * kDsDim, rows_first_row,
+                        rows_first_chunk);  // (0, query step)
+  const DsAddress ds_km(sdS, chunks_first_row, chunks_first_chunk);  // (key, query)
 
   int n = int(head0), tile = tile_begin;  // the step's query head and Q tile
   for (int64_t step = 0; step < steps; ++step) {
@@ -248,14 +247,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     int next_n = n, next_tile = tile + 1;
     if (next_tile == tile_end) next_n = n + 1, next_tile = tile_begin;
     const HeadTerms head = HeadTerms::make(p, b, n);
-    const LdmatrixAddress<kSmemDim> q_nk(sQ_stage + sdp_col0 * kSmemDim, chunks_first_row,
-                                         chunks_first_chunk);  // (query step, k-step)
-    const LdmatrixAddress<kSmemDim> do_nk(sdO_stage + sdp_col0 * kSmemDim, chunks_first_row,
-                                          chunks_first_chunk);  // (query step, k-step)
-    const LdmatrixAddress<kSmemDim> q_kn(sQ_stage, rows_first_row,
-                                         rows_first_chunk);  // (query step, col step)
-    const LdmatrixAddress<kSmemDim> do_kn(sdO_stage, rows_first_row,
-                                          rows_first_chunk);  // (query step, col step)
+    const Address q_nk(sQ_stage + sdp_col0 * kSmemDim, chunks_first_row,
+                       chunks_first_chunk);  // (query step, k-step)
+    const Address do_nk(sdO_stage + sdp_col0 * kSmemDim, chunks_first_row,
+                        chunks_first_chunk);  // (query step, k-step)
+    const Address q_kn(sQ_stage, rows_first_row, rows_first_chunk);    // (query step, col step)
+    const Address do_kn(sdO_stage, rows_first_row, rows_first_chunk);  // (query step, col step)
 
     ptx::cp_async_wait<0>();
     // Tile `step` and its lse / D have landed, and every warp is done with tile step - 1: its

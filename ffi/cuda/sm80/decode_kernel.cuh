@@ -113,10 +113,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     if (!computes) continue;
 
     const int stage = j % kStages;
-    const LdmatrixAddress<kSmemDim> k_address(stage_k(stage), (ld_matrix >> 1) * 8 + ld_row,
-                                              ld_matrix & 1);
-    const LdmatrixAddress<kSmemDim> v_address(stage_v(stage), (ld_matrix & 1) * 8 + ld_row,
-                                              ld_matrix >> 1);
+    using Address = LdmatrixAddress<SwizzledRows<kSmemDim>>;
+    const Address k_address(stage_k(stage), (ld_matrix >> 1) * 8 + ld_row, ld_matrix & 1);
+    const Address v_address(stage_v(stage), (ld_matrix & 1) * 8 + ld_row, ld_matrix >> 1);
     for (int step = key_group; step < Traits::kStepsPerTile; step += key_groups) {
       const int key0 = tile * kBlockN + step * kStepKeys;
       if (key0 >= key_hi) break;                // past every row's last key

@@ -46,8 +46,8 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm
   constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of O
 
   // Aligned to a whole swizzled row (at most 512 bytes) for LdmatrixAddress's XOR; with kTmaKV
-  // to 1024 bytes (the period of TMA's swizzle, which SpanLdmatrixAddress assumes), up to 1 KiB
-  // further in.
+  // to 1024 bytes (the period of TMA's swizzle, which SwizzledSpans' addressing assumes), up to
+  // 1 KiB further in.
   extern __shared__ __align__(512) unsigned char smem_raw[];
   unsigned char* smem = smem_raw;
   if constexpr (kTmaKV) smem += (1024 - ptx::smem_address(smem_raw) % 1024) % 1024;
@@ -58,8 +58,8 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm
   // how many times a warp has finished reading stage s (kWarps per use of the stage).
   uint64_t* kv_full = reinterpret_cast<uint64_t*>(sV + Traits::kStages * kBlockN * kSmemDim);
   uint32_t* kv_done = reinterpret_cast<uint32_t*>(kv_full + Traits::kStages);
-  using KVAddress =
-      std::conditional_t<kTmaKV, SpanLdmatrixAddress<kBlockN>, LdmatrixAddress<kSmemDim>>;
+  using KVLayout = std::conditional_t<kTmaKV, SwizzledSpans<kBlockN>, SwizzledRows<kSmemDim>>;
+  using KVAddress = LdmatrixAddress<KVLayout>;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);  // mma accumulator coordinates
@@ -99,7 +99,7 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm
   auto issue_kv_tma = [&](int64_t tile, int stage) {
     if constexpr (kTmaKV) {
       constexpr int kSpans = Traits::kTmaSpans, kSpanElems = Traits::kSpanElems;
-      constexpr int kSpanBytes = KVAddress::kSpanBytes;  // [kBlockN][128 bytes]
+      constexpr int kSpanBytes = KVLayout::kSpanBytes;  // [kBlockN][128 bytes]
       const uint32_t full = ptx::smem_address(&kv_full[stage]);
       const uint32_t k_tile = ptx::smem_address(sK + stage * kBlockN * kSmemDim);
       const uint32_t v_tile = ptx::smem_address(sV + stage * kBlockN * kSmemDim);
@@ -168,8 +168,8 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm
   // B operands of two adjacent 8-key tiles (K) take (keys 0-7, k 0-7), (0-7, 8-15),
   // (8-15, 0-7), (8-15, 8-15); V, transposed, takes keys as rows like Q.
   const int ld_row = lane % 8, ld_matrix = lane / 8;
-  const LdmatrixAddress<kSmemDim> q_address(sQ + warp_row0 * kSmemDim,
-                                            (ld_matrix & 1) * 8 + ld_row, ld_matrix >> 1);
+  const LdmatrixAddress<SwizzledRows<kSmemDim>> q_address(
+      sQ + warp_row0 * kSmemDim, (ld_matrix & 1) * 8 + ld_row, ld_matrix >> 1);
   auto load_q = [&](int ks, int slot) {
 #pragma unroll
     for (int m = 0; m < kSlabs; ++m) ptx::ldmatrix_x4(q_frag[m][slot], q_address(m, ks));

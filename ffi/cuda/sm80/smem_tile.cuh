@@ -16,60 +16,53 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
   return row * kSmemDim + ((chunk ^ (row & 7)) << 3);
 }
 
-// The layouts load_tile writes, each an element offset of 16-byte chunk `chunk` of row `row`:
-// rows of kSmemDim elements with the XOR swizzle above (the mma.sync kernels), ...
+// The layouts load_tile writes, each an element offset of 16-byte chunk `chunk` of row `row`,
+// with the geometry LdmatrixAddress (below) reads them by: rows of kRowBytes bytes, made of
+// spans of kSpanSteps 32-byte column steps within which the chunks are XOR-swizzled by row % 8,
+// a span's rows kSpanBytes after the previous span's (kSpanBytes 0: one span, the row). Rows of
+// kSmemDim elements with the XOR swizzle above (the mma.sync kernels), ...
 template <int kSmemDim>
 struct SwizzledRows {
+  static constexpr int kRowBytes = kSmemDim * 2, kSpanBytes = 0;
   __device__ static int offset(int row, int chunk) { return swizzled<kSmemDim>(row, chunk); }
 };
 
-// ... or the layout TMA writes with the 128-byte swizzle (SpanLdmatrixAddress below, and the
-// wgmma descriptors of sm90/): each 64-element span of the kRows rows a [kRows][64] array of its
-// own, spans one after another, chunk c of a row at c ^ row % 8 within its span's row.
+// ... or the layout TMA writes with the 128-byte swizzle (and the wgmma descriptors of sm90/
+// read): each 64-element span of the kRows rows a [kRows][64] array of its own, spans one after
+// another, chunk c of a row at c ^ row % 8 within its span's row.
 template <int kRows>
 struct SwizzledSpans {
+  static constexpr int kRowBytes = 128, kSpanSteps = 4, kSpanBytes = kRows * kRowBytes;
   __device__ static int offset(int row, int chunk) {
     return (chunk >> 3) * kRows * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
   }
 };
 
-// ldmatrix addresses into a swizzled tile whose rows are kSmemDim * 2 bytes and whose start is
-// aligned to that (a power of two). Lane l addresses row `lane_row` (== l % 8 mod 8) and 16-byte
-// chunk `lane_chunk` (0 or 1) of each 16 x 16 operand. Chunk 2 i + c of a row sits at
-// ((2 i + c) ^ row % 8) * 16 = ((c ^ row % 8) * 16) ^ (32 i) bytes into it, so one per-lane base
-// address covers every operand: XOR in 32 i for column step i, add whole rows for row steps.
-// That keeps one register per operand instead of one per (step, operand) for ptxas to hoist.
-template <int kSmemDim>
+// ldmatrix addresses into a tile laid out as Layout, whose start is aligned to its swizzle's
+// period (a whole row of SwizzledRows, a power of two; 1024 bytes for SwizzledSpans). Lane l
+// addresses row `lane_row` (== l % 8 mod 8) and 16-byte chunk `lane_chunk` (0 or 1) of each
+// 16 x 16 operand. Chunk 2 i + c of a row sits at ((c ^ row % 8) * 16) ^ (32 (i % kSpanSteps))
+// bytes into the row of span i / kSpanSteps, so one per-lane base address covers every
+// operand: XOR in the column step within its span, add whole spans and rows. That keeps one
+// register per operand instead of one per (step, operand) for ptxas to hoist.
+template <typename Layout>
 struct LdmatrixAddress {
-  static constexpr int kRowBytes = kSmemDim * 2;
   uint32_t base;
 
   __device__ LdmatrixAddress(const void* tile, int lane_row, int lane_chunk)
-      : base(ptx::smem_address(tile) + lane_row * kRowBytes + ((lane_chunk ^ (lane_row & 7)) << 4)) {}
-
-  // 16 x 16 operand at rows [16 row_step, +16), columns [16 col_step, +16).
-  __device__ uint32_t operator()(int row_step, int col_step) const {
-    return (base ^ (col_step << 5)) + row_step * 16 * kRowBytes;
-  }
-};
-
-// The same for a tile of kRows rows stored as TMA writes it with the 128-byte swizzle: each
-// 64-element span of the rows in a [kRows][128 bytes] array of its own, spans one after
-// another, the tile 1024-byte aligned. Chunk 2 i + c of a row lies in span i / 4, at
-// ((c ^ row % 8) * 16) ^ (32 (i % 4)) bytes into that span's row.
-template <int kRows>
-struct SpanLdmatrixAddress {
-  static constexpr int kRowBytes = 128, kSpanBytes = kRows * kRowBytes;
-  uint32_t base;
-
-  __device__ SpanLdmatrixAddress(const void* tile, int lane_row, int lane_chunk)
-      : base(ptx::smem_address(tile) + lane_row * kRowBytes +
+      : base(ptx::smem_address(tile) + lane_row * Layout::kRowBytes +
              ((lane_chunk ^ (lane_row & 7)) << 4)) {}
 
-  // 16 x 16 operand at rows [16 row_step, +16), columns [16 col_step, +16).
+  // 16 x 16 operand at rows [16 row_step, +16), columns [16 col_step, +16). With one span per
+  // row (SwizzledRows) every column step is an XOR, as the row is aligned to its power-of-two
+  // size: no division where the step is known only at run time.
   __device__ uint32_t operator()(int row_step, int col_step) const {
-    return (base ^ ((col_step & 3) << 5)) + (col_step >> 2) * kSpanBytes +
-           row_step * 16 * kRowBytes;
+    const uint32_t rows = row_step * 16 * Layout::kRowBytes;
+    if constexpr (Layout::kSpanBytes == 0)
+      return (base ^ (col_step << 5)) + rows;
+    else
+      return (base ^ ((col_step % Layout::kSpanSteps) << 5)) +
+             (col_step / Layout::kSpanSteps) * Layout::kSpanBytes + rows;
   }
 };
 
