@@ -75,6 +75,14 @@ __device__ __forceinline__ void cluster_arrive() {
 #endif
 }
 
+// The same arrival without ordering this thread's memory accesses: for a barrier that only
+// keeps blocks alive (no block leaves while another reads its shared memory).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void cluster_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");

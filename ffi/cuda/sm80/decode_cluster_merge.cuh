@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/softmax.cuh"
 #include "ffi/cuda/sm80/decode_block.cuh"
 #include "ffi/cuda/sm80/decode_plan.h"
 #include "ffi/params.h"
@@ -40,63 +41,40 @@ struct ClusterPartial {
   static constexpr int kLseOffset = int(kDecodeMaxRows) * kRowFloats;
   static constexpr int kBytes = (kLseOffset + int(kDecodeMaxRows)) * int(sizeof(float));
   static_assert(kRowFloats % 4 == 0, "rows start 16-byte aligned");
-  static_assert(kBytes % 8 == 0, "the merge's scratch after it starts 8-byte aligned");
 
   __device__ static PartialRows at(float* base) { return {base, kRowFloats, base + kLseOffset}; }
-  // The merge's scratch (ClusterMergeScratch) right after the partial at `base`.
-  __device__ static void* scratch_after(float* base) { return base + kBytes / int(sizeof(float)); }
 };
-
-// A block's scratch for the merge, in its shared memory beside its partials: for each of its
-// rows, the weight of each split, then where the row starts in out (elements).
-template <int kSplitsPerBlock>
-struct ClusterMergeScratch {
-  static constexpr int kMaxSplits = kMaxClusterBlocks * kSplitsPerBlock;
-  static constexpr int kRowOutOffset = int(kDecodeMaxRows) * kMaxSplits * int(sizeof(float));
-  static constexpr int kBytes = kRowOutOffset + int(kDecodeMaxRows) * int(sizeof(int64_t));
-  static_assert(kRowOutOffset % 8 == 0, "the row offsets are 8-byte aligned");
-
-  float* weights;        // [kDecodeMaxRows][kMaxSplits]
-  int64_t* row_out;      // [kDecodeMaxRows]
-
-  __device__ static ClusterMergeScratch at(void* base) {
-    unsigned char* bytes = static_cast<unsigned char*>(base);
-    return {reinterpret_cast<float*>(bytes), reinterpret_cast<int64_t*>(bytes + kRowOutOffset)};
-  }
-};
-
-// The named barrier of a block's merge: 0 is __syncthreads', and the paired wgmma decode
-// kernel's warpgroups use 1 and 2 (sm90/decode_kernel.cuh).
-inline constexpr int kMergeBarrier = 3;
 
 // Merges the unit's splits (every block of the cluster calls it, with every thread, after
 // writing its splits' partials, ClusterPartial<kHeadDim>'s layout, split i of the block at
-// `partials` + i * partial_stride floats; `scratch` is ClusterMergeScratch's bytes, 8-byte
-// aligned, in this block's shared memory): block `rank` (= sp.split / kSplitsPerBlock) takes
+// `partials` + i * partial_stride floats): block `rank` (= sp.split / kSplitsPerBlock) takes
 // rows [rank * share, (rank + 1) * share) of the unit's plan.rows and writes them to out and
-// lse, in two steps:
-//   1. one lane per (row, split), a row's splits in adjacent lanes: lse = log sum_s exp(lse_s)
-//      by shuffles, lse to p.lse, each split's weight exp(lse_s - lse) (0 where lse_s is -inf)
-//      and the row's place in out to the scratch;
-//   2. kItems float4 column groups per thread: out = sum_s weight_s O_s, with the O of
-//      kSplitStep splits of all of them loaded before any is added.
-// Few warps run it (8 per SM on the paired wgmma kernel), so it is bound by the latency of its
-// instruction chains: a first version, in which each column group reloaded and reduced its
-// row's lse over every split, located its row in out with 64-bit divisions and loaded one
-// split's O after another, executed ~1100 instructions per column group and took ~7 us on an
-// H200 for the decode preset at T = 16 (paired blocks: 4 splits of 64 rows, 4 column groups
-// per thread), most of the gap between that call and 3.7 TB/s (docs/kernel_notes.md).
+// lse. kRowThreads threads per row, each kItems float4 column groups kRowThreads apart (a row's
+// threads read consecutive 16-byte chunks). Each thread loads its row's lse of every split and
+// the O of its groups of the first kSplitStep splits at once, then computes the row's lse and
+// the splits' weights in registers and adds; splits past the first step (units of more than
+// kSplitStep splits) follow one at a time.
+// Few warps run it (8 per SM on the paired wgmma kernel), once per call from a cold instruction
+// cache, so its time is its chain of dependent steps (round trips to another SM's shared
+// memory, barriers) and its instruction count. For the decode preset at T = 16 on an H200
+// (paired blocks, 4 splits of 64 rows): a first version, in which each column group reloaded
+// and reduced its row's lse over the splits, took ~7 us; a second, with one lane per (row,
+// split) writing the weights to shared memory and a block barrier before the sums, 3.5-3.7 us
+// per merge; this one 2.7 us (T = 8: 2.0 against 2.6), 0.7-0.9 us less per call
+// (docs/kernel_notes.md, "The cluster merge's chain").
 // Returns once no block of the cluster reads this block's shared memory any more.
 template <typename Elem, int kHeadDim, int kSplitsPerBlock>
 __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
                                                      const DecodePlan& plan,
                                                      const DecodeSplit& sp, const float* partials,
-                                                     int partial_stride, void* scratch_bytes,
-                                                     int tid, int threads) {
+                                                     int partial_stride, int tid, int threads) {
   using Layout = ClusterPartial<kHeadDim>;
-  using Scratch = ClusterMergeScratch<kSplitsPerBlock>;
-  constexpr int kMaxSplits = Scratch::kMaxSplits;
-  const Scratch scratch = Scratch::at(scratch_bytes);
+  constexpr int kMaxSplits = kMaxClusterBlocks * kSplitsPerBlock;
+  // Two splits at once in the mma.sync kernel's one-split blocks (T = 1 has two): with four,
+  // its 64+-row configurations spilled 8 bytes.
+  constexpr int kItems = 4, kSplitStep = kSplitsPerBlock == 1 ? 2 : 4;
+  constexpr int kGroups = kHeadDim / 4, kRowThreads = kGroups / kItems;
+  static_assert(kGroups % kItems == 0 && 32 % kRowThreads == 0, "a warp holds whole rows");
   // Every block's partial is written (release) and visible here (acquire). The barrier is
   // .aligned: the warp reconverges first (its threads may have left the stores' loops apart).
   __syncwarp();
@@ -115,100 +93,128 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
     return ptx::map_shared_rank(base + 4 * (s % kSplitsPerBlock) * partial_stride,
                                 s / kSplitsPerBlock);
   };
-
-  // 1. Weights: a row's lanes are 2^lane_bits >= splits adjacent ones, and whole warps step
-  // together, so the shuffles stay inside a row's lanes.
-  int lane_bits = 0;
-  while ((1 << lane_bits) < splits) ++lane_bits;
-  const int lanes = 1 << lane_bits;
-  const int lane = tid % 32;
-  const int slots = share_rows << lane_bits;
-  const int64_t group = p.group_size();
-  for (int slot0 = tid - lane; slot0 < slots; slot0 += threads) {
-    const int slot = slot0 + lane;
-    const int local_row = slot >> lane_bits, s = slot & (lanes - 1);
-    const int r = row_begin + local_row;
-    const bool real = slot < slots && s < splits;
-    const float lse_s =
-        real ? ptx::ld_shared_cluster_f32(split_base(s) + 4 * (Layout::kLseOffset + r))
-             : -INFINITY;
-    float max_lse = lse_s;
-    for (int offset = lanes / 2; offset > 0; offset /= 2)
-      max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, offset));
-    float sum = lse_s == -INFINITY ? 0.f : expf(lse_s - max_lse);
-    for (int offset = lanes / 2; offset > 0; offset /= 2)
-      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    const float lse = max_lse == -INFINITY ? -INFINITY : max_lse + logf(sum);
-    if (real)
-      scratch.weights[local_row * kMaxSplits + s] = lse_s == -INFINITY ? 0.f : expf(lse_s - lse);
-    if (real && s == 0) {
-      // Row r is query t of head n (decode_block.cuh's row order).
-      const int64_t t = r / group, n = sp.kv_head * group + r % group;
-      p.lse[(sp.b * p.num_heads + n) * p.seqlen_q + t] = lse;
-      scratch.row_out[local_row] = sp.b * p.q_batch_stride + t * p.q_row_stride +
-                                   n * p.q_head_stride;
-    }
-  }
-  ptx::named_barrier_sync(kMergeBarrier, threads);
-
-  // 2. Out. Column groups past the head dim (the configuration's kHeadDim / 4 per row, for
-  // shifts instead of divisions) are skipped.
-  constexpr int kItems = 4, kSplitStep = 4, kGroups = kHeadDim / 4;
+  const int group = int(p.group_size());
   const int head_groups = int(p.head_dim / 4);
-  const int items = share_rows * kGroups;
-  for (int item0 = tid; item0 < items; item0 += kItems * threads) {
+  const int row_lane = tid % kRowThreads;
+  bool skipped_loads = false;  // an O loaded and not added (its split saw no key for the row)
+
+  for (int local_row = tid / kRowThreads; local_row < share_rows;
+       local_row += threads / kRowThreads) {
+    const int r = row_begin + local_row;
+    const auto lse_address = [&](uint32_t split) {
+      return split + 4 * (Layout::kLseOffset + r);
+    };
+    const auto o_address = [&](uint32_t split, int c) {
+      return split + 4 * (r * Layout::kRowFloats + 4 * c);
+    };
+    float step_lse[kSplitStep], rest_lse[kMaxSplits - kSplitStep];
+    float4 step_o[kItems][kSplitStep];
+#pragma unroll
+    for (int j = 0; j < kSplitStep; ++j) {
+      if (j >= splits) break;
+      const uint32_t split = split_base(j);
+      step_lse[j] = ptx::ld_shared_cluster_f32(lse_address(split));
+#pragma unroll
+      for (int i = 0; i < kItems; ++i) {
+        const int c = row_lane + i * kRowThreads;
+        if (c < head_groups) step_o[i][j] = ptx::ld_shared_cluster_v4_f32(o_address(split, c));
+      }
+    }
+#pragma unroll
+    for (int s = kSplitStep; s < kMaxSplits; ++s) {
+      if (s >= splits) break;
+      rest_lse[s - kSplitStep] = ptx::ld_shared_cluster_f32(lse_address(split_base(s)));
+    }
+    const auto split_lse = [&](int s) {
+      return s < kSplitStep ? step_lse[s] : rest_lse[s - kSplitStep];
+    };
+
+    // lse = log sum_s exp(lse_s), in base 2 on the special-function unit: a few instructions
+    // per split where expf and logf are tens each (with them this merge took 2.6 us longer).
+    // exp2(-inf) = 0 for a split without a key for the row.
+    float max_lse = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      if (s >= splits) break;
+      max_lse = fmaxf(max_lse, split_lse(s));
+    }
+    float lse = -INFINITY;
+    if (max_lse != -INFINITY) {
+      float sum = 0.f;
+#pragma unroll
+      for (int s = 0; s < kMaxSplits; ++s) {
+        if (s >= splits) break;
+        sum += ptx::exp2_approx((split_lse(s) - max_lse) * cuda::kLog2e);
+      }
+      lse = max_lse + ptx::log2_approx(sum) * cuda::kLn2;
+    }
+
+    // out = sum_s exp(lse_s - lse) O_s over the splits that saw a key for the row.
     float4 acc[kItems];
 #pragma unroll
     for (int i = 0; i < kItems; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < splits; s0 += kSplitStep) {
-      // Loaded for every split (an empty split's O is whatever its shared memory holds), used
-      // only where the split saw a key for the row (weight > 0).
-      float4 o_s[kItems][kSplitStep];
-#pragma unroll
-      for (int j = 0; j < kSplitStep; ++j) {
-        if (s0 + j >= splits) break;
-        const uint32_t split_o = split_base(s0 + j);
-#pragma unroll
-        for (int i = 0; i < kItems; ++i) {
-          const int item = item0 + i * threads;
-          const int r = row_begin + item / kGroups, c = item % kGroups;
-          if (item < items && c < head_groups)
-            o_s[i][j] =
-                ptx::ld_shared_cluster_v4_f32(split_o + 4 * (r * Layout::kRowFloats + 4 * c));
-        }
-      }
+    const auto add = [&](float split_lse, const float4 (&o)[kItems]) {
+      const float weight = ptx::exp2_approx((split_lse - lse) * cuda::kLog2e);
 #pragma unroll
       for (int i = 0; i < kItems; ++i) {
-        const int item = item0 + i * threads;
-        if (item >= items) break;
-        const float* row_weights = scratch.weights + item / kGroups * kMaxSplits;
-#pragma unroll
-        for (int j = 0; j < kSplitStep; ++j) {
-          if (s0 + j >= splits) break;
-          const float weight = row_weights[s0 + j];
-          if (weight == 0.f) continue;
-          acc[i].x += weight * o_s[i][j].x;
-          acc[i].y += weight * o_s[i][j].y;
-          acc[i].z += weight * o_s[i][j].z;
-          acc[i].w += weight * o_s[i][j].w;
-        }
+        acc[i].x += weight * o[i].x;
+        acc[i].y += weight * o[i].y;
+        acc[i].z += weight * o[i].z;
+        acc[i].w += weight * o[i].w;
       }
+    };
+#pragma unroll
+    for (int j = 0; j < kSplitStep; ++j) {
+      if (j >= splits) break;
+      if (step_lse[j] == -INFINITY) {
+        skipped_loads = true;
+        continue;
+      }
+      float4 o[kItems];
+#pragma unroll
+      for (int i = 0; i < kItems; ++i) o[i] = step_o[i][j];
+      add(step_lse[j], o);
     }
+#pragma unroll 1
+    for (int s = kSplitStep; s < splits; ++s) {
+      const uint32_t split = split_base(s);
+      const float split_lse = ptx::ld_shared_cluster_f32(lse_address(split));
+      float4 o[kItems];
+#pragma unroll
+      for (int i = 0; i < kItems; ++i) {
+        const int c = row_lane + i * kRowThreads;
+        if (c < head_groups) o[i] = ptx::ld_shared_cluster_v4_f32(o_address(split, c));
+      }
+      if (split_lse == -INFINITY) {
+        skipped_loads = true;
+        continue;
+      }
+      add(split_lse, o);
+    }
+
+    // Row r is query t of head n (decode_block.cuh's row order).
+    const int t = r / group, n = int(sp.kv_head) * group + r % group;
+    if (row_lane == 0) p.lse[(sp.b * p.num_heads + n) * p.seqlen_q + t] = lse;
+    Elem* out = static_cast<Elem*>(p.out) + sp.b * p.q_batch_stride + t * p.q_row_stride +
+                n * p.q_head_stride;
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
-      const int item = item0 + i * threads;
-      const int c = item % kGroups;
-      if (item >= items) break;
-      if (c >= head_groups) continue;
-      Elem* out = static_cast<Elem*>(p.out) + scratch.row_out[item / kGroups] + 4 * c;
-      *reinterpret_cast<uint2*>(out) =
-          make_uint2(ptx::pack2<Elem>(acc[i].x, acc[i].y), ptx::pack2<Elem>(acc[i].z, acc[i].w));
+      const int c = row_lane + i * kRowThreads;
+      if (c < head_groups)
+        *reinterpret_cast<uint2*>(out + 4 * c) = make_uint2(ptx::pack2<Elem>(acc[i].x, acc[i].y),
+                                                             ptx::pack2<Elem>(acc[i].z, acc[i].w));
     }
   }
 
-  // No block leaves (and frees its shared memory) while another may still read it.
+  // No block leaves (and frees its shared memory) while another may still read it. Where every
+  // value a warp loaded was used, its loads are done and its arrival needs no ordering (out
+  // and lse need none here): relaxed, not waiting for those stores as a release does (~0.3 us
+  // per merge, H200). A warp with an unused load arrives with release, which waits for it.
   __syncwarp();
-  ptx::cluster_arrive();
+  if (__any_sync(0xffffffffu, skipped_loads))
+    ptx::cluster_arrive();
+  else
+    ptx::cluster_arrive_relaxed();
   ptx::cluster_wait();
 }
 

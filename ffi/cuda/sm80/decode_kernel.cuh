@@ -63,17 +63,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // Where the split's result goes: the workspace, or this block's shared memory (over the
   // drained ring) for the cluster merge.
   using Partial = ClusterPartial<Traits::kHeadDim>;
-  static_assert(Partial::kBytes + ClusterMergeScratch<1>::kBytes <= Traits::kSmemBytes,
-                "the cluster merge's partial and scratch fit");
+  static_assert(Partial::kBytes <= Traits::kSmemBytes, "the cluster merge's partial fits");
   float* cluster_partial = reinterpret_cast<float*>(smem_raw);
-  void* merge_scratch = Partial::scratch_after(cluster_partial);
   const PartialRows partial = plan.cluster_merge ? Partial::at(cluster_partial)
                                                 : workspace_partial(plan, sp.unit, sp.split);
   if (tile_begin >= tile_end) {
     store_empty_split(partial, plan, tid, Traits::kThreads);
     if (plan.cluster_merge)
-      merge_cluster_splits<Elem, Traits::kHeadDim, 1>(p, plan, sp, cluster_partial, 0,
-                                                      merge_scratch, tid, Traits::kThreads);
+      merge_cluster_splits<Elem, Traits::kHeadDim, 1>(p, plan, sp, cluster_partial, 0, tid,
+                                                      Traits::kThreads);
     return;
   }
 
@@ -210,8 +208,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     // Every warp has read the states the partial overwrites.
     __syncthreads();
     if (folds) store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
-    merge_cluster_splits<Elem, Traits::kHeadDim, 1>(p, plan, sp, cluster_partial, 0,
-                                                    merge_scratch, tid, Traits::kThreads);
+    merge_cluster_splits<Elem, Traits::kHeadDim, 1>(p, plan, sp, cluster_partial, 0, tid,
+                                                    Traits::kThreads);
   } else {
     // The combine may launch now; it waits for this grid's stores before it reads them.
     ptx::launch_dependents();

@@ -79,19 +79,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       p, plan, blockIdx.x / blocks_per_unit,
       blockIdx.x % blocks_per_unit * kSplitsPerBlock + warpgroup);
   // Where the split's result goes: the workspace, or its ring's shared memory (drained) for the
-  // cluster merge, which finds the block's splits' partials a ring apart and keeps its scratch
-  // after warpgroup 0's.
+  // cluster merge, which finds the block's splits' partials a ring apart.
   using ClusterPartial = sm80::ClusterPartial<kHeadDim>;
-  static_assert(ClusterPartial::kBytes + sm80::ClusterMergeScratch<kSplitsPerBlock>::kBytes <=
-                    Traits::kRingBytes,
-                "the cluster merge's partial and scratch fit in a ring");
+  static_assert(ClusterPartial::kBytes <= Traits::kRingBytes,
+                "the cluster merge's partial fits in a ring");
   float* cluster_partials =
       reinterpret_cast<float*>(smem_raw + (rings - raw_address));  // warpgroup 0's
   constexpr int kPartialStride = Traits::kRingBytes / int(sizeof(float));
   const auto merge_in_cluster = [&] {
     sm80::merge_cluster_splits<Elem, kHeadDim, kSplitsPerBlock>(
-        p, plan, sp, cluster_partials, kPartialStride,
-        ClusterPartial::scratch_after(cluster_partials), tid, Traits::kThreads);
+        p, plan, sp, cluster_partials, kPartialStride, tid, Traits::kThreads);
   };
   const sm80::PartialRows partial =
       plan.cluster_merge ? ClusterPartial::at(reinterpret_cast<float*>(ring))
