@@ -75,6 +75,7 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
   constexpr int kItems = 4, kSplitStep = kSplitsPerBlock == 1 ? 2 : 4;
   constexpr int kGroups = kHeadDim / 4, kRowThreads = kGroups / kItems;
   static_assert(kGroups % kItems == 0 && 32 % kRowThreads == 0, "a warp holds whole rows");
+  static_assert(kMaxSplits > kSplitStep, "splits past the first step have lse slots");
   // Every block's partial is written (release) and visible here (acquire). The barrier is
   // .aligned: the warp reconverges first (its threads may have left the stores' loops apart).
   __syncwarp();
