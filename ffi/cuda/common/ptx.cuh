@@ -68,7 +68,8 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 //
 // cluster_arrive: this thread is done with its writes to shared memory (release), which the
 // cluster's other blocks may read once cluster_wait returns; cluster_wait: every thread of the
-// cluster has arrived (acquire). Every thread of every block of the cluster executes both.
+// cluster has arrived (acquire). Every thread of every block of the cluster executes an
+// arrival (this or cluster_arrive_relaxed) and then cluster_wait.
 __device__ __forceinline__ void cluster_arrive() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
@@ -76,7 +77,9 @@ __device__ __forceinline__ void cluster_arrive() {
 }
 
 // The same arrival without ordering this thread's memory accesses: for a barrier that only
-// keeps blocks alive (no block leaves while another reads its shared memory).
+// keeps blocks alive (no block leaves while another reads its shared memory), where the caller
+// knows its loads from other blocks' shared memory are complete (their values were used before
+// the arrival); a release arrival waits for them.
 __device__ __forceinline__ void cluster_arrive_relaxed() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");

@@ -190,8 +190,8 @@ __device__ __forceinline__ void store_split_partial(const PartialRows& dst, cons
   }
 }
 
-// A split with no key: its lse rows are -inf, which either merge reads as weight 0 without
-// reading its O.
+// A split with no key: its lse rows are -inf, which either merge reads as weight 0, never
+// adding its O (which the cluster merge may have loaded).
 __device__ __forceinline__ void store_empty_split(const PartialRows& dst, const DecodePlan& plan,
                                                   int tid, int threads) {
   for (int64_t r = tid; r < plan.rows; r += threads) dst.lse[r] = -INFINITY;

@@ -70,8 +70,9 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
                                                      int partial_stride, int tid, int threads) {
   using Layout = ClusterPartial<kHeadDim>;
   constexpr int kMaxSplits = kMaxClusterBlocks * kSplitsPerBlock;
-  // Two splits at once in the mma.sync kernel's one-split blocks (T = 1 has two): with four,
-  // its 64+-row configurations spilled 8 bytes.
+  // Two splits at once in one-split blocks (the mma.sync kernel's, the wgmma kernel's unpaired
+  // configuration; T = 1 has two): with four, the mma.sync kernel's 64+-row configurations
+  // spilled 8 bytes.
   constexpr int kItems = 4, kSplitStep = kSplitsPerBlock == 1 ? 2 : 4;
   constexpr int kGroups = kHeadDim / 4, kRowThreads = kGroups / kItems;
   static_assert(kGroups % kItems == 0 && 32 % kRowThreads == 0, "a warp holds whole rows");
@@ -97,7 +98,10 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
   const int group = int(p.group_size());
   const int head_groups = int(p.head_dim / 4);
   const int row_lane = tid % kRowThreads;
-  bool skipped_loads = false;  // an O loaded and not added (its split saw no key for the row)
+  // A load whose value feeds no store before the closing barrier: an O loaded and not added
+  // (its split saw no key for the row), or any load of a thread that owns no column (head dims
+  // below kRowThreads column groups), whose lse work could be dropped as dead.
+  bool skipped_loads = row_lane >= head_groups;
 
   for (int local_row = tid / kRowThreads; local_row < share_rows;
        local_row += threads / kRowThreads) {
@@ -208,9 +212,11 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
   }
 
   // No block leaves (and frees its shared memory) while another may still read it. Where every
-  // value a warp loaded was used, its loads are done and its arrival needs no ordering (out
-  // and lse need none here): relaxed, not waiting for those stores as a release does (~0.3 us
-  // per merge, H200). A warp with an unused load arrives with release, which waits for it.
+  // value a warp loaded feeds a store issued before the arrival (the barrier's memory clobber
+  // keeps the stores, hence their inputs, above it), its loads are done and its arrival needs
+  // no ordering (out and lse need none here): relaxed, not waiting for those stores as a
+  // release does (~0.3 us per merge, H200). Any other warp arrives with release, which waits
+  // for its loads.
   __syncwarp();
   if (__any_sync(0xffffffffu, skipped_loads))
     ptx::cluster_arrive();
