@@ -113,7 +113,7 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
       return split + 4 * (r * Layout::kRowFloats + 4 * c);
     };
     float step_lse[kSplitStep], rest_lse[kMaxSplits - kSplitStep];
-    float4 step_o[kItems][kSplitStep];
+    float4 step_o[kSplitStep][kItems];
 #pragma unroll
     for (int j = 0; j < kSplitStep; ++j) {
       if (j >= splits) break;
@@ -122,7 +122,7 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
 #pragma unroll
       for (int i = 0; i < kItems; ++i) {
         const int c = row_lane + i * kRowThreads;
-        if (c < head_groups) step_o[i][j] = ptx::ld_shared_cluster_v4_f32(o_address(split, c));
+        if (c < head_groups) step_o[j][i] = ptx::ld_shared_cluster_v4_f32(o_address(split, c));
       }
     }
 #pragma unroll
@@ -154,11 +154,16 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
       lse = max_lse + ptx::log2_approx(sum) * cuda::kLn2;
     }
 
-    // out = sum_s exp(lse_s - lse) O_s over the splits that saw a key for the row.
+    // out = sum_s exp(lse_s - lse) O_s over the splits that saw a key for the row; a split
+    // that saw none weighs 0 and its O (loaded, and may be anything) is not added.
     float4 acc[kItems];
 #pragma unroll
     for (int i = 0; i < kItems; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
     const auto add = [&](float split_lse, const float4 (&o)[kItems]) {
+      if (split_lse == -INFINITY) {
+        skipped_loads = true;
+        return;
+      }
       const float weight = ptx::exp2_approx((split_lse - lse) * cuda::kLog2e);
 #pragma unroll
       for (int i = 0; i < kItems; ++i) {
@@ -171,15 +176,10 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
 #pragma unroll
     for (int j = 0; j < kSplitStep; ++j) {
       if (j >= splits) break;
-      if (step_lse[j] == -INFINITY) {
-        skipped_loads = true;
-        continue;
-      }
-      float4 o[kItems];
-#pragma unroll
-      for (int i = 0; i < kItems; ++i) o[i] = step_o[i][j];
-      add(step_lse[j], o);
+      add(step_lse[j], step_o[j]);
     }
+    // The rest one at a time (unrolled, their loads took the paired kernel from 196 to 238
+    // registers), each lse loaded again beside its O: rest_lse takes constant indices only.
 #pragma unroll 1
     for (int s = kSplitStep; s < splits; ++s) {
       const uint32_t split = split_base(s);
@@ -189,10 +189,6 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
       for (int i = 0; i < kItems; ++i) {
         const int c = row_lane + i * kRowThreads;
         if (c < head_groups) o[i] = ptx::ld_shared_cluster_v4_f32(o_address(split, c));
-      }
-      if (split_lse == -INFINITY) {
-        skipped_loads = true;
-        continue;
       }
       add(split_lse, o);
     }
