@@ -19,16 +19,15 @@
 
 namespace jax_flashattn::sm80 {
 
-// Keys [lo, hi) that query rows [row_begin, row_end) may see, clamped to [0, kv_len] so they fit
-// 32 bits (decode_shape_fits bounds seqlen_k): key positions in the decode kernels are int32,
-// which keeps their per-tile arithmetic off the 64-bit registers pairs.
-__device__ __forceinline__ void decode_key_range(const cuda::Visibility& vis, int64_t row_begin,
-                                                 int64_t row_end, int& lo, int& hi) {
-  int64_t lo64, hi64;
-  vis.key_range(row_begin, row_end, lo64, hi64);
-  auto clamp = [&](int64_t x) { return int(x < 0 ? 0 : (x > vis.kv_len ? vis.kv_len : x)); };
-  lo = clamp(lo64);
-  hi = clamp(hi64);
+// Keys [lo, hi) that query rows [row_begin, row_end) may see, clamped to [0, kv_len].
+// decode_shape_fits bounds seqlen_k, so key positions and lengths in the decode kernels are
+// int32: 32-bit arithmetic on the path to a block's first K/V request (a 64-bit division is a
+// branch and tens of instructions) and in its per-tile loop.
+__device__ __forceinline__ void decode_key_range(const cuda::Visibility32& vis, int row_begin,
+                                                 int row_end, int& lo, int& hi) {
+  vis.key_range(row_begin, row_end, lo, hi);
+  lo = min(lo, vis.kv_len);
+  hi = max(hi, 0);
 }
 
 // A split's work unit (one batch entry's kv head), its index in the unit, the unit's
@@ -37,30 +36,34 @@ __device__ __forceinline__ void decode_key_range(const cuda::Visibility& vis, in
 // tiles, dealt to the splits in equal runs [tile_begin, tile_end) (empty for a split past the
 // last tile).
 struct DecodeSplit {
-  int64_t unit, split, b, kv_head;
+  int unit, split, b, kv_head;
+  int group;          // query heads per kv head
   int64_t kv_offset;  // elements from K's (and V's) start to the unit's first key
-  cuda::Visibility vis;
+  cuda::Visibility32 vis;
   int key_lo, key_hi;  // keys some row of the unit sees
   int tile_begin, tile_end;
 
   template <int kBlockN>
-  __device__ static DecodeSplit make(const AttentionParams& p, const DecodePlan& plan,
-                                     int64_t unit, int64_t split) {
+  __device__ static DecodeSplit make(const AttentionParams& p, const DecodePlan& plan, int unit,
+                                     int split) {
     DecodeSplit s;
     s.unit = unit;
     s.split = split;
-    s.b = s.unit / p.num_kv_heads;
-    s.kv_head = s.unit % p.num_kv_heads;
+    const int kv_heads = int(p.num_kv_heads);
+    s.b = unit / kv_heads;
+    s.kv_head = unit - s.b * kv_heads;
+    s.group = int(p.num_heads) / kv_heads;
     s.kv_offset = s.b * p.kv_batch_stride + s.kv_head * p.kv_head_stride;
-    s.vis = cuda::Visibility::make(p, s.b, s.kv_head * p.group_size());
-    decode_key_range(s.vis, 0, p.seqlen_q, s.key_lo, s.key_hi);
+    s.vis = cuda::Visibility32::make(p, s.b);
+    decode_key_range(s.vis, 0, int(p.seqlen_q), s.key_lo, s.key_hi);
     const int first_tile = s.key_lo / kBlockN;
     const int tiles = s.key_hi > s.key_lo ? (s.key_hi + kBlockN - 1) / kBlockN - first_tile : 0;
-    const int per_split = int((tiles + plan.splits - 1) / plan.splits);
-    const int64_t begin64 = first_tile + s.split * per_split;  // may pass the last tile
-    s.tile_begin = int(begin64 < first_tile + tiles ? begin64 : first_tile + tiles);
-    s.tile_end = s.tile_begin + per_split < first_tile + tiles ? s.tile_begin + per_split
-                                                               : first_tile + tiles;
+    const int splits = int(plan.splits);
+    const int per_split = (tiles + splits - 1) / splits;
+    const int end = first_tile + tiles;
+    // split * per_split < tiles + splits: no overflow. Past the last tile for a trailing split.
+    s.tile_begin = min(first_tile + split * per_split, end);
+    s.tile_end = min(s.tile_begin + per_split, end);
     return s;
   }
 };
@@ -71,13 +74,13 @@ struct DecodeRows {
   int row[2];
   int key_lo[2], key_hi[2];
 
-  __device__ static DecodeRows make(const cuda::Visibility& vis, int slab, int lane, int64_t rows,
-                                    int64_t group) {
+  __device__ static DecodeRows make(const cuda::Visibility32& vis, int slab, int lane, int rows,
+                                    int group) {
     DecodeRows d;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       d.row[h] = slab * 16 + lane / 4 + h * 8;
-      const int64_t t = d.row[h] / group;
+      const int t = d.row[h] / group;
       d.key_lo[h] = 0;
       d.key_hi[h] = 0;
       if (d.row[h] < rows) decode_key_range(vis, t, t + 1, d.key_lo[h], d.key_hi[h]);
@@ -119,12 +122,12 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&q_frag)[kKSteps][4],
                                                  const AttentionParams& p, const DecodeSplit& sp,
                                                  const DecodeRows& rows, int64_t num_rows,
                                                  int quad_col) {
-  const int64_t group = p.group_size();
+  const int group = sp.group;
   const Elem* q_group = static_cast<const Elem*>(p.q) + sp.b * p.q_batch_stride +
                         sp.kv_head * group * p.q_head_stride;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int64_t r = rows.row[h];
+    const int r = rows.row[h];
     const Elem* q_row = q_group + (r / group) * p.q_row_stride + (r % group) * p.q_head_stride;
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
@@ -145,7 +148,7 @@ __device__ __forceinline__ void load_split_tile(Elem* sK, Elem* sV, const Attent
                                                 const DecodeSplit& sp, int tile, int tid) {
   constexpr int kBlockN = Traits::kBlockN;
   const int64_t offset = sp.kv_offset + int64_t(tile) * kBlockN * p.kv_row_stride;
-  const int64_t valid_keys = sp.vis.kv_len - int64_t(tile) * kBlockN;
+  const int valid_keys = sp.vis.kv_len - tile * kBlockN;
   load_tile<Traits, kBlockN, Layout>(sK, static_cast<const Elem*>(p.k) + offset, p.kv_row_stride,
                                      valid_keys, p.head_dim, tid);
   load_tile<Traits, kBlockN, Layout>(sV, static_cast<const Elem*>(p.v) + offset, p.kv_row_stride,

@@ -84,9 +84,9 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
   ptx::cluster_wait();
 
   const int splits = int(plan.splits), rows = int(plan.rows);
-  const int blocks = int(plan.blocks_per_unit());
+  const int blocks = splits / kSplitsPerBlock;  // plan.blocks_per_unit(), a constant divisor
   const int share = (rows + blocks - 1) / blocks;
-  const int row_begin = int(sp.split / kSplitsPerBlock) * share;
+  const int row_begin = sp.split / kSplitsPerBlock * share;
   const int share_rows = row_begin + share < rows ? share : rows > row_begin ? rows - row_begin : 0;
   // Split s's partial: block s / kSplitsPerBlock, at `partials` + (s % kSplitsPerBlock) *
   // partial_stride floats in its shared memory, whose shared::cluster window is contiguous.
@@ -95,7 +95,7 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
     return ptx::map_shared_rank(base + 4 * (s % kSplitsPerBlock) * partial_stride,
                                 s / kSplitsPerBlock);
   };
-  const int group = int(p.group_size());
+  const int group = sp.group;
   const int head_groups = int(p.head_dim / 4);
   const int row_lane = tid % kRowThreads;
   // A load whose value feeds no store before the closing barrier: an O loaded and not added
@@ -194,7 +194,7 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
     }
 
     // Row r is query t of head n (decode_block.cuh's row order).
-    const int t = r / group, n = int(sp.kv_head) * group + r % group;
+    const int t = r / group, n = sp.kv_head * group + r % group;
     if (row_lane == 0) p.lse[(sp.b * p.num_heads + n) * p.seqlen_q + t] = lse;
     Elem* out = static_cast<Elem*>(p.out) + sp.b * p.q_batch_stride + t * p.q_row_stride +
                 n * p.q_head_stride;

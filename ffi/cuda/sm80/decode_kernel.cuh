@@ -47,7 +47,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int quad_col = 2 * (lane % 4);  // mma accumulator column pair
-  const int64_t group = p.group_size();
 
   // Warp roles: slab `slab` of the rows, steps key_group, key_group + key_groups, ... of a tile.
   const int slabs = int((plan.rows + 15) / 16);
@@ -55,11 +54,25 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int slab = warp % slabs, key_group = warp / slabs;
   const bool computes = warp < slabs * key_groups;
 
-  const DecodeSplit sp =
-      DecodeSplit::make<kBlockN>(p, plan, blockIdx.x / plan.splits, blockIdx.x % plan.splits);
-  const cuda::Visibility& vis = sp.vis;
+  // The split, then at once its first tiles' requests (decode_block.cuh: nothing else comes
+  // first; an empty split issues none).
+  const int splits = int(plan.splits), block = int(blockIdx.x);
+  const DecodeSplit sp = DecodeSplit::make<kBlockN>(p, plan, block / splits, block % splits);
+  const cuda::Visibility32& vis = sp.vis;
   const int key_lo = sp.key_lo, key_hi = sp.key_hi;
   const int tile_begin = sp.tile_begin, tile_end = sp.tile_end;
+  // The ring's stage `stage` <- key tile `tile` (keys past the length zero-filled).
+  const auto load_stage = [&](int tile, int stage) {
+    load_split_tile<Traits, SwizzledRows<kSmemDim>>(stage_k(stage), stage_v(stage), p, sp, tile,
+                                                    tid);
+  };
+  // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (tile_begin + s < tile_end) load_stage(tile_begin + s, s);
+    ptx::cp_async_commit();
+  }
+
   // Where the split's result goes: the workspace, or this block's shared memory (over the
   // drained ring) for the cluster merge.
   using Partial = ClusterPartial<Traits::kHeadDim>;
@@ -75,20 +88,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     return;
   }
 
-  // The ring's stage `stage` <- key tile `tile` (keys past the length zero-filled).
-  const auto load_stage = [&](int tile, int stage) {
-    load_split_tile<Traits, SwizzledRows<kSmemDim>>(stage_k(stage), stage_v(stage), p, sp, tile,
-                                                    tid);
-  };
-
-  // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (tile_begin + s < tile_end) load_stage(tile_begin + s, s);
-    ptx::cp_async_commit();
-  }
-
-  const DecodeRows rows = DecodeRows::make(vis, slab, lane, plan.rows, group);
+  const DecodeRows rows = DecodeRows::make(vis, slab, lane, int(plan.rows), sp.group);
   uint32_t q_frag[kKSteps][4];
   load_q_fragments<Elem>(q_frag, p, sp, rows, plan.rows, quad_col);
   float o_acc[1][kDTiles][4] = {};

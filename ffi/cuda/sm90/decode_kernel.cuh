@@ -51,7 +51,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int warpgroup = tid / kGroupThreads, group_tid = tid % kGroupThreads;
   const int warp = group_tid / 32;  // the warp's 16-row slab
   const int quad_col = 2 * (lane % 4);  // accumulator column pair
-  const int64_t group = p.group_size();
 
   // The rings from the next 1024-byte boundary (the 128-byte swizzle's period), one per
   // warpgroup: stage s of a ring holds its K tile, then its V tile.
@@ -74,10 +73,26 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       ptx::named_barrier_sync(2, kGroupThreads);
   };
 
-  const int64_t blocks_per_unit = plan.blocks_per_unit();
+  // The split, then at once its first tiles' requests: a call's K/V stream starts when every
+  // SM's first blocks have issued theirs, so nothing else comes first (an empty split issues
+  // none).
+  const int blocks_per_unit = int(plan.splits) / kSplitsPerBlock;
+  const int block = int(blockIdx.x);
   const sm80::DecodeSplit sp = sm80::DecodeSplit::make<kBlockN>(
-      p, plan, blockIdx.x / blocks_per_unit,
-      blockIdx.x % blocks_per_unit * kSplitsPerBlock + warpgroup);
+      p, plan, block / blocks_per_unit, block % blocks_per_unit * kSplitsPerBlock + warpgroup);
+  // The ring's stage `stage` <- key tile `tile` (keys past the length zero-filled), in the
+  // layout wgmma's descriptors read.
+  const auto load_stage = [&](int tile, int stage) {
+    sm80::load_split_tile<typename Traits::WarpgroupCopies, sm80::SwizzledSpans<kBlockN>>(
+        stage_k(stage), stage_v(stage), p, sp, tile, group_tid);
+  };
+  // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (sp.tile_begin + s < sp.tile_end) load_stage(sp.tile_begin + s, s);
+    ptx::cp_async_commit();
+  }
+
   // Where the split's result goes: the workspace, or its ring's shared memory (drained) for the
   // cluster merge, which finds the block's splits' partials a ring apart.
   using ClusterPartial = sm80::ClusterPartial<kHeadDim>;
@@ -99,21 +114,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     return;
   }
 
-  // The ring's stage `stage` <- key tile `tile` (keys past the length zero-filled), in the
-  // layout wgmma's descriptors read.
-  const auto load_stage = [&](int tile, int stage) {
-    sm80::load_split_tile<typename Traits::WarpgroupCopies, sm80::SwizzledSpans<kBlockN>>(
-        stage_k(stage), stage_v(stage), p, sp, tile, group_tid);
-  };
-
-  // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (sp.tile_begin + s < sp.tile_end) load_stage(sp.tile_begin + s, s);
-    ptx::cp_async_commit();
-  }
-
-  const sm80::DecodeRows rows = sm80::DecodeRows::make(sp.vis, warp, lane, plan.rows, group);
+  const sm80::DecodeRows rows =
+      sm80::DecodeRows::make(sp.vis, warp, lane, int(plan.rows), sp.group);
   uint32_t q_frag[kKSteps][4];
   sm80::load_q_fragments<Elem>(q_frag, p, sp, rows, plan.rows, quad_col);
   float o_acc[1][kDTiles][4] = {};
