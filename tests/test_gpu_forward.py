@@ -542,6 +542,25 @@ def test_decode_paired_splits(rng, s, kwargs, t, head_dim):
     check_decode(q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize("t", [8, 9, 16])
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(key_value_seq_lengths=np.array([1000, 0], np.int32)),
+], ids=["full", "lengths"])
+def test_decode_paired_clusters_of_six(rng, t, kwargs):
+    """Paired blocks in clusters of six (16 kv heads, twelve splits each): each block merges a
+    sixth of the rows, in shares that do not divide evenly (32 and 36 rows: shares of 6, the
+    last block's 2 and 6; 64 rows: shares of 11, the last block's 9), loading five other
+    blocks' partials. Lengths leave a whole unit, and a third of the other's splits, without
+    keys."""
+    if not hopper() or multiprocessors() < 128:
+        pytest.skip("twelve splits of 16 units pair up on Hopper with at least 128 SMs")
+    q, k, v = random_qkv(rng, 2, t, 3000, 32, 8, 128, jnp.bfloat16)
+    assert _ffi.decode_layout(
+        q, k, key_value_seq_lengths="key_value_seq_lengths" in kwargs) == (12, "paired_cluster")
+    check_decode(q, k, v, **kwargs)
+
+
 @pytest.mark.parametrize("fill", [np.nan, np.inf])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("t", [4, 16])
