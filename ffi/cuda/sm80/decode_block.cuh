@@ -30,11 +30,13 @@ __device__ __forceinline__ void decode_key_range(const cuda::Visibility32& vis, 
   hi = max(hi, 0);
 }
 
-// A split's work unit (one batch entry's kv head), its index in the unit, the unit's
-// visibility (whose first head stands for the group: every head of a group sees the same
-// keys), and the split's key tiles: the keys any row of the unit sees, cut into kBlockN-key
-// tiles, dealt to the splits in equal runs [tile_begin, tile_end) (empty for a split past the
-// last tile).
+// A split's work unit (one batch entry's kv head), its index in the unit, the batch entry's
+// visibility (every head of a group sees the same keys), and the split's key tiles: the keys
+// any row of the unit sees, cut into kBlockN-key tiles, dealt to the splits in equal runs
+// [tile_begin, tile_end) (empty for a split past the last tile). Both decode kernels compute it
+// first, in 32-bit arithmetic, and issue their first tiles' requests right after it: a call's
+// K/V stream starts once every SM's first blocks have issued theirs, so nothing else (the
+// partial's address, the empty-split check, Q) comes before them; an empty split issues none.
 struct DecodeSplit {
   int unit, split, b, kv_head;
   int group;          // query heads per kv head

@@ -73,9 +73,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       ptx::named_barrier_sync(2, kGroupThreads);
   };
 
-  // The split, then at once its first tiles' requests: a call's K/V stream starts when every
-  // SM's first blocks have issued theirs, so nothing else comes first (an empty split issues
-  // none).
+  // The split, then at once its first tiles' requests (DecodeSplit, sm80/decode_block.cuh).
   const int blocks_per_unit = int(plan.splits) / kSplitsPerBlock;
   const int block = int(blockIdx.x);
   const sm80::DecodeSplit sp = sm80::DecodeSplit::make<kBlockN>(
