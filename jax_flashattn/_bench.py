@@ -486,7 +486,10 @@ def build_runner(fn: Callable, mode: str, iters: int):
     def run(sets, results, g):
         origin = (0,) * sets[0][0].ndim
         one = (1,) * sets[0][0].ndim
-        firsts = [lax.slice(q, origin, one) for q, _, _ in sets]
+        # Materialized before the loop: XLA 0.11 otherwise re-slices each first element from
+        # the original q inside the unrolled loop's updates, which keeps that q alive and so
+        # makes it copy q once per run instead of updating it in place.
+        firsts = lax.optimization_barrier([lax.slice(q, origin, one) for q, _, _ in sets])
 
         def body(_, carry):
             sets, results = carry
