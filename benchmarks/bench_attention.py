@@ -16,7 +16,9 @@ references, not to the timed runs; --mode both on the whole grid takes ~15 min.
 
 Standard grid (DESIGN.md): bf16 and fp16, B = tokens/T with 16384 tokens, N = 2048/H,
 H in {64, 128, 256}, T = S in {512, ..., 16384}, causal and full. Decode preset: B=8, N=32,
-K=8, H=128, T in {1, 8, 16}, S=65536. Exit status 1 when one of our configs is FAIL or error.
+K=8, H=128, T in {1, 8, 16}, S=65536; a decode run also measures the device's copy bandwidth
+before and after its cases and gives our K/V rate as a fraction of it (#5's decode bar is 0.85).
+Exit status 1 when one of our configs is FAIL or error.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="N = hidden / H (default %(default)s)")
     p.add_argument("--kv-len", type=int, default=None,
                    help="decode only: S (default %d)" % _bench.DECODE_SHAPE["kv_len"])
+    p.add_argument("--copy-bytes", type=_positive, default=2 << 30,
+                   help="decode only: bytes of the device copy the K/V rate is compared with "
+                        "(default 2 GiB)")
     p.add_argument("--repeats", type=_positive, default=None,
                    help="timed runs per implementation and case, at most")
     p.add_argument("--target-ms", type=float, default=None,
@@ -188,11 +193,24 @@ def main(argv=None) -> int:
         print(line)
     print(flush=True)
 
+    # The yardstick of the decode rows (GPU only): measured before and after the cases, so
+    # that a card whose bandwidth drifts during the run is compared with its better figure.
+    copy_before = _bench.copy_bandwidth(args.copy_bytes) if args.decode else None
     records = _bench.run_benchmark(configs, impls, modes, settings,
                                    progress=not args.no_progress)
+    copy_after = _bench.copy_bandwidth(args.copy_bytes) if copy_before is not None else None
+    copy_tbps = []
+    if copy_after is not None:
+        copy_tbps = [copy_before / 1e12, copy_after / 1e12]
+        line = (f"device copy bandwidth (cudaMemcpy of {args.copy_bytes / 2**30:g} GiB device "
+                f"to device, bytes read + written per second, median of 10): "
+                f"{copy_tbps[0]:.3f} TB/s before the cases, {copy_tbps[1]:.3f} after; "
+                "ours/copy divides by the larger")
+        header.append(line)
+        print(line)
     elapsed = time.perf_counter() - start
 
-    tables = _bench.markdown_tables(records, impls)
+    tables = _bench.markdown_tables(records, impls, max(copy_tbps, default=None))
     body = "\n\n".join(f"### {title}\n\n{table}" for title, table in tables)
     bad = _bench.failures(records)
     notes = [f"{r['dtype']} T={r['seqlen_q']} H={r['head_dim']} "
@@ -215,6 +233,7 @@ def main(argv=None) -> int:
             f.write(report + "\n")
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(dict(environment=env, impls=impls, modes=modes, elapsed_s=elapsed,
+                           copy_tbps=copy_tbps,
                            settings=vars(settings), results=records), f, indent=1)
         paths = plot(records, impls, args.out, env["device"])
         print(f"wrote {args.out}/results.md, results.json"

@@ -97,6 +97,7 @@ add_library(flashattn_cuda STATIC
   ffi/handlers_cuda.cu
   ffi/cuda/dispatch_forward.cu
   ffi/cuda/dispatch_backward.cu
+  ffi/cuda/copy_bandwidth.cu
   ffi/cuda/simt/forward_simt.cu
   ffi/cuda/simt/backward_simt.cu
   ffi/cuda/sm90/tensor_maps.cu

@@ -15,6 +15,7 @@
 #ifdef JAX_FLASHATTN_WITH_CUDA
 #include <stdexcept>
 
+#include "ffi/cuda/copy_bandwidth.h"
 #include "ffi/cuda/dispatch.h"
 #endif
 
@@ -216,5 +217,10 @@ NB_MODULE(_jax_flashattn, m) {
   m.def("cuda_forward_kernel", &CudaForwardKernel);
   m.def("cuda_decode_layout", &CudaDecodeLayout);
   m.def("cuda_backward_kernel", &CudaBackwardKernel);
+  // (median, best) bytes per second of cudaMemcpy device to device, read plus written.
+  m.def("cuda_copy_bandwidth", [](int device, size_t bytes, int runs) {
+    const auto bw = jax_flashattn::cuda::measure_copy_bandwidth(device, bytes, runs);
+    return std::make_pair(bw.median_bytes_per_s, bw.best_bytes_per_s);
+  });
 #endif
 }

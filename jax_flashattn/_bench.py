@@ -4,7 +4,9 @@ What is measured
 ----------------
 * FLOPs: forward = 4·B·N·T·S·H (the two matmuls), halved when causal; backward = 2.5x
   forward, so forward+backward counts 3.5x forward (FlashAttention's convention, and the one
-  behind the numbers in DESIGN.md). Decode configs also report the bytes of K and V read.
+  behind the numbers in DESIGN.md). Decode configs also report the bytes of K and V read, and
+  the benchmark script sets that rate against the device's copy bandwidth (`copy_bandwidth`:
+  cudaMemcpy device to device, bytes read plus written), measured before and after the cases.
 * "fwdbwd" is one `jax.vjp` of attention with a fixed random cotangent g: the forward, then
   dq, dk, dv. That is `jax.value_and_grad` of the scalar loss sum(out * g) minus the loss's own
   reduction, which would add the same memory pass to every implementation.
@@ -74,6 +76,7 @@ import shlex
 import statistics
 import sys
 import time
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -628,6 +631,26 @@ def time_interleaved(cfg: Config, mode: str, timers: Sequence[_Timed], inputs: I
         timer.compiled = timer.results = None
 
 
+def copy_bandwidth(nbytes: int = 2 << 30, runs: int = 10) -> float | None:
+    """The first device's copy bandwidth in bytes per second (bytes read plus bytes written;
+    the median of `runs` cudaMemcpy device-to-device copies of `nbytes`), the yardstick of the
+    decode rows: issue #5 asks K/V read at no less than 85% of the card's measured copy
+    bandwidth, and H200s differ by a few percent in it, so the benchmark measures it in its
+    own process. None where there is no CUDA device or no CUDA build, and with a warning where
+    the copy fails (its 2 x `nbytes` do not fit beside XLA's memory pool, say)."""
+    import jax_flashattn
+    if not on_gpu() or not jax_flashattn.cuda_built():
+        return None
+    from jax_flashattn import _ffi
+    try:
+        median, _ = _ffi._ext.cuda_copy_bandwidth(jax.devices()[0].local_hardware_id, nbytes,
+                                                  runs)
+    except RuntimeError as e:
+        warnings.warn(f"device copy bandwidth not measured: {e}", stacklevel=2)
+        return None
+    return median
+
+
 # ----------------------------------------------------------------------------- driver
 
 
@@ -861,8 +884,10 @@ def _group(records):
     return groups
 
 
-def markdown_tables(records: Sequence[dict], impls: Sequence[str]) -> list[tuple[str, str]]:
-    """[(title, markdown table)] per (kind, dtype, mode)."""
+def markdown_tables(records: Sequence[dict], impls: Sequence[str],
+                    copy_tbps: float | None = None) -> list[tuple[str, str]]:
+    """[(title, markdown table)] per (kind, dtype, mode). With the device's copy bandwidth
+    (`copy_bandwidth`, TB/s), decode tables add our K/V read rate as a fraction of it."""
     base = "cudnn" if "cudnn" in impls else ("xla" if "xla" in impls else None)
     tables = []
     for (kind, dtype, mode), rows_by_config in _group(records).items():
@@ -881,6 +906,12 @@ def markdown_tables(records: Sequence[dict], impls: Sequence[str]) -> list[tuple
                     rows[-1].append(_ratio(by_impl.get("ours"), by_impl.get(base), "kv_tbps"))
             if "ours" in impls and base and base != "ours":
                 header.append(f"ours/{base}")
+            if "ours" in impls and copy_tbps:
+                header.append("ours/copy")
+                for row, by_impl in zip(rows, rows_by_config.values()):
+                    ours = by_impl.get("ours")
+                    row.append(f"{ours['kv_tbps'] / copy_tbps:.2f}"
+                               if ours and ours["status"] == "ok" else "-")
         else:
             tokens = first["batch"] * first["seqlen_q"]
             title = (f"{dtype} {MODE_TITLES[mode]} TFLOP/s: {tokens} tokens per batch "

@@ -167,10 +167,39 @@ def test_bench_script_smoke(tmp_path, capsys):
 def test_bench_script_decode_smoke(capsys):
     bench = _load_bench_script()
     status = bench.main(["--decode", "--seqlen", "2", "--kv-len", "64", "--dtype", "bf16",
-                         "--impls", "ours", "--no-progress", "--repeats", "2"])
+                         "--impls", "ours", "--no-progress", "--repeats", "2",
+                         "--copy-bytes", str(64 << 20)])
     printed = capsys.readouterr().out
     assert status == 0, printed
-    assert "ours TB/s" in printed and "ours us" in printed
+    if _bench.copy_bandwidth(1 << 20) is None:
+        assert "| T | S | ours TB/s | ours us |" in printed and "ours/copy" not in printed
+    else:
+        assert "| T | S | ours TB/s | ours us | ours/copy |" in printed
+        assert "device copy bandwidth (cudaMemcpy of 0.0625 GiB" in printed
+
+
+def test_decode_table_divides_our_rate_by_the_copy_bandwidth():
+    cfg = _bench.decode_grid(("bf16",), (1,), 256)[0]
+    record = dict(_bench.config_record(cfg), impl="ours", mode="fwd", status="ok",
+                  seconds=1e-3, kv_tbps=3.4)
+    (_, table), = _bench.markdown_tables([record], ["ours"], copy_tbps=4.0)
+    assert table.splitlines()[0] == "| T | S | ours TB/s | ours us | ours/copy |"
+    assert table.splitlines()[2] == "| 1 | 256 | 3.4 | 1000 | 0.85 |"
+    (_, table), = _bench.markdown_tables([record], ["ours"])
+    assert "copy" not in table
+
+
+@pytest.mark.gpu
+def test_copy_bandwidth_on_the_device():
+    from jax_flashattn import _ffi
+    device = jax.devices()[0].local_hardware_id
+    median, best = _ffi._ext.cuda_copy_bandwidth(device, 256 << 20, 5)
+    # Read plus written bytes per second: far above PCIe, below any HBM there is.
+    assert 1e11 < median <= best < 2e13
+    with pytest.raises(ValueError, match="positive"):
+        _ffi._ext.cuda_copy_bandwidth(device, 0, 5)
+    with pytest.raises(RuntimeError, match="cudaSetDevice"):
+        _ffi._ext.cuda_copy_bandwidth(jax.device_count() + 64, 1 << 20, 1)
 
 
 @pytest.mark.parametrize("argv, expected", [
