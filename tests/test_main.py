@@ -65,6 +65,16 @@ def test_flops_and_grid():
     assert decode.kv_bytes() == 2 * 8 * 65536 * 8 * 128 * 2
 
 
+def test_decode_runs_take_their_own_length():
+    settings = _bench.TimingSettings(target_s=0.01, decode_target_s=0.04, max_iters=10**6,
+                                     decode_max_iters=10**6, est_flops=1e30, est_bandwidth=1e12)
+    decode = _bench.Config(1, 1, 2 ** 16, 1, 1, 8, "bf16", False, kind="decode")
+    standard = dataclasses.replace(decode, kind="standard")
+    assert settings.iterations(decode, "fwd") == pytest.approx(
+        4 * settings.iterations(standard, "fwd"), abs=4)  # each rounded up
+    assert _bench.TimingSettings(decode_max_iters=3).iterations(decode, "fwd") == 3
+
+
 @pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
 def test_timed_loop_updates_q_in_place(mode):
     # The dependency between calls rewrites one element of q: the compiled loop must not copy
