@@ -43,7 +43,9 @@ How it is timed (`prepare`, `time_interleaved`)
   (8 or 32 rounds per iteration read the same) or XLA's command buffers for the loop. The
   decode rows are judged in TB/s against the card's copy bandwidth, where that overhead
   would count in full; the standard grid keeps 25 ms runs (its rows are compared as ratios,
-  and each of its cases would take ~3x as long).
+  and each of its cases would take ~3x as long). cuDNN's calls at T = 8-16, which compute
+  more than they read, ran ~4% slower in the longer runs on the same card (216 -> 225 us at
+  T = 8), which raises those rows' ratios by as much.
 * Every implementation goes through the same loop in the same process, so the ratios are
   like for like; on a shared, noisy GPU they are what to compare. The implementations of one
   case are compiled, warmed up and checked first, then run once more untimed (the first run
