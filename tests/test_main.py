@@ -199,6 +199,21 @@ def test_decode_table_divides_our_rate_by_the_copy_bandwidth():
     assert "copy" not in table
 
 
+def test_copy_bandwidth_warns_and_gives_none_when_the_copy_fails(monkeypatch):
+    import types
+    import jax_flashattn
+    from jax_flashattn import _ffi
+
+    def fail(device, nbytes, runs):
+        raise RuntimeError("copy bandwidth: cudaMalloc: out of memory")
+
+    monkeypatch.setattr(_bench, "on_gpu", lambda: True)
+    monkeypatch.setattr(jax_flashattn, "cuda_built", lambda: True)
+    monkeypatch.setattr(_ffi, "_ext", types.SimpleNamespace(cuda_copy_bandwidth=fail))
+    with pytest.warns(UserWarning, match="not measured: copy bandwidth: cudaMalloc"):
+        assert _bench.copy_bandwidth(1 << 20) is None
+
+
 @pytest.mark.gpu
 def test_copy_bandwidth_on_the_device():
     from jax_flashattn import _ffi
