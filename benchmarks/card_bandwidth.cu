@@ -5,6 +5,11 @@
 //
 //     nvcc -O3 -arch=native -o card_bandwidth benchmarks/card_bandwidth.cu && ./card_bandwidth
 //
+// The benchmark measures the same copy in its own process (ffi/cuda/copy_bandwidth.cu); this
+// program keeps its own copy loop because its read rows follow copies from the buffer they
+// read: built on that function (copies of other buffers first), its 4-block read row read ~12%
+// lower on an H200, the 8- and 16-block rows the same.
+//
 // H200s differ by a few percent in both (docs/benchmarks.md, twenty-eighth session), so compare
 // a decode row with the number of the card it ran on.
 #include <cuda_runtime.h>
