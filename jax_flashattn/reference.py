@@ -38,8 +38,9 @@ def visibility(t_size: int, s_size: int, *, batch: int, is_causal: bool, window,
 
 
 def _softmax(args: _validate.Normalized, precision_dtype):
-    """(P [B, N, T, S], row max, whether the row sees any key, row sum): P normalised, and 0
-    on a row that sees no key."""
+    """(P [B, N, T, S], whether the row sees any key, row max, row sum): P normalised, and 0
+    on a row that sees no key (or whose visible logits are all -inf). A NaN or +inf visible
+    logit makes its row's max, hence P and the sum, NaN, as in jax.nn."""
     q, k = (x.astype(precision_dtype) for x in (args.query, args.key))
     b, t_size, n, h = q.shape
     s_size, kv_heads = k.shape[1], k.shape[2]
@@ -54,7 +55,7 @@ def _softmax(args: _validate.Normalized, precision_dtype):
     keep = jnp.broadcast_to(keep, logits.shape)
     masked = jnp.where(keep, logits, -jnp.inf)
     row_max = jnp.max(masked, axis=-1, keepdims=True)
-    any_visible = jnp.isfinite(row_max)
+    any_visible = row_max != -jnp.inf
     safe_max = jnp.where(any_visible, row_max, 0)
     p = jnp.where(keep, jnp.exp(masked - safe_max), 0)
     denom = jnp.sum(p, axis=-1, keepdims=True)

@@ -68,17 +68,33 @@ def reference_attention(query, key, value, *args, return_residual=False, p_dtype
     return out, jnp.concatenate([lse for _, lse in parts]).reshape(a.out_shape[:-1])
 
 
-def assert_attention_close(out, query, key, value, *args, **kwargs):
+def finite_max_abs(x) -> float:
+    """The largest finite |x| (0 for none)."""
+    x = np.abs(np.asarray(x, np.float64))
+    return float(np.max(x, where=np.isfinite(x), initial=0.0))
+
+
+def assert_attention_close(out, query, key, value, *args, nan_rows=False, **kwargs):
     """Checks `out` against the float32 reference with the error-ratio rule: a float32 result
     must match to ~1e-5 relative; a low-precision one may err by at most ~2x what the
     reference itself errs when it rounds P and the output to the input dtype (at least one ulp
     of each element: `reference.error_budget`). Returns the
-    reference's lse ([B, T, N], float32) for callers that check it too."""
+    reference's lse ([B, T, N], float32) for callers that check it too.
+
+    NaN never passes, except with `nan_rows` (inputs holding NaN or Inf): then the output rows
+    (one query of one head) holding NaN must be exactly the reference's, the rows where a NaN
+    or +inf logit is visible, and every other row is checked as above."""
     out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    assert not np.isnan(out).any(), "NaN in output"
     q32, k32, v32 = (jnp.asarray(x, jnp.float32) for x in (query, key, value))
     ref, ref_lse = reference_attention(q32, k32, v32, *args, return_residual=True, **kwargs)
     ref = np.asarray(ref, np.float64)
+    ref_nan = np.isnan(ref).any(axis=-1, keepdims=True)
+    out_nan = np.isnan(out).any(axis=-1, keepdims=True)
+    if nan_rows:
+        np.testing.assert_array_equal(out_nan, ref_nan, "NaN rows differ from the reference's")
+    else:
+        assert not out_nan.any(), "NaN in output"
+    out, ref = np.where(ref_nan, 0.0, out), np.where(ref_nan, 0.0, ref)
     dtype = jnp.asarray(query).dtype
     if dtype == jnp.float32:
         # float32 rounding of a logit x moves exp(x) by ~eps * |x|: the budget grows with the
@@ -91,14 +107,34 @@ def assert_attention_close(out, query, key, value, *args, **kwargs):
         scale = kwargs.get("scale") or 1 / np.sqrt(q64.shape[-1])
         logits = np.einsum("btnh,bsnh->bnts", q64, np.repeat(k64, group, axis=2)) * scale
         bias = args[0] if args else kwargs.get("bias")
-        bias_size = 0.0 if bias is None else float(np.max(np.abs(np.asarray(bias, np.float64))))
-        logit_size = max(1.0, float(np.max(np.abs(logits), initial=0.0)) + bias_size)
+        bias_size = 0.0 if bias is None else finite_max_abs(np.asarray(bias, np.float64))
+        logit_size = max(1.0, finite_max_abs(logits) + bias_size)
         bound = 2e-5 * (np.max(np.abs(ref), initial=0.0) + 1) * logit_size
     else:
         rounded = reference_attention(q32, k32, v32, *args, p_dtype=dtype, **kwargs).astype(dtype)
-        bound = reference.error_budget(ref, jnp.asarray(rounded, jnp.float32), dtype)
+        rounded = np.where(ref_nan, 0.0, np.asarray(rounded, np.float64))
+        bound = reference.error_budget(ref, rounded, dtype)
     errors = np.abs(out - ref)
     err, err_bound = reference.worst_against_budget(errors, bound)
     assert err <= err_bound, (f"error {err:.3g} exceeds its bound {err_bound:.3g} "
                               f"(max error {np.max(errors):.3g})")
     return np.asarray(ref_lse)
+
+
+def gradient_nan_rows(q, k, *args, **kwargs):
+    """The rows our gradients must hold NaN in: dq [B, T, N] where a row sees a NaN or +inf
+    logit (a NaN row), dk and dv [B, S, K] where a NaN row sees the key."""
+    a = _validate.normalize(q, k, k, *args, **kwargs)
+    b, t, n, _ = a.query.shape
+    s, kv = a.key.shape[1], a.key.shape[2]
+    q64, k64 = (np.asarray(x, np.float64) for x in (a.query, a.key))
+    with np.errstate(invalid="ignore", over="ignore"):
+        logits = np.einsum("btnh,bsnh->bnts", q64, np.repeat(k64, n // kv, axis=2)) * a.scale
+        if a.bias is not None:
+            logits = logits + np.asarray(a.bias, np.float64)
+    seen = np.broadcast_to(np.asarray(reference.visibility(
+        t, s, batch=b, is_causal=a.is_causal, window=a.window, q_lens=a.query_seq_lengths,
+        kv_lens=a.key_value_seq_lengths, mask=a.mask)), logits.shape)
+    bad_row = (seen & ~(np.isfinite(logits) | np.isneginf(logits))).any(-1)  # [B, N, T]
+    bad_key = (seen & bad_row[..., None]).reshape(b, kv, n // kv, t, s).any((2, 3))  # [B, K, S]
+    return bad_row.transpose(0, 2, 1), bad_key.transpose(0, 2, 1)

@@ -17,6 +17,9 @@ tensor-core backward runs in both dQ modes (atomics and deterministic); the scri
 non-zero if a result is not finite.
 """
 
+import contextlib
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,6 +95,26 @@ def main():
     # query block's key tiles: 3 x 64 query tiles (more than the SMs), so a block's next
     # tile loads K/V into the stage its last tile's O was stored from; T ends mid-tile.
     forward_case(rng, "O in the K/V ring", (1, 300, 300, 64, 8, 256), is_causal=True)
+    # Key lengths inside a key tile under a window that reaches one tile further for the upper
+    # warpgroup of a query block: the first warpgroup that reads the tile holding the length
+    # zeroes its V rows past it (the lower one in some blocks, the upper in others), which the
+    # other reads after their turns; and the mma.sync family's TMA loads do the same.
+    lengths_case = dict(local_window_size=(90, 40),
+                        key_value_seq_lengths=jnp.array([238, 700], jnp.int32))
+    forward_case(rng, "lengths inside a key tile", (2, 300, 700, 4, 2, 128), **lengths_case)
+    with switch("JAX_FLASHATTN_DISABLE_SM90"):
+        forward_case(rng, "lengths inside a key tile, mma.sync", (2, 300, 700, 4, 2, 128),
+                     **lengths_case)
+
+
+@contextlib.contextmanager
+def switch(name):
+    """The kernel switch `name` on for the calls traced inside (read when a call is traced)."""
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[name]
 
 
 def forward_case(rng, name, sizes, kernel=None, **kwargs):

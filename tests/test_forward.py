@@ -125,8 +125,9 @@ def test_seq_lengths_beyond_size_equal_none(rng):
 
 @pytest.mark.parametrize("fill", [np.nan, np.inf])
 def test_cpu_kernel_never_reads_keys_past_the_length(rng, fill):
-    """The CPU kernel reads K/V rows [0, kv_len) only: NaN or Inf past a length (which the GPU
-    full-length kernels would carry into the output, README) changes nothing."""
+    """The CPU kernel reads K/V rows [0, kv_len) only: NaN or Inf past a length changes nothing
+    (tests/test_nonfinite.py and tests/test_gpu_nonfinite.py: every family, forward and
+    backward)."""
     if jax.default_backend() != "cpu":
         pytest.skip("implementation='cpu' needs the CPU backend")
     q, k, v = random_qkv(rng, 3, 20, 40, 4, 2, 16, jnp.bfloat16)

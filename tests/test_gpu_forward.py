@@ -567,7 +567,7 @@ def test_decode_paired_clusters_of_six(rng, t, kwargs):
 def test_decode_never_reads_keys_past_the_length(rng, fill, head_dim, t):
     """A padded cache may hold anything past a batch entry's length: the decode kernels
     zero-fill those rows instead of reading them, so NaN or Inf there changes nothing (the
-    full-length kernels load a straddling key tile whole; README)."""
+    other families: tests/test_gpu_nonfinite.py)."""
     q, k, v = random_qkv(rng, 3, t, 3001, 8, 2, head_dim, jnp.bfloat16)
     assert jax_flashattn.forward_kernel(q, k) == decode_kernel(q, k)
     kv_lens = np.array([1000, 3001, 77], np.int32)

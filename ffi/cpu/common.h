@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -36,6 +37,13 @@ inline float dot(const float* __restrict x, const float* __restrict y, int64_t n
   for (; i < n; ++i) sum += x[i] * y[i];
   for (int64_t u = 0; u < kLanes; ++u) sum += partial[u];
   return sum;
+}
+
+// max(a, b) that is NaN when either is: a NaN logit must reach its row's output (std::max and
+// fmax drop it).
+inline float max_propagating_nan(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return a + b;
+  return a < b ? b : a;
 }
 
 // y += a * x

@@ -28,12 +28,14 @@ struct RowTile {
 };
 
 // Folds the logits x[0, count) of keys j0.. into row i's state; v holds the float32 value rows.
+// A NaN logit (or a +inf one, through inf - inf) makes the row's max, sum and output NaN, as
+// in jax.nn: the maxima propagate NaN instead of dropping it as std::max does.
 void online_softmax_update(RowTile& tile, int64_t i, const float* x, int64_t count,
                            const float* v, int64_t j0, int64_t h) {
   float block_max = kNegInf;
-  for (int64_t j = 0; j < count; ++j) block_max = std::max(block_max, x[j]);
-  const float m_new = std::max(tile.m[i], block_max);
-  // Every key so far is masked: nothing to add, and 2^(x - m_new) would be NaN.
+  for (int64_t j = 0; j < count; ++j) block_max = max_propagating_nan(block_max, x[j]);
+  const float m_new = max_propagating_nan(tile.m[i], block_max);
+  // Every visible logit so far is -inf: nothing to add, and 2^(x - m_new) would be NaN.
   if (m_new == kNegInf) return;
   float* o = tile.acc.data() + i * h;
   const float alpha = std::exp2(tile.m[i] - m_new);  // 0 while m was -inf
@@ -92,8 +94,9 @@ void forward_head(const AttentionParams& p, int64_t b, int64_t n) {
     for (int64_t t = r0; t < r1; ++t) {
       const int64_t i = t - r0;
       float* o = tile.acc.data() + i * h;
-      // l > 0 exactly when some key was visible with a finite logit (the max contributes 1).
-      if (tile.l[i] > 0.0f) {
+      // m = -inf exactly when every visible logit was -inf (or no key was visible): O = 0 and
+      // lse = -inf. Otherwise l >= 1 (the max contributes 1), or NaN, which O and lse carry.
+      if (tile.m[i] != kNegInf) {
         scale_row(1.0f / tile.l[i], o, h);
         lse[t] = tile.m[i] * kLn2 + std::log(tile.l[i]);
         store_row(p.dtype, o, h, p.out, q_offset(p, b, t, n));

@@ -191,6 +191,14 @@ __device__ __forceinline__ float log2_approx(float x) {
   return y;
 }
 
+// max(a, b), NaN when either is (fmaxf drops a NaN): where a NaN logit or partial lse decides a
+// row's result, the row must come out NaN, as in jax.nn.
+__device__ __forceinline__ float max_propagating_nan(float a, float b) {
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
 // `width` set bits from bit `start` up (bmsk.clamp: both clamped to [0, 32], bits past 31
 // dropped), in one instruction.
 __device__ __forceinline__ uint32_t bit_mask(uint32_t start, uint32_t width) {

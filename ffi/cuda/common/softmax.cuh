@@ -169,7 +169,9 @@ struct OnlineSoftmax {
   }
 
   // Normalises O and returns the natural-log lse of each row (-inf and O = 0 for rows that
-  // saw no key).
+  // saw no key). The sum is 0 exactly for those rows; otherwise it is at least 1 (the row's
+  // maximum contributes 1), or NaN where a NaN or +inf logit reached the row (the maxima drop
+  // NaN, but its exp2 does not), which O and lse then carry, as in jax.nn.
   template <int kDTiles>
   __device__ void finalize(float (&O)[kSlabs][kDTiles][4], float scale, float (&lse)[kSlabs][2]) {
 #pragma unroll
@@ -177,8 +179,9 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float sum = quad_sum(row_sum[m][h]);
-        const float inv = sum > 0.f ? ptx::rcp_approx(sum) : 0.f;
-        lse[m][h] = sum > 0.f ? (row_max[m][h] * scale + ptx::log2_approx(sum)) * kLn2 : -INFINITY;
+        const bool seen = sum != 0.f;
+        const float inv = seen ? ptx::rcp_approx(sum) : 0.f;
+        lse[m][h] = seen ? (row_max[m][h] * scale + ptx::log2_approx(sum)) * kLn2 : -INFINITY;
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
           O[m][d][2 * h] *= inv;

@@ -66,11 +66,14 @@ __global__ void __launch_bounds__(kWarps * 32)
     accumulate_rows(o_row, prob, v + base * p.kv_row_stride, p.kv_row_stride, H, lane);
   }
 
-  const float inv = row_sum > 0.f ? 1.f / row_sum : 0.f;
+  // row_sum is 0 exactly for a row that saw no key, NaN where a NaN or +inf logit reached it
+  // (OnlineSoftmax::finalize).
+  const bool seen = row_sum != 0.f;
+  const float inv = seen ? 1.f / row_sum : 0.f;
   for (int64_t h = lane; h < H; h += 32) out[h] = from_float<Elem>(o_row[h] * inv);
   if (lane == 0)
     p.lse[(b * p.num_heads + n) * p.seqlen_q + t] =
-        row_sum > 0.f ? (row_max + log2f(row_sum)) * kLn2 : -INFINITY;
+        seen ? (row_max + log2f(row_sum)) * kLn2 : -INFINITY;
 }
 
 template <typename Elem>

@@ -128,8 +128,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // The Q tiles that can see this block (the lengths and window are the same for every head of
   // the group; only a mask differs, and it is applied per element). With a bias every tile is
   // visited, so that every dbias element is written (0 where hidden).
+  const cuda::Visibility group_vis = cuda::Visibility::make(p, b, head0);
   int64_t t_lo, t_hi;
-  cuda::Visibility::make(p, b, head0).query_range(key0, key0 + kBlockN, t_lo, t_hi);
+  group_vis.query_range(key0, key0 + kBlockN, t_lo, t_hi);
   if (p.dbias != nullptr) t_lo = 0, t_hi = p.seqlen_q;
   // Tile and head indices fit 32 bits (T and N do); element offsets stay 64-bit.
   const int tile_begin = int(t_lo / kBlockM);
@@ -184,11 +185,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     if (tid < 2 * kBlockM) sStats[stage * 2 * kBlockM + tid] = value;
   };
 
-  // Prologue: K, V, the first Q/dO tile and its lse / D.
+  // Prologue: K, V (zero past the batch entry's key length: a padded cache may hold NaN or Inf
+  // there, which hidden probabilities of 0 would still multiply), the first Q/dO tile and its
+  // lse / D.
   if (steps > 0) {
-    load_tile<Traits, kBlockN>(sK, k + key0 * p.kv_row_stride, p.kv_row_stride, valid_keys,
+    const int64_t loaded_keys = group_vis.kv_len - key0;
+    load_tile<Traits, kBlockN>(sK, k + key0 * p.kv_row_stride, p.kv_row_stride, loaded_keys,
                                p.head_dim, tid);
-    load_tile<Traits, kBlockN>(sV, v + key0 * p.kv_row_stride, p.kv_row_stride, valid_keys,
+    load_tile<Traits, kBlockN>(sV, v + key0 * p.kv_row_stride, p.kv_row_stride, loaded_keys,
                                p.head_dim, tid);
     load_q_do(head0, int64_t(tile_begin) * kBlockM, 0);
   }

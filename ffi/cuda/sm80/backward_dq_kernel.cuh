@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int64_t tile_begin = key_lo / kBlockN, tile_end = (key_hi + kBlockN - 1) / kBlockN;
   auto load_kv = [&](int64_t tile, int stage) {
     load_kv_tile<Traits>(sK + stage * kBlockN * kSmemDim, sV + stage * kBlockN * kSmemDim, k, v,
-                         tile * kBlockN, p, tid);
+                         tile * kBlockN, head.vis.kv_len, p, tid);
   };
 
   // Prologue: Q, dO and the first K/V tile in group 0, the second K/V tile in group 1.

@@ -1,7 +1,7 @@
 // The memory-bound steps around the mma.sync backward kernels, for head dims that are a
 // multiple of 8 up to 256 (one 16-byte chunk per lane of a row):
-//   preprocess: D_t = dO_t . O_t in float32 per (batch, query, head) row, and a zeroed float32
-//               dQ accumulator row when dQ is summed with atomics;
+//   preprocess: D_t = dO_t . O_t in float32 per (batch, query, head) row (0 where the row's lse
+//               is NaN), and a zeroed float32 dQ accumulator row when dQ is summed with atomics;
 //   convert:    dQ = scale * accumulator, rounded to the input dtype.
 #pragma once
 
@@ -43,7 +43,11 @@ __global__ void __launch_bounds__(kElementwiseThreads)
     }
   }
   const float sum = cuda::simt::warp_sum(partial);
-  if (lane == 0) p.delta[(b * p.num_heads + n) * p.seqlen_q + t] = sum;
+  // A row whose lse is NaN (a NaN or +inf logit) has P NaN wherever it sees a key, which makes
+  // its gradients NaN there; its hidden keys have P = 0, and dS = P (dP - D) must stay 0 for
+  // them, which a NaN D (from its NaN output) would turn into 0 x NaN.
+  const int64_t stat = (b * p.num_heads + n) * p.seqlen_q + t;
+  if (lane == 0) p.delta[stat] = isnan(p.lse[stat]) ? 0.f : sum;
 }
 
 // Eight elements per thread: two float4 loads, one 16-byte store.

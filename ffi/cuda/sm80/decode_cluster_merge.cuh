@@ -136,12 +136,12 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
 
     // lse = log sum_s exp(lse_s), in base 2 on the special-function unit: a few instructions
     // per split where expf and logf are tens each (with them this merge took 2.6 us longer).
-    // exp2(-inf) = 0 for a split without a key for the row.
+    // exp2(-inf) = 0 for a split without a key for the row; a NaN split lse makes the row NaN.
     float max_lse = -INFINITY;
 #pragma unroll
     for (int s = 0; s < kMaxSplits; ++s) {
       if (s >= splits) break;
-      max_lse = fmaxf(max_lse, split_lse(s));
+      max_lse = ptx::max_propagating_nan(max_lse, split_lse(s));
     }
     float lse = -INFINITY;
     if (max_lse != -INFINITY) {

@@ -5,7 +5,8 @@
 // One warp per output row (b, n, t). With lse_s the splits' natural-log lse and O_s their
 // normalised outputs: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) O_s. Splits
 // that saw no key for the row have lse_s = -inf, weight 0, and their O_s is never read; a row
-// no split saw gets out = 0 and lse = -inf, like the other kernels.
+// no split saw gets out = 0 and lse = -inf, like the other kernels. A NaN lse_s (a NaN or +inf
+// logit in that split) makes the maximum, hence lse and out, NaN.
 #pragma once
 
 #include <cmath>
@@ -23,7 +24,8 @@ inline constexpr int kCombineGroupsPerLane = int(kDecodeMaxHeadDim / 4 / 32);
 
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
+  for (int offset = 16; offset > 0; offset /= 2)
+    x = ptx::max_propagating_nan(x, __shfl_xor_sync(0xffffffff, x, offset));
   return x;
 }
 
@@ -50,7 +52,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
 
   const float* lse_s = plan.lse_partial + plan.partial_row(unit, 0, r);  // stride plan.rows
   float max_lse = -INFINITY;
-  for (int64_t s = lane; s < plan.splits; s += 32) max_lse = fmaxf(max_lse, lse_s[s * plan.rows]);
+  for (int64_t s = lane; s < plan.splits; s += 32) max_lse = ptx::max_propagating_nan(max_lse, lse_s[s * plan.rows]);
   max_lse = warp_max(max_lse);
   float sum = 0.f;
   if (max_lse != -INFINITY)

@@ -179,7 +179,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       for (int h = 0; h < 2; ++h) {
         const float other_max = other[(kStateFloats + h) * 32];
         const float new_max = fmaxf(softmax.row_max[0][h], other_max);
-        if (new_max == -INFINITY) continue;  // neither has seen a key for this row
+        if (new_max == -INFINITY) {
+          // Neither has seen a finite score for this row: both sums are 0, or NaN where that
+          // side's scores held a NaN (which its maximum dropped), which the sum must carry.
+          softmax.row_sum[0][h] += other[(kStateFloats + 2 + h) * 32];
+          continue;
+        }
         // Scores are unscaled: a row's weights are exp2((max - new_max) * scale_log2).
         const float mine_factor =
             softmax.row_max[0][h] == -INFINITY

@@ -118,7 +118,7 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm
       if (tid == 0) issue_kv_tma(tile, stage);
     } else {
       load_kv_tile<Traits>(sK + stage * kBlockN * kSmemDim, sV + stage * kBlockN * kSmemDim, k,
-                           v, tile * kBlockN, p, tid);
+                           v, tile * kBlockN, vis.kv_len, p, tid);
     }
   };
 
@@ -185,6 +185,19 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm
       // The n-th use of a stage completes its barrier's phase n.
       ptx::mbarrier_wait(ptx::smem_address(&kv_full[stage]),
                          uint32_t((tile - tile_begin) / Traits::kStages) & 1);
+      // The tensor map spans S, so the tile that holds a batch entry's key length brought the
+      // cache's rows past it: V's are zeroed before any P V reads them (K's scores are masked).
+      // Between block barriers: the first orders the stage's reads of its previous tile (which
+      // the refill followed through the counts, not a barrier) before the stores, the second the
+      // stores before this tile's reads; the proxy fence orders them before the TMA refill.
+      if (vis.kv_len < p.seqlen_k && (tile + 1) * kBlockN > vis.kv_len) {
+        __syncthreads();
+        zero_tile_rows<KVLayout, kBlockN, Traits::kTmaSpans * 8>(
+            sV + stage * kBlockN * kSmemDim, int(vis.kv_len - tile * kBlockN), tid,
+            Traits::kThreads);
+        ptx::fence_proxy_async_shared();
+        __syncthreads();
+      }
     } else {
       ptx::cp_async_wait<1>();
       __syncthreads();

@@ -128,14 +128,28 @@ __device__ __forceinline__ void load_tile(Elem* smem, const Elem* global, int64_
 }
 
 // Copies keys [key0, key0 + kBlockN) of K and V (whose rows start at `k` and `v`) into one
-// pipeline stage, zero-filling keys past seqlen_k.
+// pipeline stage, zero-filling keys past kv_len, the batch entry's key length: a padded cache
+// may hold NaN or Inf there, and a masked probability of 0 times NaN is NaN.
 template <typename Traits, typename Elem>
 __device__ __forceinline__ void load_kv_tile(Elem* sK, Elem* sV, const Elem* k, const Elem* v,
-                                             int64_t key0, const AttentionParams& p, int tid) {
+                                             int64_t key0, int64_t kv_len,
+                                             const AttentionParams& p, int tid) {
   load_tile<Traits, Traits::kBlockN>(sK, k + key0 * p.kv_row_stride, p.kv_row_stride,
-                                     p.seqlen_k - key0, p.head_dim, tid);
+                                     kv_len - key0, p.head_dim, tid);
   load_tile<Traits, Traits::kBlockN>(sV, v + key0 * p.kv_row_stride, p.kv_row_stride,
-                                     p.seqlen_k - key0, p.head_dim, tid);
+                                     kv_len - key0, p.head_dim, tid);
+}
+
+// Zeroes rows [first_row, kRows) of a shared tile laid out as Layout with kChunks 16-byte chunks
+// per row, `threads` threads from `tid` on: the rows of a TMA-loaded key tile past the batch
+// entry's key length, which the tensor map (spanning all of S) loaded from the cache.
+template <typename Layout, int kRows, int kChunks, typename Elem>
+__device__ __forceinline__ void zero_tile_rows(Elem* smem, int first_row, int tid, int threads) {
+  const int rows = kRows - (first_row < 0 ? 0 : first_row);
+  for (int i = tid; i < rows * kChunks; i += threads) {
+    const int row = kRows - rows + i / kChunks, chunk = i % kChunks;
+    *reinterpret_cast<uint4*>(smem + Layout::offset(row, chunk)) = uint4{};
+  }
 }
 
 // Writes rows [0, valid_rows) x the head_dim columns of a swizzled shared tile of kRows rows to

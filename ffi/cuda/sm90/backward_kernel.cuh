@@ -240,7 +240,31 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
   const float scale_log2 = p.scale * cuda::kLog2e;
 
-  if (block.steps > 0) ptx::mbarrier_wait(bar(bars.kv_full), 0);
+  if (block.steps > 0) {
+    ptx::mbarrier_wait(bar(bars.kv_full), 0);
+    // The tensor maps span S, so a block that holds a batch entry's key length loaded the
+    // cache's rows past it, which may hold NaN or Inf: hidden P and dS of 0 would still multiply
+    // them (dP^T = V dO^T, dQ = dS K). Each consumer zeroes its own 64 rows of K and V; its
+    // products read them after the warpgroup barrier below, the other's dQ after the first
+    // consumers' barrier.
+    const int first_row = p.kv_seqlens == nullptr
+                              ? kBlockN
+                              : int(block_visibility(p, block.b).kv_len) - block.key0;
+    if (first_row < wg_key0 + 64) {
+      constexpr int kRowChunks = kRowBytes / 16;
+      const int row0 = first_row > wg_key0 ? first_row : wg_key0;
+      const int chunks = (wg_key0 + 64 - row0) * kRowChunks;
+      for (int i = tid % 128; i < kSpans * chunks; i += 128) {
+        const uint32_t offset = (i / chunks) * kBlockN * kRowBytes +
+                                (row0 + (i % chunks) / kRowChunks) * kRowBytes +
+                                (i % kRowChunks) * 16;
+        ptx::st_shared_v4_b32(sK + offset, 0, 0, 0, 0);
+        ptx::st_shared_v4_b32(sV + offset, 0, 0, 0, 0);
+      }
+      ptx::fence_proxy_async_shared();  // generic stores that wgmma (async proxy) reads
+      ptx::named_barrier_sync(kWarpgroupBarrier + consumer, 128);
+    }
+  }
   int n = block.head0, tile = block.tile_begin;
   for (int step = 0; step < block.steps; ++step) {
     const int stage = step % kStages, ds_buffer = step % Traits::kDsStages;
@@ -271,10 +295,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::wgmma_commit_group();
 
     // P^T. This thread's elements [j][e]: query q0 + 8 j + quad_col + e % 2, key
-    // key0 + quad_row + 8 (e / 2) of the warp's first key key0. Only tiles that straddle a length
-    // or window boundary test elements: hidden scores become -inf, as do all of a row that saw no
-    // key (lse = -inf, whose -lse log2(e) is taken as -inf), and exp2 turns them into 0
-    // (scale > 0, so never inf - inf).
+    // key0 + quad_row + 8 (e / 2) of the warp's first key key0. A row that saw no key has
+    // lse = -inf, whose -lse log2(e) is taken as -inf, and exp2 turns its scores into 0 (scale > 0,
+    // so never inf - inf). Only tiles that straddle a length or window boundary test elements:
+    // a hidden element's P is set to 0 after exp2, as its row's lse may be NaN (a row that saw a
+    // NaN logit, or in the last query tile of a head the slot of a row past T, which holds the
+    // next head's row: the stats box is flat), and NaN must not reach the keys it hides.
+    static_assert(kQTiles * 4 <= 32, "one bit per element of a thread's S^T");
+    uint32_t hidden = 0;  // bit 4 j + e: element [j][e] is hidden
     ptx::wgmma_wait<1>();
     fence(s_acc);
     {
@@ -287,7 +315,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int j = 0; j < kQTiles; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            if (!tile_vis.visible(8 * j + e % 2, 8 * (e / 2))) s_acc[j][e] = -INFINITY;
+            if (!tile_vis.visible(8 * j + e % 2, 8 * (e / 2))) hidden |= 1u << (4 * j + e);
       }
     }
 #pragma unroll
@@ -299,6 +327,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         s_acc[j][e] = ptx::exp2_approx(fmaf(s_acc[j][e], scale_log2, e % 2 ? bias1 : bias0));
+    }
+    if (hidden != 0) {
+#pragma unroll
+      for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if ((hidden >> (4 * j + e)) & 1) s_acc[j][e] = 0.f;
     }
 
     // dS^T = P^T (dP^T - D), in place of dP^T.

@@ -103,6 +103,44 @@ __device__ void write_unseen_rows(const AttentionParams& p, const ForwardTile& t
   for (int64_t i = thread; i < valid; i += threads) lse[row_begin + i] = -INFINITY;
 }
 
+// The key tiles a computing warpgroup (rows [row0 + wg_row0, +64) of tile t) multiplies under
+// a window: the block's, up to the one that holds the last key its rows see, or all of the
+// block's where its rows see none (the consumers' wg_tiles below, by the same rule).
+template <int kBlockN>
+__device__ __forceinline__ int windowed_warpgroup_tiles(const cuda::Visibility32& vis,
+                                                        const ForwardTile& t, int wg_row0) {
+  int key_lo, key_hi;
+  vis.key_range(t.row0 + wg_row0, t.row0 + wg_row0 + 64, key_lo, key_hi);
+  if (key_hi <= key_lo) return t.num_kv_tiles;
+  const int last = int(unsigned(key_hi - 1) / kBlockN) - t.tile_begin;
+  return last + 1 < t.num_kv_tiles ? last + 1 : t.num_kv_tiles;
+}
+
+// The first row of the V tile that computing consumer `consumer` must zero before its last
+// O += P V, or kBlockN for none. The tensor maps span S, so the key tile that holds a batch
+// entry's key length brings the cache's rows past it, which may hold NaN or Inf, and a masked P
+// of 0 times NaN is NaN. That tile is the last one of every warpgroup that reads it, and the
+// first of them in turn order (the lowest consumer: the consumers below a computing one compute
+// too) zeroes it before its turn: the turns (named barriers, round robin) order its stores
+// before every later reader's product, and no two warpgroups write the buffer. Without a window
+// every computing warpgroup reads every tile, so consumer 0 zeroes. Rebuilt from the
+// parameters (one load of the length) rather than kept through the tile loop.
+template <int kBlockN, bool kWindowed>
+__device__ __forceinline__ int first_v_row_to_zero(const AttentionParams& p, const ForwardTile& t,
+                                                   int consumer, int wg_tiles) {
+  if (p.kv_seqlens == nullptr) return kBlockN;  // rows past S load as zeros
+  const cuda::Visibility32 vis = cuda::Visibility32::make(p, int(ptx::opaque(uint32_t(t.b))));
+  const int last_key0 = (t.tile_begin + wg_tiles - 1) * kBlockN;
+  if (vis.kv_len >= p.seqlen_k || vis.kv_len - last_key0 >= kBlockN) return kBlockN;
+  if constexpr (kWindowed) {
+    for (int below = 0; below < consumer; ++below)
+      if (windowed_warpgroup_tiles<kBlockN>(vis, t, below * 64) >= wg_tiles) return kBlockN;
+  } else {
+    if (consumer > 0) return kBlockN;
+  }
+  return vis.kv_len - last_key0;
+}
+
 template <typename Elem, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     forward_kernel(const __grid_constant__ AttentionParams p,
@@ -686,6 +724,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     release(bars.q_empty[q_stage]);
     pack_p();
     ptx::mbarrier_wait(bar(bars.v_full[kv_ring.stage()]), kv_ring.phase());
+    if (const int first_row = first_v_row_to_zero<kBlockN, Traits::kWindowed>(p, t, consumer,
+                                                                              wg_tiles);
+        first_row < kBlockN) {
+      // Rows [first_row, kBlockN) of every span, 16 bytes a store (zero rows need no swizzle).
+      constexpr int kRowChunks = kRowBytes / 16;
+      const int chunks = (kBlockN - first_row) * kRowChunks;
+      for (int i = tid % 128; i < kSpans * chunks; i += 128) {
+        const int span = i / chunks, row = first_row + (i % chunks) / kRowChunks;
+        ptx::st_shared_v4_b32(sV(kv_ring.stage()) + span * kBlockN * kRowBytes + row * kRowBytes +
+                                  (i % kRowChunks) * 16,
+                              0, 0, 0, 0);
+      }
+      ptx::fence_proxy_async_shared();  // generic stores that wgmma (async proxy) reads
+      sync_warpgroup();
+    }
     take_turn();
     issue_pv(kv_ring.stage(), half_last);
     hand_over();
