@@ -1,7 +1,8 @@
 """Trace-time validation and normalisation of `attention`'s arguments.
 
 Every bad input raises a `ValueError` or `TypeError` that names the argument and what it got,
-before anything is lowered; nothing here looks at array values, so it all runs under `jit`.
+before anything is lowered. Nothing here reads the values of a JAX array, so it all runs under
+`jit`; only host (numpy or Python) sequence lengths have their values checked.
 """
 
 from __future__ import annotations
@@ -31,8 +32,15 @@ class Normalized:
     key_value_seq_lengths: jax.Array | None
     scale: float
     is_causal: bool
-    window: tuple[int, int] | None
+    window: tuple[int, int] | None  # each side at most MAX_WINDOW_SIDE
     out_shape: tuple[int, ...]  # the caller's query shape: [B, T, N, H] or [T, N, H]
+
+    @property
+    def zero_size(self) -> bool:
+        """Whether B, T, S, N or H is 0: then every output is empty or, for S = 0, that of
+        rows that see no key, known without running a kernel."""
+        b, t, n, h = self.query.shape
+        return min(b, t, self.key.shape[1], n, h) == 0
 
     @property
     def kernel_window(self) -> tuple[int | None, int | None]:
@@ -44,6 +52,8 @@ class Normalized:
 
 
 def _as_array(x, name: str) -> jax.Array:
+    if x is None:
+        raise TypeError(f"{name} must be an array, got None")
     try:
         return jnp.asarray(x)
     except TypeError as e:
@@ -88,15 +98,39 @@ def _broadcastable(x, name: str, target: tuple[int, ...]) -> jax.Array:
     return x
 
 
+# Integer dtypes every value of which fits int32: their lengths cast to int32 exactly.
+_INT32_SAFE_DTYPES = tuple(np.dtype(d) for d in (np.int8, np.int16, np.int32, np.uint8, np.uint16))
+_INT32 = np.iinfo(np.int32)
+
+
+def _host_lengths(x, name: str) -> np.ndarray:
+    """Host (numpy or Python) lengths as int32, their values checked to fit: np.array([5, 7]) is
+    int64, and its values are known here, so no wider dtype is refused for its width alone."""
+    x = np.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        return x  # refused by the dtype check that follows, with the other non-integer inputs
+    if x.size and not _INT32.min <= int(x.min()) <= int(x.max()) <= _INT32.max:
+        raise ValueError(f"{name} values must fit int32, got values from {int(x.min())} to "
+                         f"{int(x.max())}")
+    return x.astype(np.int32)
+
+
 def _seq_lengths(x, name: str, batch: int) -> jax.Array | None:
     if x is None:
         return None
+    if not isinstance(x, jax.Array):
+        x = _host_lengths(x, name)
     x = _as_array(x, name)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array of shape ({batch},), got {_describe(x)}")
     if x.shape != (batch,):
         raise ValueError(f"{name} must have shape ({batch},) (one length per batch entry), got "
                          f"{_describe(x)}")
+    if x.dtype not in _INT32_SAFE_DTYPES:
+        # A JAX array's values are unknown at trace time, and casting wraps them around.
+        raise TypeError(f"{name} must be int32 (or int8, int16, uint8, uint16, which fit it), got "
+                        f"{_describe(x)}, whose values could wrap around in int32 and cannot be "
+                        f"checked at trace time: pass int32 lengths")
     return x.astype(jnp.int32)
 
 
@@ -115,6 +149,12 @@ def check_options(*, is_causal=False, implementation=None, deterministic_backwar
         raise TypeError(f"deterministic_backward must be a bool, got {deterministic_backward!r}")
 
 
+# A window side this large already reaches every key of any sequence an int64 position can index,
+# so a larger side is clamped to it: the FFI attribute is an int64, and the kernels add a side to
+# a position (row + right), which must not overflow.
+MAX_WINDOW_SIDE = 2**62
+
+
 def _window(local_window_size) -> tuple[int, int] | None:
     if local_window_size is None:
         return None
@@ -128,27 +168,40 @@ def _window(local_window_size) -> tuple[int, int] | None:
     left, right = (int(w) for w in local_window_size)
     if left < 0 or right < 0:
         raise ValueError(f"local_window_size sides must be >= 0, got {(left, right)}")
-    return left, right
+    return min(left, MAX_WINDOW_SIDE), min(right, MAX_WINDOW_SIDE)
 
 
 def _scale(scale, head_dim: int) -> float:
     if scale is None:
-        return 1.0 / math.sqrt(head_dim)
+        # With H = 0 every q.k is an empty sum, 0, and any finite scale gives the same logits;
+        # 1/sqrt(0) = inf would make them 0 * inf = NaN (as jax.nn's default does there).
+        return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
     if isinstance(scale, jax.core.Tracer):
         raise TypeError("scale must be a static Python number (it is compiled into the kernel), "
                         "got a traced value")
     try:
         value = float(scale)
+    except OverflowError:  # an int beyond float64, so beyond float32 as well
+        value = math.inf
     except (TypeError, ValueError) as e:
         raise TypeError(f"scale must be a real number, got {scale!r}") from e
-    if not math.isfinite(value):
-        raise ValueError(f"scale must be finite, got {value}")
+    with np.errstate(over="ignore"):
+        kernel_value = np.float32(value)
+    if not np.isfinite(kernel_value):
+        raise ValueError(f"scale must be finite in float32, the kernels' type for it (|scale| <= "
+                         f"{float(np.finfo(np.float32).max):.8g}), got {scale!r}")
+    # A nonzero scale below float32's smallest subnormal rounds to 0, which the kernels take
+    # (on their scale <= 0 path): it is accepted because it moves no logit by more than a few
+    # float32 ulps (|q.k| < 3.4e38 in the float32 accumulator), so softmax is uniform either
+    # way, and jax.nn, which multiplies the logits by the scale in float32, rounds it alike.
     return value
 
 
 def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None,
-              local_window_size=None) -> Normalized:
+              local_window_size=None, allow_empty=False) -> Normalized:
+    """`allow_empty`: accept T, S, N or H = 0 (B = 0 is always accepted), for a caller that
+    answers such inputs without the kernels (`attention`'s Normalized.zero_size path)."""
     query, key, value = (_as_array(x, n) for x, n in
                          ((query, "query"), (key, "key"), (value, "value")))
     _check_qkv(query, key, value)
@@ -163,7 +216,9 @@ def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     if kh != h:
         raise ValueError(f"key head dim {kh} must match query's {h} (query {_describe(query)}, "
                          f"key {_describe(key)})")
-    if min(t, s, n, kv_heads, h) < 1:
+    if kv_heads < 1:  # N % K is undefined (jax.nn fails on it too)
+        raise ValueError(f"key and value need K >= 1 heads, got key {_describe(key)}")
+    if not allow_empty and min(t, s, n, h) < 1:
         raise ValueError(f"query and key need T, S, N, K, H >= 1, got query {_describe(query)}, "
                          f"key {_describe(key)}")
     if n % kv_heads:

@@ -8,8 +8,30 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jax_flashattn import _ffi, _validate, sharding
+from jax_flashattn import _ffi, _validate, reference, sharding
 
+_UNSUPPORTED_DERIVATIVE = (
+    "jax_flashattn.attention: forward-mode derivatives (jax.jvp, jax.jacfwd, jax.linearize) and "
+    "second-order ones (jax.hessian, jax.grad of jax.grad) are not supported by jax_flashattn's "
+    "kernels, which have a first-order reverse-mode rule only (jax.grad, jax.vjp); "
+    "implementation=\"xla\" provides them")
+# What JAX raises when a custom_vjp function meets forward-mode differentiation.
+_JAX_JVP_OF_CUSTOM_VJP = "can't apply forward-mode autodiff (jvp) to a custom_vjp"
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _first_order_only(kernel_call, *operands):
+    """kernel_call(*operands), for the kernel calls inside _flash's fwd and bwd rules: JAX
+    differentiates those rules only for a derivative of a derivative (or a forward-mode one
+    over a reverse-mode one), which then raises _UNSUPPORTED_DERIVATIVE at trace time instead of
+    failing on the partitioned op inside."""
+    return kernel_call(*operands)
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(kernel_call, primals, tangents):
+    del kernel_call, primals, tangents
+    raise TypeError(_UNSUPPORTED_DERIVATIVE)
 
 
 # switches: the kernel switches (_ffi.KernelSwitches), read by `attention` each time it runs or
@@ -22,8 +44,8 @@ def _flash(q, k, v, bias, mask, q_lens, kv_lens, scale, window, deterministic, s
 
 def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, scale, window, deterministic, switches):
     del deterministic  # a backward option
-    out, lse = sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, scale=scale, window=window,
-                                switches=switches)
+    kernel = functools.partial(sharding.forward, scale=scale, window=window, switches=switches)
+    out, lse = _first_order_only(kernel, q, k, v, bias, mask, q_lens, kv_lens)
     # Only the inputs, the output and the log-sum-exp are saved: the backward recomputes P.
     return (out, lse), (q, k, v, bias, mask, q_lens, kv_lens, out, lse)
 
@@ -31,15 +53,22 @@ def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, scale, window, deterministi
 def _flash_bwd(scale, window, deterministic, switches, residuals, cotangents):
     q, k, v, bias, mask, q_lens, kv_lens, out, lse = residuals
     d_out, _ = cotangents  # the lse output is a residual with no gradient, as in jax.nn
-    dq, dk, dv, dbias = sharding.backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens,
-                                          scale=scale, window=window, switches=switches,
-                                          deterministic=deterministic)
+    kernel = functools.partial(sharding.backward, scale=scale, window=window, switches=switches,
+                               deterministic=deterministic)
+    dq, dk, dv, dbias = _first_order_only(kernel, q, k, v, out, lse, d_out, bias, mask, q_lens,
+                                          kv_lens)
     if bias is not None:  # already summed over bias's broadcast dims by sharding.backward
         dbias = dbias.astype(bias.dtype)
     return dq, dk, dv, dbias, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _available_implementations(platform: str) -> tuple:
+    """The values of `implementation` that can run on this default backend."""
+    kernels = {"cpu": ("cpu",), "gpu": ("cuda",) if _ffi.cuda_built() else ()}.get(platform, ())
+    return (None, *kernels, "xla", *(("cudnn",) if platform == "gpu" else ()))
 
 
 def _check_implementation(implementation) -> str:
@@ -57,6 +86,10 @@ def _check_implementation(implementation) -> str:
             raise ValueError("implementation='cuda': this jax_flashattn was built without CUDA; "
                              "reinstall it where nvcc is found (or with "
                              "-C cmake.define.JAX_FLASHATTN_CUDA=ON)")
+    if implementation == "cudnn" and platform != "gpu":
+        raise ValueError(f"implementation='cudnn' needs a GPU with cuDNN, but the default backend "
+                         f"is {platform!r}; available here: "
+                         f"{_available_implementations(platform)}")
     if implementation in ("xla", "cudnn"):
         return implementation
     if implementation is None and platform == "gpu" and not _ffi.cuda_built():
@@ -74,13 +107,27 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     Layout [B, T, N, H] (or [T, N, H]); key and value [B, S, K, H] with N % K == 0 (GQA/MQA
     read the shared head, nothing is copied). `bias` (float) and `mask` (bool, True = keep)
     broadcast to [B, N, T, S]. `is_causal` lets query i see keys j <= i; `local_window_size`
-    (l, r) lets it see [i - l, i + r]; the seq lengths are int [B] padding masks. K/V rows
-    past a length are left out of the softmax but must be finite, as in jax.nn: on a GPU a
-    NaN or Inf there can reach the output and gradients (README).
+    (l, r) lets it see [i - l, i + r] (a side above 2**62 acts as 2**62, which reaches every
+    key). The seq lengths are [B] padding masks: int32, or int8, int16, uint8, uint16; a numpy
+    or Python sequence of another integer dtype (np.array([5, 7]) is int64) is taken when its
+    values fit int32. K/V rows past a length are never read into a product, by any kernel: a
+    padded cache may hold anything there. `scale` is a static number, finite in float32.
 
-    One difference from jax.nn: a query row that sees no key returns 0 (lse -inf) rather than
-    an average of V. `return_residual=True` returns (out, lse) with lse float32 [B, T, N]
-    (natural log), which carries no gradient, as in jax.nn.
+    NaN and Inf: a NaN or +inf logit that a row sees makes that row's output, lse and dq NaN,
+    and the dk, dv of the keys it sees, as in jax.nn (whose gradients are NaN in more places
+    where masking hides the NaN); -inf in the bias hides a key as the mask does.
+
+    One difference from jax.nn: a query row that sees no key, or whose visible logits are all
+    -inf, returns 0 (lse -inf) rather than an average of V (or NaN). `return_residual=True` returns (out, lse) with lse float32 [B, T, N]
+    (natural log), which carries no gradient, as in jax.nn. Zero-size inputs (B, T, S, N or
+    H = 0, K >= 1) give what jax.nn gives, with no kernel run: empty arrays, or for S = 0 rows
+    that see no key (out 0, lse -inf); their gradients are 0.
+
+    Derivatives: first-order reverse mode (jax.grad, jax.vjp). Forward-mode and second-order
+    derivatives (jax.jvp, jax.jacfwd, jax.hessian, grad of grad) raise a TypeError saying so
+    and that implementation="xla" supports them; where JAX meets a jvp only when it compiles
+    or runs it (jax.jit of jax.jvp, jax.jvp of a jitted function, jax.linearize), the TypeError
+    is JAX's own "can't apply forward-mode autodiff (jvp) to a custom_vjp function".
 
     `implementation`: None (our kernels for the default backend), "cpu", "cuda" (our kernels,
     raising if they cannot run), or "xla"/"cudnn" (delegate to jax.nn.dot_product_attention).
@@ -100,18 +147,71 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     args = _validate.normalize(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                                query_seq_lengths=query_seq_lengths,
                                key_value_seq_lengths=key_value_seq_lengths,
-                               local_window_size=local_window_size)
+                               local_window_size=local_window_size, allow_empty=True)
     if kind != "kernels":
+        # The lengths and window as checked: int32 (jax.nn takes no other dtype) and bounded
+        # (jax.nn adds a side to int32 positions).
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-            local_window_size=local_window_size, implementation=kind,
+            query_seq_lengths=args.query_seq_lengths,
+            key_value_seq_lengths=args.key_value_seq_lengths,
+            local_window_size=_bounded_window(args), implementation=kind,
             return_residual=return_residual)
-    out, lse = _flash(args.query, args.key, args.value, args.bias, args.mask,
-                      args.query_seq_lengths, args.key_value_seq_lengths, args.scale,
-                      args.kernel_window, deterministic_backward, _ffi.kernel_switches())
+    if args.zero_size:
+        return _zero_size_result(args, return_residual)
+    out, lse = _call_kernels(args, deterministic_backward)
     out = out.reshape(args.out_shape)
     if not return_residual:
         return out
     lse = jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2)).reshape(args.out_shape[:-1])
     return out, lse
+
+
+def _call_kernels(args: _validate.Normalized, deterministic_backward: bool):
+    """(out [B, T, N, H], lse [B, N, T]) from the kernels, with JAX's error for forward-mode
+    differentiation, raised here when JAX evaluates the jvp at once (eagerly, under vmap),
+    replaced by _UNSUPPORTED_DERIVATIVE. (A jvp traced into a jaxpr, as jit(jax.jvp(...)), fails
+    only when lowered, with JAX's own TypeError.)"""
+    try:
+        return _flash(args.query, args.key, args.value, args.bias, args.mask,
+                      args.query_seq_lengths, args.key_value_seq_lengths, args.scale,
+                      args.kernel_window, deterministic_backward, _ffi.kernel_switches())
+    except TypeError as e:
+        if _JAX_JVP_OF_CUSTOM_VJP not in str(e):
+            raise
+        raise TypeError(_UNSUPPORTED_DERIVATIVE) from e
+
+
+def _bounded_window(args: _validate.Normalized) -> tuple[int, int] | None:
+    """args.window with each side at most max(T, S), which hides no more keys than a larger
+    side, for code whose positions are int32 (jax.nn, reference.visibility)."""
+    if args.window is None:
+        return None
+    bound = max(args.query.shape[1], args.key.shape[1])
+    return min(args.window[0], bound), min(args.window[1], bound)
+
+
+def _zero_size_result(args: _validate.Normalized, return_residual: bool):
+    """`attention` of a call where B, T, S, N or H is 0, without the kernels: out is 0 (empty, or
+    with S = 0 every row sees no key), a constant, so every gradient is 0, as from jax.nn."""
+    out = jnp.zeros(args.out_shape, args.query.dtype)
+    if not return_residual:
+        return out
+    return out, jax.lax.stop_gradient(_zero_size_lse(args)).reshape(args.out_shape[:-1])
+
+
+def _zero_size_lse(args: _validate.Normalized) -> jax.Array:
+    """lse [B, T, N] float32 of a call where B, T, S, N or H is 0 (Normalized.zero_size): -inf
+    where a row sees no key, so everywhere when S = 0. With H = 0 and keys to see, every q.k is
+    an empty sum, 0, so the logits are the bias alone (0 without one) and lse is their
+    log-sum-exp over the keys the row sees, as jax.nn's with a given scale."""
+    b, t, n, _ = args.query.shape
+    s = args.key.shape[1]
+    if b * t * n * s == 0:
+        return jnp.full((b, t, n), -jnp.inf, jnp.float32)
+    keep = reference.visibility(t, s, batch=b, is_causal=args.is_causal,
+                                window=_bounded_window(args), q_lens=args.query_seq_lengths,
+                                kv_lens=args.key_value_seq_lengths, mask=args.mask)
+    logits = jnp.zeros((), jnp.float32) if args.bias is None else args.bias.astype(jnp.float32)
+    logits = jnp.broadcast_to(jnp.where(keep, logits, -jnp.inf), (b, n, t, s))
+    return jnp.swapaxes(jax.nn.logsumexp(logits, axis=-1), -1, -2)

@@ -42,8 +42,24 @@ CASES = {
     "heads_not_multiple": (lambda r: (qkv(r, k_shape=(B, S, 3, H)), {}), ValueError,
                            r"N=4.*K=3|heads"),
     "more_kv_heads": (lambda r: (qkv(r, k_shape=(B, S, 2 * N, H)), {}), ValueError, "heads"),
-    "empty_query": (lambda r: (qkv(r, q_shape=(B, 0, N, H)), {}), ValueError, "query"),
-    "empty_key": (lambda r: (qkv(r, k_shape=(B, 0, K, H)), {}), ValueError, "key"),
+    "no_kv_heads": (lambda r: (qkv(r, k_shape=(B, S, 0, H)), {}), ValueError, "K >= 1"),
+    "no_heads_at_all": (lambda r: (qkv(r, (B, T, 0, H), (B, S, 0, H)), {}), ValueError,
+                        "K >= 1"),
+    # Zero-size inputs are valid (tests/test_edge_cases.py), and checked like any other.
+    "empty_query_bias_shape": (lambda r: (qkv(r, q_shape=(B, 0, N, H))
+                                          + (arr(r, (B, N, 1, S + 1)),), {}), ValueError, "bias"),
+    "empty_key_mask_dtype": (lambda r: (qkv(r, k_shape=(B, 0, K, H))
+                                        + (None, arr(r, (B, N, T, 0))), {}), TypeError, "mask"),
+    "empty_query_lens_shape": (lambda r: (qkv(r, q_shape=(B, 0, N, H)),
+                                          dict(query_seq_lengths=jnp.ones((B + 1,), jnp.int32))),
+                               ValueError, "query_seq_lengths"),
+    "empty_head_dim_heads": (lambda r: (qkv(r, (B, T, N, 0), (B, S, 3, 0)), {}), ValueError,
+                             "heads"),
+    "empty_value_shape": (lambda r: (qkv(r, q_shape=(B, 0, N, H), v_shape=(B, S + 1, K, H)), {}),
+                          ValueError, "value"),
+    "query_none": (lambda r: ((None,) + qkv(r)[1:], {}), TypeError, "query"),
+    "key_none": (lambda r: (qkv(r)[:1] + (None,) + qkv(r)[2:], {}), TypeError, "key"),
+    "value_none": (lambda r: (qkv(r)[:2] + (None,), {}), TypeError, "value"),
     "int_query": (lambda r: (qkv(r, dtypes=(jnp.int32, jnp.float32, jnp.float32)), {}),
                   TypeError, "query"),
     "int_key": (lambda r: (qkv(r, dtypes=(jnp.float32, jnp.int8, jnp.float32)), {}), TypeError,
@@ -82,6 +98,12 @@ CASES = {
                      TypeError, "key_value_seq_lengths"),
     "kv_lens_scalar": (lambda r: (qkv(r), dict(key_value_seq_lengths=jnp.int32(3))), ValueError,
                        "key_value_seq_lengths"),
+    # 2**31 as uint32 would wrap to a negative length in int32 (hiding every key).
+    "kv_lens_uint32": (lambda r: (qkv(r), dict(key_value_seq_lengths=jnp.asarray([2**31, 3],
+                                                                                jnp.uint32))),
+                       TypeError, "key_value_seq_lengths.*int32"),
+    "q_lens_uint32": (lambda r: (qkv(r), dict(query_seq_lengths=jnp.asarray([T, 1], jnp.uint32))),
+                      TypeError, "query_seq_lengths.*int32"),
     "window_negative": (lambda r: (qkv(r), dict(local_window_size=-1)), ValueError,
                         "local_window_size"),
     "window_negative_side": (lambda r: (qkv(r), dict(local_window_size=(2, -3))), ValueError,
@@ -105,6 +127,10 @@ CASES = {
     "scale_string": (lambda r: (qkv(r), dict(scale="big")), TypeError, "scale"),
     "scale_nan": (lambda r: (qkv(r), dict(scale=math.nan)), ValueError, "scale"),
     "scale_inf": (lambda r: (qkv(r), dict(scale=math.inf)), ValueError, "scale"),
+    "scale_inf_in_float32": (lambda r: (qkv(r), dict(scale=1e39)), ValueError, "scale"),
+    "scale_negative_inf_in_float32": (lambda r: (qkv(r), dict(scale=-3.5e38)), ValueError,
+                                      "scale"),
+    "scale_int_beyond_float64": (lambda r: (qkv(r), dict(scale=10**400)), ValueError, "scale"),
     "is_causal_string": (lambda r: (qkv(r), dict(is_causal="yes")), TypeError, "is_causal"),
     "unknown_implementation": (lambda r: (qkv(r), dict(implementation="flash")), ValueError,
                                "implementation"),
@@ -193,9 +219,81 @@ def test_cuda_on_cpu_raises(rng):
         jax.jit(lambda q, k, v: jax_flashattn.attention(q, k, v, implementation="cuda"))(q, k, v)
 
 
+def test_cudnn_without_gpu_raises(rng):
+    """Names the argument and what runs here, instead of jax.nn's RuntimeError."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("checks a backend without cuDNN")
+    q, k, v = qkv(rng)
+    pattern = r"implementation='cudnn'.*available here: \(None, 'cpu', 'xla'\)"
+    with pytest.raises(ValueError, match=pattern):
+        jax_flashattn.attention(q, k, v, implementation="cudnn")
+    with pytest.raises(ValueError, match=pattern):
+        jax.jit(lambda q, k, v: jax_flashattn.attention(q, k, v, implementation="cudnn"))(q, k, v)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("lengths", [np.array([2**31, 3]), np.array([3, -2**31 - 1]),
+                                     [2**32 + 3, 1], np.array([2**63, 5], np.uint64)], ids=str)
+def test_host_lengths_must_fit_int32(rng, lengths, jit):
+    """numpy/Python lengths are checked by value (they are on the host at trace time): one that
+    does not fit int32 would wrap around (2**32 + 3 acting as 3), so it raises."""
+    q, k, v = qkv(rng)
+    fn = lambda q, k, v: jax_flashattn.attention(q, k, v, key_value_seq_lengths=lengths)
+    with pytest.raises(ValueError, match="key_value_seq_lengths values must fit int32"):
+        (jax.jit(fn) if jit else fn)(q, k, v)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int64, jnp.uint32, jnp.uint64],
+                         ids=lambda d: jnp.dtype(d).name)
+def test_wide_device_lengths_rejected(rng, dtype):
+    """A JAX array of a dtype wider than int32 cannot have its values checked at trace time."""
+    q, k, v = qkv(rng)
+    with jax.enable_x64(True):
+        lengths = jnp.asarray([S, 1], dtype)
+        assert lengths.dtype == dtype
+        with pytest.raises(TypeError, match="query_seq_lengths.*pass int32"):
+            jax_flashattn.attention(q, k, v, query_seq_lengths=lengths)
+        fn = jax.jit(lambda q, k, v, n: jax_flashattn.attention(q, k, v, key_value_seq_lengths=n))
+        with pytest.raises(TypeError, match="key_value_seq_lengths.*pass int32"):
+            fn.trace(q, k, v, lengths)
+
+
+def _sum_attention(**kwargs):
+    return lambda q, k, v: jax_flashattn.attention(q, k, v, **kwargs).sum()
+
+
+# name -> function of (f: q, k, v -> scalar) differentiating it past the first order or forward
+DERIVATIVES = {
+    "hessian": lambda f: lambda q, k, v: jax.hessian(f)(q, k, v),
+    "grad_of_grad": lambda f: lambda q, k, v: jax.grad(lambda q: jax.grad(f)(q, k, v).sum())(q),
+    "jit_grad_of_grad": lambda f: jax.jit(
+        lambda q, k, v: jax.grad(lambda k: jax.grad(f, argnums=1)(q, k, v).sum())(k)),
+    # The backward alone differentiated, along its cotangent.
+    "grad_of_vjp": lambda f: lambda q, k, v: jax.grad(
+        lambda c: jax.vjp(lambda q: f(q, k, v), q)[1](c)[0].sum())(jnp.float32(1)),
+    "jacfwd": lambda f: lambda q, k, v: jax.jacfwd(f)(q, k, v),
+    "jit_jacfwd": lambda f: jax.jit(lambda q, k, v: jax.jacfwd(f, argnums=2)(q, k, v)),
+    "jvp": lambda f: lambda q, k, v: jax.jvp(lambda q: f(q, k, v), (q,), (q,)),
+}
+
+
+@pytest.mark.parametrize("name", list(DERIVATIVES), ids=str)
+def test_unsupported_derivatives_say_so(rng, name):
+    """Second-order and forward-mode derivatives raise one message naming what does support
+    them, instead of JAX's errors about our custom_vjp and partitioned ops; that suggestion
+    holds."""
+    q, k, v = qkv(rng, (1, 3, 2, 4), (1, 5, 1, 4))
+    derivative = DERIVATIVES[name]
+    pattern = r"second-order.*not supported by jax_flashattn.*implementation=\"xla\""
+    with pytest.raises(TypeError, match=pattern):
+        derivative(_sum_attention(is_causal=True))(q, k, v)
+    got = derivative(_sum_attention(is_causal=True, implementation="xla"))(q, k, v)
+    assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(got))
+
+
 def test_valid_edge_arguments_accepted(rng):
     """Things that look odd but are valid: numpy-integer windows, a concrete array scale,
-    numpy bool is_causal, int64 lengths, list windows."""
+    numpy bool is_causal, list windows (lengths: tests/test_edge_cases.py)."""
     q, k, v = random_qkv(rng, B, T, S, N, K, H, jnp.float32)
     base = jax_flashattn.attention(q, k, v, is_causal=True, local_window_size=(3, 1), scale=0.5)
     for kw in (dict(local_window_size=(np.int64(3), np.int32(1)), scale=np.float32(0.5)),
