@@ -39,7 +39,7 @@ ffi::Error DecodeForward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                          AttentionParams& p);
 
 // The same for a backward call: also out, lse, d_out, dq, dk, dv, the workspaces dq_accum and
-// delta, and dbias when bias is given.
+// delta, and dbias where the caller needs the bias gradient (only with a bias).
 ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                           const ffi::AnyBuffer& v, const ffi::AnyBuffer& out,
                           const ffi::AnyBuffer& lse, const ffi::AnyBuffer& d_out,
@@ -81,7 +81,7 @@ auto BindBackward(Binding binding) {
       .template Ret<ffi::AnyBuffer>()  // dv, like v
       .template Ret<ffi::AnyBuffer>()  // workspace: dq_accum float32, shaped like q
       .template Ret<ffi::AnyBuffer>()  // workspace: delta float32 [..., B, N, T]
-      .RemainingRets()                 // dbias? float32 [..., B, N, T, S]
+      .RemainingRets()                 // dbias? float32 [..., B, N, T, S], where needed
       .template Attrs<CallAttrs>();
 }
 

@@ -90,7 +90,9 @@ struct AttentionParams {
   void* dq = nullptr;           // like q
   void* dk = nullptr;           // like k, summed over the N / K query heads of each kv head
   void* dv = nullptr;           // like v, likewise
-  float* dbias = nullptr;       // [batch, N, T, S] float32, contiguous; nullptr when no bias
+  // [batch, N, T, S] float32, contiguous; nullptr without a bias, or where its gradient is not
+  // needed (the kernels then skip what only dbias needs).
+  float* dbias = nullptr;
   // Workspaces (results of the call, so XLA owns them; the CPU kernels ignore them).
   float* dq_accum = nullptr;  // like q, float32: dQ summed over key blocks before rounding
   float* delta = nullptr;     // [batch, N, T] float32: D_t = dO_t . O_t

@@ -77,9 +77,11 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple
 
 
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: float,
-             window: tuple, switches: _ffi.KernelSwitches, deterministic: bool = False):
+             window: tuple, switches: _ffi.KernelSwitches, deterministic: bool = False,
+             dbias: bool = False):
     """(dq, dk, dv, dbias) where dbias is the float32 [..., B, N, T, S] gradient of the logits'
-    bias before any broadcast is summed out, or None without bias.
+    bias before any broadcast is summed out, or None without bias or without `dbias` (its
+    cotangent not needed: the call then has no such result and allocates nothing for it).
 
     `deterministic` makes the CUDA kernels compute dQ in its own pass instead of summing it
     with float32 atomics (bit-identical across runs; the CPU kernels always are). The call's
@@ -93,9 +95,10 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: fl
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     results.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))  # dq_accum
     results.append(jax.ShapeDtypeStruct((*lead, n, t), jnp.float32))  # delta
-    if bias is not None:
+    with_dbias = bias is not None and dbias
+    if with_dbias:
         results.append(jax.ShapeDtypeStruct((*lead, n, t, s), jnp.float32))
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
     grads = call(q, k, v, out, lse, d_out, *optional, **flags,
                  **_attrs(scale, window, switches, deterministic))
-    return (*grads[:3], grads[5] if bias is not None else None)
+    return (*grads[:3], grads[5] if with_dbias else None)

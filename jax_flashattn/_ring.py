@@ -259,11 +259,11 @@ def kernel_forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale, window, switc
 
 
 def kernel_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale, window,
-                    switches, deterministic=False):
+                    switches, deterministic=False, dbias=False):
     """`_ops.backward` for operands with any dims before [T, N, H]."""
     operands = (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens)
     return _vary_like(_ops.backward(*operands, scale=scale, window=window, switches=switches,
-                                    deterministic=deterministic), operands)
+                                    deterministic=deterministic, dbias=dbias), operands)
 
 
 def _empty_forward(q):
@@ -479,9 +479,10 @@ def reduce_to(x, shape):
 
 
 def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale,
-                 window: Window, schedule: Schedule, axes, switches, deterministic=False):
-    """(dq, dk, dv, dbias summed to bias's shape or None) of local shards under `schedule`,
-    from the global out and lse of the forward."""
+                 window: Window, schedule: Schedule, axes, switches, deterministic=False,
+                 dbias=False):
+    """(dq, dk, dv, dbias summed to bias's shape, or None without bias or `dbias`) of local
+    shards under `schedule`, from the global out and lse of the forward."""
     devices, ring = schedule.devices, schedule.mode == RING
     p = lax.axis_index(axes)
     if schedule.relayout:
@@ -493,7 +494,8 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale
     dq = jnp.zeros(q.shape, jnp.float32)
     dk = jnp.zeros(k.shape, jnp.float32)
     dv = jnp.zeros(v.shape, jnp.float32)
-    dbias = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+    with_dbias = bias is not None and dbias
+    dbias = jnp.zeros(bias.shape, jnp.float32) if with_dbias else None
     for step in range(len(schedule.steps)):
         if ring and step + 1 < devices:
             k_next, v_next = _pass_on((k, v), axes, devices)
@@ -508,18 +510,18 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
                 grads = kernel_backward(qb, kb, vb, ob, lb, dob, bias, mask, q_len, kv_len,
                                        scale=scale, window=window, switches=switches,
-                                       deterministic=deterministic)
-                return grads[:3] + (() if bias is None else (reduce_to(grads[3], bias.shape),))
+                                       deterministic=deterministic, dbias=with_dbias)
+                return grads[:3] + ((reduce_to(grads[3], bias.shape),) if with_dbias else ())
 
             def hidden(qb=qb, kb=kb):
                 zeros = (jnp.zeros_like(qb), jnp.zeros_like(kb), jnp.zeros_like(kb))
-                return zeros + (() if bias is None else (jnp.zeros(bias.shape, jnp.float32),))
+                return zeros + ((jnp.zeros(bias.shape, jnp.float32),) if with_dbias else ())
 
             grads = _dispatch(block.call, p, run, hidden, (qb, kb, vb, ob, lb, dob, q_len, kv_len))
             dq = _add_rows(dq, grads[0], block.r0)
             dk = _add_rows(dk, grads[1], block.c0)
             dv = _add_rows(dv, grads[2], block.c0)
-            if bias is not None:
+            if with_dbias:
                 dbias = dbias + grads[3]
         if ring:
             # dK/dV follow their K/V shard; the pass after the last step brings them home.

@@ -43,26 +43,38 @@ def _flash(q, k, v, bias, mask, q_lens, kv_lens, scale, window, deterministic, s
 
 
 def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, scale, window, deterministic, switches):
+    # With symbolic zeros, each array argument comes as CustomVJPPrimal(value, perturbed):
+    # perturbed says whether its gradient is asked for (not under jax.grad of the other
+    # arguments alone, nor behind stop_gradient).
     del deterministic  # a backward option
+    dbias_needed = bias is not None and bias.perturbed
+    q, k, v, bias, mask, q_lens, kv_lens = (
+        None if x is None else x.value for x in (q, k, v, bias, mask, q_lens, kv_lens))
     kernel = functools.partial(sharding.forward, scale=scale, window=window, switches=switches)
     out, lse = _first_order_only(kernel, q, k, v, bias, mask, q_lens, kv_lens)
     # Only the inputs, the output and the log-sum-exp are saved: the backward recomputes P.
-    return (out, lse), (q, k, v, bias, mask, q_lens, kv_lens, out, lse)
+    # Whether dbias is needed travels as the residuals' structure (() or None, no array).
+    return (out, lse), (q, k, v, bias, mask, q_lens, kv_lens, out, lse,
+                        () if dbias_needed else None)
 
 
 def _flash_bwd(scale, window, deterministic, switches, residuals, cotangents):
-    q, k, v, bias, mask, q_lens, kv_lens, out, lse = residuals
+    q, k, v, bias, mask, q_lens, kv_lens, out, lse, dbias_needed = residuals
     d_out, _ = cotangents  # the lse output is a residual with no gradient, as in jax.nn
+    if isinstance(d_out, jax.custom_derivatives.SymbolicZero):  # only lse was used
+        return None, None, None, None, None, None, None
     kernel = functools.partial(sharding.backward, scale=scale, window=window, switches=switches,
-                               deterministic=deterministic)
+                               deterministic=deterministic, dbias=dbias_needed is not None)
     dq, dk, dv, dbias = _first_order_only(kernel, q, k, v, out, lse, d_out, bias, mask, q_lens,
                                           kv_lens)
-    if bias is not None:  # already summed over bias's broadcast dims by sharding.backward
+    if dbias is not None:  # already summed over bias's broadcast dims by sharding.backward
         dbias = dbias.astype(bias.dtype)
     return dq, dk, dv, dbias, None, None, None
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+# symbolic_zeros: the backward computes (and allocates) the bias gradient only where it is
+# needed; [B, N, T, S] float32 before its broadcast dims are summed out.
+_flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
 
 
 def _available_implementations(platform: str) -> tuple:

@@ -203,13 +203,16 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window,
 
 
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: float, window,
-             switches: _ffi.KernelSwitches, deterministic: bool = False):
+             switches: _ffi.KernelSwitches, deterministic: bool = False, dbias: bool = False):
     """`_ops.backward` that partitions under jit: (dq, dk, dv, dbias), where dbias is float32
-    already summed to bias's shape (None without bias). `deterministic`: see _ops.backward."""
+    already summed to bias's shape (None without bias or without `dbias`, whose cotangent is
+    then not computed). `deterministic`: see _ops.backward."""
     flags = _flags(bias, mask, q_lens, kv_lens)
-    op = _partitioned("bwd", flags, float(scale), tuple(window), bool(deterministic), switches)
+    with_dbias = bias is not None and bool(dbias)
+    op = _partitioned("bwd", flags, float(scale), tuple(window), bool(deterministic), switches,
+                      with_dbias)
     grads = op(q, k, v, out, lse, d_out, *_present(bias, mask, q_lens, kv_lens))
-    return (*grads[:3], grads[3] if bias is not None else None)
+    return (*grads[:3], grads[3] if with_dbias else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,7 +266,9 @@ def _typed_like(x, like, dims=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned(kind, flags, scale, window, deterministic, switches):
+def _partitioned(kind, flags, scale, window, deterministic, switches, with_dbias=False):
+    """The partitioned forward or backward op; `with_dbias`: the backward also returns the
+    bias's gradient (a result only then)."""
     def body(*xs):
         a = _unpack(kind, flags, xs)
         if kind == "fwd":
@@ -275,16 +280,17 @@ def _partitioned(kind, flags, scale, window, deterministic, switches):
         dq, dk, dv, dbias = _ring.kernel_backward(a.q, a.k, a.v, a.out, a.lse, a.d_out, a.bias,
                                                   a.mask, a.q_lens, a.kv_lens, scale=scale,
                                                   window=window, switches=switches,
-                                                  deterministic=deterministic)
+                                                  deterministic=deterministic,
+                                                  dbias=with_dbias)
         grads = (_typed_like(dq, a.q), _typed_like(dk, a.k), _typed_like(dv, a.v))
-        if a.bias is None:
+        if not with_dbias:
             return grads
         return grads + (_typed_like(_ring.reduce_to(dbias, a.bias.shape), a.bias),)
 
     op = custom_partitioning(body)
     op.def_partition(partition=functools.partial(_partition, kind, flags, scale, window,
-                                                 deterministic, switches),
-                     sharding_rule=functools.partial(_sharding_rule, kind, flags))
+                                                 deterministic, switches, with_dbias),
+                     sharding_rule=functools.partial(_sharding_rule, kind, flags, with_dbias))
     op = _broadcasting_vmap(op)
     jitted = jax.jit(op)
 
@@ -311,7 +317,7 @@ def _broadcasting_vmap(op):
     return op
 
 
-def _sharding_rule(kind, flags, mesh, operand_types, result_types):
+def _sharding_rule(kind, flags, with_dbias, mesh, operand_types, result_types):
     """Shardy rule, e.g. "... b t (k g) h, ... b s k h, ... b s k h -> ... b t (k g) h,
     ... b (k g) t" for GQA, with extra factors for the broadcast dims of bias and mask."""
     del result_types
@@ -350,7 +356,7 @@ def _sharding_rule(kind, flags, mesh, operand_types, result_types):
         operands, results = [q, kv, kv] + optional, [q, lse]
     else:
         operands, results = [q, kv, kv, q, lse, q] + optional, [q, kv, kv]
-        if a.bias is not None:
+        if with_dbias:
             results.append(optional[0])
     return (", ".join(operands) + " -> " + ", ".join(results),
             dict(need_replication_factors=("h",), **sizes))
@@ -422,7 +428,7 @@ def _make_plan(kind, flags, window, mesh, arg_shapes) -> _Plan:
                  seq_axes, schedule)
 
 
-def _shardings(kind, flags, mesh, plan: _Plan, arg_shapes):
+def _shardings(kind, flags, with_dbias, mesh, plan: _Plan, arg_shapes):
     a = _unpack(kind, flags, arg_shapes)
     mode = plan.schedule.mode if plan.schedule is not None else None
     q_seq = plan.seq_axes if mode in (_ring.RING, _ring.ROWS) else ()
@@ -449,27 +455,28 @@ def _shardings(kind, flags, mesh, plan: _Plan, arg_shapes):
     optional += [lens] * ((a.q_lens is not None) + (a.kv_lens is not None))
     if kind == "fwd":
         return [q, kv, kv] + optional, (q, lse)
-    results = [q, kv, kv] + ([optional[0]] if a.bias is not None else [])
+    results = [q, kv, kv] + ([optional[0]] if with_dbias else [])
     return [q, kv, kv, q, lse, q] + optional, tuple(results)
 
 
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
-def _partition(kind, flags, scale, window, deterministic, switches, mesh, arg_shapes,
-               result_shape):
+def _partition(kind, flags, scale, window, deterministic, switches, with_dbias, mesh,
+               arg_shapes, result_shape):
     del result_shape
     if mesh.empty:
         devices = sorted(arg_shapes[0].sharding.device_set, key=lambda d: d.id)
         mesh = jax.sharding.Mesh(np.asarray(devices), ("_devices",))
     plan = _make_plan(kind, flags, window, mesh, arg_shapes)
-    arg_shardings, result_shardings = _shardings(kind, flags, mesh, plan, arg_shapes)
+    arg_shardings, result_shardings = _shardings(kind, flags, with_dbias, mesh, plan,
+                                                 arg_shapes)
     bias_shape = None
     if flags[0]:
         bias = _unpack(kind, flags, arg_shapes).bias
         bias_shape = tuple(bias.shape)
-    local = functools.partial(_local, kind, flags, scale, window, deterministic, switches, plan,
-                              bias_shape)
+    local = functools.partial(_local, kind, flags, scale, window, deterministic, switches,
+                              with_dbias, plan, bias_shape)
 
     def lower(*xs):
         # XLA calls this after its partitioner has run, inside the caller's context: under
@@ -516,7 +523,8 @@ def _unselect_kv_heads(plan: _Plan, *grads):
     return out
 
 
-def _local(kind, flags, scale, window, deterministic, switches, plan: _Plan, bias_shape, *xs):
+def _local(kind, flags, scale, window, deterministic, switches, with_dbias, plan: _Plan,
+           bias_shape, *xs):
     """The per-device computation of one partitioned call."""
     a = _unpack(kind, flags, xs)
     k, v = a.k, a.v
@@ -534,14 +542,15 @@ def _local(kind, flags, scale, window, deterministic, switches, plan: _Plan, bia
         dq, dk, dv, dbias = _ring.kernel_backward(a.q, k, v, a.out, a.lse, a.d_out, a.bias,
                                                   a.mask, a.q_lens, a.kv_lens, scale=scale,
                                                   window=window, switches=switches,
-                                                  deterministic=deterministic)
+                                                  deterministic=deterministic,
+                                                  dbias=with_dbias)
         if dbias is not None:
             dbias = _ring.reduce_to(dbias, a.bias.shape)
     else:
         dq, dk, dv, dbias = _ring.seq_backward(
             a.q, k, v, a.out, a.lse, a.d_out, a.bias, a.mask, a.q_lens, a.kv_lens, scale=scale,
             window=window, schedule=schedule, axes=plan.seq_axes, switches=switches,
-            deterministic=deterministic)
+            deterministic=deterministic, dbias=with_dbias)
     if not plan.kv_heads_split:
         dk, dv = _unselect_kv_heads(plan, dk, dv)
     if dbias is None:

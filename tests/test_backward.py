@@ -281,3 +281,51 @@ def test_residuals_have_no_t_by_s_tensor(rng):
 def test_backward_kernel_query_on_cpu():
     q = jax.ShapeDtypeStruct((2, 10, 4, 64), jnp.bfloat16)
     assert jax_flashattn.backward_kernel(q, q, device=jax.devices("cpu")[0]) == "cpu"
+
+
+def temp_bytes(fn, *args) -> int:
+    """The compiled function's temporary memory (XLA's buffer assignment)."""
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("how", ["other_argument", "stop_gradient"])
+def test_no_bias_gradient_memory_where_not_needed(rng, how):
+    """The gradient of q with a [1, 1, 1, S] bias held constant (not differentiated, or behind
+    stop_gradient) allocates no [B, N, T, S] float32 dbias: the compiled gradient's temporary
+    memory stays within 10% of the same gradient without a bias (a full dbias here would be
+    four times all the rest together)."""
+    b, t, s, n = 1, 512, 512, 4
+    q, k, v = random_qkv(rng, b, t, s, n, n, 16, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((1, 1, 1, s)), jnp.float32)
+
+    def loss(q, bias):
+        if how == "stop_gradient":
+            bias = jax.lax.stop_gradient(bias)
+        return jnp.sum(jax_flashattn.attention(q, k, v, bias))
+
+    def loss_without_bias(q):
+        return jnp.sum(jax_flashattn.attention(q, k, v))
+
+    grad_q = jax.grad(loss) if how == "other_argument" else jax.grad(loss, argnums=(0, 1))
+    with_bias = temp_bytes(grad_q, q, bias)
+    without = temp_bytes(jax.grad(loss_without_bias), q)
+    full_dbias = 4 * b * n * t * s
+    assert with_bias <= 1.1 * without + 4 * s, (with_bias, without, full_dbias)
+    both = temp_bytes(jax.grad(lambda q, bias: jnp.sum(jax_flashattn.attention(q, k, v, bias)),
+                               argnums=(0, 1)), q, bias)
+    assert both >= full_dbias  # the gradient of the bias itself still has it
+    got = grad_q(q, bias)
+    got = got[0] if isinstance(got, tuple) else got
+    want = jax.grad(lambda q: jnp.sum(reference.attention(q, k, v, bias)))(q)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_of_lse_alone_is_zero(rng):
+    """Only the lse of return_residual=True used: its cotangent is the only one, and it carries
+    no gradient (as in jax.nn), so every input's gradient is 0 with no kernel call."""
+    q, k, v = random_qkv(rng, 1, 9, 11, 2, 2, 8, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((1, 2, 9, 11)), jnp.float32)
+    grads = jax.grad(lambda *a: jnp.sum(jax_flashattn.attention(*a, return_residual=True)[1]),
+                     argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for g, x in zip(grads, (q, k, v, bias)):
+        assert g.shape == x.shape and not np.asarray(g).any()
