@@ -1,4 +1,5 @@
-"""Test setup: 8 host CPU devices for the sharding tests, and the `gpu` marker's skipping."""
+"""Test setup: 8 host CPU devices for the sharding tests, no GPU memory preallocation under
+pytest-xdist, and the `gpu` marker's skipping."""
 
 import os
 
@@ -6,6 +7,12 @@ import os
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                " --xla_force_host_platform_device_count=8").strip()
+
+# Every pytest-xdist worker is a process of its own on the one GPU: with XLA's default, each
+# would reserve 75% of the GPU's memory at its first allocation and the others would run out.
+# Without preallocation XLA's allocator still reuses freed blocks, which `helpers.poison` needs.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -77,9 +77,9 @@ def finite_max_abs(x) -> float:
 def assert_attention_close(out, query, key, value, *args, nan_rows=False, **kwargs):
     """Checks `out` against the float32 reference with the error-ratio rule: a float32 result
     must match to ~1e-5 relative; a low-precision one may err by at most ~2x what the
-    reference itself errs when it rounds P and the output to the input dtype (at least one ulp
-    of each element: `reference.error_budget`). Returns the
-    reference's lse ([B, T, N], float32) for callers that check it too.
+    reference itself errs when it rounds P and the output to the input dtype, at least one ulp
+    of each element and what rounding every P can move it (`reference.error_budget`). Returns
+    the reference's lse ([B, T, N], float32) for callers that check it too.
 
     NaN never passes, except with `nan_rows` (inputs holding NaN or Inf): then the output rows
     (one query of one head) holding NaN must be exactly the reference's, the rows where a NaN
@@ -113,7 +113,9 @@ def assert_attention_close(out, query, key, value, *args, nan_rows=False, **kwar
     else:
         rounded = reference_attention(q32, k32, v32, *args, p_dtype=dtype, **kwargs).astype(dtype)
         rounded = np.where(ref_nan, 0.0, np.asarray(rounded, np.float64))
-        bound = reference.error_budget(ref, rounded, dtype)
+        magnitude = reference_attention(q32, k32, jnp.abs(v32), *args, **kwargs)
+        magnitude = np.where(ref_nan, 0.0, np.asarray(magnitude, np.float64))
+        bound = reference.error_budget(ref, rounded, dtype, magnitude)
     errors = np.abs(out - ref)
     err, err_bound = reference.worst_against_budget(errors, bound)
     assert err <= err_bound, (f"error {err:.3g} exceeds its bound {err_bound:.3g} "

@@ -60,3 +60,23 @@ def test_error_budget_is_at_least_one_ulp_of_each_output(dtype, top_ulp):
     far = exact.copy()
     far[2] += 4 * top_ulp
     np.testing.assert_allclose(reference.error_budget(exact, far, dtype), 8 * top_ulp + small)
+
+
+def test_error_budget_admits_the_rounding_of_a_dominant_probability():
+    """An output that one key with a large value dominates (p = 0.31, v = -2.95): rounding P to
+    bf16 may move it by u sum_j p_j |v_j| (u = 2^-8) even where the rounded reference happens to
+    err by far less; beyond that bound an error still fails."""
+    exact = np.array([-0.7659912705421448, 0.1], np.float64)
+    rounded = np.asarray(jnp.asarray(exact, jnp.bfloat16).astype(jnp.float32), np.float64)
+    magnitude = np.array([1.2, 0.1])
+    kernel = np.array([-0.76171875, 0.1])  # two bf16 values from exact, as measured
+    without = reference.error_budget(exact, rounded, jnp.bfloat16)
+    err, bound = reference.worst_against_budget(np.abs(kernel - exact), without)
+    assert err > bound
+    budget = reference.error_budget(exact, rounded, jnp.bfloat16, magnitude)
+    err, bound = reference.worst_against_budget(np.abs(kernel - exact), budget)
+    assert err <= bound
+    np.testing.assert_allclose(budget[0], 2.0 ** -8 * 1.2 + 2.0 ** -9 + 1e-5 * (0.766 + 1),
+                               rtol=1e-3)
+    err, bound = reference.worst_against_budget(np.abs(kernel - exact) + [0.003, 0], budget)
+    assert err > bound
