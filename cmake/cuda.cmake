@@ -93,8 +93,9 @@ foreach(_elem_pair "bf16;__nv_bfloat16" "fp16;__half")
   endforeach()
 endforeach()
 
-add_library(flashattn_cuda STATIC
-  ffi/handlers_cuda.cu
+# The CUDA kernels and their dispatch (nothing from XLA: see flashattn_cpu_kernels), and the
+# handlers, which decode XLA's call frames.
+add_library(flashattn_cuda_kernels STATIC
   ffi/cuda/dispatch_forward.cu
   ffi/cuda/dispatch_backward.cu
   ffi/cuda/copy_bandwidth.cu
@@ -102,7 +103,9 @@ add_library(flashattn_cuda STATIC
   ffi/cuda/simt/backward_simt.cu
   ffi/cuda/sm90/tensor_maps.cu
   ${_instantiations})
-target_link_libraries(flashattn_cuda PUBLIC flashattn_cpu CUDA::cudart_static)
+target_link_libraries(flashattn_cuda_kernels PUBLIC flashattn_cpu_kernels CUDA::cudart_static)
+add_library(flashattn_cuda STATIC ffi/handlers_cuda.cu)
+target_link_libraries(flashattn_cuda PUBLIC flashattn_cpu flashattn_cuda_kernels)
 # The Hopper kernels run only from an sm_90a image: the dispatcher offers them when the build
 # has one ("90a", "90a-real", "90a-virtual") and no plain sm_90 image the driver might load
 # instead (whose copy of those kernels is empty).
@@ -116,10 +119,12 @@ foreach(_arch IN LISTS CMAKE_CUDA_ARCHITECTURES)
   endif()
 endforeach()
 if(_has_90a AND NOT _has_90)
-  target_compile_definitions(flashattn_cuda PRIVATE JAX_FLASHATTN_HAS_SM90A)
+  target_compile_definitions(flashattn_cuda_kernels PRIVATE JAX_FLASHATTN_HAS_SM90A)
 endif()
-target_compile_options(flashattn_cuda PRIVATE
-  $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -Xptxas=-warn-spills>)
+foreach(_target flashattn_cuda_kernels flashattn_cuda)
+  target_compile_options(${_target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -Xptxas=-warn-spills>)
+endforeach()
 
 target_link_libraries(_jax_flashattn PRIVATE flashattn_cuda)
 # Commas, not CMake's semicolons, which a compiler command line would split on.
