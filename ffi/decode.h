@@ -11,7 +11,7 @@ namespace jax_flashattn {
 
 namespace ffi = xla::ffi;
 
-// Attributes every call carries (see jax_flashattn/_ops.py).
+// Attributes every call carries (see src/jax_flashattn/_ops.py).
 struct CallAttrs {
   float scale;
   int64_t window_left;

@@ -100,7 +100,7 @@ struct AttentionParams {
   bool deterministic = false;
 
   // The kernel switches, read from the environment when the call was traced
-  // (jax_flashattn/_ffi.py kernel_switches): part of the compiled program, so a call replayed
+  // (src/jax_flashattn/_ffi.py kernel_switches): part of the compiled program, so a call replayed
   // from XLA's command buffer keeps the choice it was traced with.
   bool disable_sm90 = false;   // JAX_FLASHATTN_DISABLE_SM90: Hopper calls on the mma.sync family
   bool sm80_cp_async = false;  // JAX_FLASHATTN_SM80_CP_ASYNC: mma.sync K/V by cp.async on Hopper

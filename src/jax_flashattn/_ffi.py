@@ -9,7 +9,14 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jax_flashattn import _jax_flashattn as _ext
+try:
+    from jax_flashattn import _jax_flashattn as _ext
+except ImportError as e:  # a source tree on sys.path, or an install whose build failed
+    raise ImportError(
+        f"jax_flashattn's compiled extension could not be imported for the package at "
+        f"{os.path.dirname(__file__)}. If that is a source tree on sys.path, install the package "
+        f"(python3 -m pip install ., or -e . for development) and import it without the tree's "
+        f"src/ folder on sys.path; otherwise reinstall it and read the build's output") from e
 
 FORWARD_TARGET = "jax_flashattn_fwd"
 BACKWARD_TARGET = "jax_flashattn_bwd"
