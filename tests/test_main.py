@@ -32,6 +32,12 @@ def test_main_checks_pass_at_tiny_size():
     assert not failed, "\n".join(failed)
 
 
+def test_main_says_what_the_cpu_path_is_for(capsys):
+    assert main_job.main(["--skip-checks", "--skip-bench"]) == 0
+    printed = capsys.readouterr().out
+    assert (main_job.CPU_NOTE in printed) == (jax.default_backend() != "gpu")
+
+
 def test_main_check_fails_on_a_wrong_kernel(monkeypatch):
     import jax_flashattn
     real = jax_flashattn.attention
@@ -153,6 +159,19 @@ def test_benchmark_survives_an_implementation_failing_mid_case(monkeypatch):
     assert ours["status"] == "ok" and ours["repeats"] == 4
     assert xla["status"] == "error" and "injected failure" in xla["message"]
     assert "seconds" not in xla
+
+
+def test_benchmark_progress_counts_to_its_total(capsys):
+    """The plain progress lines (stderr not a terminal) number every step, timing included,
+    from 1 to the total, never past it."""
+    settings = _bench.TimingSettings.for_backend(repeats=2, min_repeats=2, target_s=0.001,
+                                                 time_budget_s=0.0)
+    configs = [_bench.Config(1, 32, 32, 2, 2, 32, "bf16", causal) for causal in (False, True)]
+    _bench.run_benchmark(configs, ["ours", "xla"], ["fwd"], settings)
+    steps = [line[1:].split()[0].split("/") for line in capsys.readouterr().err.splitlines()
+             if line.startswith("[")]
+    assert [int(done) for done, _ in steps] == list(range(1, 7))
+    assert {int(total) for _, total in steps} == {6}
 
 
 def test_bench_script_smoke(tmp_path, capsys):

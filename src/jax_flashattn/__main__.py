@@ -26,6 +26,9 @@ import numpy as np
 
 from jax_flashattn import _bench, reference
 
+CPU_NOTE = ("On a CPU, the C++ kernels are for running and testing anywhere (laptops, CPU-only "
+            "CI); the speed this package is built for is on NVIDIA GPUs.")
+
 # Base lengths per size: (L, (odd T, odd S)). "cpu" keeps the whole job under a minute on two
 # cores; "gpu" spans several tiles of every kernel in both directions.
 SIZES = {"tiny": (64, (37, 91)), "cpu": (128, (77, 201)), "gpu": (1024, (333, 1111))}
@@ -236,6 +239,8 @@ def main(argv=None) -> int:
     for line in _bench.environment_lines(_bench.environment()):
         print(line)
     print(f"our implementation: {_bench.ours_implementation()!r}; sizes: {size}", flush=True)
+    if not _bench.on_gpu():
+        print(CPU_NOTE, flush=True)
 
     failed = []
     if not args.skip_checks:

@@ -754,7 +754,8 @@ def run_benchmark(configs: Sequence[Config], impls: Sequence[str], modes: Sequen
     jobs = [(cfg, mode) for cfg in configs for mode in modes
             if not (cfg.kind == "decode" and mode != "fwd")]
     records = []
-    with Progress(len(jobs) * len(impls), "attention", enabled=progress) as bar:
+    # Steps: each implementation's check of a (config, mode), then its timing, one step.
+    with Progress(len(jobs) * (len(impls) + 1), "attention", enabled=progress) as bar:
         for cfg in configs:
             cfg_modes = [m for c, m in jobs if c == cfg]
             if not cfg_modes:
@@ -793,9 +794,10 @@ def run_benchmark(configs: Sequence[Config], impls: Sequence[str], modes: Sequen
                             timers.append(timer)
                     case_records.append(record)
                     bar.advance()
+                bar.step(f"{cfg.label()} {mode}: timing {', '.join(impls)}")
                 if timers:
-                    bar.step(f"{cfg.label()} {mode}: timing {', '.join(impls)}")
                     time_interleaved(cfg, mode, timers, inputs, settings)
+                bar.advance()
                 for record in case_records:
                     record = dict(config_record(cfg), **record, flops=cfg.flops(mode),
                                   kv_bytes=cfg.kv_bytes(), draw_s=t_draw, reference_s=t_ref)
