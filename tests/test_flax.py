@@ -7,6 +7,7 @@ import inspect
 import re
 import pathlib
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -154,6 +155,8 @@ NNX_HAS_IS_CAUSAL = "is_causal" in inspect.signature(nnx.MultiHeadAttention.__ca
 needs_nnx_gqa = pytest.mark.skipif(not (NNX_HAS_GQA and NNX_HAS_IS_CAUSAL),
                                    reason="this Flax's nnx.MultiHeadAttention has no "
                                           "num_kv_heads / is_causal")
+needs_nnx_capture = pytest.mark.skipif(not hasattr(nnx, "capture"),
+                                       reason="this Flax has no nnx.capture")
 
 
 def _nnx_outputs_and_grads(model, x, mask, is_causal, row_weights):
@@ -197,16 +200,25 @@ def test_nnx_matches_flax(inputs, num_kv_heads, case):
 
 
 @needs_nnx_gqa
+@needs_nnx_capture
 def test_nnx_sow_weights_gqa(inputs):
+    """Sown weights collected with nnx.capture (Flax's way: sowing outside it is deprecated),
+    with no warning, as Flax's own attention sows them."""
     x, _ = inputs
     model = nnx.MultiHeadAttention(num_heads=HEADS, in_features=F, num_kv_heads=2,
                                    decode=False, rngs=nnx.Rngs(0))
+
+    @nnx.capture(nnx.Intermediate)
+    def forward(model, x):
+        return model(x, is_causal=True, sow_weights=True)
+
     sown = []
     for fn in (jfa_flax.dot_product_attention, nnx.dot_product_attention):
         model.attention_fn = fn
-        y = model(x, is_causal=True, sow_weights=True)
-        weights = nnx.pop(model, nnx.Intermediate)["attention_weights"]
-        sown.append((y, jax.tree_util.tree_leaves(weights)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)
+            y, intermediates = forward(model, x)
+        sown.append((y, jax.tree_util.tree_leaves(intermediates["attention_weights"])))
     assert sown[0][1][0].shape == (B, HEADS, T, T)
     assert_trees_close(sown[0], sown[1])
 

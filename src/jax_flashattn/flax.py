@@ -30,7 +30,8 @@ conventions onto `jax_flashattn.attention`:
 - `module` (Flax's `sow_weights=True`): the attention weights are computed separately (this
   materialises `[batch..., N, T, S]`, so use it for inspection only) and sown under
   'attention_weights', into 'intermediates' for a Linen module or `nnx.Intermediate` for an NNX
-  one, exactly where Flax's own function puts them.
+  one, exactly where Flax's own function puts them (for NNX, collect them with
+  `nnx.capture(nnx.Intermediate)`: Flax deprecates sowing outside it).
 - Attention dropout is not implemented: `dropout_rate > 0` with `deterministic=False` raises
   `NotImplementedError` (it is never silently skipped). With `deterministic=True` (evaluation)
   the rate is irrelevant and the call runs. Dropout elsewhere in a model is unaffected.
