@@ -81,6 +81,22 @@ def test_decode_runs_take_their_own_length():
     assert _bench.TimingSettings(decode_max_iters=3).iterations(decode, "fwd") == 3
 
 
+def test_timed_loop_keeps_every_backward():
+    """Every round of the unrolled timed loop runs its backward: each call's gradients feed the
+    next call, so XLA drops none of them (it once kept 2 of 16 backward calls per iteration,
+    the last round's, and forward+backward read far past the card's peak)."""
+    cfg = _bench.Config(1, 64, 64, 2, 2, 32, "bf16", False)
+    inputs = _bench.Inputs(cfg, 2)
+    fn = _bench.attention_fn("ours", cfg.causal)
+    results = _bench._empty_results(fn, "fwdbwd", inputs)
+    iters = _bench.RUNNER_UNROLL
+    hlo = _bench.build_runner(fn, "fwdbwd", iters).lower(inputs.sets, results,
+                                                         inputs.g).compile().as_text()
+    calls = iters * len(inputs.sets)
+    assert hlo.count('custom_call_target="jax_flashattn_bwd"') == calls
+    assert hlo.count('custom_call_target="jax_flashattn_fwd"') == calls
+
+
 @pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
 def test_timed_loop_updates_q_in_place(mode):
     # The dependency between calls rewrites one element of q: the compiled loop must not copy
