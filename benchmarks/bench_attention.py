@@ -14,10 +14,11 @@ src/jax_flashattn/_bench.py.
 Most of the time goes to compiling (the XLA baseline above all) and to the correctness
 references, not to the timed runs; --mode both on the whole grid takes ~15 min.
 
-Standard grid (DESIGN.md): bf16 and fp16, B = tokens/T with 16384 tokens, N = 2048/H,
+Standard grid: bf16 and fp16, B = tokens/T with 16384 tokens, N = 2048/H,
 H in {64, 128, 256}, T = S in {512, ..., 16384}, causal and full. Decode preset: B=8, N=32,
 K=8, H=128, T in {1, 8, 16}, S=65536; a decode run also measures the device's copy bandwidth
-before and after its cases and gives our K/V rate as a fraction of it (#5's decode bar is 0.85).
+before and after its cases and gives our K/V rate as a fraction of it (the decode target is
+0.85: docs/decisions/decode-benchmark-yardstick.md).
 Exit status 1 when one of our configs is FAIL or error.
 """
 

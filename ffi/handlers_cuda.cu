@@ -3,7 +3,8 @@
 // of the call, and the launches depend only on the call's shapes, attributes and buffers. That
 // makes them safe to record into XLA's command buffers (CUDA graphs, by stream capture), so the
 // handlers say so (kCmdBufferCompatible): a jitted step then replays our kernels in the same
-// graph as its fusions instead of leaving the graph for each call.
+// graph as its fusions instead of leaving the graph for each call
+// (docs/decisions/command-buffer-compatible-handlers.md).
 #include <cuda_runtime.h>
 
 #include <string>

@@ -10,7 +10,7 @@ decode merges (in the thread block cluster, and through the workspace with the c
 launch), the Hopper forward and the backward. A handler that did what stream capture forbids
 (synchronise, allocate) fails here. Whether a call was recorded is not visible in the compiled
 HLO of jax 0.11 (XLA forms command buffers from its thunks); the benchmarks show the effect
-(docs/kernel_notes.md, "Decode at short S"). Run in a process of its own by
+(docs/decisions/command-buffer-compatible-handlers.md). Run in a process of its own by
 tests/test_gpu_forward.py (XLA_FLAGS is read once per process).
 """
 

@@ -1,4 +1,5 @@
-"""Shared test utilities: random inputs and the error-ratio comparison of DESIGN.md."""
+"""Shared test utilities: random inputs and the error-ratio comparison of the float32
+reference."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ inline constexpr int64_t kBlockQ = 16;
 inline constexpr int64_t kBlockK = 64;
 
 // Logits are kept in base 2 so that softmax is exp2 with scale * log2(e) folded into one
-// multiply-add (DESIGN.md conventions).
+// multiply-add.
 inline constexpr float kLog2e = 1.44269504088896340736f;
 inline constexpr float kLn2 = 0.69314718055994530942f;
 inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();

@@ -1,8 +1,8 @@
-// Issue #5 sets the decode kernels' bar at 85% of the card's measured copy bandwidth, and
-// H200s differ by a few percent in it, so the benchmark measures it in its own process with
-// the copy the bar means: cudaMemcpy device to device (XLA's own copy of a jax array ran ~4%
-// slower on an H200, which would flatter the ratio). Never called from an FFI handler: it
-// allocates and synchronises.
+// The decode kernels are judged against 85% of the card's measured copy bandwidth, and H200s
+// differ by a few percent in it, so the benchmark measures it in its own process with the copy
+// that target means: cudaMemcpy device to device (XLA's own copy of a jax array ran ~4%
+// slower on an H200, which would flatter the ratio; docs/decisions/decode-benchmark-yardstick.md).
+// Never called from an FFI handler: it allocates and synchronises.
 #include "ffi/cuda/copy_bandwidth.h"
 
 #include <cuda_runtime.h>

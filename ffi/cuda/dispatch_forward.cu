@@ -7,7 +7,7 @@
 // a split-KV decode kernel on every architecture, ahead of the others, when the call's
 // workspace holds its splits: on Hopper the wgmma one where it applies
 // (sm90::decode_kernel_applies), else the mma.sync one; calls with a bias or boolean mask keep
-// the normal kernels.
+// the normal kernels. Why in this order: docs/decisions/kernel-family-dispatch.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

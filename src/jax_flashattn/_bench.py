@@ -4,9 +4,10 @@ What is measured
 ----------------
 * FLOPs: forward = 4·B·N·T·S·H (the two matmuls), halved when causal; backward = 2.5x
   forward, so forward+backward counts 3.5x forward (FlashAttention's convention, and the one
-  behind the numbers in DESIGN.md). Decode configs also report the bytes of K and V read, and
-  the benchmark script sets that rate against the device's copy bandwidth (`copy_bandwidth`:
-  cudaMemcpy device to device, bytes read plus written), measured before and after the cases.
+  behind the numbers in docs/performance.md). Decode configs also report the bytes of K and V
+  read, and the benchmark script sets that rate against the device's copy bandwidth
+  (`copy_bandwidth`: cudaMemcpy device to device, bytes read plus written), measured before and
+  after the cases (why that yardstick: docs/decisions/decode-benchmark-yardstick.md).
 * "fwdbwd" is one `jax.vjp` of attention with a fixed random cotangent g: the forward, then
   dq, dk, dv. That is `jax.value_and_grad` of the scalar loss sum(out * g) minus the loss's own
   reduction, which would add the same memory pass to every implementation.
@@ -25,40 +26,37 @@ How it is timed (`prepare`, `time_interleaved`)
   (unless an output is NaN), and every output of every call feeds the next, so no call or
   gradient is dead code (each round's outputs replace the last ones in the loop carry: with
   only out feeding the next call, XLA dropped all but the last of the unrolled rounds'
-  backward calls, for every implementation alike, and forward+backward read as up to 1240
-  TFLOP/s on an H100). (XLA's own backward may still hoist dP = dO V^T, whose inputs no round
-  changes, out of the loop: the "xla" forward+backward rows are an upper bound.) The update
-  does not read q inside the loop, so XLA writes it in place: one one-element kernel per
-  call. (Built from q's own element, the update made XLA rewrite all of q per call: a 45 us
-  copy at 512 tokens, measured with ncu on an H100, that every implementation paid.)
+  backward calls, for every implementation alike, and forward+backward rows read far too
+  fast). (XLA's own backward may still hoist dP = dO V^T, whose inputs no round changes, out
+  of the loop: the "xla" forward+backward rows are an upper bound.) The update does not read
+  q inside the loop, so XLA writes it in place: one one-element kernel per call. (Built from
+  q's own element, the update made XLA copy all of q before every call, a cost every
+  implementation paid that pulled the short rows' ratios towards one.)
 * Inputs and outputs are donated and fed back, so the program copies nothing.
 * The loop runs RUNNER_UNROLL rounds per iteration: each iteration of a GPU while loop waits
   on the host for its condition, and the launches of the next iteration then run with the GPU
-  idle. That wait depends on each implementation's host-side launch cost: with one round per
-  iteration (H100, 512 tokens, head dim 64, causal) it added 6 us per call to our kernel's ncu
-  time and 30 us to cuDNN's.
+  idle. That wait depends on each implementation's host-side launch cost, so with one round
+  per iteration it would weigh on the implementations unequally.
 * The trip count is picked from a FLOP/byte estimate so that a run lasts about `target_s`
   (25 ms; decode configs `decode_target_s`, 100 ms); the first run (after a separate, untimed
   compile) is a warm-up whose outputs feed the correctness check; then the median over
   `repeats` runs of run time / calls.
-* Decode runs are longer because a run's fixed cost weighs on short calls. Per call, decode
-  preset at S = 8192, T = 16, one H200 (twenty-ninth session): 72.2 us in 25 ms runs (~280
-  calls), 71.0-71.1 in 100 ms runs (~1100 calls), against 66.9 us of kernel and 68.3 us of
-  device span per call under the profiler: ~0.45 ms per run, whatever the loop's unrolling
-  (8 or 32 rounds per iteration read the same) or XLA's command buffers for the loop. The
-  decode rows are judged in TB/s against the card's copy bandwidth, where that overhead
-  would count in full; the standard grid keeps 25 ms runs (its rows are compared as ratios,
-  and each of its cases would take ~3x as long). cuDNN's calls at T = 8-16, which compute
-  more than they read, ran ~4% slower in the longer runs on the same card (216 -> 225 us at
-  T = 8), which raises those rows' ratios by as much.
+* Decode runs are longer because a run's fixed cost (dispatch, the first launch, the wait for
+  the last; the same whatever the loop's unrolling) weighs on short calls. The decode rows are
+  judged in TB/s against the card's copy bandwidth, where that overhead would count in full;
+  the standard grid keeps 25 ms runs (its rows are compared as ratios, and each of its cases
+  would take ~3x as long). cuDNN's calls at T = 8-16, which compute more than they read, run a
+  few percent slower in the longer runs, which raises those rows' ratios by as much. (The
+  measurements: docs/decisions/decode-benchmark-yardstick.md.)
 * Every implementation goes through the same loop in the same process, so the ratios are
   like for like; on a shared, noisy GPU they are what to compare. The implementations of one
   case are compiled, warmed up and checked first, then run once more untimed (the first run
-  after the checks, which leave the GPU idle, came out up to 1.7x slow on an H100), then timed
-  in alternation (ABBA: A B, B A, A B, ...) for 7-15 rounds of about 0.6 s in all, so that a
-  drift of the GPU's clocks or load during the case reaches every implementation alike
-  instead of landing in the ratio. (With back-to-back blocks of three runs each, the short
-  rows' ratios moved by up to 0.17 between runs of the same code.)
+  after the checks, which leave the GPU idle, comes out slow), then timed in alternation
+  (ABBA: A B, B A, A B, ...) for 7-15 rounds of about 0.6 s in all, so that a drift of the
+  GPU's clocks or load during the case reaches every implementation alike instead of landing
+  in the ratio (back-to-back blocks of runs let the short rows' ratios move between runs of
+  the same code).
+* Why each of these, with measurements: docs/decisions/benchmark-timing-method.md.
 
 Correctness gate (`reference_slice`, `forward_verdict`, `grad_verdict`)
 -----------------------------------------------------------------------
@@ -112,17 +110,17 @@ RUNNER_UNROLL = 8
 
 
 def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, mode="fwd") -> float:
-    """DESIGN.md's count: forward 4 B N T S H (half when causal), backward 2.5x forward."""
+    """The FLOP count: forward 4 B N T S H (half when causal), backward 2.5x forward."""
     forward = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
     return forward * (1.0 if mode == "fwd" else 1.0 + BACKWARD_FLOP_FACTOR)
 
 
-# Standard grid of DESIGN.md.
+# The standard grid: 16k tokens per batch, hidden 2048.
 STANDARD_TOKENS = 16384
 STANDARD_HIDDEN = 2048
 STANDARD_HEAD_DIMS = (64, 128, 256)
 STANDARD_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
-# Decode preset of DESIGN.md: B=8, N=32, K=8, H=128, S=65536.
+# The decode preset: B=8, N=32, K=8, H=128, S=65536.
 DECODE_SEQLENS = (1, 8, 16)
 DECODE_SHAPE = dict(batch=8, num_heads=32, num_kv_heads=8, head_dim=128, kv_len=65536)
 
@@ -191,7 +189,7 @@ class Config:
 def standard_grid(dtypes=("bf16", "fp16"), head_dims=STANDARD_HEAD_DIMS,
                   seqlens=STANDARD_SEQLENS, causal=(False, True), tokens=STANDARD_TOKENS,
                   hidden=STANDARD_HIDDEN) -> list[Config]:
-    """B = tokens / T, N = hidden / H, S = T (DESIGN.md's grid)."""
+    """B = tokens / T, N = hidden / H, S = T (the standard grid)."""
     configs = []
     for dtype in dtypes:
         for h in head_dims:
@@ -207,7 +205,7 @@ def standard_grid(dtypes=("bf16", "fp16"), head_dims=STANDARD_HEAD_DIMS,
 
 
 def decode_grid(dtypes=("bf16", "fp16"), seqlens=DECODE_SEQLENS, kv_len=None) -> list[Config]:
-    """DESIGN.md's decode preset: a few query tokens against a long, grouped K/V."""
+    """The decode preset: a few query tokens against a long, grouped K/V."""
     d = DECODE_SHAPE
     return [Config(d["batch"], t, kv_len or d["kv_len"], d["num_heads"], d["num_kv_heads"],
                    d["head_dim"], dtype, False, kind="decode")
@@ -316,7 +314,7 @@ def _f64(x) -> np.ndarray:
 
 
 def forward_verdict(out, exact, rounded, dtype: str) -> Verdict:
-    """`out` (the kernel's) against `exact` (float32 reference) with DESIGN.md's rule; `rounded`
+    """`out` (the kernel's) against `exact` (float32 reference) with the tests' rule; `rounded`
     is the reference with P and the output rounded to `dtype` (unused for float32)."""
     out, exact = _f64(out), _f64(exact)
     scale = float(np.max(np.abs(exact), initial=0.0))
@@ -476,10 +474,10 @@ def check_outputs(cfg: Config, outputs, ref: ReferenceSlice) -> Verdict:
 @dataclasses.dataclass
 class TimingSettings:
     target_s: float = 0.025      # wall time of one timed run
-    # Decode rows: longer runs. A run carries a fixed ~0.45 ms beside its calls (dispatch, the
-    # first launch, the wait for the last), ~1.6 us on each of a 25 ms run's ~280 calls of
-    # ~70 us at S = 8192 (H200); the decode rows are judged against the card's bandwidth, where
-    # that share counts in full (the module docstring, "decode runs").
+    # Decode rows: longer runs. A run carries a fixed cost beside its calls (dispatch, the
+    # first launch, the wait for the last), a share of each short decode call; the decode rows
+    # are judged against the card's bandwidth, where that share counts in full (the module
+    # docstring, "decode runs"; docs/decisions/decode-benchmark-yardstick.md).
     decode_target_s: float = 0.1
     repeats: int = 15            # timed runs per implementation and case (at most)
     min_repeats: int = 7
@@ -517,7 +515,8 @@ def build_runner(fn: Callable, mode: str, iters: int):
         one = (1,) * sets[0][0].ndim
         # Materialized before the loop: XLA 0.11 otherwise re-slices each first element from
         # the original q inside the unrolled loop's updates, which keeps that q alive and so
-        # makes it copy q once per run instead of updating it in place.
+        # makes it copy q once per run instead of updating it in place
+        # (docs/decisions/benchmark-timing-method.md).
         firsts = lax.optimization_barrier([lax.slice(q, origin, one) for q, _, _ in sets])
 
         def body(_, carry):
@@ -620,11 +619,12 @@ def time_interleaved(cfg: Config, mode: str, timers: Sequence[_Timed], inputs: I
     runs' seconds per call. In alternation they share whatever the GPU's clocks and
     neighbours do during the case, which back-to-back blocks of runs do not: a drift within
     the case would otherwise land in the ratio. One untimed round goes first: after the
-    correctness checks (on the host, GPU idle) the first run came out up to 1.7x slower than
-    the next ones (H100). The rounds fill `time_budget_s`, as that round's times allow,
-    within [min_repeats, repeats] (repeats, at least 1, is a hard cap). Every implementation's
-    program and results stay alive until the case ends. Never raises: an implementation that
-    fails here is marked and dropped from the remaining rounds."""
+    correctness checks (on the host, GPU idle) the first run comes out slower than the next
+    ones (docs/decisions/benchmark-timing-method.md). The rounds fill `time_budget_s`, as
+    that round's times allow, within [min_repeats, repeats] (repeats, at least 1, is a hard
+    cap). Every implementation's program and results stay alive until the case ends. Never
+    raises: an implementation that fails here is marked and dropped from the remaining
+    rounds."""
     live = list(timers)
 
     def one_round(order, keep: bool) -> float:
@@ -661,10 +661,11 @@ def time_interleaved(cfg: Config, mode: str, timers: Sequence[_Timed], inputs: I
 def copy_bandwidth(nbytes: int = 2 << 30, runs: int = 10) -> float | None:
     """The first device's copy bandwidth in bytes per second (bytes read plus bytes written;
     the median of `runs` cudaMemcpy device-to-device copies of `nbytes`), the yardstick of the
-    decode rows: issue #5 asks K/V read at no less than 85% of the card's measured copy
-    bandwidth, and H200s differ by a few percent in it, so the benchmark measures it in its
-    own process. None where there is no CUDA device or no CUDA build, and with a warning where
-    the copy fails (its 2 x `nbytes` do not fit beside XLA's memory pool, say)."""
+    decode rows: the decode kernels aim to read K/V at no less than 85% of the card's measured
+    copy bandwidth, and H200s differ by a few percent in it, so the benchmark measures it in its
+    own process (docs/decisions/decode-benchmark-yardstick.md). None where there is no CUDA
+    device or no CUDA build, and with a warning where the copy fails (its 2 x `nbytes` do not
+    fit beside XLA's memory pool, say)."""
     import jax_flashattn
     if not on_gpu() or not jax_flashattn.cuda_built():
         return None

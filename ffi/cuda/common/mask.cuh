@@ -87,7 +87,8 @@ struct Visibility {
 // the right bound the same, mirrored). Clamped to [-seqlen_k, seqlen_q] (left) and [-seqlen_q,
 // seqlen_k] (right), each side decides every pair as before, an unbounded side is one that hides
 // nothing, and no test branches on whether a side is bounded. (In 64-bit, with those branches,
-// a tile's bounds took ~100 dependent instructions per warp: H100, SASS and ncu.)
+// a tile's bounds are a long dependent chain on every warp's path:
+// docs/decisions/int32-bounds-and-column-bits-masking.md.)
 struct Visibility32 {
   int q_len, kv_len;  // rows t >= q_len see nothing, keys s >= kv_len are hidden
   int window_left, window_right;  // query t sees key s iff t - left <= s <= t + right
@@ -186,8 +187,8 @@ struct TileVisibility {
   // (32 per word) says whether it is visible. Those columns rise with the bit index, so the
   // visible ones are one run of bits, built with one bmsk per word; a kernel then masks each
   // element with a predicate that ptxas takes seven at a time from a word (R2P), not with
-  // compares against the bounds. (H100, head dim 64, causal T = 512: two compares per element
-  // and their bounds took about as long as the masked tile's softmax.)
+  // compares against the bounds: two compares per element and their bounds cost about as much
+  // as the masked tile's softmax (docs/decisions/int32-bounds-and-column-bits-masking.md).
   template <int kTiles>
   __device__ void column_bits(int r, int col0, uint32_t (&bits)[(2 * kTiles + 31) / 32]) const {
     int lo, hi;

@@ -112,6 +112,7 @@ struct OnlineSoftmax {
   // partial sum (which bounds each of its P) exceeds that or is NaN; S is then spent and the
   // caller recomputes it for exponentiate(). The caller guarantees that every row which may see
   // a key has a finite maximum; a row that sees nothing keeps m = -inf, offset 0 and P = 0.
+  // (Why, with measurements: docs/decisions/settled-row-maxima.md.)
   template <int kNTiles>
   __device__ bool exponentiate_against_settled_max(float (&S)[kSlabs][kNTiles][4], float scale) {
     float sum[kSlabs][2];
@@ -148,7 +149,8 @@ struct OnlineSoftmax {
 
   // rescale, skipped by the whole warp where none of its rows moved (every correction exactly
   // 1, exp2 of 0): once the first tiles have set the row maxima they rarely move, and the
-  // skip saves kSlabs * kDTiles * 4 multiplies per thread. Call it from converged warps.
+  // skip saves kSlabs * kDTiles * 4 multiplies per thread
+  // (docs/decisions/online-softmax-arithmetic.md). Call it from converged warps.
   template <int kDTiles>
   __device__ static void rescale_where_moved(float (&O)[kSlabs][kDTiles][4],
                                              const float (&correction)[kSlabs][2]) {
@@ -171,7 +173,9 @@ struct OnlineSoftmax {
   // Normalises O and returns the natural-log lse of each row (-inf and O = 0 for rows that
   // saw no key). The sum is 0 exactly for those rows; otherwise it is at least 1 (the row's
   // maximum contributes 1), or NaN where a NaN or +inf logit reached the row (the maxima drop
-  // NaN, but its exp2 does not), which O and lse then carry, as in jax.nn.
+  // NaN, but its exp2 does not), which O and lse then carry, as in jax.nn. The division and
+  // log2 are rcp.approx and lg2.approx, one MUFU op each
+  // (docs/decisions/online-softmax-arithmetic.md).
   template <int kDTiles>
   __device__ void finalize(float (&O)[kSlabs][kDTiles][4], float scale, float (&lse)[kSlabs][2]) {
 #pragma unroll

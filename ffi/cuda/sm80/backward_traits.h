@@ -125,8 +125,8 @@ struct DkDvConfig;
 template <>
 struct DkDvConfig<32> : DkDvTraits<32, 64, 64, 32, 16, 2, kSmallSmemBytes> {};
 // dK+dV 32, S+dP 16, dQ 16; smem 65 KiB.
-// ptxas sm_80 / sm_90a: 168 / 187 registers, no spills (with two blocks per SM, i.e. 128
-// registers, the version-1 kernel spilled 60 bytes).
+// ptxas sm_80 / sm_90a: 168 / 187 registers, no spills (at two blocks per SM, i.e. 128
+// registers, an earlier version spilled: docs/decisions/backward-kernels.md).
 template <>
 struct DkDvConfig<64> : DkDvTraits<64, 64, 64, 32, 16, 2, kSmallSmemBytes> {};
 // 32-query tiles keep Q/dO double-buffered under 99 KiB. dK+dV 48, S+dP 8; dQ 24 on four of
@@ -136,8 +136,8 @@ struct DkDvConfig<64> : DkDvTraits<64, 64, 64, 32, 16, 2, kSmallSmemBytes> {};
 template <>
 struct DkDvConfig<96> : DkDvTraits<96, 64, 32, 16, 16, 2, kSmallSmemBytes> {};
 // dK+dV 64, S+dP 8, dQ 16 (2 slabs x 4 groups of 32 columns); smem 80.5 KiB.
-// ptxas sm_80 / sm_90a: 186 / 211 registers, no spills (with two blocks per SM, the
-// version-1 kernel spilled 192 bytes).
+// ptxas sm_80 / sm_90a: 186 / 211 registers, no spills (at two blocks per SM, an earlier
+// version spilled: docs/decisions/backward-kernels.md).
 template <>
 struct DkDvConfig<128> : DkDvTraits<128, 64, 32, 16, 16, 4, kSmallSmemBytes> {};
 

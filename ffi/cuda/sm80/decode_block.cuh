@@ -22,7 +22,8 @@ namespace jax_flashattn::sm80 {
 // Keys [lo, hi) that query rows [row_begin, row_end) may see, clamped to [0, kv_len].
 // decode_shape_fits bounds seqlen_k, so key positions and lengths in the decode kernels are
 // int32: 32-bit arithmetic on the path to a block's first K/V request (a 64-bit division is a
-// branch and tens of instructions) and in its per-tile loop.
+// branch and tens of instructions) and in its per-tile loop
+// (docs/decisions/decode-kv-streaming.md).
 __device__ __forceinline__ void decode_key_range(const cuda::Visibility32& vis, int row_begin,
                                                  int row_end, int& lo, int& hi) {
   vis.key_range(row_begin, row_end, lo, hi);
@@ -36,7 +37,8 @@ __device__ __forceinline__ void decode_key_range(const cuda::Visibility32& vis, 
 // [tile_begin, tile_end) (empty for a split past the last tile). Both decode kernels compute it
 // first, in 32-bit arithmetic, and issue their first tiles' requests right after it: a call's
 // K/V stream starts once every SM's first blocks have issued theirs, so nothing else (the
-// partial's address, the empty-split check, Q) comes before them; an empty split issues none.
+// partial's address, the empty-split check, Q) comes before them; an empty split issues none
+// (docs/decisions/decode-kv-streaming.md).
 struct DecodeSplit {
   int unit, split, b, kv_head;
   int group;          // query heads per kv head

@@ -8,11 +8,9 @@
 //   lse = log sum_s exp(lse_s),  out = sum_s exp(lse_s - lse) O_s
 // with splits whose lse_s is -inf (no key for the row) weighing 0, their O_s never used; a row
 // no split saw gets out = 0 and lse = -inf, as from the combine. No partial result goes through
-// global memory and no second kernel runs, which at short S is a visible share of a call: on an
-// H200, T = 1 of the decode preset at S = 8192 ran 68.5 us per call on the device timeline
-// against 69.7 with the combine (bench: 0.99-1.00x cuDNN before, 1.01-1.02x after; S = 65536
-// 1.02-1.03x). Only where every unit's cluster is resident at once (sm80/decode_launch.cuh):
-// docs/kernel_notes.md, "The cluster merge".
+// global memory and no second kernel runs, which at short S is a visible share of a call. Only
+// where every unit's cluster is resident at once (sm80/decode_launch.cuh). Why, with
+// measurements: docs/decisions/decode-cluster-merge.md.
 #pragma once
 
 #include <cmath>
@@ -56,12 +54,8 @@ struct ClusterPartial {
 // kSplitStep splits) follow one at a time.
 // Few warps run it (8 per SM on the paired wgmma kernel), once per call from a cold instruction
 // cache, so its time is its chain of dependent steps (round trips to another SM's shared
-// memory, barriers) and its instruction count. For the decode preset at T = 16 on an H200
-// (paired blocks, 4 splits of 64 rows): a first version, in which each column group reloaded
-// and reduced its row's lse over the splits, took ~7 us; a second, with one lane per (row,
-// split) writing the weights to shared memory and a block barrier before the sums, 3.5-3.7 us
-// per merge; this one 2.7 us (T = 8: 2.0 against 2.6), 0.7-0.9 us less per call
-// (docs/kernel_notes.md, "The cluster merge's chain").
+// memory, barriers) and its instruction count: hence one load round, weights in registers and
+// no block barrier (the longer chains measured: docs/decisions/decode-cluster-merge.md).
 // Returns once no block of the cluster reads this block's shared memory any more.
 template <typename Elem, int kHeadDim, int kSplitsPerBlock>
 __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
@@ -72,7 +66,7 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
   constexpr int kMaxSplits = kMaxClusterBlocks * kSplitsPerBlock;
   // Two splits at once in one-split blocks (the mma.sync kernel's, the wgmma kernel's unpaired
   // configuration; T = 1 has two): with four, the mma.sync kernel's 64+-row configurations
-  // spilled 8 bytes.
+  // spill (docs/decisions/decode-cluster-merge.md).
   constexpr int kItems = 4, kSplitStep = kSplitsPerBlock == 1 ? 2 : 4;
   constexpr int kGroups = kHeadDim / 4, kRowThreads = kGroups / kItems;
   static_assert(kGroups % kItems == 0 && 32 % kRowThreads == 0, "a warp holds whole rows");
@@ -135,7 +129,7 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
     };
 
     // lse = log sum_s exp(lse_s), in base 2 on the special-function unit: a few instructions
-    // per split where expf and logf are tens each (with them this merge took 2.6 us longer).
+    // per split where expf and logf are tens each (docs/decisions/decode-cluster-merge.md).
     // exp2(-inf) = 0 for a split without a key for the row; a NaN split lse makes the row NaN.
     float max_lse = -INFINITY;
 #pragma unroll
@@ -178,8 +172,8 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
       if (j >= splits) break;
       add(step_lse[j], step_o[j]);
     }
-    // The rest one at a time (unrolled, their loads took the paired kernel from 196 to 238
-    // registers), each lse loaded again beside its O: rest_lse takes constant indices only.
+    // The rest one at a time (unrolled, their loads cost the paired kernel some 40 registers),
+    // each lse loaded again beside its O: rest_lse takes constant indices only.
 #pragma unroll 1
     for (int s = kSplitStep; s < splits; ++s) {
       const uint32_t split = split_base(s);
@@ -211,8 +205,8 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
   // value a warp loaded feeds a store issued before the arrival (the barrier's memory clobber
   // keeps the stores, hence their inputs, above it), its loads are done and its arrival needs
   // no ordering (out and lse need none here): relaxed, not waiting for those stores as a
-  // release does (~0.3 us per merge, H200). Any other warp arrives with release, which waits
-  // for its loads.
+  // release does (docs/decisions/decode-cluster-merge.md). Any other warp arrives with
+  // release, which waits for its loads.
   __syncwarp();
   if (__any_sync(0xffffffffu, skipped_loads))
     ptx::cluster_arrive();

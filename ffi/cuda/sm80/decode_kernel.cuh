@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int slab = warp % slabs, key_group = warp / slabs;
   const bool computes = warp < slabs * key_groups;
 
-  // The split, then at once its first tiles' requests (DecodeSplit, decode_block.cuh).
+  // The split, then at once its first tiles' requests (DecodeSplit, decode_block.cuh;
+  // docs/decisions/decode-kv-streaming.md).
   const int splits = int(plan.splits), block = int(blockIdx.x);
   const DecodeSplit sp = DecodeSplit::make<kBlockN>(p, plan, block / splits, block % splits);
   const cuda::Visibility32& vis = sp.vis;

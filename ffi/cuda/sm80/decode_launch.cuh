@@ -52,8 +52,7 @@ cudaError_t launch_decode_splits(const AttentionParams& p, const sm80::DecodePla
 // for it) it is a programmatic dependent launch: it may start once every split block has passed
 // its main loop (ptx::launch_dependents) and waits for the split kernel's stores in the kernel
 // (ptx::grid_dependency_wait), so its launch overlaps the splits' last stores instead of
-// following them. Measured on an H200 (bench --decode, bf16, two runs each): 1.3-2 us less per
-// call at S = 8192-65536 and T = 1-16, e.g. T = 1, S = 8192 74.0-74.3 -> 72.7-72.8 us.
+// following them (docs/decisions/decode-combine-early-launch.md).
 template <typename Elem>
 cudaError_t launch_decode_combine(const AttentionParams& p, const sm80::DecodePlan& plan,
                                   cudaStream_t stream) {
@@ -111,10 +110,10 @@ std::array<int, sm80::kMaxClusterBlocks + 1> resident_clusters(int device, int t
 // (sm80/decode_cluster_merge.cuh) with split kernel `kernel` on CUDA device `device`, the
 // current one: at most kMaxClusterBlocks blocks per unit, an image built for 9.0+ (whose
 // cluster instructions exist), and every work unit's cluster resident at once. A unit whose
-// cluster had to wait for another to finish would double the call: the decode preset's 64
-// units of 4 two-per-SM blocks, on an H200 with room for 62 such clusters, took 1.5-1.7x as
-// long (docs/kernel_notes.md). The dispatcher asks it once per call and records the answer in
-// plan.cluster_merge, which the launch follows.
+// cluster had to wait for another to finish would run after it, the call's length again or
+// near it (as the decode preset's 64 units of 4 two-per-SM blocks did on an H200, which holds
+// 62 such clusters: docs/decisions/decode-cluster-merge.md). The dispatcher asks it once per
+// call and records the answer in plan.cluster_merge, which the launch follows.
 template <auto kernel>
 bool cluster_merge_fits(const sm80::DecodePlan& plan, int threads, int smem_bytes, int device) {
   const int64_t blocks = plan.blocks_per_unit();

@@ -30,16 +30,12 @@ inline constexpr int64_t kDecodeMinKeysPerSplit = 256;
 // Blocks per SM the splits aim at (decode_blocks_per_sm), rounded down: a last wave with a few
 // blocks would stream at the bandwidth of those few. Two blocks are resident per SM (96 KiB
 // each; the wgmma kernel's paired configuration runs the same two splits as one block of two
-// warpgroups, so the counts are in splits of 96 KiB rings). Measured on an H200 (bf16,
-// H = 128, T = 1 / 8 / 16, S = 32k-128k, 32-200 (batch, kv head) units; docs/kernel_notes.md,
-// eighteenth session), one process per comparison:
-// - per-batch key lengths: four (two waves), so that splits of unequal length even out; with
-//   lengths spread over [S / 4, S], two (one wave) were 9% (T = 1) to 20% (T = 16) slower;
-// - equal lengths, every row in one 16-row slab (T = 1 with GQA up to 16): one, 2-3% faster
-//   than four and 1% faster than two at 32 and 64 units (fewer partial results to merge),
-//   within 0.5% of two at 100 and 200;
-// - equal lengths, more rows: two (one wave), level with four; one was 22-30% slower.
-// (Four per SM gave 200 units 400 blocks, 1.5 waves: 12% slower at T = 1 than one.)
+// warpgroups, so the counts are in splits of 96 KiB rings). By call (why, with measurements:
+// docs/decisions/decode-split-count.md):
+// - per-batch key lengths: four (two waves), so that splits of unequal length even out;
+// - equal lengths, every row in one 16-row slab (T = 1 with GQA up to 16): one (fewer partial
+//   results to merge);
+// - equal lengths, more rows: two (one wave).
 inline constexpr int64_t kDecodeBlocksPerSmRagged = 4;
 inline constexpr int64_t kDecodeBlocksPerSmOneSlab = 1;
 inline constexpr int64_t kDecodeBlocksPerSmManyRows = 2;

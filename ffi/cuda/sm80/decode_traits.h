@@ -18,18 +18,18 @@
 // Past 32 rows every warp owns a slab alone and runs all of each tile itself; in 16-key steps
 // that is one dependent chain per chunk (ldmatrix, 8 k-steps of S, softmax with quad shuffles,
 // O rescale, P V), four per tile at head dim 128 against one at T = 1, and the two warps per
-// SM sub-partition (two blocks) could not hide them: T = 16 streamed K/V at ~71% of the copy
-// rate, T = 8 (two chains per tile) at ~90%. So past 32 rows a step is the whole tile, as in
-// the forward kernel: the tile's S products are independent chains interleaved per k-step
-// (each k-step issues kStepChunks ldmatrix and 2 kStepChunks mma with no dependence between
-// them), the softmax is one pass over all its keys (one pair of quad shuffles per row and one
-// rescale of O per tile: 64 FMULs per tile at head dim 128 instead of 256), and P V runs one
-// k-step at a time across all of O's column tiles. The same mma and ldmatrix; per tile and
-// warp at head dim 128 the step body is ~590 SASS instructions against 4 x ~250.
+// SM sub-partition (two blocks) cannot hide them. So past 32 rows a step is the whole tile,
+// as in the forward kernel: the tile's S products are independent chains interleaved per
+// k-step (each k-step issues kStepChunks ldmatrix and 2 kStepChunks mma with no dependence
+// between them), the softmax is one pass over all its keys (one pair of quad shuffles per row
+// and one rescale of O per tile: 64 FMULs per tile at head dim 128 instead of 256), and P V
+// runs one k-step at a time across all of O's column tiles. The same mma and ldmatrix, in
+// fewer instructions per tile (why, with measurements:
+// docs/decisions/decode-mma-sync-warp-steps.md).
 // Rejected: two slabs per warp (each K/V fragment feeds two slabs' mma) holds O and Q of two
-// slabs, 192 registers at head dim 128 before S, and ptxas spilled 128-136 bytes; eight warps
-// per block (two per slab) keeps the 16-key chains and needs <= 128 registers per thread for
-// two blocks per SM, where one slab's O and Q alone are 96 at head dim 128.
+// slabs, 192 registers at head dim 128 before S, which spills; eight warps per block (two per
+// slab) keeps the 16-key chains and needs <= 128 registers per thread for two blocks per SM,
+// where one slab's O and Q alone are 96 at head dim 128.
 //
 // Registers per thread: Q fragments kHeadDim / 4 (held for the whole loop, loaded once from
 // global memory), O kHeadDim / 2 floats, S kStepChunks * 8 floats, P kStepChunks * 4, one K or
@@ -102,8 +102,9 @@ template <int kStepChunks>
 struct DecodeConfig<256, kStepChunks> : DecodeTraits<256, 32, 3, 2, kStepChunks> {};
 
 // The step past kDecodeChunkStepMaxRows rows: the whole tile, except at head dim 256, where S
-// and P of a 32-key tile on top of O and Q (192 registers) made ptxas spill 60-76 bytes; its
-// tiles have two chunks, so its 16-key steps are two chains per tile, not four.
+// and P of a 32-key tile on top of O and Q (192 registers) make ptxas spill; its tiles have
+// two chunks, so its 16-key steps are two chains per tile, not four
+// (docs/decisions/decode-mma-sync-warp-steps.md).
 template <int kHeadDim>
 inline constexpr int kDecodeManyRowsStepChunks = DecodeConfig<kHeadDim, 1>::kChunksPerTile;
 template <>

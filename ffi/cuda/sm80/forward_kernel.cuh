@@ -32,11 +32,11 @@ namespace jax_flashattn::sm80 {
 // tile-relative compares; keeping the 64-bit bias/mask indexing out of that instantiation
 // keeps its registers for the accumulators.
 // kTmaKV (Hopper): K and V tiles come by TMA (maps.k, maps.v, boxes of kBlockN rows) in TMA's
-// 128-byte-swizzled span layout: one thread issues two to eight loads per tile where every
-// thread issued 16 cp.async with their 64-bit address arithmetic (~90 instructions per warp
-// and tile at head dim 128), and the stage's mbarrier, not a block barrier, says they landed.
-// No block barrier says that a stage is free either: each warp counts itself done with it, and
-// the last one refills it, so a warp waits only for data, never for the other warps.
+// 128-byte-swizzled span layout: one thread issues two to eight loads per tile instead of every
+// thread's cp.async with its 64-bit address arithmetic, and the stage's mbarrier, not a block
+// barrier, says they landed. No block barrier says that a stage is free either: each warp
+// counts itself done with it, and the last one refills it, so a warp waits only for data, never
+// for the other warps (docs/decisions/mma-sync-tma-kv-loads-on-hopper.md).
 template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV>
 __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm90::KVMaps& maps) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
@@ -66,7 +66,8 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm
   // Block order. Without a window every query tile has the same work: tiles vary fastest, so
   // the blocks resident together share one head's K/V, read from DRAM once and then from L2.
   // Under a window (causal included) highest tiles go first across all heads: they have the
-  // most keys, so the long blocks start early and the short ones fill the tail.
+  // most keys, so the long blocks start early and the short ones fill the tail
+  // (docs/decisions/mma-sync-forward-tile-configs.md).
   const uint32_t heads = uint32_t(p.batch * p.num_heads), m_blocks = gridDim.x / heads;
   const bool equal_work = p.unwindowed();
   const uint32_t head = equal_work ? blockIdx.x / m_blocks : blockIdx.x % heads;
@@ -186,7 +187,8 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm
       ptx::mbarrier_wait(ptx::smem_address(&kv_full[stage]),
                          uint32_t((tile - tile_begin) / Traits::kStages) & 1);
       // The tensor map spans S, so the tile that holds a batch entry's key length brought the
-      // cache's rows past it: V's are zeroed before any P V reads them (K's scores are masked).
+      // cache's rows past it: V's are zeroed before any P V reads them (K's scores are masked;
+      // docs/decisions/keys-past-the-length-never-read.md).
       // Between block barriers: the first orders the stage's reads of its previous tile (which
       // the refill followed through the counts, not a barrier) before the stores, the second the
       // stores before this tile's reads; the proxy fence orders them before the TMA refill.
@@ -236,10 +238,10 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm
                                                key0, key0 + kBlockN);
       if (kElementwise || !all_visible) {
         // Each element's visibility from a bit of its row (TileVisibility::column_bits), not four
-        // compares: ptxas (sm_90a, CUDA 13.0) spilled 212 -> 92 B at head dim 128 (280 -> 132
-        // with a bias or mask), 108 -> 36 at 96, and 0 left at 64 and 192. With Q in registers
-        // (head dim 32) and a bias or mask, the bits spilled 556 B, so that instantiation keeps
-        // the compares.
+        // compares, which hold more registers and spill more at head dims 96 and 128. With Q in
+        // registers (head dim 32) and a bias or mask, the bits spill far more, so that
+        // instantiation keeps the compares
+        // (docs/decisions/int32-bounds-and-column-bits-masking.md).
         constexpr bool kColumnBits = !(kElementwise && kQInRegisters);
         const cuda::TileVisibility tile_vis =
             cuda::TileVisibility::make(vis, row0, key0, kBlockM + kBlockN);
@@ -283,7 +285,8 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm
     // as two calls, not a retry loop: in a loop the compiler hoists the masking predicates of
     // every element out of it and evaluates them on every tile.
     // The elementwise instantiation keeps the full update on every tile: the second copy of
-    // its scores (with the bias and mask reads) spills ~1 KiB.
+    // its scores (with the bias and mask reads) spills heavily
+    // (docs/decisions/settled-row-maxima.md).
     compute_scores();
     if (kElementwise || !settled ||
         !softmax.exponentiate_against_settled_max(s_acc, softmax_scale)) {
@@ -320,8 +323,8 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm
       // This warp is done with the stage: its lanes' reads, ordered by __syncwarp and the fence,
       // come before its count. The warp whose count completes the stage's use refills it, its
       // reads and the others' (seen through their counts) ordered before TMA's writes by the
-      // fences. Measured against a __syncthreads and one thread's refill here, in one process
-      // (H200, 16 rounds, head dim 128): +2.4-4.0%.
+      // fences. Faster than a __syncthreads and one thread's refill here
+      // (docs/decisions/mma-sync-tma-kv-loads-on-hopper.md).
       __syncwarp();
       if (lane == 0) {
         __threadfence_block();

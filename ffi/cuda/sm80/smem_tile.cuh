@@ -70,11 +70,11 @@ struct LdmatrixAddress {
 // memory laid out as Layout, zero-filling rows >= valid_rows and chunks past head_dim.
 //
 // Copy j of thread tid is chunk tid + j kThreads of the tile in row-major order, over a loop of
-// compile-time length: bounded by the runtime tid instead, ptxas kept the loop and spent ~25
-// integer instructions of 64-bit address and predicate arithmetic on every 16-byte copy, more
-// than the whole softmax of a K/V tile (ncu, H = 128 forward). Where whole rows fit the block
-// (kThreads a multiple of kChunks) every copy of a thread is the same chunk column, kRowStep
-// rows further on: one 64-bit add per copy.
+// compile-time length: bounded by the runtime tid instead, ptxas keeps the loop and spends tens
+// of integer instructions of 64-bit address and predicate arithmetic on every 16-byte copy
+// (docs/decisions/cp-async-tile-copies.md). Where whole rows fit the block (kThreads a
+// multiple of kChunks) every copy of a thread is the same chunk column, kRowStep rows further
+// on: one 64-bit add per copy.
 template <typename Traits, int kRows, typename Layout = SwizzledRows<Traits::kSmemDim>,
           typename Elem>
 __device__ __forceinline__ void load_tile(Elem* smem, const Elem* global, int64_t row_stride,
@@ -92,8 +92,9 @@ __device__ __forceinline__ void load_tile(Elem* smem, const Elem* global, int64_
     const int64_t src_step = kRowStep * row_stride;
     // A whole tile (every K/V tile but the last, at an unpadded head dim) needs no predicates
     // and no selects: one 64-bit add per copy instead of ~9 instructions. It pays where a
-    // thread has many copies (H = 128 forward, 8 per tile: +3-5%); at 4 (H = 64) the second
-    // copy loop cost more than it saved (-3%), so it is compiled only from 8 on.
+    // thread has many copies (8 per tile in the H = 128 forward); at 4 (H = 64) the second
+    // copy loop costs more than it saves, so it is compiled only from 8 on
+    // (docs/decisions/cp-async-tile-copies.md).
     constexpr bool kWholeTilePath = kCopies >= 8;
     if (kWholeTilePath && rows == kRows && head_chunks == kChunks) {
 #pragma unroll

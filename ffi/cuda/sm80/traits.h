@@ -57,8 +57,8 @@ struct ForwardTraits {
 
 // Registers per thread are dominated by O (kSlabs * kHeadDim / 2 floats), S (kSlabs *
 // kBlockN / 2 floats) and, with kQInRegisters, Q (kSlabs * kHeadDim / 4 32-bit); ptxas adds
-// ~40-100 on top (see docs/kernel_notes.md). Each choice below was measured against its
-// alternatives (TFLOP/s in docs/kernel_notes.md).
+// ~40-100 on top. Each choice below was measured against its alternatives (why, with
+// measurements: docs/decisions/mma-sync-forward-tile-configs.md).
 template <int kHeadDim>
 struct ForwardConfig;
 

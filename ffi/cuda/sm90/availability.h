@@ -65,7 +65,8 @@ inline bool decode_kernel_applies(const AttentionParams& p, int device) {
 // Bias and mask calls take it too (they run on the mma.sync family on Hopper). The
 // sm80_cp_async switch keeps the cp.async loads of other GPUs (for comparing the two loads in
 // one process, and for testing the cp.async path on the Hopper cards the tests run on);
-// disable_sm90 does not change it: that switch picks the family.
+// disable_sm90 does not change it: that switch picks the family
+// (docs/decisions/mma-sync-tma-kv-loads-on-hopper.md).
 inline bool tma_loads_apply(const AttentionParams& p, int device) {
 #ifdef JAX_FLASHATTN_HAS_SM90A
   constexpr int64_t kInt32 = 0x7fffffff;

@@ -50,7 +50,8 @@ struct BackwardBarriers {
 
 // Lengths and window of batch entry b, the same for every head (no elementwise mask on this
 // kernel, the dispatcher's rule: saying so drops its tests). Rebuilt where needed rather than
-// kept: its 64-bit fields would hold eight of the consumers' registers through the tile loop.
+// kept: its 64-bit fields would hold eight of the consumers' registers through the tile loop
+// (docs/decisions/hopper-kernels-without-spills.md).
 __device__ __forceinline__ cuda::Visibility block_visibility(const AttentionParams& p, int b) {
   cuda::Visibility vis = cuda::Visibility::make(p, b, 0);
   vis.mask = nullptr;
@@ -200,7 +201,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
   // The K, V and dQ-K descriptors are the same on every tile: without an opaque copy of their
   // base per tile ptxas hoists all of them out of the tile loop (64-bit each: 48 registers at
-  // head dim 128, which spilled); rebuilt per tile they cost two integer ops each.
+  // head dim 128, which spills); rebuilt per tile they cost two integer ops each
+  // (docs/decisions/hopper-kernels-without-spills.md).
   const auto qtile_desc = [&](uint32_t tile, int kk) {  // Q or dO as B of dK or dV
     return ptx::smem_descriptor_sw128(tile + mn_major_step_bytes(kk), kBlockM * kRowBytes,
                                       kGroupBytes);

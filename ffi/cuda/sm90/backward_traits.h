@@ -71,7 +71,8 @@ struct BackwardTraits {
 // as A fragments (16 + 16) and dQ kDqCols / 2. The peak is during P^T: dK, dV, S^T and dP^T
 // (192 at head dim 128), which leaves 48 of the 240 for everything else; holding the block's
 // 64-bit visibility bounds or the loop-invariant descriptors through the tile loop, or masking
-// with per-element branches, spilled (see backward_kernel.cuh).
+// with per-element branches, spills (see backward_kernel.cuh;
+// docs/decisions/hopper-kernels-without-spills.md, backward-kernels.md).
 // ptxas (CUDA 13.0, sm_90a, bf16 and fp16 alike): 168 registers at launch (setmaxnreg moves
 // them), no spills, at both head dims.
 template <int kHeadDim>

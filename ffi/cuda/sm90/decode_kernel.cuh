@@ -75,7 +75,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   // The split, then at once its first tiles' requests (DecodeSplit, sm80/decode_block.cuh).
   // plan.blocks_per_unit() in 32 bits, divided by a constant (its splits_per_block is this
-  // configuration's kSplitsPerBlock): no 64-bit division before the first requests.
+  // configuration's kSplitsPerBlock): no 64-bit division before the first requests
+  // (docs/decisions/decode-kv-streaming.md).
   const int blocks_per_unit = int(plan.splits) / kSplitsPerBlock;
   const int block = int(blockIdx.x);
   const sm80::DecodeSplit sp = sm80::DecodeSplit::make<kBlockN>(

@@ -2,12 +2,11 @@
 // instantiated head dim.
 //
 // Why a Hopper kernel beside the mma.sync one (sm80/decode_kernel.cuh): at 64 query rows per
-// block (T = 16 with GQA 4) a decode step does 128 FLOP per K/V element it reads, and on an
-// H200 the mma.sync kernel streamed K/V at 3.40-3.46 TB/s, computing at ~220 TFLOP/s: its eight
-// warps per SM, each a chain of ldmatrix, mma.sync and softmax, could not keep up with HBM. One
-// wgmma warpgroup computes the same 64 rows with 8 + 4 instructions per 64-key tile (m64n64k16
-// for S, m64n128k16 for O at head dim 128) where four warps issue 128 mma.sync and 64
-// ldmatrix each.
+// block (T = 16 with GQA 4) a decode step does 128 FLOP per K/V element it reads, and the
+// mma.sync kernel's eight warps per SM, each a chain of ldmatrix, mma.sync and softmax, cannot
+// keep up with HBM there (docs/decisions/decode-wgmma-kernel.md). One wgmma warpgroup computes
+// the same 64 rows with 8 + 4 instructions per 64-key tile (m64n64k16 for S, m64n128k16 for O
+// at head dim 128) where four warps issue 128 mma.sync and 64 ldmatrix each.
 //
 // One warpgroup per split: warp w of it owns the 16-row slab w of the split's (up to) 64 rows,
 // as a wgmma accumulator lays them out. K and V stream through the warpgroup's ring of kStages
@@ -23,11 +22,10 @@
 // configuration, one warpgroup, ring and named barrier each, one block per SM): the unit's
 // blocks merge in a cluster of half as many blocks, which stays resident where the first's does
 // not. The decode preset at T = 16 (64 kv heads x 4 splits) is 64 clusters of 4 two-per-SM
-// blocks, of which an H200 holds 62 (1.5-1.7x slower launched anyway), or 64 clusters of 2
-// paired blocks, which it holds: no partials through HBM and no combine; with the merge made
-// lean, 3.56-3.60 TB/s against 3.37-3.41 at S = 8192 on an H200 (docs/kernel_notes.md, "Paired
-// decode blocks"). The dispatcher takes it only for that: with the cluster merge and an even
-// split count, where the first shape would need the combine.
+// blocks, of which an H200 holds only 62, or 64 clusters of 2 paired blocks, which it holds: no
+// partials through HBM and no combine (why, with measurements:
+// docs/decisions/decode-paired-blocks.md). The dispatcher takes it only for that: with the
+// cluster merge and an even split count, where the first shape would need the combine.
 //
 // Registers per thread: Q as wgmma's register A operand kHeadDim / 4 (loaded once from global
 // memory), O kHeadDim / 2 floats, S kBlockN / 2, P kBlockN / 4: 16 + 32 + 64 + 32 = 144 at head
@@ -88,10 +86,8 @@ template <>
 struct DecodeConfig<128, 2> : DecodeTraits<128, 64, 3, 2> {};
 
 // Query rows per block from which (inclusive) a decode call takes this kernel; fewer stay on the
-// mma.sync decode kernel. At 32 rows the two were level with the combine (eighteenth session);
-// with the paired blocks' cluster merge the decode preset at T = 8 (32 rows) read 3.64 TB/s on
-// this kernel against 3.44-3.46 on the mma.sync one (H200, S = 8192; 4.17-4.21 against
-// 4.04-4.10 at 65536).
+// mma.sync decode kernel. At 32 rows the two are level with the combine, and this one is ahead
+// with the paired blocks' cluster merge (docs/decisions/decode-wgmma-kernel.md).
 inline constexpr int64_t kDecodeMinRows = 32;
 
 // The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one

@@ -60,9 +60,9 @@ struct ForwardBarriers {
   uint64_t k_empty[Traits::kStages], v_empty[Traits::kStages];
   // The block's k-th tile (TileSlot), handed from the producer to the consumers: written
   // before tile_full completes phase k, and read by every consumer thread before it arrives on
-  // tile_empty, which the next write waits for. Each thread arrives after its own read: with
-  // one arrival per warp after __syncwarp, racecheck reported the reads of the other lanes
-  // against the next write.
+  // tile_empty, which the next write waits for. Each thread arrives after its own read, which
+  // keeps racecheck clean (one arrival per warp after __syncwarp did not:
+  // docs/decisions/hopper-forward-tile-hand-over.md).
   uint64_t tile_full, tile_empty;
   alignas(16) uint32_t tile[8];
 };
@@ -124,7 +124,8 @@ __device__ __forceinline__ int windowed_warpgroup_tiles(const cuda::Visibility32
 // too) zeroes it before its turn: the turns (named barriers, round robin) order its stores
 // before every later reader's product, and no two warpgroups write the buffer. Without a window
 // every computing warpgroup reads every tile, so consumer 0 zeroes. Rebuilt from the
-// parameters (one load of the length) rather than kept through the tile loop.
+// parameters (one load of the length) rather than kept through the tile loop
+// (docs/decisions/keys-past-the-length-never-read.md).
 template <int kBlockN, bool kWindowed>
 __device__ __forceinline__ int first_v_row_to_zero(const AttentionParams& p, const ForwardTile& t,
                                                    int consumer, int wg_tiles) {
@@ -160,7 +161,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // as the (at most kBlockM - 64) block rows below its own shift the last visible key: one
   // here. It releases their buffers only after it has read the next tile from the slot, which
   // the producer fills once it has issued all of this tile's loads; a tail of kStages tiles
-  // would hold buffers those loads wait for.
+  // would hold buffers those loads wait for
+  // (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
   static_assert((kBlockM - 64 + kBlockN - 1) / kBlockN < kStages, "a tail never blocks the loads");
 
   // Tiles at 1024-byte boundaries (the 128-byte swizzle's period): Q stages, O (unless staged
@@ -181,7 +183,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                                            2 * kStages * Traits::kKVBytes);
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
   // The tile slot by 32-bit shared address: a generic pointer to it would hold a 64-bit
-  // register for the whole kernel, two more than the consumers have at head dim 256.
+  // register for the whole kernel, two more than the consumers have at head dim 256
+  // (docs/decisions/hopper-kernels-without-spills.md).
   const uint32_t tile_slot = ptx::smem_address(bars.tile);
   using Named = NamedBarriers<Traits::kConsumers>;
 
@@ -210,8 +213,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // slot and issues Q (kQStages buffers) and K/V (kStages buffers) for every tile with keys.
     ptx::setmaxnreg_dec<Traits::kProducerRegisters>();
     if (tid != 0) return;
-    // Made here, not once above: a value live across the split was spilled within the
-    // producer's 24 registers (the default budget).
+    // Made here, not once above: a value live across the split spills within the producer's
+    // 24 registers (the default budget; docs/decisions/hopper-kernels-without-spills.md).
     const auto scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
     // Each load goes into the next buffer of its ring once the consumers have released it.
     // Tiles without keys take no buffer (the consumers write their zeros and -inf lse).
@@ -247,7 +250,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // A tile's Q (unless q_loaded) and first kStages K/V tiles. Q first, as the first product
     // needs it as soon as K_0: with one Q buffer it waits for the current tile's last S, but
     // V_0 (and, from the second K/V tile on, K) wait for buffers released under or after the
-    // last O += P V.
+    // last O += P V (docs/decisions/next-q-a-tile-ahead.md).
     const auto load_first = [&](const ForwardTile& t, RingPosition<kQStages>& q_ring,
                                 RingPosition<kStages>& kv_ring, bool q_loaded) {
       if (t.num_kv_tiles == 0) return;
@@ -256,7 +259,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
     // kOInKV: the ring position after a tile's key tiles is lent to the consumers for O once
     // they have released it; full barriers completed without a load say that it is theirs
-    // (both, so that the stage's K and V phases stay in step).
+    // (both, so that the stage's K and V phases stay in step;
+    // docs/decisions/o-staged-in-kv-ring-at-head-dim-256.md).
     const auto lend_for_o = [&](RingPosition<kStages>& kv_ring) {
       const int stage = kv_ring.stage();
       if (kv_ring.refill()) {
@@ -270,19 +274,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // Tile k goes into the slot once every consumer thread has read tile k - 1's. While
     // the consumers compute tile k the producer issues the rest of tile k's loads, claims tile
     // k + 1 (with one Q buffer, when it has issued them: the counter then hands out tiles in
-    // the order blocks near the end of theirs), publishes it and issues its first loads, which
-    // wait only for buffers that tile k releases. No consumer waits for another between tiles:
-    // a warpgroup that finishes tile k first starts tile k + 1 while the others finish tile k,
-    // and the ping-pong turns run on across the tile boundary.
+    // the order blocks near the end of theirs;
+    // docs/decisions/hopper-forward-persistent-tile-schedule.md), publishes it and issues its
+    // first loads, which wait only for buffers that tile k releases. No consumer waits for
+    // another between tiles: a warpgroup that finishes tile k first starts tile k + 1 while the
+    // others finish tile k, and the ping-pong turns run on across the tile boundary.
     // With two Q buffers (kQAhead) the producer claims tile k + 1 and issues its Q before the
     // rest of tile k's loads, which wait for buffers that tile k releases: Q then lands a whole
     // tile ahead instead of under tile k's last key tiles. Its buffer held the Q two loads
     // back (tile k - 1's where tiles k - 1 and k have keys), released at that tile's last
     // S = Q K^T, which needs nothing the producer has yet to issue. The claim moves a tile
     // earlier with it, so a block may hold its next tile while it finishes a long causal one;
-    // alone that measured even (thirteenth session). Same-process A/B (H200, 10 rounds): head
-    // dim 64 non-causal T = 512 (three consumers) +5.8-6.7%, 1024 +3.3%; head dim 128
-    // non-causal T = 512-2048 +1.2-3.6%; causal T >= 1024 even.
+    // the earlier Q is worth that, most at short T (why, with measurements:
+    // docs/decisions/next-q-a-tile-ahead.md).
     // (With one Q buffer, Q k + 1 would wait for tile k's last S, which needs tile k's loads.)
     constexpr bool kQAhead = kQStages == 2;
     RingPosition<kQStages> q_ring;
@@ -333,8 +337,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // The consumer index through a warp reduction, whose result ptxas knows to be the same in
   // every lane: the tile loop's branches are then known uniform too, and ptxas keeps the tile
   // counter, the K/V ring and each tile's indices in uniform registers. From tid alone nothing
-  // told ptxas that the warp stays converged through the loop (a named barrier at each tile's
-  // start once did): those took general registers and spilled 60 B with three consumers.
+  // tells ptxas that the warp stays converged through the loop: those take general registers
+  // and spill with three consumers (docs/decisions/hopper-forward-tile-hand-over.md).
   const int consumer = __reduce_max_sync(0xffffffff, warpgroup - 1);
   const int warp = (tid / 32) % 4, lane = tid % 32;
   const int wg_row0 = consumer * 64;           // this warpgroup's rows of the block
@@ -371,7 +375,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const auto issue_qk = [&](uint32_t q_tile, int stage) {  // S = Q K^T, overwriting S
     // Q's address is the same for every K/V tile: without this opaque copy ptxas hoists all
     // kKSteps 64-bit Q descriptors out of the tile loop (32 registers at head dim 256, which
-    // spilled 228 bytes); rebuilt here they cost two integer ops each.
+    // spills); rebuilt here they cost two integer ops each
+    // (docs/decisions/hopper-kernels-without-spills.md).
     q_tile = ptx::opaque(q_tile);
     fence_s();
     ptx::wgmma_fence();
@@ -395,8 +400,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // sees the rest, and the rest of P holds unexponentiated scores: see softmax_step). Only a
   // warpgroup's last key tile is taken as seen on its first half alone, and it is multiplied
   // after the tile loop, so the loop itself has no branch between products.
-  // (S = Q K^T of the first half alone, into the first half of S, made ptxas serialise every
-  // wgmma of the kernel: a wait after each, head dim 64 17% slower.)
+  // (S = Q K^T stays whole: of the first half alone, into the first half of S, ptxas
+  // serialises every wgmma of the kernel; docs/decisions/half-seen-last-key-tile.md.)
   const auto issue_pv = [&](int stage, bool half) {
     if (half) return pv_keys(std::integral_constant<int, kBlockN / 2>{}, stage);
     pv_keys(std::integral_constant<int, kBlockN>{}, stage);
@@ -428,9 +433,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // a tile's element (row, 16-byte chunk c) sits in span c / 8 at row * kRowBytes + ((c % 8) ^
   // (row % 8)) * 16, and every row group here starts at a multiple of 8 rows. The lane is
   // opaque so that these addresses are formed on this rare path, not hoisted out of the tile
-  // loop into registers (which spilled). One 8-key tile at a time (ldmatrix .x2): the four B
-  // registers of a pair, on top of S, O and the P of the product in flight, spilled 36 B with
-  // three consumers.
+  // loop into registers (which spills). One 8-key tile at a time (ldmatrix .x2): the four B
+  // registers of a pair, on top of S, O and the P of the product in flight, spill with three
+  // consumers (docs/decisions/settled-row-maxima.md).
   const auto recompute_scores = [&](uint32_t q_tile, int stage) {
     const int l = int(ptx::opaque(uint32_t(lane))), matrix = l / 8;
     const auto chunk_offset = [&](int row, int chunk, int rows_per_span) {
@@ -468,17 +473,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
       sync_warpgroup();
     }
-    // By stmatrix, four 8 x 8 matrices per instruction (a quarter of the st.shared.b32 it
-    // replaced: 2.7-3.5% faster at head dim 128, T = 512-1024, H100, same process). Matrix
+    // By stmatrix, four 8 x 8 matrices per instruction (a quarter of the instructions of
+    // st.shared.b32 stores; docs/decisions/hopper-forward-epilogue.md). Matrix
     // m = lane / 8 of instruction i is rows 8 (m % 2) .. 8 (m % 2) + 7 of this warp's 16 and
     // 8-column tile 2 i + m / 2 of O; each lane gives the address of row lane % 8 of its
     // matrix. Chunk c of row r sits in span c / 8 at ((c % 8 ^ r % 8) << 4): 2 i is even, so
     // chunk 2 i + m / 2 lies in span 2 i / 8, and with the lane's chunk-(m / 2) offset below,
     // at that offset XOR ((2 i % 8) << 4) (bits 5-6 only).
     // The lane's row and matrix are spelled in quad_row (lane / 4) and quad_col (2 (lane % 4)),
-    // which the kernel holds anyway: from lane / 8 and lane % 8, three consumers spilled 32-44 B.
+    // which the kernel holds anyway: from lane / 8 and lane % 8, three consumers spill.
     // Opaque, so that the kDTiles / 2 addresses are formed here and not hoisted out of the tile
-    // loop, where they would hold registers through it (spilled with 160-key tiles).
+    // loop, where they would hold registers through it (which spills with 160-key tiles).
     {
       const int row = warp * 16 + 8 * ((quad_row >> 1) & 1) + 4 * (quad_row & 1) + quad_col / 2;
       const uint32_t row_offset =
@@ -493,7 +498,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                          ptx::pack2<Elem>(o_acc[0][d + 1][2], o_acc[0][d + 1][3]));
       }
     }
-    // lse after O: before it, three consumers spilled 40 B.
+    // lse after O: before it, three consumers spill (docs/decisions/hopper-forward-epilogue.md).
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int block_row = warp_row0 + quad_row + 8 * h;
@@ -502,7 +507,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::fence_proxy_async_shared();
     sync_warpgroup();
     // Warp 0 of the warpgroup stores: its first row (warp_row0) is the warpgroup's, and
-    // wg_row0 kept for this was spilled with 160-key tiles.
+    // wg_row0 kept for this spills with 160-key tiles
+    // (docs/decisions/hopper-kernels-without-spills.md).
     if (tid % 128 == 0) {
 #pragma unroll
       for (int span = 0; span < kSpans; ++span)
@@ -515,10 +521,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // next tile's first S = Q K^T is issued, and is stored while that product runs, before it
   // is zeroed for the next tile's first O += P V (or at once, where the next tile computes
   // nothing). Stored right after the tile, the epilogue and the next tile's start (slot, Q,
-  // first S) ran one after the other with the tensor cores idle: with one key tile per query
-  // block, the epilogue took 0.6 us of a 3.2 us tile (H100, clock64 stamps; head dim 64,
-  // causal, T = 512). pending_b = -1: nothing waits (always, with O in the K/V ring, which is
-  // stored at once: there sO_offset is where the ring starts, and nothing stores to it).
+  // first S) run one after the other with the tensor cores idle, which weighs most on blocks
+  // with few key tiles (docs/decisions/hopper-forward-epilogue.md). pending_b = -1: nothing
+  // waits (always, with O in the K/V ring, which is stored at once: there sO_offset is where
+  // the ring starts, and nothing stores to it).
   int pending_b = -1, pending_n = 0, pending_row0 = 0;
   float pending_lse[1][2];
   const auto store_pending = [&] {
@@ -559,8 +565,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // and no softmax, so the other warpgroups finish the tile without it. The same turns, waits
     // and releases as the computing path below, in the same order, so every barrier phase sees
     // the same arrivals. The test goes through a warp vote for ptxas's sake: as a plain compare
-    // it moved the tile loop's values out of uniform registers and spilled 136 B with three
-    // consumers.
+    // it moves the tile loop's values out of uniform registers, and three consumers spill
+    // (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
     if (__all_sync(0xffffffff, t.row0 + wg_row0 >= t.vis.q_len)) {
       store_pending();
       write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
@@ -594,7 +600,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // tiles past them are this warpgroup's tail: it takes their turns and releases their
     // buffers, as an idle warpgroup does, and computes nothing.
     // Without causal or window bounds (kWindowed false) every row sees the same keys: no tail,
-    // and the last tile is multiplied whole (keys past the length masked to zero).
+    // and the last tile is multiplied whole (keys past the length masked to zero). Why:
+    // docs/decisions/idle-warpgroups-and-warpgroup-tails.md, half-seen-last-key-tile.md.
     int wg_tiles = t.num_kv_tiles;
     bool half_last = false;
     if constexpr (Traits::kWindowed) {
@@ -609,7 +616,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cuda::OnlineSoftmax<1> softmax;
     softmax.init();
     // The tiles no boundary crosses for this warp's rows, worked out once per query block:
-    // two compares per tile remain, and the tile's bounds on the masked path.
+    // two compares per tile remain, and the tile's bounds on the masked path
+    // (docs/decisions/int32-bounds-and-column-bits-masking.md).
     int interior_lo, interior_hi;
     t.vis.all_visible_tiles<kBlockN>(t.row0 + warp_row0, t.row0 + warp_row0 + 16, t.tile_begin,
                                      interior_lo, interior_hi);
@@ -621,7 +629,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       constexpr int kUsed = decltype(used)::value;
       if (!interior) {
         // The bounds rebuilt from the parameters (the lengths one load away): t.vis, kept live
-        // through the tile loop for this, spilled 24 B with three consumers (ptxas, CUDA 13.0).
+        // through the tile loop for this, spills with three consumers
+        // (docs/decisions/int32-bounds-and-column-bits-masking.md).
         // The opaque batch index keeps the compiler from reusing the tile's first loads.
         const cuda::Visibility32 vis = cuda::Visibility32::make(p, ptx::opaque(uint32_t(t.b)));
         const cuda::TileVisibility tile_vis = cuda::TileVisibility::make(
@@ -644,9 +653,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // warp below the query length) after the first, once each of the warp's rows has a finite
     // maximum, the tile is exponentiated against those maxima: no max reduction, no O rescale.
     // Where a score outran them too far, the warp recomputes its 16 rows of S with mma.sync (a
-    // wgmma recompute would need the whole warpgroup, and its issue spilled registers) and
+    // wgmma recompute would need the whole warpgroup, and its issue spills registers) and
     // takes the full update, as every other tile does (with masking where a boundary crosses
-    // it). K_j is released once nothing reads it.
+    // it). K_j is released once nothing reads it (docs/decisions/settled-row-maxima.md).
     const auto softmax_step = [&](int j, float (&correction)[1][2]) {
       const int stage = kv_ring.stage();
       const bool interior = j >= interior_lo && j < interior_hi;
@@ -662,7 +671,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // A half-seen last tile (half_last) is masked and exponentiated on its first half
         // alone: no row of this warpgroup sees the rest, and its O += P V reads only the first
         // half of P. On a causal diagonal with 128-key tiles and 128-row blocks, that is
-        // warpgroup 0's last tile in every block.
+        // warpgroup 0's last tile in every block (docs/decisions/half-seen-last-key-tile.md).
         if (half_last && j == wg_tiles - 1)
           mask_and_exponentiate(std::integral_constant<int, kNTiles / 2>{}, j, interior,
                                 correction);
@@ -670,7 +679,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           mask_and_exponentiate(std::integral_constant<int, kNTiles>{}, j, interior, correction);
       }
       // One release site after both paths: releasing K_j before the full update where no
-      // recompute can follow spilled 8-108 B (ptxas, CUDA 13.0).
+      // recompute can follow spills (docs/decisions/hopper-kernels-without-spills.md).
       release(bars.k_empty[stage]);
     };
 
@@ -692,10 +701,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     // The P V product issued by the previous iteration is waited for at the top of the next
     // one, not right after the softmax: ptxas schedules a wgmma wait as early as its basic
-    // block allows, and in the softmax's block it went above the softmax, which then no longer
-    // ran under the tensor-core work (ncu: 10% of all stall samples on that wait).
-    // The wait is unconditional (at j = 1 nothing is in flight): behind a branch, ptxas could
-    // not tell that O is never read while a product writes it, and serialised every wgmma.
+    // block allows, and in the softmax's block it goes above the softmax, which then no longer
+    // runs under the tensor-core work (docs/decisions/hopper-forward-warp-specialisation.md).
+    // The wait is unconditional (at j = 1 nothing is in flight): behind a branch, ptxas cannot
+    // tell that O is never read while a product writes it, and serialises every wgmma.
     const auto retire_pv = [&](bool in_flight, int stage) {
       ptx::wgmma_wait<0>();
       fence_o();
@@ -752,7 +761,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     softmax.finalize(o_acc, scale_log2, row_lse);
     // The tail: see wg_tiles. Its turns come before the epilogue (with O in the K/V ring,
     // before the wait for O's position), so that the other warpgroup's last turn, which
-    // follows them, does not wait for this one's epilogue.
+    // follows them, does not wait for this one's epilogue
+    // (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
     for (int j = wg_tiles; j < t.num_kv_tiles; ++j, ++kv_ring.count) {
       ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
       ptx::mbarrier_wait(bar(bars.v_full[kv_ring.stage()]), kv_ring.phase());
@@ -763,7 +773,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     if constexpr (Traits::kOInKV) {
       // Stored at once, and the position released as soon as the TMA store has read it: the
-      // next tile's second K/V tile loads into it.
+      // next tile's second K/V tile loads into it
+      // (docs/decisions/o-staged-in-kv-ring-at-head-dim-256.md).
       const int stage = kv_ring.stage();
       ptx::mbarrier_wait(bar(bars.k_full[stage]), kv_ring.phase());
       store_output(t.b, t.n, t.row0, row_lse, consumer == 0 ? sK(stage) : sV(stage));

@@ -42,7 +42,7 @@ cudaError_t encode_kv_maps(const AttentionParams& p, int kv_rows, KVMaps& maps);
 // (other starts raise an illegal instruction on H100), so boxes are q_rows + kFlatAlignElems
 // long and start at the tile's first row rounded down to kFlatAlignElems; what lies around
 // the tile's rows (the rows before, the next head's first rows, zeros past the whole tensor)
-// belongs to queries the kernel's masks give P = 0.
+// belongs to queries the kernel's masks give P = 0 (docs/decisions/backward-kernels.md).
 inline constexpr int kFlatAlignElems = 4;  // 16 bytes of float32
 
 struct BackwardMaps {

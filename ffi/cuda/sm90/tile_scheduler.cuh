@@ -25,8 +25,8 @@ struct ForwardTile {
 
 // A claimed tile as the producer hands it to the consumers: 32 bytes of shared memory (16-byte
 // aligned), decoded once by the producer, whose thread mostly waits on barriers. Decoded by each
-// consumer from the tile index, its divisions and 64-bit bounds took about 0.35 us of every
-// tile on the consumers' critical path (H100, clock64 stamps, 1-4 key tiles per query block).
+// consumer from the tile index, its divisions and 64-bit bounds would sit on the consumers'
+// critical path (docs/decisions/hopper-forward-tile-hand-over.md).
 // b = -1 says that the block has no more tiles.
 struct TileSlot {
   __device__ static void store(uint32_t address, const ForwardTile& t) {
@@ -41,8 +41,8 @@ struct TileSlot {
   // The tile in the slot, with the windows of `call` (Visibility32::make(p), made once);
   // false when the slot says there is none. Every lane loads the same
   // words; a warp reduction of each says so to ptxas, which then keeps the tile in uniform
-  // registers and its loop bounds' branches uniform, as it did when the consumers decoded the
-  // index themselves (loaded plainly, the eight words took vector registers).
+  // registers and its loop bounds' branches uniform (loaded plainly, the eight words take
+  // vector registers; docs/decisions/hopper-forward-tile-hand-over.md).
   __device__ static bool load(uint32_t address, const cuda::Visibility32& call, ForwardTile& t) {
     uint32_t w[4], x[4];
     ptx::ld_shared_v4_b32(address, w);
@@ -64,9 +64,10 @@ struct TileSlot {
 template <int kBlockM, int kBlockN>
 struct TileScheduler {
   int m_blocks, heads_times_batch, num_tiles;
-  // Query heads per K/V head, divided once here: divided per tile, the 64-bit division was a
-  // subroutine call in the producer's tile loop, and with two consumers ptxas spilled the
-  // producer's tile counter around it (8 B within its 24 registers).
+  // Query heads per K/V head, divided once here: divided per tile, the 64-bit division would
+  // be a subroutine call in the producer's tile loop, around which ptxas would spill the
+  // producer's tile counter within its 24 registers
+  // (docs/decisions/hopper-forward-tile-hand-over.md).
   int group_size;
 
   __device__ static TileScheduler make(const AttentionParams& p) {
@@ -79,11 +80,11 @@ struct TileScheduler {
   }
 
   // The query blocks of one (batch, head) are consecutive, highest first, so the blocks
-  // running at the same time share their K/V in L2. (Ordered over every head first, each K/V
-  // was read from HBM once per query block: H100, H = 128, T = 2048 went from 0.68x to 0.95x
-  // cuDNN.) Highest first is longest first under causal masking, and with tiles claimed on
-  // demand the short ones fill in the ends (handed out round-robin instead, some blocks drew
-  // mostly long tiles: T = 16384 causal fell from 0.86x to 0.72x cuDNN).
+  // running at the same time share their K/V in L2 (ordered over every head first, each K/V
+  // is read from HBM once per query block). Highest first is longest first under causal
+  // masking, and with tiles claimed on demand the short ones fill in the ends (handed out
+  // round-robin instead, some blocks draw mostly long tiles). Why, with measurements:
+  // docs/decisions/hopper-forward-persistent-tile-schedule.md.
   __device__ ForwardTile tile(const AttentionParams& p, int index) const {
     ForwardTile t;
     const int bh = index / m_blocks, heads = int(p.num_heads);

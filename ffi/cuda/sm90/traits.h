@@ -39,7 +39,8 @@ struct ForwardTraits {
   // setmaxnreg budgets (a configuration may trade some, register_budgets_fit() below):
   // with two consumers 128 x 24 + 256 x 240 = 64512, within the 168 x 384 registers the block
   // is launched with. The producer only computes coordinates; the consumers hold S
-  // (kBlockN / 2), O (kHeadDim / 2) and P (kBlockN / 4) registers per thread.
+  // (kBlockN / 2), O (kHeadDim / 2) and P (kBlockN / 4) registers per thread. Every
+  // configuration compiles without spills (docs/decisions/hopper-kernels-without-spills.md).
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
 
@@ -69,7 +70,8 @@ struct ForwardTraits {
 
 // The tile scheduler keeps rows, (batch, head) and tile indices in 32 bits: T, S, batch * heads
 // and the tile count (at most one per 64 rows, per head) plus the grid must stay below 2^31, and
-// so must T + S, which the forward's bounds (cuda::Visibility32) add up.
+// so must T + S, which the forward's bounds (cuda::Visibility32) add up
+// (docs/decisions/int32-bounds-and-column-bits-masking.md).
 inline bool indices_fit_32_bits(const AttentionParams& p) {
   constexpr int64_t kLimit = 0x7fffffff - 1024;
   return p.seqlen_q + p.seqlen_k <= kLimit && p.batch * p.num_heads <= kLimit &&
@@ -85,25 +87,22 @@ struct ForwardConfig;
 // S and P: 64 + 32 registers, O 32; smem 3 x 16 + 6 x 16 KiB = 145 KiB. Calls below T = 512
 // take this configuration. Three K/V stages: a short block has few key tiles, and the third
 // stage lets the next block's first K/V tile load under the current block's last one
-// (same-call A/Bs, H100, bf16, two calls, sixteenth session, when causal calls below T = 2048
-// took it: T = 512 237-246 -> 245-250 TFLOP/s, T = 1024 298-326 -> 314-325; with three
-// consumers, then T >= 2048, it lost 1-3%). The producer holds the next tile as well
-// as the current one (two Q buffers: kQAhead in the kernel): within 24 registers it spilled
-// 60 B, so it gets 32 and the consumers 232 (ptxas, CUDA 13.0: 0 spills).
+// (docs/decisions/hopper-forward-kv-stages.md). The producer holds the next tile as well
+// as the current one (two Q buffers: kQAhead in the kernel): within 24 registers it spills,
+// so it gets 32 and the consumers 232 (0 spills; docs/decisions/next-q-a-tile-ahead.md).
 template <>
 struct ForwardConfig<64> : ForwardTraits<64, 128, 3, 2, false> {
   static constexpr int kProducerRegisters = 32;
   static constexpr int kConsumerRegisters = 232;
 };
 // Three consumers (192-row query tiles): at this head dim a tile's softmax takes longer than
-// its two products, so each consumer's softmax runs under two others' products. S and P
+// its two products, so each consumer's softmax runs under two others' products
+// (docs/decisions/three-consumer-warpgroups-at-head-dim-64.md). S and P
 // 64 + 32 registers, O 32, within 160 (128 x 32 + 384 x 160 = 65536, the 128 x 512 the block
 // is launched with); smem 3 x 24 + 8 x 16 KiB = 201 KiB. Four K/V stages: at T = 512-2048 a
 // 192-row block has 2-16 key tiles, and the two more stages let the producer load the next
-// block's first K/V tiles under the current block's last ones. Against two stages, in one
-// process (H100, 16 rounds alternating, twenty-second session): causal T = 512-2048 +0.8-3.4%,
-// non-causal +0.3-4.4% (fp16 non-causal +0.3-0.6%, level), B ahead or level in 8-15 of 16;
-// three stages lost up to 3.8% at T >= 1024.
+// block's first K/V tiles under the current block's last ones; three stages lose at
+// T >= 1024 (why, with measurements: docs/decisions/hopper-forward-kv-stages.md).
 template <>
 struct ForwardConfig<64, true> : ForwardTraits<64, 128, 4, 2, false, 3> {
   static constexpr int kProducerRegisters = 32;
@@ -111,8 +110,8 @@ struct ForwardConfig<64, true> : ForwardTraits<64, 128, 4, 2, false, 3> {
 };
 // S and P: 64 + 32 registers, O 64; smem 3 x 32 + 4 x 32 KiB = 225 KiB. The producer holds
 // the next tile as well as the current one (two Q buffers: kQAhead in the kernel). Within 24
-// registers it spilled 40 B, and that version was 1.5-4% slower than issuing the next Q late,
-// on five of six rows (H200, T = 512-2048); ptxas (CUDA 13.0): 0 spills with 32 / 232.
+// registers it spills, which costs more than the early Q gains; 0 spills with 32 / 232
+// (docs/decisions/next-q-a-tile-ahead.md).
 template <>
 struct ForwardConfig<128> : ForwardTraits<128, 128, 2, 2, false> {
   static constexpr int kProducerRegisters = 32;
@@ -120,16 +119,18 @@ struct ForwardConfig<128> : ForwardTraits<128, 128, 2, 2, false> {
 };
 // 160-key tiles: S and P 80 + 40 registers, O 64; smem one Q, one O tile of 32 KiB + 4 x 40 KiB
 // = 225 KiB. The single Q buffer is released once the tile's last S = Q K^T has landed, so the
-// next Q loads under the last softmax and O += P V.
+// next Q loads under the last softmax and O += P V. Only unwindowed calls with S >= 16384 take
+// it (docs/decisions/160-key-tiles-from-s-16384.md).
 template <>
 struct ForwardConfig<128, true> : ForwardTraits<128, 160, 2, 1, false> {
   static constexpr bool kWindowed = false;  // wide_config_pays(): the dispatcher's promise
 };
 // O alone is 128 registers, so 64-key tiles: S and P 32 + 16; smem one Q tile of 64 KiB
 // + 4 x 32 KiB = 192 KiB, no room for an O tile, so O is staged in the K/V ring (one more
-// position per query block); 80-key tiles (S and P 40 + 20, 224 KiB) spilled. The producer gets
-// 32 registers here (with 24 ptxas spilled one of its values: 4 TMA boxes per tile), the
-// consumers 232; ptxas (CUDA 13.0): 0 spills.
+// position per query block; docs/decisions/o-staged-in-kv-ring-at-head-dim-256.md); 80-key
+// tiles (S and P 40 + 20, 224 KiB) spill. The producer gets 32 registers here (with 24 ptxas
+// spills one of its values: 4 TMA boxes per tile), the consumers 232; ptxas (CUDA 13.0):
+// 0 spills.
 template <>
 struct ForwardConfig<256> : ForwardTraits<256, 64, 2, 1, true> {
   static constexpr int kProducerRegisters = 32;
@@ -137,7 +138,8 @@ struct ForwardConfig<256> : ForwardTraits<256, 64, 2, 1, true> {
 };
 
 // setmaxnreg only moves registers within what the block was launched with: 168 per thread
-// at 384 threads, 128 at 512 (65536 / threads rounded down to a multiple of 8).
+// at 384 threads, 128 at 512 (65536 / threads rounded down to a multiple of 8). A budget
+// beyond that makes setmaxnreg wait forever (docs/decisions/hopper-kernels-without-spills.md).
 template <typename Traits>
 constexpr bool register_budgets_fit() {
   return 128 * Traits::kProducerRegisters + 128 * Traits::kConsumers * Traits::kConsumerRegisters <=
@@ -148,17 +150,14 @@ constexpr bool register_budgets_fit() {
 template <int kHeadDim>
 inline constexpr bool kHasWideConfig = kHeadDim == 64 || kHeadDim == 128;
 
-// Whether a call takes its head dim's kWide configuration. Measured on an H200 (bf16 and fp16,
-// the standard grid's shapes) in one process per comparison, the dispatch choice switched
-// between calls and the two alternated for 12-16 rounds: differences of 1% are the noise of
-// that method, larger ones held in most rounds (docs/kernel_notes.md, eighteenth session).
-// - 64, three consumers: T >= 512. Causal T = 512 gained 2.8-4.1% with three consumers once the
-//   next Q was issued a tile ahead (ahead in 13 of 14 rounds; nineteenth session; before that
-//   0.5-1.3%, noise), causal T = 1024 1.3-1.8% (19 of 24 rounds); non-causal T = 512 lost 7%
-//   with two (350-356 against 380-382 TFLOP/s, separate builds).
+// Whether a call takes its head dim's kWide configuration (thresholds chosen in one process,
+// the dispatch switched between calls):
+// - 64, three consumers: T >= 512, causal or not: there a tile's softmax outlasts its
+//   products, and with the next Q issued a tile ahead three consumers gain from causal
+//   T = 512 on (docs/decisions/three-consumer-warpgroups-at-head-dim-64.md).
 // - 128, 160-key tiles: no causal or window bound (every key tile but the last is fully
-//   visible) and S >= 16384. Below that 128-key tiles were ahead: S = 2048 by 1.6-3.0%, 4096
-//   by 1.2-1.7%, 8192 by 0.8-1.2%; at S = 16384 the 160-key tiles by 0.8-1.4%.
+//   visible) and S >= 16384; below that 128-key tiles are ahead
+//   (docs/decisions/160-key-tiles-from-s-16384.md).
 template <int kHeadDim>
 inline bool wide_config_pays(const AttentionParams& p) {
   if constexpr (kHeadDim == 64) return p.seqlen_q >= 512;
