@@ -122,8 +122,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     (l, r) lets it see [i - l, i + r] (a side above 2**62 acts as 2**62, which reaches every
     key). The seq lengths are [B] padding masks: int32, or int8, int16, uint8, uint16; a numpy
     or Python sequence of another integer dtype (np.array([5, 7]) is int64) is taken when its
-    values fit int32. K/V rows past a length are never read into a product, by any kernel: a
-    padded cache may hold anything there. `scale` is a static number, finite in float32.
+    values fit int32. K/V rows past a length never reach a result, on any kernel: a padded
+    cache may hold anything there. `scale` is a static number, finite in float32.
 
     NaN and Inf: a NaN or +inf logit that a row sees makes that row's output, lse and dq NaN,
     and the dk, dv of the keys it sees, as in jax.nn (whose gradients are NaN in more places
