@@ -49,82 +49,13 @@ set(CMAKE_CUDA_STANDARD 17)
 set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 message(STATUS "jax_flashattn: CUDA kernels for architectures ${CMAKE_CUDA_ARCHITECTURES}")
 
-# One translation unit per (element type, head dim) of the mma.sync forward, so a parallel
-# build compiles them side by side.
-set(_instantiations "")
-foreach(_elem_pair "bf16;__nv_bfloat16" "fp16;__half")
-  list(GET _elem_pair 0 _tag)
-  list(GET _elem_pair 1 ELEM)
-  foreach(HEAD_DIM 32 64 96 128 192 256)
-    set(_file "${CMAKE_CURRENT_BINARY_DIR}/instantiations/forward_sm80_${_tag}_hd${HEAD_DIM}.cu")
-    configure_file(ffi/cuda/instantiations/forward_sm80.cu.in "${_file}" @ONLY)
-    list(APPEND _instantiations "${_file}")
-  endforeach()
-  # The Hopper forward per head dim of sm90::kHeadDims (an empty kernel outside sm_90a).
-  foreach(HEAD_DIM 64 128 256)
-    set(_file "${CMAKE_CURRENT_BINARY_DIR}/instantiations/forward_sm90_${_tag}_hd${HEAD_DIM}.cu")
-    configure_file(ffi/cuda/instantiations/forward_sm90.cu.in "${_file}" @ONLY)
-    list(APPEND _instantiations "${_file}")
-  endforeach()
-  # The split-KV decode forward per head dim of sm80::kDecodeHeadDims.
-  foreach(HEAD_DIM 64 128 256)
-    set(_file "${CMAKE_CURRENT_BINARY_DIR}/instantiations/decode_sm80_${_tag}_hd${HEAD_DIM}.cu")
-    configure_file(ffi/cuda/instantiations/decode_sm80.cu.in "${_file}" @ONLY)
-    list(APPEND _instantiations "${_file}")
-  endforeach()
-  # The Hopper decode forward per head dim of sm90::kDecodeHeadDims (an empty kernel outside
-  # sm_90a).
-  foreach(HEAD_DIM 64 128)
-    set(_file "${CMAKE_CURRENT_BINARY_DIR}/instantiations/decode_sm90_${_tag}_hd${HEAD_DIM}.cu")
-    configure_file(ffi/cuda/instantiations/decode_sm90.cu.in "${_file}" @ONLY)
-    list(APPEND _instantiations "${_file}")
-  endforeach()
-  # The mma.sync backward (dK/dV pass and dQ pass) per head dim of sm80::kBackwardHeadDims.
-  foreach(HEAD_DIM 32 64 96 128)
-    set(_file "${CMAKE_CURRENT_BINARY_DIR}/instantiations/backward_sm80_${_tag}_hd${HEAD_DIM}.cu")
-    configure_file(ffi/cuda/instantiations/backward_sm80.cu.in "${_file}" @ONLY)
-    list(APPEND _instantiations "${_file}")
-  endforeach()
-  # The Hopper backward per head dim of sm90::kBackwardHeadDims (an empty kernel outside sm_90a).
-  foreach(HEAD_DIM 64 128)
-    set(_file "${CMAKE_CURRENT_BINARY_DIR}/instantiations/backward_sm90_${_tag}_hd${HEAD_DIM}.cu")
-    configure_file(ffi/cuda/instantiations/backward_sm90.cu.in "${_file}" @ONLY)
-    list(APPEND _instantiations "${_file}")
-  endforeach()
-endforeach()
-
-# The CUDA kernels and their dispatch (nothing from XLA: see flashattn_cpu_kernels), and the
-# handlers, which decode XLA's call frames.
-add_library(flashattn_cuda_kernels STATIC
-  ffi/cuda/dispatch_forward.cu
-  ffi/cuda/dispatch_backward.cu
-  ffi/cuda/copy_bandwidth.cu
-  ffi/cuda/simt/forward_simt.cu
-  ffi/cuda/simt/backward_simt.cu
-  ffi/cuda/sm90/tensor_maps.cu
-  ${_instantiations})
-target_link_libraries(flashattn_cuda_kernels PUBLIC flashattn_cpu_kernels CUDA::cudart_static)
+# The kernels themselves build in the kernels project (cmake/kernels/); here the handlers, which
+# decode XLA's call frames.
+set(JAX_FLASHATTN_WITH_CUDA ON)
 add_library(flashattn_cuda STATIC ffi/handlers_cuda.cu)
 target_link_libraries(flashattn_cuda PUBLIC flashattn_cpu flashattn_cuda_kernels)
-# The Hopper kernels run only from an sm_90a image: the dispatcher offers them when the build
-# has one ("90a", "90a-real", "90a-virtual") and no plain sm_90 image the driver might load
-# instead (whose copy of those kernels is empty).
-set(_has_90a FALSE)
-set(_has_90 FALSE)
-foreach(_arch IN LISTS CMAKE_CUDA_ARCHITECTURES)
-  if(_arch MATCHES "^90a($|-)")
-    set(_has_90a TRUE)
-  elseif(_arch MATCHES "^90($|-)")
-    set(_has_90 TRUE)
-  endif()
-endforeach()
-if(_has_90a AND NOT _has_90)
-  target_compile_definitions(flashattn_cuda_kernels PRIVATE JAX_FLASHATTN_HAS_SM90A)
-endif()
-foreach(_target flashattn_cuda_kernels flashattn_cuda)
-  target_compile_options(${_target} PRIVATE
-    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -Xptxas=-warn-spills>)
-endforeach()
+target_compile_options(flashattn_cuda PRIVATE
+  $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -Xptxas=-warn-spills>)
 
 target_link_libraries(_jax_flashattn PRIVATE flashattn_cuda)
 # Commas, not CMake's semicolons, which a compiler command line would split on.
