@@ -132,19 +132,21 @@ _STATIC = ("is_causal", "local_window_size")
 
 def _reference_all(q, k, v, g, arrays, *, static, dtype, grad, residual):
     """Everything a check compares against: the float32 output, the output with P rounded to
-    `dtype`, and the lse or the gradients (float32 throughout)."""
+    `dtype`, each element's sum_j p_j |v_j| (the error budget's P-rounding term), and the lse or
+    the gradients (float32 throughout)."""
     q, k, v, g = (x.astype(jnp.float32) for x in (q, k, v, g))
     arrays = dict(arrays)
     bias = arrays.pop("bias", None)
     f = functools.partial(reference.attention, **arrays, **dict(static))
     rounded = f(q, k, v, bias, p_dtype=_bench.DTYPES[dtype]).astype(_bench.DTYPES[dtype])
+    magnitude = f(q, k, jnp.abs(v), bias)
     exact, lse = f(q, k, v, bias, return_residual=True)
     grads = None
     if grad:
         primals = (q, k, v) if bias is None else (q, k, v, bias)
         _, vjp = jax.vjp(lambda q, k, v, *b: f(q, k, v, *b), *primals)
         grads = vjp(g)
-    return exact, rounded, (lse if residual else None), grads
+    return exact, rounded, magnitude, (lse if residual else None), grads
 
 
 def _ours_all(q, k, v, g, arrays, *, static, grad, residual):
@@ -176,15 +178,15 @@ def run_check(spec: CheckSpec, seed: int = 0) -> _bench.Verdict:
         if _bench.on_gpu():  # the reference on the host CPU: no GPU compile and autotuning
             out, lse, grads = jax.jit(ours)(q, k, v, g, kwargs)
             host = jax.devices("cpu")[0]
-            exact, rounded, ref_lse, ref_grads = jax.jit(ref)(
+            exact, rounded, magnitude, ref_lse, ref_grads = jax.jit(ref)(
                 *jax.device_put((q, k, v, g, kwargs), host))
         else:  # one program: ours and the reference side by side
-            (out, lse, grads), (exact, rounded, ref_lse, ref_grads) = jax.jit(
+            (out, lse, grads), (exact, rounded, magnitude, ref_lse, ref_grads) = jax.jit(
                 lambda *a: (ours(*a), ref(*a)))(q, k, v, g, kwargs)
         if out.shape != q.shape or out.dtype != q.dtype:
             return _bench.Verdict(False, f"output {out.shape} {out.dtype}, expected "
                                          f"{q.shape} {q.dtype}", {})
-        verdicts = [_bench.forward_verdict(out, exact, rounded, spec.dtype)]
+        verdicts = [_bench.forward_verdict(out, exact, rounded, spec.dtype, magnitude)]
         if spec.residual:
             verdicts.append(_lse_verdict(lse, ref_lse))
         if spec.grad:

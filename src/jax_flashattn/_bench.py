@@ -69,9 +69,10 @@ the full-size result must equal the reference on the sliced inputs. The forward+
 check needs every query row (dk and dv sum over them) and so covers fewer heads. The references
 run on the host's CPU backend: no GPU compile (and autotuning) per shape, nothing on the GPU
 that is being measured.
-* forward, bf16/fp16, each element: |out - ref| <= max(2 · max |ref_rounded - ref|, ulp(ref))
-  + 1e-5 (max |ref| + 1), where ref_rounded rounds P and the output to the input dtype and
-  ulp(ref) is the input dtype's spacing at that element: `reference.error_budget`'s rule.
+* forward, bf16/fp16, each element: |out - ref| <= max(2 · max |ref_rounded - ref|, ulp(ref),
+  u · sum_j p_j |v_j| + ulp(ref) / 2) + 1e-5 (max |ref| + 1), where ref_rounded rounds P and
+  the output to the input dtype, ulp(ref) is the input dtype's spacing at that element and u
+  its unit roundoff: `reference.error_budget`'s rule.
   float32: max |out - ref| <= 2e-5 (max |ref| + 1) (the tests also scale this by the largest
   logit; the benchmark inputs keep logits small).
 * gradients: per tensor, normwise relative error <= GRAD_RTOL[dtype] and max abs error
@@ -313,15 +314,17 @@ def _f64(x) -> np.ndarray:
     return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
-def forward_verdict(out, exact, rounded, dtype: str) -> Verdict:
+def forward_verdict(out, exact, rounded, dtype: str, magnitude=None) -> Verdict:
     """`out` (the kernel's) against `exact` (float32 reference) with the tests' rule; `rounded`
-    is the reference with P and the output rounded to `dtype` (unused for float32)."""
+    is the reference with P and the output rounded to `dtype` (unused for float32), `magnitude`
+    each element's sum_j p_j |v_j| (reference.error_budget)."""
     out, exact = _f64(out), _f64(exact)
     scale = float(np.max(np.abs(exact), initial=0.0))
     if dtype == "fp32":
         bounds = 2e-5 * (scale + 1)
     else:
-        bounds = reference.error_budget(exact, _f64(rounded), DTYPES[dtype])
+        bounds = reference.error_budget(exact, _f64(rounded), DTYPES[dtype],
+                                        None if magnitude is None else _f64(magnitude))
     metrics = dict(max_err=None, bound=float(np.max(bounds, initial=0.0)), rel_err=None)
     if not np.isfinite(out).all():
         bad = int(np.size(out) - np.isfinite(out).sum())
@@ -370,6 +373,7 @@ class ReferenceSlice:
     exact: jax.Array
     rounded: jax.Array
     grads: dict | None
+    magnitude: jax.Array | None = None  # sum_j p_j |v_j| per element (reference.error_budget)
 
     def take(self, cfg: "Config", x, per_query_head: bool = True):
         """The slice of a full [B, T or S, N or K, H] array that the reference covers."""
@@ -408,7 +412,8 @@ def _reference_forward(q, k, v, rows, *, causal, dtype):
         mask = (jnp.arange(k.shape[1])[None, :] <= rows[:, None])[None, None]
     exact = reference.attention(q, k, v, mask=mask)
     rounded = reference.attention(q, k, v, mask=mask, p_dtype=DTYPES[dtype])
-    return exact, rounded.astype(DTYPES[dtype])
+    magnitude = reference.attention(q, k, jnp.abs(v), mask=mask)
+    return exact, rounded.astype(DTYPES[dtype]), magnitude
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "dtype"))
@@ -417,8 +422,9 @@ def _reference_forward_backward(q, k, v, g, *, causal, dtype):
     f = functools.partial(reference.attention, is_causal=causal)
     exact, vjp = jax.vjp(f, q, k, v)
     rounded = reference.attention(q, k, v, is_causal=causal, p_dtype=DTYPES[dtype])
+    magnitude = reference.attention(q, k, jnp.abs(v), is_causal=causal)
     grads = dict(zip(("dq", "dk", "dv"), vjp(g.astype(jnp.float32))))
-    return exact, rounded.astype(DTYPES[dtype]), grads
+    return exact, rounded.astype(DTYPES[dtype]), magnitude, grads
 
 
 def _reference_device():
@@ -445,20 +451,21 @@ def reference_slice(cfg: Config, inputs: Inputs, with_grads: bool,
     device = _reference_device()
     if with_grads:
         args = jax.device_put(sliced + (plan.take(cfg, inputs.g),), device)
-        plan.exact, plan.rounded, plan.grads = _reference_forward_backward(
+        plan.exact, plan.rounded, plan.magnitude, plan.grads = _reference_forward_backward(
             *args, causal=cfg.causal, dtype=cfg.dtype)
     else:
         all_rows = np.arange(cfg.seqlen_q, dtype=np.int32) if rows is None else rows
         args = jax.device_put(sliced + (all_rows,), device)
-        plan.exact, plan.rounded = _reference_forward(*args, causal=cfg.causal,
-                                                      dtype=cfg.dtype)
+        plan.exact, plan.rounded, plan.magnitude = _reference_forward(
+            *args, causal=cfg.causal, dtype=cfg.dtype)
     jax.block_until_ready((plan.exact, plan.rounded, plan.grads))
     return plan
 
 
 def check_outputs(cfg: Config, outputs, ref: ReferenceSlice) -> Verdict:
     """`outputs` = (out,) or (out, dq, dk, dv) of the full-size call on input set 0."""
-    verdict = forward_verdict(ref.take(cfg, outputs[0]), ref.exact, ref.rounded, cfg.dtype)
+    verdict = forward_verdict(ref.take(cfg, outputs[0]), ref.exact, ref.rounded, cfg.dtype,
+                              ref.magnitude)
     if not verdict.ok or ref.grads is None:
         return verdict
     grads = dict(dq=ref.take(cfg, outputs[1]), dk=ref.take(cfg, outputs[2], False),
