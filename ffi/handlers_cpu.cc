@@ -38,8 +38,9 @@ ffi::Error BackwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_accum,
                        ffi::Result<ffi::AnyBuffer> delta, ffi::RemainingRets dbias,
                        CallAttrs attrs) {
-  // The workspaces are decoded (so both platforms check the same call) but left untouched: the
-  // CPU kernels keep their float32 scratch per task, and are deterministic already.
+  // The workspaces are decoded (so both platforms check the same call); the CPU kernels keep D
+  // in `delta` and leave dq_accum untouched (each task owns the dQ rows it writes, so they are
+  // deterministic already).
   AttentionParams p;
   if (ffi::Error e = DecodeBackward(q, k, v, out, lse, d_out, optional, dq, dk, dv, dq_accum,
                                     delta, dbias, attrs, p);

@@ -89,9 +89,9 @@ def test_float32_logit_overflow_is_nan(rng, dtype):
 @pytest.mark.parametrize("where", ["key", "query"])
 def test_nan_logit_gradients(rng, where, is_causal):
     """dq is NaN in the rows that see a NaN logit, dk and dv in the keys those rows see, and
-    finite (and as jax.nn's) elsewhere: never NaN where jax.nn's gradients are finite. jax.nn's
-    are NaN in more rows where masking hides the NaN (its hidden probabilities are NaN in a NaN
-    row, and 0 x NaN counts); the CPU kernels' exactly in these."""
+    never NaN where jax.nn's gradients are finite (and as jax.nn's there). jax.nn's are NaN in
+    more rows where masking hides the NaN (its hidden probabilities are NaN in a NaN row, and
+    0 x NaN counts in its products); the kernels' tile products can reach some of those too."""
     q, k, v = random_qkv(rng, 2, 9, 12, 4, 2, 8, jnp.float32)
     if where == "key":
         k = poison(k, (0, 4, 1, 2), np.nan)
@@ -110,8 +110,6 @@ def test_nan_logit_gradients(rng, where, is_causal):
         assert required.any() and not required.all(), name
         assert (nan_rows(g) >= required).all(), f"{name}: a row that must be NaN is finite"
         assert (nan_rows(g) <= nan_rows(w)).all(), f"{name}: NaN where jax.nn's is finite"
-        if jax.default_backend() == "cpu":
-            np.testing.assert_array_equal(nan_rows(g), required, f"NaN rows of {name}")
         finite = ~nan_rows(w)
         np.testing.assert_allclose(g[finite], w[finite], rtol=1e-4, atol=1e-5, err_msg=name)
 

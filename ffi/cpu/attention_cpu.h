@@ -1,4 +1,5 @@
-// CPU kernels: reference-quality C++ with float32 accumulation, parallel over (batch, head).
+// CPU kernels: tiled C++ with float32 accumulation, parallel over (batch, head, tile of rows or
+// keys).
 #pragma once
 
 #include "ffi/params.h"

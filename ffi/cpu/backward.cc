@@ -1,6 +1,12 @@
-// CPU backward: recomputes P from the saved LSE, one task per (batch, kv head) so that the task
-// owns dk and dv of its kv head (summed over the query heads of its group) and dq of those heads:
-// no two tasks write the same element.
+// CPU backward: recomputes P from the saved lse, tile by tile as the forward, in three parallel
+// passes that each own what they write (no two tasks write the same element):
+//   D = rowsum(dO * O)                     per (batch, head), into the delta workspace
+//   dK, dV (and dbias) per key tile        S = Q K^T, P = 2^(S - lse), dP = dO V^T,
+//                                          dS = P (dP - D), dV += P^T dO, dK += dS^T Q
+//                                          over every query row of the kv head's group
+//   dQ per query tile                      the same S, P, dP, dS, then dQ += dS K
+// Q is scaled by scale log2(e) as in the forward (base-2 logits), so dK comes out scaled by
+// log2(e) and dQ's dS K lacks the scale; both are fixed when stored.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -10,108 +16,181 @@
 #include "ffi/cpu/common.h"
 #include "ffi/cpu/elem.h"
 #include "ffi/cpu/parallel.h"
+#include "ffi/cpu/tile_math.h"
 
 namespace jax_flashattn::cpu {
 namespace {
 
-// Float32 copies of what one query head needs: its valid rows of q, d_out, their dq accumulator,
-// and per row D = dO.O and the LSE in base 2.
-struct QueryHead {
-  std::vector<float> q, d_out, dq;  // [q_len, H]
-  std::vector<float> delta;         // [q_len]
-  std::vector<float> lse2;          // [q_len]
+// The float32 operands of one (query tile, key tile) step of one head, zero-padded.
+struct StepTiles {
+  int64_t hp;
+  std::vector<float> q;      // [kTileRows][hp], scaled by scale log2(e)
+  std::vector<float> d_out;  // [kTileRows][hp]
+  std::vector<float> lse2;   // [kTileRows]: lse log2(e)
+  std::vector<float> delta;  // [kTileRows]: D
+  std::vector<float> p;      // [kTileRows][kTileKeys]: S, then P
+  std::vector<float> ds;     // [kTileRows][kTileKeys]: dP, then dS
+  std::vector<float> bias_row;
 
-  QueryHead(int64_t q_len, int64_t h)
-      : q(q_len * h), d_out(q_len * h), dq(q_len * h), delta(q_len), lse2(q_len) {}
+  explicit StepTiles(int64_t padded_head_dim)
+      : hp(padded_head_dim), q(kTileRows * hp), d_out(kTileRows * hp), lse2(kTileRows),
+        delta(kTileRows), p(kTileRows * kTileKeys), ds(kTileRows * kTileKeys),
+        bias_row(kTileKeys) {}
 
-  void load(const AttentionParams& p, int64_t b, int64_t n, int64_t q_len, float* out_row) {
-    const int64_t h = p.head_dim;
-    const float* lse = p.lse + (b * p.num_heads + n) * p.seqlen_q;
-    std::fill(dq.begin(), dq.end(), 0.0f);
-    for (int64_t t = 0; t < q_len; ++t) {
-      const int64_t offset = q_offset(p, b, t, n);
-      load_row(p.dtype, p.q, offset, h, q.data() + t * h);
-      load_row(p.dtype, p.d_out, offset, h, d_out.data() + t * h);
-      load_row(p.dtype, p.out, offset, h, out_row);
-      delta[t] = dot(d_out.data() + t * h, out_row, h);
-      lse2[t] = lse[t] * kLog2e;
+  // Rows [r0, r0 + rows) of head n: Q, dO, lse and D; the rows past them are zeros (lse -inf).
+  JAX_FLASHATTN_CPU_INLINE void load_rows(const AttentionParams& prm, int64_t b, int64_t n,
+                                          int64_t r0, int64_t rows) {
+    std::fill(q.begin(), q.end(), 0.0f);
+    std::fill(d_out.begin(), d_out.end(), 0.0f);
+    load_query_rows(prm, prm.q, b, n, r0, rows, prm.scale * kLog2e, q.data(), hp);
+    load_query_rows(prm, prm.d_out, b, n, r0, rows, 1.0f, d_out.data(), hp);
+    const int64_t stats = (b * prm.num_heads + n) * prm.seqlen_q + r0;
+    for (int64_t i = 0; i < kTileRows; ++i) {
+      lse2[i] = i < rows ? prm.lse[stats + i] * kLog2e : kNegInf;
+      delta[i] = i < rows ? prm.delta[stats + i] : 0.0f;
+    }
+  }
+
+  // P and dS of the loaded rows against keys [k0, k0 + kTileKeys) (K^T and V^T given as
+  // [hp][kTileKeys]): hidden elements, rows that saw no key (lse -inf) and padding get P = 0 and
+  // dS = 0. A row whose lse is NaN (it saw a NaN or +inf logit) gets NaN wherever it sees a key.
+  JAX_FLASHATTN_CPU_INLINE void compute(const TileLogits& logits, int64_t r0, int64_t k0,
+                                        const float* kt, const float* vt) {
+    matmul(q.data(), hp, kt, kTileKeys, p.data(), kTileKeys, kTileRows, hp, kTileKeys, false);
+    matmul(d_out.data(), hp, vt, kTileKeys, ds.data(), kTileKeys, kTileRows, hp, kTileKeys,
+           false);
+    for (int64_t i = 0; i < kTileRows; ++i) {
+      float* x = p.data() + i * kTileKeys;
+      float* d = ds.data() + i * kTileKeys;
+      if (lse2[i] == kNegInf || !logits.apply(r0 + i, k0, x, bias_row)) {
+        std::fill(x, x + kTileKeys, 0.0f);
+        std::fill(d, d + kTileKeys, 0.0f);
+        continue;
+      }
+      exp2_row(x, kTileKeys, lse2[i]);
+      // Hidden elements have P = 0 exactly: their dS is 0 too, whatever dP holds there.
+      for (int64_t j = 0; j < kTileKeys; ++j)
+        d[j] = x[j] == 0.0f ? 0.0f : x[j] * (d[j] - delta[i]);
     }
   }
 };
 
-void backward_group(const AttentionParams& p, int64_t b, int64_t kv_head) {
+// D_t = dO_t . O_t for every row of head n of batch element b (0 past the query length).
+void delta_task(const AttentionParams& p, int64_t b, int64_t n) {
   const int64_t h = p.head_dim;
-  const int64_t t_size = p.seqlen_q;
-  const int64_t s_size = p.seqlen_k;
-  const KeyRange range(p, b);
-  const int64_t q_len = range.q_len();
-  const int64_t kv_len = range.kv_len();
-
-  std::vector<float> k(kv_len * h), v(kv_len * h), dk(kv_len * h, 0.0f), dv(kv_len * h, 0.0f);
-  for (int64_t s = 0; s < kv_len; ++s) {
-    load_row(p.dtype, p.k, kv_offset(p, b, s, kv_head), h, k.data() + s * h);
-    load_row(p.dtype, p.v, kv_offset(p, b, s, kv_head), h, v.data() + s * h);
+  const int64_t q_len = valid_length(p.q_seqlens, b, p.seqlen_q);
+  std::vector<float> d_out(h), out(h);
+  float* delta = p.delta + (b * p.num_heads + n) * p.seqlen_q;
+  for (int64_t t = 0; t < p.seqlen_q; ++t) {
+    if (t >= q_len) {
+      delta[t] = 0.0f;
+      continue;
+    }
+    load_row(p.dtype, p.d_out, q_offset(p, b, t, n), h, d_out.data());
+    load_row(p.dtype, p.out, q_offset(p, b, t, n), h, out.data());
+    float sum = 0.0f;
+    for (int64_t d = 0; d < h; ++d) sum += d_out[d] * out[d];
+    delta[t] = sum;
   }
+}
 
-  QueryHead head(q_len, h);
-  std::vector<float> x(kBlockK);
-  std::vector<float> row(h);
-  const std::vector<float> zeros(h, 0.0f);
+// dK and dV of keys [s0, s0 + kTileKeys) of kv head kv_head of batch element b, summed over the
+// query heads of its group, and dbias of those keys (every row: 0 where hidden).
+JAX_FLASHATTN_CPU_TASK
+void key_tile_task(const AttentionParams& p, int64_t b, int64_t kv_head, int64_t s0) {
+  const int64_t h = p.head_dim, hp = round_up(h, kMatCols);
+  const KeyRange range(p, b);
+  const int64_t s_end = std::min(p.seqlen_k, s0 + kTileKeys);
+  const int64_t count = std::max<int64_t>(0, std::min(range.kv_len(), s_end) - s0);
+
+  std::vector<float> k_rows(kTileKeys * hp, 0.0f), kt(hp * kTileKeys, 0.0f);
+  std::vector<float> v_rows(kTileKeys * hp, 0.0f), vt(hp * kTileKeys, 0.0f);
+  std::vector<float> dk(kTileKeys * hp, 0.0f), dv(kTileKeys * hp, 0.0f);
+  std::vector<float> pt(kTileKeys * kTileRows), dst(kTileKeys * kTileRows);
+  load_key_rows(p, p.k, b, kv_head, s0, count, k_rows.data(), hp, kt.data());
+  load_key_rows(p, p.v, b, kv_head, s0, count, v_rows.data(), hp, vt.data());
+  StepTiles tiles(hp);
 
   const int64_t group = p.group_size();
   for (int64_t n = kv_head * group; n < (kv_head + 1) * group; ++n) {
-    const RowLogits logits(p, b, n);
-    head.load(p, b, n, q_len, row.data());
-    // dS is written where P > 0; every other element of this head's dbias plane is zero.
-    float* dbias = p.dbias != nullptr ? p.dbias + (b * p.num_heads + n) * t_size * s_size : nullptr;
-    if (dbias != nullptr) std::fill(dbias, dbias + t_size * s_size, 0.0f);
-
-    for (int64_t r0 = 0; r0 < q_len; r0 += kBlockQ) {
-      const int64_t r1 = std::min(q_len, r0 + kBlockQ);
-      const int64_t key_end = range.end(r1 - 1);
-      for (int64_t k0 = range.begin(r0); k0 < key_end; k0 += kBlockK) {
-        const int64_t k1 = std::min(key_end, k0 + kBlockK);
-        for (int64_t t = r0; t < r1; ++t) {
-          // A row the forward found empty (lse = -inf) has P = 0 everywhere.
-          if (head.lse2[t] == kNegInf) continue;
-          const int64_t j0 = std::max(k0, range.begin(t));
-          const int64_t j1 = std::min(k1, range.end(t));
-          if (j0 >= j1) continue;
-          const float* q_t = head.q.data() + t * h;
-          const float* do_t = head.d_out.data() + t * h;
-          float* dq_t = head.dq.data() + t * h;
-          logits.compute(t, q_t, k.data(), j0, j1, x.data());
-          for (int64_t j = j0; j < j1; ++j) {
-            const float prob = std::exp2(x[j - j0] - head.lse2[t]);
-            if (prob == 0.0f) continue;
-            // dS = P * (dP - D) with dP = dO.v; the scale of dq and dk is applied once at the end.
-            const float ds = prob * (dot(do_t, v.data() + j * h, h) - head.delta[t]);
-            if (dbias != nullptr) dbias[t * s_size + j] = ds;
-            axpy(prob, do_t, dv.data() + j * h, h);
-            axpy(ds, q_t, dk.data() + j * h, h);
-            axpy(ds, k.data() + j * h, dq_t, h);
-          }
-        }
+    const TileLogits logits(p, range, b, n);
+    float* dbias = p.dbias != nullptr ? p.dbias + (b * p.num_heads + n) * p.seqlen_q * p.seqlen_k
+                                      : nullptr;
+    // Every dbias element of these keys is written, so with a bias every query tile is visited.
+    for (int64_t r0 = 0; r0 < p.seqlen_q; r0 += kTileRows) {
+      const int64_t rows = std::min(kTileRows, range.q_len() - r0);
+      const bool sees = count > 0 && rows > 0 && range.rows_see_keys(r0, r0 + rows, s0,
+                                                                     s0 + count);
+      if (!sees && dbias == nullptr) continue;
+      if (sees) {
+        tiles.load_rows(p, b, n, r0, rows);
+        tiles.compute(logits, r0, s0, kt.data(), vt.data());
+      } else {
+        std::fill(tiles.p.begin(), tiles.p.end(), 0.0f);
+        std::fill(tiles.ds.begin(), tiles.ds.end(), 0.0f);
       }
+      if (dbias != nullptr) {
+        const int64_t r_end = std::min(p.seqlen_q, r0 + kTileRows);
+        for (int64_t t = r0; t < r_end; ++t)
+          std::copy(tiles.ds.data() + (t - r0) * kTileKeys,
+                    tiles.ds.data() + (t - r0) * kTileKeys + (s_end - s0),
+                    dbias + t * p.seqlen_k + s0);
+      }
+      if (!sees) continue;
+      transpose(tiles.p.data(), kTileKeys, pt.data(), kTileRows, kTileRows, kTileKeys);
+      transpose(tiles.ds.data(), kTileKeys, dst.data(), kTileRows, kTileRows, kTileKeys);
+      matmul(pt.data(), kTileRows, tiles.d_out.data(), hp, dv.data(), hp, kTileKeys, kTileRows,
+             hp, true);
+      matmul(dst.data(), kTileRows, tiles.q.data(), hp, dk.data(), hp, kTileKeys, kTileRows, hp,
+             true);
     }
-
-    for (int64_t t = 0; t < q_len; ++t) {
-      float* dq_t = head.dq.data() + t * h;
-      scale_row(p.scale, dq_t, h);
-      store_row(p.dtype, dq_t, h, p.dq, q_offset(p, b, t, n));
-    }
-    for (int64_t t = q_len; t < t_size; ++t)
-      store_row(p.dtype, zeros.data(), h, p.dq, q_offset(p, b, t, n));
   }
 
-  for (int64_t s = 0; s < kv_len; ++s) {
-    scale_row(p.scale, dk.data() + s * h, h);
-    store_row(p.dtype, dk.data() + s * h, h, p.dk, kv_offset(p, b, s, kv_head));
-    store_row(p.dtype, dv.data() + s * h, h, p.dv, kv_offset(p, b, s, kv_head));
+  // dS^T Q with Q scaled by scale log2(e) is log2(e) times dK. Keys past the length store 0.
+  for (int64_t j = 0; j < s_end - s0; ++j) {
+    float* dk_row = dk.data() + j * hp;
+    for (int64_t d = 0; d < h; ++d) dk_row[d] *= 1.0f / kLog2e;
+    store_row(p.dtype, dk_row, h, p.dk, kv_offset(p, b, s0 + j, kv_head));
+    store_row(p.dtype, dv.data() + j * hp, h, p.dv, kv_offset(p, b, s0 + j, kv_head));
   }
-  for (int64_t s = kv_len; s < s_size; ++s) {
-    store_row(p.dtype, zeros.data(), h, p.dk, kv_offset(p, b, s, kv_head));
-    store_row(p.dtype, zeros.data(), h, p.dv, kv_offset(p, b, s, kv_head));
+}
+
+// dQ of rows [r0, r0 + kTileRows) of head n of batch element b.
+JAX_FLASHATTN_CPU_TASK
+void query_tile_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0) {
+  const int64_t h = p.head_dim, hp = round_up(h, kMatCols);
+  const int64_t kv_head = n / p.group_size();
+  const KeyRange range(p, b);
+  const int64_t r_end = std::min(p.seqlen_q, r0 + kTileRows);
+  const int64_t rows = std::max<int64_t>(0, std::min(range.q_len(), r_end) - r0);
+
+  std::vector<float> dq(kTileRows * hp, 0.0f);
+  if (rows > 0 && range.rows_see_keys(r0, r0 + rows, 0, range.kv_len())) {
+    std::vector<float> k_rows(kTileKeys * hp, 0.0f), kt(hp * kTileKeys, 0.0f);
+    std::vector<float> v_rows(kTileKeys * hp, 0.0f), vt(hp * kTileKeys, 0.0f);
+    StepTiles tiles(hp);
+    tiles.load_rows(p, b, n, r0, rows);
+    const TileLogits logits(p, range, b, n);
+    const int64_t key_end = range.end(r0 + rows - 1);
+    for (int64_t k0 = range.begin(r0); k0 < key_end; k0 += kTileKeys) {
+      const int64_t count = std::min(kTileKeys, key_end - k0);
+      if (count < kTileKeys) {  // the last tile: the previous tile's keys must not linger
+        std::fill(k_rows.begin(), k_rows.end(), 0.0f);
+        std::fill(kt.begin(), kt.end(), 0.0f);
+        std::fill(vt.begin(), vt.end(), 0.0f);
+      }
+      load_key_rows(p, p.k, b, kv_head, k0, count, k_rows.data(), hp, kt.data());
+      load_key_rows(p, p.v, b, kv_head, k0, count, v_rows.data(), hp, vt.data());
+      tiles.compute(logits, r0, k0, kt.data(), vt.data());
+      matmul(tiles.ds.data(), kTileKeys, k_rows.data(), hp, dq.data(), hp, kTileRows,
+             kTileKeys, hp, true);
+    }
+  }
+  const std::vector<float> zeros(h, 0.0f);
+  for (int64_t t = r0; t < r_end; ++t) {
+    float* dq_row = dq.data() + (t - r0) * hp;
+    for (int64_t d = 0; d < h; ++d) dq_row[d] *= p.scale;
+    store_row(p.dtype, t - r0 < rows ? dq_row : zeros.data(), h, p.dq, q_offset(p, b, t, n));
   }
 }
 
@@ -119,8 +198,17 @@ void backward_group(const AttentionParams& p, int64_t b, int64_t kv_head) {
 
 void backward(const AttentionParams& p) {
   if (p.num_heads <= 0 || p.num_kv_heads <= 0) return;
-  parallel_for(p.batch * p.num_kv_heads, [&p](int64_t task) {
-    backward_group(p, task / p.num_kv_heads, task % p.num_kv_heads);
+  parallel_for(p.batch * p.num_heads,
+               [&p](int64_t task) { delta_task(p, task / p.num_heads, task % p.num_heads); });
+  const int64_t key_tiles = (p.seqlen_k + kTileKeys - 1) / kTileKeys;
+  parallel_for(p.batch * p.num_kv_heads * key_tiles, [&p, key_tiles](int64_t task) {
+    const int64_t bk = task / key_tiles;
+    key_tile_task(p, bk / p.num_kv_heads, bk % p.num_kv_heads, (task % key_tiles) * kTileKeys);
+  });
+  const int64_t row_tiles = (p.seqlen_q + kTileRows - 1) / kTileRows;
+  parallel_for(p.batch * p.num_heads * row_tiles, [&p, row_tiles](int64_t task) {
+    const int64_t bn = task / row_tiles;
+    query_tile_task(p, bn / p.num_heads, bn % p.num_heads, (task % row_tiles) * kTileRows);
   });
 }
 

@@ -1,63 +1,35 @@
-// What the CPU forward and backward share: the tile shape, float32 row primitives, which keys a
-// query row may see, and the base-2 logits of a query row against a run of keys.
+// What the CPU forward and backward share: the tile shape, the float32 tiles a task works on,
+// which keys a query row may see, and the base-2 logits of a tile.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "ffi/cpu/elem.h"
+#include "ffi/cpu/tile_math.h"
 #include "ffi/params.h"
 
 namespace jax_flashattn::cpu {
 
-// A tile is kBlockQ query rows of one head against kBlockK keys: the kBlockK K/V rows (64 KiB
-// each at H = 256) stay in L2 while every row of the tile reads them.
-inline constexpr int64_t kBlockQ = 16;
-inline constexpr int64_t kBlockK = 64;
+// A tile is kTileRows query rows of one head against kTileKeys keys, a multiple of the matmul's
+// register block both ways. Its float32 operands (Q and O [32][H], K, V [64][H] and their
+// transposes) take 96 KiB at H = 128, about an L2 slice: each K/V element converted from the
+// input dtype serves 32 query rows.
+inline constexpr int64_t kTileRows = 32;
+inline constexpr int64_t kTileKeys = 64;
+static_assert(kTileRows % kMatRows == 0 && kTileKeys % kMatRows == 0, "matmul row blocks");
+static_assert(kTileKeys % kMatCols == 0, "matmul column blocks");
 
-// Logits are kept in base 2 so that softmax is exp2 with scale * log2(e) folded into one
-// multiply-add.
+// Logits are kept in base 2 so that softmax is exp2, with scale * log2(e) folded into Q once.
 inline constexpr float kLog2e = 1.44269504088896340736f;
 inline constexpr float kLn2 = 0.69314718055994530942f;
 inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Width of the fixed-trip-count inner loops below: GCC's -O2 cost model vectorises only loops
-// that need no scalar remainder, and a dot product vectorises without -ffast-math only when it
-// keeps independent partial sums. Measured no slower at -O3 than wider or unrolled variants.
-inline constexpr int64_t kLanes = 8;
-
-inline float dot(const float* __restrict x, const float* __restrict y, int64_t n) {
-  float partial[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t u = 0; u < kLanes; ++u) partial[u] += x[i + u] * y[i + u];
-  float sum = 0.0f;
-  for (; i < n; ++i) sum += x[i] * y[i];
-  for (int64_t u = 0; u < kLanes; ++u) sum += partial[u];
-  return sum;
-}
-
-// max(a, b) that is NaN when either is: a NaN logit must reach its row's output (std::max and
-// fmax drop it).
-inline float max_propagating_nan(float a, float b) {
-  if (std::isnan(a) || std::isnan(b)) return a + b;
-  return a < b ? b : a;
-}
-
-// y += a * x
-inline void axpy(float a, const float* __restrict x, float* __restrict y, int64_t n) {
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t u = 0; u < kLanes; ++u) y[i + u] += a * x[i + u];
-  for (; i < n; ++i) y[i] += a * x[i];
-}
-
-// x *= a
-inline void scale_row(float a, float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] *= a;
-}
+// n rounded up to a multiple of `to`.
+inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 // Element offsets of row t, head n of batch element b in q-like ([batch, T, N, H]) and k-like
 // ([batch, S, K, H]) tensors.
@@ -76,7 +48,8 @@ inline int64_t valid_length(const int32_t* lengths, int64_t b, int64_t limit) {
 
 // The keys a query row of batch element b may see before mask and bias: [begin(t), end(t)), its
 // window cut to the valid keys. Rows at or past q_len() see none. begin and end never decrease
-// with t, so the keys of rows [r0, r1) all lie in [begin(r0), end(r1 - 1)).
+// with t, so the keys of rows [r0, r1) all lie in [begin(r0), end(r1 - 1)), and the rows that
+// may see a key of [s0, s1) are those with end(t) > s0 and begin(t) < s1.
 class KeyRange {
  public:
   KeyRange(const AttentionParams& p, int64_t b)
@@ -95,6 +68,11 @@ class KeyRange {
   int64_t kv_len() const { return kv_len_; }
   int64_t begin(int64_t t) const { return std::clamp<int64_t>(t - left_, 0, kv_len_); }
   int64_t end(int64_t t) const { return std::clamp<int64_t>(t + right_ + 1, 0, kv_len_); }
+  // Whether some row of [r0, r1) (below q_len) may see a key of [s0, s1).
+  bool rows_see_keys(int64_t r0, int64_t r1, int64_t s0, int64_t s1) const {
+    r1 = std::min(r1, q_len_);
+    return r0 < r1 && end(r1 - 1) > s0 && begin(r0) < s1;
+  }
 
  private:
   int64_t q_len_;
@@ -103,42 +81,72 @@ class KeyRange {
   int64_t right_;
 };
 
-// Base-2 logits of the query rows of head n of batch element b:
-// x = (scale * q.k + bias) * log2(e), and -inf where the mask drops the key.
-class RowLogits {
- public:
-  RowLogits(const AttentionParams& p, int64_t b, int64_t n)
-      : p_(p), b_(b), n_(n), batch_inner_(std::max<int64_t>(1, p.batch_inner)),
-        scale_log2_(p.scale * kLog2e) {}
+// Rows [s0, s0 + count) of a k-like tensor (kv head kv_head of batch element b) as float32:
+// rows[j][0, H) with row stride `ld`, and, where `transposed` is given, transposed[d][j] with row
+// stride kTileKeys. Padding (rows past count, columns past H) keeps the zeros it was made with.
+inline void load_key_rows(const AttentionParams& p, const void* base, int64_t b, int64_t kv_head,
+                          int64_t s0, int64_t count, float* rows, int64_t ld,
+                          float* transposed = nullptr) {
+  for (int64_t j = 0; j < count; ++j) {
+    float* row = rows + j * ld;
+    load_row(p.dtype, base, kv_offset(p, b, s0 + j, kv_head), p.head_dim, row);
+    if (transposed != nullptr)
+      for (int64_t d = 0; d < p.head_dim; ++d) transposed[d * kTileKeys + j] = row[d];
+  }
+}
 
-  // x[j - j0] for keys j in [j0, j1); q is the float32 query row t, k the float32 key rows
-  // ([S, H], row j at k + j * H).
-  void compute(int64_t t, const float* q, const float* k, int64_t j0, int64_t j1,
-               float* x) const {
-    const int64_t count = j1 - j0;
-    const int64_t h = p_.head_dim;
+// Base-2 logits of a tile of head n of batch element b: x = (scale q.k + bias) log2(e) for the
+// keys a row sees, -inf for the others, where x holds scale log2(e) q.k on entry (Q was scaled).
+class TileLogits {
+ public:
+  TileLogits(const AttentionParams& p, const KeyRange& range, int64_t b, int64_t n)
+      : p_(p), range_(range), b_(b), n_(n), batch_inner_(std::max<int64_t>(1, p.batch_inner)) {}
+
+  // Row t's kTileKeys logits x of keys [k0, k0 + kTileKeys); false when it sees none of them
+  // (then x is all -inf).
+  JAX_FLASHATTN_CPU_INLINE bool apply(int64_t t, int64_t k0, float* x,
+                                       std::vector<float>& bias_row) const {
+    const int64_t j0 = std::max(k0, range_.begin(t)) - k0;
+    const int64_t j1 = std::min(k0 + kTileKeys, range_.end(t)) - k0;
+    if (t >= range_.q_len() || j0 >= j1) {
+      std::fill(x, x + kTileKeys, kNegInf);
+      return false;
+    }
+    std::fill(x, x + j0, kNegInf);
+    std::fill(x + j1, x + kTileKeys, kNegInf);
     if (p_.bias != nullptr) {
       const BroadcastStrides& st = p_.bias_strides;
-      load_row(p_.bias_dtype, p_.bias, st.offset(b_, batch_inner_, n_, t, j0), count, x, st.col);
-      for (int64_t j = 0; j < count; ++j)
-        x[j] = dot(q, k + (j0 + j) * h, h) * scale_log2_ + x[j] * kLog2e;
-    } else {
-      for (int64_t j = 0; j < count; ++j) x[j] = dot(q, k + (j0 + j) * h, h) * scale_log2_;
+      load_row(p_.bias_dtype, p_.bias, st.offset(b_, batch_inner_, n_, t, k0 + j0), j1 - j0,
+               bias_row.data(), st.col);
+      for (int64_t j = j0; j < j1; ++j) x[j] += bias_row[j - j0] * kLog2e;
     }
     if (p_.mask != nullptr) {
       const BroadcastStrides& st = p_.mask_strides;
-      const bool* keep = p_.mask + st.offset(b_, batch_inner_, n_, t, j0);
-      for (int64_t j = 0; j < count; ++j)
+      const bool* keep = p_.mask + st.offset(b_, batch_inner_, n_, t, k0);
+      for (int64_t j = j0; j < j1; ++j)
         if (!keep[j * st.col]) x[j] = kNegInf;
     }
+    return true;
   }
 
  private:
   const AttentionParams& p_;
+  const KeyRange& range_;
   int64_t b_;
   int64_t n_;
   int64_t batch_inner_;
-  float scale_log2_;
 };
+
+// Rows [r0, r0 + rows) of head n of a q-like tensor as float32 times `scale`: dst[i][0, H) with
+// row stride ld; the padding keeps its zeros.
+inline void load_query_rows(const AttentionParams& p, const void* base, int64_t b, int64_t n,
+                            int64_t r0, int64_t rows, float scale, float* dst, int64_t ld) {
+  for (int64_t i = 0; i < rows; ++i) {
+    float* row = dst + i * ld;
+    load_row(p.dtype, base, q_offset(p, b, r0 + i, n), p.head_dim, row);
+    if (scale != 1.0f)
+      for (int64_t d = 0; d < p.head_dim; ++d) row[d] *= scale;
+  }
+}
 
 }  // namespace jax_flashattn::cpu
