@@ -274,6 +274,8 @@ DERIVATIVES = {
     "jacfwd": lambda f: lambda q, k, v: jax.jacfwd(f)(q, k, v),
     "jit_jacfwd": lambda f: jax.jit(lambda q, k, v: jax.jacfwd(f, argnums=2)(q, k, v)),
     "jvp": lambda f: lambda q, k, v: jax.jvp(lambda q: f(q, k, v), (q,), (q,)),
+    "jit_jvp": lambda f: jax.jit(
+        lambda q, k, v: jax.jvp(lambda k: f(q, k, v), (k,), (jnp.ones_like(k),))),
 }
 
 

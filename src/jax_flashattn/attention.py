@@ -7,6 +7,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.interpreters import ad
 
 from jax_flashattn import _ffi, _validate, reference, sharding
 
@@ -138,8 +139,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     Derivatives: first-order reverse mode (jax.grad, jax.vjp). Forward-mode and second-order
     derivatives (jax.jvp, jax.jacfwd, jax.hessian, grad of grad) raise a TypeError saying so
     and that implementation="xla" supports them; where JAX meets a jvp only when it compiles
-    or runs it (jax.jit of jax.jvp, jax.jvp of a jitted function, jax.linearize), the TypeError
-    is JAX's own "can't apply forward-mode autodiff (jvp) to a custom_vjp function".
+    or runs it (jax.jvp of a jitted function, the linear function jax.linearize returns), the
+    TypeError is JAX's own "can't apply forward-mode autodiff (jvp) to a custom_vjp function".
 
     `implementation`: None (our kernels for the default backend), "cpu", "cuda" (our kernels,
     raising if they cannot run), or "xla"/"cudnn" (delegate to jax.nn.dot_product_attention).
@@ -180,10 +181,13 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
 
 
 def _call_kernels(args: _validate.Normalized, deterministic_backward: bool):
-    """(out [B, T, N, H], lse [B, N, T]) from the kernels, with JAX's error for forward-mode
-    differentiation, raised here when JAX evaluates the jvp at once (eagerly, under vmap),
-    replaced by _UNSUPPORTED_DERIVATIVE. (A jvp traced into a jaxpr, as jit(jax.jvp(...)), fails
-    only when lowered, with JAX's own TypeError.)"""
+    """(out [B, T, N, H], lse [B, N, T]) from the kernels, or _UNSUPPORTED_DERIVATIVE for
+    forward-mode differentiation: when an operand carries a jvp tangent (jax.jvp and jacfwd,
+    jitted or not), or when JAX raises its own error for a jvp it evaluates at once. (A jvp
+    JAX applies to an already traced call, as jax.jvp of a jitted function, fails when lowered,
+    with JAX's own TypeError.)"""
+    if _has_jvp_tangent(args):
+        raise TypeError(_UNSUPPORTED_DERIVATIVE)
     try:
         return _flash(args.query, args.key, args.value, args.bias, args.mask,
                       args.query_seq_lengths, args.key_value_seq_lengths, args.scale,
@@ -192,6 +196,17 @@ def _call_kernels(args: _validate.Normalized, deterministic_backward: bool):
         if _JAX_JVP_OF_CUSTOM_VJP not in str(e):
             raise
         raise TypeError(_UNSUPPORTED_DERIVATIVE) from e
+
+
+def _has_jvp_tangent(args: _validate.Normalized) -> bool:
+    """Whether an operand is being differentiated in forward mode. With direct linearization
+    (JAX's default) reverse mode traces LinearizeTracers, so a JVPTracer comes from
+    jax.jvp or jacfwd only; with it off, reverse mode also runs on JVPTracers, and this says
+    False."""
+    if not getattr(jax.config, "jax_use_direct_linearize", False):
+        return False
+    operands = (args.query, args.key, args.value, args.bias, args.mask)
+    return any(isinstance(x, ad.JVPTracer) for x in operands)
 
 
 def _bounded_window(args: _validate.Normalized) -> tuple[int, int] | None:
