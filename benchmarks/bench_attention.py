@@ -10,6 +10,7 @@ src/jax_flashattn/_bench.py.
     python benchmarks/bench_attention.py --out bench_out/full     # standard grid, ~5 min
     python benchmarks/bench_attention.py --mode fwdbwd --head-dim 128   # ~4 min
     python benchmarks/bench_attention.py --decode                 # decode preset, K/V TB/s
+    python benchmarks/bench_attention.py --variants --mode both   # options preset, ~3 min (H100)
 
 Most of the time goes to compiling (the XLA baseline above all) and to the correctness
 references, not to the timed runs; --mode both on the whole grid takes ~15 min.
@@ -18,7 +19,13 @@ Standard grid: bf16 and fp16, B = tokens/T with 16384 tokens, N = 2048/H,
 H in {64, 128, 256}, T = S in {512, ..., 16384}, causal and full. Decode preset: B=8, N=32,
 K=8, H=128, T in {1, 8, 16}, S=65536; a decode run also measures the device's copy bandwidth
 before and after its cases and gives our K/V rate as a fraction of it (the decode target is
-0.85: docs/decisions/decode-benchmark-yardstick.md).
+0.85: docs/decisions/decode-benchmark-yardstick.md). Variants preset: bf16, B=4, T=S=4096,
+N=16, H=128, one row per option users pass: full, causal, causal sliding window
+local_window_size=(1024, 0), per-batch lengths (query and key/value lengths 4096, 3072, 2048,
+1024), GQA (16 query heads over 4 kv heads, causal), bias [1, N, T, S] and a boolean mask
+[B, 1, T, S] of packed documents (1, 2, 4, 8 per batch entry); its FLOPs count only the
+visible logits. --seqlen, --dtype, --head-dim and --hidden (N = hidden/H) override its
+sizes; --causal and --tokens do not apply.
 Exit status 1 when one of our configs is FAIL or error.
 """
 
@@ -37,6 +44,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from jax_flashattn import _bench  # noqa: E402
 
 QUICK = dict(dtype=["bf16"], head_dim=[128], seqlen=[1024, 4096, 16384], causal="both")
+VARIANTS = dict(dtype=["bf16"], head_dim=[_bench.VARIANTS_SHAPE["head_dim"]],
+                seqlen=list(_bench.VARIANTS_SEQLENS))
 
 
 def _ints(text: str) -> list[int]:
@@ -69,13 +78,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode", action="store_true",
                    help="the decode preset (B=8, N=32, K=8, H=128, T in {1, 8, 16}, "
                         "S=65536) instead of the standard grid; reports K/V TB/s and us")
+    p.add_argument("--variants", action="store_true",
+                   help="the options preset (bf16, B=4, T=S=4096, N=16, H=128; full, causal, "
+                        "window 1024, lengths, GQA 16/4, bias [1,N,T,S], mask [B,1,T,S]) "
+                        "instead of the standard grid; FLOPs count visible logits only")
     p.add_argument("--mode", choices=("fwd", "fwdbwd", "both"), default="fwd",
                    help="forward, forward+backward (3.5x forward FLOPs), or both")
     p.add_argument("--dtype", type=_names(("bf16", "fp16", "fp32")), default=None,
                    help="comma list (default bf16,fp16)")
     p.add_argument("--head-dim", type=_ints, default=None, help="comma list (default 64,128,256)")
     p.add_argument("--seqlen", type=_ints, default=None,
-                   help="comma list of T (default 512,...,16384; decode: 1,8,16)")
+                   help="comma list of T (default 512,...,16384; decode: 1,8,16; "
+                        "variants: 4096)")
     p.add_argument("--causal", choices=("both", "true", "false"), default=None,
                    help="causal, full or both (default both)")
     p.add_argument("--impls", type=_names(_bench.IMPLS), default=list(_bench.IMPLS),
@@ -100,6 +114,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="directory for results.md, results.json and PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
     args = p.parse_args(argv)
+    if args.variants and args.decode:
+        p.error("--variants and --decode are two presets: pick one")
+    if args.variants:
+        for key, value in VARIANTS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
     if args.quick:
         for key, value in QUICK.items():
             if getattr(args, key) is None and not (args.decode and key in ("head_dim", "seqlen")):
@@ -112,6 +132,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_configs(args) -> list[_bench.Config]:
     if args.decode:
         return _bench.decode_grid(args.dtype, args.seqlen or _bench.DECODE_SEQLENS, args.kv_len)
+    if args.variants:
+        return _bench.variants_grid(args.dtype, args.seqlen, args.head_dim, hidden=args.hidden)
     causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
     return _bench.standard_grid(args.dtype, args.head_dim or _bench.STANDARD_HEAD_DIMS,
                                 args.seqlen or _bench.STANDARD_SEQLENS, causal, args.tokens,
@@ -120,7 +142,8 @@ def build_configs(args) -> list[_bench.Config]:
 
 def plot(records, impls, out_dir: str, device: str = "") -> list[str]:
     """One PNG per (kind, dtype, mode): TFLOP/s (decode: K/V TB/s) against T, one panel per
-    (H, causal), one line per implementation. Points that failed are left out."""
+    (H, causal), one line per implementation; the variants preset: bars per option
+    (`_plot_variants`). Points that failed are left out."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -133,6 +156,9 @@ def plot(records, impls, out_dir: str, device: str = "") -> list[str]:
     for r in records:
         groups.setdefault((r["kind"], r["dtype"], r["mode"]), []).append(r)
     for (kind, dtype, mode), rs in groups.items():
+        if kind == "variants":
+            paths.append(_plot_variants(plt, rs, impls, out_dir, device, dtype, mode))
+            continue
         key = "kv_tbps" if kind == "decode" else "tflops"
         panels = sorted({(r["head_dim"], r["causal"]) for r in rs})
         heads = sorted({h for h, _ in panels})
@@ -166,6 +192,42 @@ def plot(records, impls, out_dir: str, device: str = "") -> list[str]:
     return paths
 
 
+def _plot_variants(plt, rs, impls, out_dir: str, device: str, dtype: str, mode: str) -> str:
+    """The variants preset: TFLOP/s (visible logits) per option, one bar per implementation.
+    Points that failed are left out."""
+    seqlens = sorted({r["seqlen_q"] for r in rs})
+    names = []  # (T, variant) in first-seen order
+    for r in rs:
+        if (r["seqlen_q"], r["variant"]) not in names:
+            names.append((r["seqlen_q"], r["variant"]))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(names) * max(1, len(impls)) / 2), 4.2))
+    width = 0.8 / max(1, len(impls))
+    for j, impl in enumerate(impls):
+        xs, ys = [], []
+        for i, name in enumerate(names):
+            for r in rs:
+                if ((r["seqlen_q"], r["variant"]) == name and r["impl"] == impl
+                        and r["status"] == "ok"):
+                    xs.append(i + (j - (len(impls) - 1) / 2) * width)
+                    ys.append(r["tflops"])
+        ax.bar(xs, ys, width, label=impl)
+    labels = [v if len(seqlens) == 1 else f"{v}\nT={t}" for t, v in names]
+    ax.set_xticks(range(len(names)), labels, rotation=20, ha="right")
+    ax.set_ylabel("TFLOP/s (visible logits)")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend()
+    first = rs[0]
+    ax.set_title(f"{device}: {dtype} {_bench.MODE_TITLES[mode]}, B={first['batch']}, "
+                 f"N={first['num_heads']}, H={first['head_dim']}"
+                 + (f", T=S={seqlens[0]}" if len(seqlens) == 1 else ""))
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"variants_{dtype}_{mode}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
@@ -189,7 +251,9 @@ def main(argv=None) -> int:
                   f"{(settings.decode_target_s if args.decode else settings.target_s) * 1e3:g} "
                   "ms per run, the implementations of a case in alternation after an untimed "
                   "round; "
-                  "FLOPs 4*B*N*T*S*H forward (/2 causal), 3.5x for forward+backward")
+                  "FLOPs 4*B*N*T*S*H forward (/2 causal), 3.5x for forward+backward"
+                  + ("; options: 4*N*H per visible (t, s) pair, counted exactly"
+                     if args.variants else ""))
     if "ours" in impls:
         header.append("our forward kernel: " + _bench.forward_kernel_summary(configs))
     for line in header:
@@ -217,7 +281,9 @@ def main(argv=None) -> int:
     body = "\n\n".join(f"### {title}\n\n{table}" for title, table in tables)
     bad = _bench.failures(records)
     notes = [f"{r['dtype']} T={r['seqlen_q']} H={r['head_dim']} "
-             f"{'causal' if r['causal'] else 'full'} {r['mode']} {r['impl']}: {r['status']}: "
+             f"{'causal' if r['causal'] else 'full'}"
+             f"{' ' + r['variant'] if r.get('variant') not in (None, 'full', 'causal') else ''}"
+             f" {r['mode']} {r['impl']}: {r['status']}: "
              f"{r.get('message', '')}" for r in records if r["status"] in ("FAIL", "error")]
     report = "\n".join(["# Attention benchmark", ""] + [f"- {line}" for line in header]
                        + [f"- elapsed: {elapsed:.0f} s", "", body])

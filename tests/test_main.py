@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_flashattn import _bench
+from jax_flashattn import _bench, reference
 from jax_flashattn import __main__ as main_job
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -266,8 +266,141 @@ def test_copy_bandwidth_on_the_device():
     (["--quick"], dict(dtype=["bf16"], head_dim=[128], seqlen=[1024, 4096, 16384])),
     (["--quick", "--seqlen", "512"], dict(seqlen=[512])),
     ([], dict(dtype=["bf16", "fp16"], causal="both", mode="fwd")),
+    (["--variants"], dict(variants=True, dtype=["bf16"], head_dim=[128], seqlen=[4096])),
+    (["--variants", "--seqlen", "256", "--mode", "both"], dict(seqlen=[256], mode="both")),
 ])
 def test_bench_script_arguments(argv, expected):
     args = _load_bench_script().parse_args(argv)
     for key, value in expected.items():
         assert getattr(args, key) == value
+
+
+def test_bench_script_variants_preset_and_exclusive_with_decode():
+    bench = _load_bench_script()
+    configs = bench.build_configs(bench.parse_args(["--variants"]))
+    assert [c.variant for c in configs] == ["full", "causal", "window 1024", "lengths",
+                                            "GQA 16/4", "bias [1,N,T,S]", "mask [B,1,T,S]"]
+    assert {(c.dtype, c.batch, c.seqlen_q, c.seqlen_k, c.num_heads, c.head_dim)
+            for c in configs} == {("bf16", 4, 4096, 4096, 16, 128)}
+    by_name = {c.variant: c for c in configs}
+    assert by_name["window 1024"].window == (1024, 0) and by_name["window 1024"].causal
+    assert by_name["lengths"].kv_lens == by_name["lengths"].q_lens == (4096, 3072, 2048, 1024)
+    assert by_name["GQA 16/4"].num_kv_heads == 4 and by_name["GQA 16/4"].causal
+    assert by_name["bias [1,N,T,S]"].bias_shape == (1, 16, 4096, 4096)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--variants", "--decode"])
+
+
+def _brute_force_pairs(cfg) -> int:
+    """The visible (t, s) pairs of one head, summed over the batch, from the reference's own
+    visibility mask."""
+    mask = None
+    if cfg.mask_docs is not None:
+        ids = np.stack([_bench.document_ids(d, cfg.mask_length) for d in cfg.mask_docs])
+        mask = jnp.asarray(ids[:, None, :cfg.seqlen_q, None] == ids[:, None, None, :cfg.seqlen_k])
+    lens = [None if x is None else jnp.asarray(x, jnp.int32) for x in (cfg.q_lens, cfg.kv_lens)]
+    keep = reference.visibility(cfg.seqlen_q, cfg.seqlen_k, batch=cfg.batch,
+                                is_causal=cfg.causal, window=cfg.window, q_lens=lens[0],
+                                kv_lens=lens[1], mask=mask)
+    return int(jnp.sum(keep, dtype=jnp.int32))
+
+
+def test_variants_flops_count_the_visible_pairs():
+    # The preset's restricted rows, at full size, and odd shapes (T != S, a right window,
+    # lengths with causal, uneven documents), against a count over the reference's mask.
+    preset = [c for c in _bench.variants_grid() if c.restricted]
+    assert [c.variant for c in preset] == ["window 1024", "lengths", "mask [B,1,T,S]"]
+    odd = [_bench.Config(2, 48, 80, 2, 2, 16, "bf16", True, kind="variants", window=(7, 3),
+                         q_lens=(48, 20), kv_lens=(80, 33)),
+           _bench.Config(2, 48, 80, 2, 2, 16, "bf16", False, kind="variants", window=(5, 9)),
+           _bench.Config(3, 40, 56, 2, 2, 16, "bf16", False, kind="variants",
+                         mask_docs=(1, 3, 5), q_lens=(40, 17, 3), kv_lens=(1, 56, 30)),
+           _bench.Config(2, 37, 37, 2, 2, 16, "bf16", True, kind="variants", mask_docs=(2, 7))]
+    for cfg in preset + odd:
+        pairs = _brute_force_pairs(cfg)
+        assert cfg.visible_pairs() == pairs, cfg.label()
+        forward = 4 * cfg.num_heads * cfg.head_dim * pairs
+        assert cfg.flops("fwd") == forward and cfg.flops("fwdbwd") == 3.5 * forward
+    window = next(c for c in preset if c.window)
+    # Closed form: row t sees min(t, 1024) + 1 keys.
+    t = np.arange(4096)
+    assert window.visible_pairs() == 4 * np.sum(np.minimum(t, 1024) + 1)
+    # Rows without a restriction keep the standard grid's counts (causal: T*S/2).
+    for cfg in _bench.variants_grid():
+        if not cfg.restricted:
+            assert cfg.flops() == _bench.attention_flops(cfg.batch, cfg.num_heads, cfg.seqlen_q,
+                                                         cfg.seqlen_k, cfg.head_dim, cfg.causal)
+
+
+def _tiny_variants():
+    # T = 64, B = 4, N = 4 (K = 1 for GQA), H = 16: window 16, lengths 64, 48, 32, 16.
+    return _bench.variants_grid(seqlens=(64,), head_dims=(16,), batch=4, hidden=64)
+
+
+_TINY_SETTINGS = dict(repeats=1, min_repeats=1, target_s=1e-4, time_budget_s=0.0)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
+def test_variants_grid_runs_and_passes_the_gate(monkeypatch, mode):
+    # The forward check takes 8 + 8 of the 64 query rows: every option is sliced by rows.
+    monkeypatch.setattr(_bench, "FORWARD_CHECK_ROWS", 16)
+    configs = _tiny_variants()
+    settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
+    records = _bench.run_benchmark(configs, ["ours", "xla"], [mode], settings, progress=False)
+    bad = [f"{r['variant']} {r['impl']}: {r['status']} {r.get('message', '')}"
+           for r in records if r["status"] != "ok"]
+    assert not bad, "\n".join(bad)
+    assert len(records) == 2 * len(configs)
+    for cfg, r in zip([c for c in configs for _ in range(2)], records):
+        assert r["variant"] == cfg.variant and r["flops"] == cfg.flops(mode)
+        assert r["tflops"] == pytest.approx(cfg.flops(mode) / r["seconds"] / 1e12)
+        assert r["visible"] == cfg.visible_pairs() / (4 * 64 * 64)
+    (title, table), = _bench.markdown_tables(records, ["ours", "xla"])
+    assert "visible logits only" in title
+    lines = table.splitlines()
+    assert lines[0] == ("| T | variant | causal | visible | ours TFLOP/s | xla TFLOP/s | "
+                        "ours ms | xla ms | ours/xla |")
+    assert [line.split(" | ")[1] for line in lines[2:]] == [c.variant for c in configs]
+    assert lines[4].startswith("| 64 | window 16 | yes | 0.23 |")  # sum_t min(t, 16) + 1
+
+
+@pytest.mark.parametrize("dropped", ["local_window_size", "key_value_seq_lengths",
+                                     "query_seq_lengths", "bias", "mask"])
+def test_variants_gate_checks_each_option(monkeypatch, dropped):
+    """An implementation that ignores one of the options fails the check (query lengths: it
+    leaves the padded rows nonzero, which the check covers)."""
+    monkeypatch.setattr(_bench, "FORWARD_CHECK_ROWS", 16)
+    real = _bench.attention_fn
+
+    def ignoring(impl, causal, window=None):
+        fn = real(impl, causal, None if dropped == "local_window_size" else window)
+        return lambda q, k, v, **extras: fn(q, k, v, **{name: x for name, x in extras.items()
+                                                        if name != dropped})
+
+    monkeypatch.setattr(_bench, "attention_fn", ignoring)
+    option = {"local_window_size": "window", "key_value_seq_lengths": "lengths",
+              "query_seq_lengths": "lengths", "bias": "bias", "mask": "mask"}[dropped]
+    cfg, = [c for c in _tiny_variants() if c.variant.startswith(option)]
+    settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
+    record, = _bench.run_benchmark([cfg], ["ours"], ["fwd"], settings, progress=False)
+    assert record["status"] == "FAIL", record
+
+
+def test_bench_script_variants_smoke(tmp_path, capsys):
+    bench = _load_bench_script()
+    out = tmp_path / "variants"
+    status = bench.main(["--variants", "--seqlen", "64", "--head-dim", "16", "--hidden", "64",
+                         "--impls", "ours,xla", "--out", str(out), "--no-progress",
+                         "--repeats", "1", "--target-ms", "0.1"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "| T | variant | causal | visible | ours TFLOP/s | xla TFLOP/s |" in printed
+    for label in ("full", "causal", "window 16", "lengths", "GQA 4/1", "bias [1,N,T,S]",
+                  "mask [B,1,T,S]"):
+        assert f"| 64 | {label} |" in printed
+    report = json.loads((out / "results.json").read_text())
+    assert {r["status"] for r in report["results"]} == {"ok"}
+    assert {r["kind"] for r in report["results"]} == {"variants"}
+    assert "window 16" in (out / "results.md").read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "variants_bf16_fwd.png").stat().st_size > 0

@@ -4,7 +4,15 @@ What is measured
 ----------------
 * FLOPs: forward = 4·B·N·T·S·H (the two matmuls), halved when causal; backward = 2.5x
   forward, so forward+backward counts 3.5x forward (FlashAttention's convention, and the one
-  behind the numbers in docs/performance.md). Decode configs also report the bytes of K and V
+  behind the numbers in docs/performance.md). The variants preset (`variants_grid`) counts only
+  the logits a call computes: each visible (t, s) pair costs 4·H per query head in the forward,
+  3.5x that forward+backward, with the pairs counted exactly (`Config.visible_pairs`: each
+  query row sees one interval of keys, cut by its causal and window bounds, the row's and the
+  batch entry's lengths and, for the document mask, its document). Rows without such a
+  restriction keep the counts above (causal: T·S/2, the convention, where the exact count is
+  T(T+1)/2 for T = S, 0.01% more at T = 4096), so the preset's baselines match the standard
+  grid. The bias row counts as full; GQA counts query heads, as everywhere. Decode configs
+  also report the bytes of K and V
   read, and the benchmark script sets that rate against the device's copy bandwidth
   (`copy_bandwidth`: cudaMemcpy device to device, bytes read plus written), measured before and
   after the cases (why that yardstick: docs/decisions/decode-benchmark-yardstick.md).
@@ -32,7 +40,11 @@ How it is timed (`prepare`, `time_interleaved`)
   q inside the loop, so XLA writes it in place: one one-element kernel per call. (Built from
   q's own element, the update made XLA copy all of q before every call, a cost every
   implementation paid that pulled the short rows' ratios towards one.)
-* Inputs and outputs are donated and fed back, so the program copies nothing.
+* Inputs and outputs are donated and fed back, so the program copies nothing. The variants'
+  extra arguments (bias, mask, lengths: `Inputs.extras`) are arguments of the program, one
+  copy shared by the sets and not donated. They do not change inside the loop, so XLA may
+  hoist work on them alone out of it (the "xla" rows' combined mask, the bias cast): such
+  rows are upper bounds, like the "xla" forward+backward rows.
 * The loop runs RUNNER_UNROLL rounds per iteration: each iteration of a GPU while loop waits
   on the host for its condition, and the launches of the next iteration then run with the GPU
   idle. That wait depends on each implementation's host-side launch cost, so with one round
@@ -78,6 +90,13 @@ that is being measured.
 * gradients: per tensor, normwise relative error <= GRAD_RTOL[dtype] and max abs error
   <= 4 · GRAD_RTOL[dtype] · max |ref| (so that one wrong row cannot hide in the norm).
 * NaN or inf never passes. A failing config is reported as FAIL and not timed.
+* The variants' options are part of the reference: the bias and mask are sliced like the
+  logits ([B or 1, N or 1, T, S]: the checked batch entries, heads and query rows), the lengths
+  like the batch, and the forward check's causal, window, length and mask bounds are applied
+  at the rows' true positions (`_row_visibility`); the forward+backward reference takes them
+  as `reference.attention`'s own arguments. Query rows past a query length are checked too:
+  jax.nn's "xla" and our kernels both return 0 there (and pass no gradient through them), and
+  so did cuDNN (H100, JAX 0.11.2).
 """
 
 from __future__ import annotations
@@ -124,6 +143,9 @@ STANDARD_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 # The decode preset: B=8, N=32, K=8, H=128, S=65536.
 DECODE_SEQLENS = (1, 8, 16)
 DECODE_SHAPE = dict(batch=8, num_heads=32, num_kv_heads=8, head_dim=128, kv_len=65536)
+# The variants preset: B=4, T=S=4096, N=16 (hidden 2048), H=128, one row per option.
+VARIANTS_SEQLENS = (4096,)
+VARIANTS_SHAPE = dict(batch=4, hidden=2048, head_dim=128, kv_group=4, window=1024)
 
 # Gradient tolerances (normwise relative error against the float32 reference).
 GRAD_RTOL = {"bf16": 2e-2, "fp16": 1e-2, "fp32": 1e-4}
@@ -149,7 +171,16 @@ class Config:
     head_dim: int
     dtype: str
     causal: bool
-    kind: str = "standard"  # "standard" or "decode": picks the table it is reported in
+    kind: str = "standard"  # "standard", "decode" or "variants": picks its table
+    # The variants preset's options (`variants_grid`), each None where unused:
+    variant: str = ""  # the row's name in the table ("window 1024", "GQA 16/4", ...)
+    window: tuple[int, int] | None = None  # local_window_size (left, right)
+    q_lens: tuple[int, ...] | None = None  # query_seq_lengths, one per batch entry
+    kv_lens: tuple[int, ...] | None = None  # key_value_seq_lengths, one per batch entry
+    bias_shape: tuple[int, int, int, int] | None = None  # an additive bias of this shape
+    # A boolean mask [B, 1, T, S] of packed documents: batch entry b holds mask_docs[b]
+    # documents of (nearly) equal length, and a position sees its own document only.
+    mask_docs: tuple[int, ...] | None = None
 
     @property
     def q_shape(self):
@@ -167,24 +198,89 @@ class Config:
     def group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def restricted(self) -> bool:
+        """Whether an option beyond `causal` hides logits (window, lengths, mask)."""
+        return any(x is not None for x in (self.window, self.q_lens, self.kv_lens,
+                                           self.mask_docs))
+
+    def visible_pairs(self) -> float:
+        """The (t, s) pairs whose logits a call computes, summed over the batch, per query
+        head: B·T·S (causal: half that, the convention) without a restriction; else the exact
+        count, row by row (each row sees one interval of keys; see the module docstring)."""
+        if not self.restricted:
+            return self.batch * self.seqlen_q * self.seqlen_k * (0.5 if self.causal else 1.0)
+        t = np.arange(self.seqlen_q, dtype=np.int64)
+        total = 0
+        for b in range(self.batch):
+            rows = t[:self.q_lens[b]] if self.q_lens is not None else t
+            lo = np.zeros_like(rows)
+            hi = np.full_like(rows, self.seqlen_k if self.kv_lens is None else self.kv_lens[b])
+            if self.causal:
+                hi = np.minimum(hi, rows + 1)
+            if self.window is not None:
+                left, right = self.window
+                lo = np.maximum(lo, rows - left)
+                hi = np.minimum(hi, rows + right + 1)
+            if self.mask_docs is not None:
+                starts, ends = _document_bounds(self.mask_docs[b], self.mask_length, rows)
+                lo, hi = np.maximum(lo, starts), np.minimum(hi, ends)
+            total += int(np.maximum(hi - lo, 0).sum())
+        return float(total)
+
+    @property
+    def mask_length(self) -> int:
+        """The positions the document mask's boundaries split (queries and keys alike)."""
+        return max(self.seqlen_q, self.seqlen_k)
+
     def flops(self, mode: str = "fwd") -> float:
-        return attention_flops(self.batch, self.num_heads, self.seqlen_q, self.seqlen_k,
-                               self.head_dim, self.causal, mode)
+        if not self.restricted:
+            return attention_flops(self.batch, self.num_heads, self.seqlen_q, self.seqlen_k,
+                                   self.head_dim, self.causal, mode)
+        forward = 4.0 * self.num_heads * self.head_dim * self.visible_pairs()
+        return forward * (1.0 if mode == "fwd" else 1.0 + BACKWARD_FLOP_FACTOR)
 
     def kv_bytes(self) -> int:
         """Bytes of K and V one forward call must read."""
         return 2 * math.prod(self.kv_shape) * jnp.dtype(self.jnp_dtype).itemsize
 
+    def extra_bytes(self) -> int:
+        """Bytes of the bias and mask a call reads."""
+        total = 0
+        if self.bias_shape is not None:
+            total += math.prod(self.bias_shape) * jnp.dtype(self.jnp_dtype).itemsize
+        if self.mask_docs is not None:
+            total += self.batch * self.seqlen_q * self.seqlen_k
+        return total
+
     def io_bytes(self, mode: str = "fwd") -> int:
-        """A lower bound on the bytes a call moves: q, k, v, out (and their gradients)."""
+        """A lower bound on the bytes a call moves: q, k, v, out (and their gradients), and
+        the bias and mask."""
         item = jnp.dtype(self.jnp_dtype).itemsize
         forward = 2 * math.prod(self.q_shape) * item + self.kv_bytes()
-        return forward * (1 if mode == "fwd" else 3)
+        return forward * (1 if mode == "fwd" else 3) + self.extra_bytes()
 
     def label(self) -> str:
         gqa = "" if self.num_kv_heads == self.num_heads else f" K={self.num_kv_heads}"
+        variant = (f" {self.variant}" if self.variant and self.variant not in ("full", "causal")
+                   else "")
         return (f"{self.dtype} B={self.batch} T={self.seqlen_q} S={self.seqlen_k} "
-                f"N={self.num_heads}{gqa} H={self.head_dim}{' causal' if self.causal else ''}")
+                f"N={self.num_heads}{gqa} H={self.head_dim}{' causal' if self.causal else ''}"
+                f"{variant}")
+
+
+def _document_bounds(docs: int, length: int, positions):
+    """[start, end) of the document holding each position, for `docs` documents splitting
+    `length` positions as evenly as integers allow."""
+    bounds = (np.arange(docs + 1, dtype=np.int64) * length) // docs
+    index = np.searchsorted(bounds, positions, side="right") - 1
+    return bounds[index], bounds[index + 1]
+
+
+def document_ids(docs: int, length: int) -> np.ndarray:
+    """The document index of each of `length` positions (`_document_bounds`' split)."""
+    bounds = (np.arange(docs + 1, dtype=np.int64) * length) // docs
+    return (np.searchsorted(bounds, np.arange(length), side="right") - 1).astype(np.int32)
 
 
 def standard_grid(dtypes=("bf16", "fp16"), head_dims=STANDARD_HEAD_DIMS,
@@ -213,6 +309,45 @@ def decode_grid(dtypes=("bf16", "fp16"), seqlens=DECODE_SEQLENS, kv_len=None) ->
             for dtype in dtypes for t in seqlens]
 
 
+def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
+                  head_dims=(VARIANTS_SHAPE["head_dim"],), batch=VARIANTS_SHAPE["batch"],
+                  hidden=VARIANTS_SHAPE["hidden"], kv_group=VARIANTS_SHAPE["kv_group"],
+                  window=None) -> list[Config]:
+    """The variants preset: one row per option users pass, at B = `batch`, T = S, N =
+    hidden / H: full, causal, a causal sliding window (`window`, default min(1024, T/4),
+    right side 0), per-batch lengths (queries and keys alike: T·(B-i)/B for entry i, so
+    4096, 3072, 2048, 1024), GQA (N over N/kv_group kv heads, causal), a bias [1, N, T, S]
+    (full) and a boolean document mask [B, 1, T, S] (entry i packs 2**i documents, full)."""
+    configs = []
+    for dtype in dtypes:
+        for h in head_dims:
+            if hidden % h:
+                raise ValueError(f"hidden {hidden} is not a multiple of head dim {h}")
+            n = hidden // h
+            kv = max(1, n // kv_group)
+            if n % kv:
+                raise ValueError(f"{n} heads do not split into groups of {kv_group}")
+            for t in seqlens:
+                base = Config(batch, t, t, n, n, h, dtype, False, kind="variants",
+                              variant="full")
+                side = window or max(1, min(VARIANTS_SHAPE["window"], t // 4))
+                lens = tuple(max(1, t * (batch - i) // batch) for i in range(batch))
+                configs += [
+                    base,
+                    dataclasses.replace(base, causal=True, variant="causal"),
+                    dataclasses.replace(base, causal=True, window=(side, 0),
+                                        variant=f"window {side}"),
+                    dataclasses.replace(base, q_lens=lens, kv_lens=lens, variant="lengths"),
+                    dataclasses.replace(base, causal=True, num_kv_heads=kv,
+                                        variant=f"GQA {n}/{kv}"),
+                    dataclasses.replace(base, bias_shape=(1, n, t, t), variant="bias [1,N,T,S]"),
+                    dataclasses.replace(base, mask_docs=tuple(min(2 ** i, t) for i in
+                                                              range(batch)),
+                                        variant="mask [B,1,T,S]"),
+                ]
+    return configs
+
+
 # ----------------------------------------------------------------------------- implementations
 
 
@@ -234,20 +369,33 @@ def available_impls(requested: Sequence[str]) -> list[str]:
     return [i for i in requested if i != "cudnn" or on_gpu()]
 
 
-def attention_fn(impl: str, causal: bool) -> Callable:
-    """(q, k, v) -> out for one implementation."""
+def attention_fn(impl: str, causal: bool, window: tuple[int, int] | None = None) -> Callable:
+    """(q, k, v, **extras) -> out for one implementation; `extras` are `Inputs.extras` (bias,
+    mask, lengths), the same keywords for every implementation."""
+    options = dict(is_causal=causal)
+    if window is not None:
+        options["local_window_size"] = window
     if impl == "ours":
         import jax_flashattn
-        return functools.partial(jax_flashattn.attention, is_causal=causal,
-                                 implementation=ours_implementation())
-    return functools.partial(jax.nn.dot_product_attention, is_causal=causal, implementation=impl)
+        return functools.partial(jax_flashattn.attention, implementation=ours_implementation(),
+                                 **options)
+    return functools.partial(jax.nn.dot_product_attention, implementation=impl, **options)
 
 
-def _call(fn, mode, q, k, v, g):
-    """The outputs one call produces: (out,) or (out, dq, dk, dv)."""
+def config_attention_fn(impl: str, cfg: Config) -> Callable:
+    """`attention_fn` with the config's static options."""
+    if cfg.window is None:
+        return attention_fn(impl, cfg.causal)
+    return attention_fn(impl, cfg.causal, cfg.window)
+
+
+def _call(fn, mode, q, k, v, g, extras=None):
+    """The outputs one call produces: (out,) or (out, dq, dk, dv); the gradients are those of
+    q, k and v only (none of a bias)."""
+    extras = extras or {}
     if mode == "fwd":
-        return (fn(q, k, v),)
-    out, vjp = jax.vjp(fn, q, k, v)
+        return (fn(q, k, v, **extras),)
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, **extras), q, k, v)
     return (out, *vjp(g))
 
 
@@ -265,6 +413,12 @@ def _normal(key, shape, dtype):
     return _flat_normal(key, math.prod(shape), dtype).reshape(shape)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _document_mask(ids, seqlen_q, seqlen_k):
+    """bool [B, 1, T, S]: query t sees key s where both lie in one document."""
+    return (ids[:, None, :seqlen_q, None] == ids[:, None, None, :seqlen_k])
+
+
 class Inputs:
     """`n_sets` independent (q, k, v) sets plus a cotangent g, drawn on the device.
 
@@ -275,6 +429,24 @@ class Inputs:
         self.cfg, self.n_sets, self.seed = cfg, n_sets, seed
         self._suspect = False
         self.sets, self.g = self._draw()
+        self.extras = self._draw_extras()
+
+    def _draw_extras(self) -> dict:
+        """The config's extra arguments, by `attention`'s keyword: bias (standard normal, the
+        input dtype), mask, query_seq_lengths and key_value_seq_lengths (int32). One copy for
+        every set; never donated."""
+        cfg, extras = self.cfg, {}
+        if cfg.bias_shape is not None:
+            key = jax.random.fold_in(jax.random.key(self.seed), 1 << 20)
+            extras["bias"] = _normal(key, cfg.bias_shape, jnp.dtype(cfg.jnp_dtype))
+        if cfg.mask_docs is not None:
+            ids = np.stack([document_ids(d, cfg.mask_length) for d in cfg.mask_docs])
+            extras["mask"] = _document_mask(jnp.asarray(ids), cfg.seqlen_q, cfg.seqlen_k)
+        if cfg.q_lens is not None:
+            extras["query_seq_lengths"] = jnp.asarray(cfg.q_lens, jnp.int32)
+        if cfg.kv_lens is not None:
+            extras["key_value_seq_lengths"] = jnp.asarray(cfg.kv_lens, jnp.int32)
+        return extras
 
     def _draw(self):
         cfg = self.cfg
@@ -381,11 +553,34 @@ class ReferenceSlice:
         return _take(x, self.batch_index, rows,
                      heads=self.kv_heads * (cfg.group if per_query_head else 1))
 
+    def take_extras(self, cfg: "Config", extras: dict) -> dict:
+        """The extras (`Inputs.extras`) of the slice: bias and mask [B or 1, N or 1, T, S] at
+        the checked batch entries, heads and query rows (every key), lengths at the batch
+        entries."""
+        heads = self.kv_heads * cfg.group
+        sliced = {}
+        for name, x in extras.items():
+            if name in ("bias", "mask"):
+                sliced[name] = _take_logits_shaped(x, self.batch_index, self.rows, heads=heads)
+            else:
+                sliced[name] = x[self.batch_index]
+        return sliced
+
 
 @functools.partial(jax.jit, static_argnames="heads")
 def _take(x, batch_index, rows, *, heads):
     x = x[batch_index, :, :heads]
     return x if rows is None else x[:, rows]
+
+
+@functools.partial(jax.jit, static_argnames="heads")
+def _take_logits_shaped(x, batch_index, rows, *, heads):
+    """`_take` for a [B or 1, N or 1, T or 1, S] bias or mask (a broadcast dim stays 1)."""
+    if x.shape[0] > 1:
+        x = x[batch_index]
+    if x.shape[1] > 1:
+        x = x[:, :heads]
+    return x if rows is None or x.shape[2] == 1 else x[:, :, rows]
 
 
 def _slice_plan(cfg: Config, budget: int, max_rows: int | None):
@@ -402,27 +597,56 @@ def _slice_plan(cfg: Config, budget: int, max_rows: int | None):
     return batch_index, rows.astype(np.int32) if rows is not None else None, kv_heads
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "dtype"))
-def _reference_forward(q, k, v, rows, *, causal, dtype):
-    """Exact and P-rounded reference outputs for query rows `rows` (causal masks by the rows'
-    true positions, as the full problem would)."""
-    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    mask = None
+def _row_visibility(rows, seqlen_k, *, causal, window, q_lens, kv_lens, mask):
+    """bool [b or 1, 1 or n, r, S] (None where nothing is hidden): which keys query rows
+    `rows` (their true positions) see, by `reference.visibility`'s rules; q_lens, kv_lens and
+    mask are already sliced to the checked batch entries (and the mask to the rows)."""
+    if not (causal or window is not None or q_lens is not None or kv_lens is not None
+            or mask is not None):
+        return None
+    t = rows[:, None]
+    s = jnp.arange(seqlen_k)[None, :]
+    keep = jnp.ones((len(rows), seqlen_k), bool)
     if causal:
-        mask = (jnp.arange(k.shape[1])[None, :] <= rows[:, None])[None, None]
-    exact = reference.attention(q, k, v, mask=mask)
-    rounded = reference.attention(q, k, v, mask=mask, p_dtype=DTYPES[dtype])
-    magnitude = reference.attention(q, k, jnp.abs(v), mask=mask)
+        keep &= s <= t
+    if window is not None:
+        left, right = window
+        keep &= (s >= t - left) & (s <= t + right)
+    keep = keep[None, None]
+    if q_lens is not None:
+        keep = keep & (rows[None, :] < q_lens[:, None])[:, None, :, None]
+    if kv_lens is not None:
+        keep = keep & (jnp.arange(seqlen_k)[None, :] < kv_lens[:, None])[:, None, None, :]
+    if mask is not None:
+        keep = keep & mask
+    return keep
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "window", "dtype"))
+def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype):
+    """Exact and P-rounded reference outputs for query rows `rows` (causal, window, lengths
+    and mask mask by the rows' true positions, as the full problem would; `extras` are sliced
+    by `ReferenceSlice.take_extras`)."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    mask = _row_visibility(rows, k.shape[1], causal=causal, window=window,
+                           q_lens=extras.get("query_seq_lengths"),
+                           kv_lens=extras.get("key_value_seq_lengths"), mask=extras.get("mask"))
+    f = functools.partial(reference.attention, bias=extras.get("bias"), mask=mask)
+    exact = f(q, k, v)
+    rounded = f(q, k, v, p_dtype=DTYPES[dtype])
+    magnitude = f(q, k, jnp.abs(v))
     return exact, rounded.astype(DTYPES[dtype]), magnitude
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "dtype"))
-def _reference_forward_backward(q, k, v, g, *, causal, dtype):
+@functools.partial(jax.jit, static_argnames=("causal", "window", "dtype"))
+def _reference_forward_backward(q, k, v, g, extras, *, causal, window, dtype):
+    """Every query row: the options go to `reference.attention` as its own arguments."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    f = functools.partial(reference.attention, is_causal=causal)
+    f = functools.partial(reference.attention, is_causal=causal, local_window_size=window,
+                          **extras)
     exact, vjp = jax.vjp(f, q, k, v)
-    rounded = reference.attention(q, k, v, is_causal=causal, p_dtype=DTYPES[dtype])
-    magnitude = reference.attention(q, k, jnp.abs(v), is_causal=causal)
+    rounded = f(q, k, v, p_dtype=DTYPES[dtype])
+    magnitude = f(q, k, jnp.abs(v))
     grads = dict(zip(("dq", "dk", "dv"), vjp(g.astype(jnp.float32))))
     return exact, rounded.astype(DTYPES[dtype]), magnitude, grads
 
@@ -448,16 +672,17 @@ def reference_slice(cfg: Config, inputs: Inputs, with_grads: bool,
                                                   FORWARD_CHECK_ROWS)
     plan = ReferenceSlice(batch_index, rows, kv_heads, None, None, None)
     sliced = (plan.take(cfg, q), plan.take(cfg, k, False), plan.take(cfg, v, False))
+    extras = plan.take_extras(cfg, inputs.extras)
     device = _reference_device()
     if with_grads:
-        args = jax.device_put(sliced + (plan.take(cfg, inputs.g),), device)
+        args = jax.device_put(sliced + (plan.take(cfg, inputs.g), extras), device)
         plan.exact, plan.rounded, plan.magnitude, plan.grads = _reference_forward_backward(
-            *args, causal=cfg.causal, dtype=cfg.dtype)
+            *args, causal=cfg.causal, window=cfg.window, dtype=cfg.dtype)
     else:
         all_rows = np.arange(cfg.seqlen_q, dtype=np.int32) if rows is None else rows
-        args = jax.device_put(sliced + (all_rows,), device)
+        args = jax.device_put(sliced + (all_rows, extras), device)
         plan.exact, plan.rounded, plan.magnitude = _reference_forward(
-            *args, causal=cfg.causal, dtype=cfg.dtype)
+            *args, causal=cfg.causal, window=cfg.window, dtype=cfg.dtype)
     jax.block_until_ready((plan.exact, plan.rounded, plan.grads))
     return plan
 
@@ -515,9 +740,10 @@ class TimingSettings:
 
 
 def build_runner(fn: Callable, mode: str, iters: int):
-    """jit(sets, results, g) -> (sets, results): `iters` rounds of one call per set; see the
-    module docstring for why each call depends on the previous one, and how."""
-    def run(sets, results, g):
+    """jit(sets, results, g, extras=None) -> (sets, results): `iters` rounds of one call per
+    set (each passed `extras`, not donated); see the module docstring for why each call depends
+    on the previous one, and how."""
+    def run(sets, results, g, extras=None):
         origin = (0,) * sets[0][0].ndim
         one = (1,) * sets[0][0].ndim
         # Materialized before the loop: XLA 0.11 otherwise re-slices each first element from
@@ -534,14 +760,15 @@ def build_runner(fn: Callable, mode: str, iters: int):
                 r = r.astype(q.dtype)
                 q = lax.dynamic_update_slice(q, jnp.where(r != r, r, first), origin)
                 new_sets.append((q, k, v))
-                new_results.append(_call(fn, mode, q, k, v, g))
+                new_results.append(_call(fn, mode, q, k, v, g, extras))
             return new_sets, new_results
         return lax.fori_loop(0, iters, body, (sets, results), unroll=min(iters, RUNNER_UNROLL))
     return jax.jit(run, donate_argnums=(0, 1))
 
 
 def _empty_results(fn, mode, inputs: Inputs):
-    shapes = jax.eval_shape(functools.partial(_call, fn, mode), *inputs.sets[0], inputs.g)
+    shapes = jax.eval_shape(functools.partial(_call, fn, mode), *inputs.sets[0], inputs.g,
+                            inputs.extras)
     return [tuple(jnp.zeros(s.shape, s.dtype) for s in shapes) for _ in inputs.sets]
 
 
@@ -567,7 +794,8 @@ class _Timed:
 
     def run(self, inputs: Inputs) -> float:
         t0 = time.perf_counter()
-        inputs.sets, self.results = self.compiled(inputs.sets, self.results, inputs.g)
+        inputs.sets, self.results = self.compiled(inputs.sets, self.results, inputs.g,
+                                                  inputs.extras)
         jax.block_until_ready(self.results)
         return time.perf_counter() - t0
 
@@ -586,21 +814,21 @@ def prepare(cfg: Config, impl: str, mode: str, inputs: Inputs, ref: ReferenceSli
     no timer."""
     record = dict(impl=impl, mode=mode, status="error", message="")
     try:
-        fn = attention_fn(impl, cfg.causal)
+        fn = config_attention_fn(impl, cfg)
         iters = settings.iterations(cfg, mode)
         calls = iters * inputs.n_sets
         runner = build_runner(fn, mode, iters)
         inputs.ensure_alive()
         t0 = time.perf_counter()
         results = _empty_results(fn, mode, inputs)
-        lowered = runner.lower(inputs.sets, results, inputs.g)
+        lowered = runner.lower(inputs.sets, results, inputs.g, inputs.extras)
         record["lower_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         compiled = lowered.compile()
         record["compile_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        inputs.sets, results = compiled(inputs.sets, results, inputs.g)
+        inputs.sets, results = compiled(inputs.sets, results, inputs.g, inputs.extras)
         jax.block_until_ready(results)
         warm_s = time.perf_counter() - t0
         record.update(warmup_s=warm_s, iterations=iters, calls=calls)
@@ -755,9 +983,15 @@ class Progress:
 
 
 def config_record(cfg: Config) -> dict:
-    return dict(kind=cfg.kind, dtype=cfg.dtype, batch=cfg.batch, seqlen_q=cfg.seqlen_q,
-                seqlen_k=cfg.seqlen_k, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                head_dim=cfg.head_dim, causal=cfg.causal)
+    record = dict(kind=cfg.kind, dtype=cfg.dtype, batch=cfg.batch, seqlen_q=cfg.seqlen_q,
+                  seqlen_k=cfg.seqlen_k, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                  head_dim=cfg.head_dim, causal=cfg.causal)
+    if cfg.kind == "variants":
+        # The options, and the share of the B·T·S logits a call computes (FLOPs count those).
+        record.update(variant=cfg.variant, window=cfg.window, q_lens=cfg.q_lens,
+                      kv_lens=cfg.kv_lens, bias_shape=cfg.bias_shape, mask_docs=cfg.mask_docs,
+                      visible=cfg.visible_pairs() / (cfg.batch * cfg.seqlen_q * cfg.seqlen_k))
+    return record
 
 
 def run_benchmark(configs: Sequence[Config], impls: Sequence[str], modes: Sequence[str],
@@ -916,7 +1150,7 @@ def _group(records):
     for r in records:
         key = (r["kind"], r["dtype"], r["mode"])
         ckey = (r["seqlen_q"], r["seqlen_k"], r["head_dim"], r["causal"], r["batch"],
-                r["num_heads"], r["num_kv_heads"])
+                r["num_heads"], r["num_kv_heads"], r.get("variant", ""))
         groups.setdefault(key, {}).setdefault(ckey, {})[r["impl"]] = r
     return groups
 
@@ -949,6 +1183,25 @@ def markdown_tables(records: Sequence[dict], impls: Sequence[str],
                     ours = by_impl.get("ours")
                     row.append(f"{ours['kv_tbps'] / copy_tbps:.2f}"
                                if ours and ours["status"] == "ok" else "-")
+        elif kind == "variants":
+            title = (f"{dtype} {MODE_TITLES[mode]} TFLOP/s, options: B={first['batch']}, "
+                     f"N={first['num_heads']}, H={first['head_dim']}, T = S; FLOPs count the "
+                     f"visible logits only (visible: their share of B*T*S)")
+            header = (["T", "variant", "causal", "visible"] + [f"{i} TFLOP/s" for i in impls]
+                      + [f"{i} ms" for i in impls])
+            with_ratio = "ours" in impls and base and base != "ours"
+            if with_ratio:
+                header.append(f"ours/{base}")
+            rows = []
+            for by_impl in rows_by_config.values():
+                r = next(iter(by_impl.values()))
+                row = [str(r["seqlen_q"]), r["variant"], "yes" if r["causal"] else "no",
+                       f"{r['visible']:.2f}"]
+                row += [_cell(by_impl.get(i), "tflops") for i in impls]
+                row += [_cell(by_impl.get(i), "seconds", 1e3) for i in impls]
+                if with_ratio:
+                    row.append(_ratio(by_impl.get("ours"), by_impl.get(base), "tflops"))
+                rows.append(row)
         else:
             tokens = first["batch"] * first["seqlen_q"]
             title = (f"{dtype} {MODE_TITLES[mode]} TFLOP/s: {tokens} tokens per batch "
