@@ -2,8 +2,8 @@
 #include <exception>
 #include <string>
 
+#include "ffi/call_frame.h"
 #include "ffi/cpu/attention_cpu.h"
-#include "ffi/decode.h"
 
 namespace jax_flashattn {
 namespace {

@@ -9,9 +9,9 @@
 
 #include <string>
 
+#include "ffi/call_frame.h"
 #include "ffi/cuda/dispatch.h"
 #include "ffi/cuda/launch.h"
-#include "ffi/decode.h"
 
 namespace jax_flashattn {
 namespace {

@@ -10,8 +10,8 @@
 #include <utility>
 #include <vector>
 
-#include "ffi/cuda/sm80/decode_plan.h"
-#include "ffi/decode.h"
+#include "ffi/call_frame.h"
+#include "ffi/decode_plan.h"
 #ifdef JAX_FLASHATTN_WITH_CUDA
 #include <stdexcept>
 
@@ -39,7 +39,7 @@ std::vector<std::string> CudaArchitectures() {
   return archs;
 }
 
-// Floats of decode workspace the C++ split rule (cuda/sm80/decode_plan.h) needs for a call of
+// Floats of decode workspace the C++ split rule (ffi/decode_plan.h) needs for a call of
 // this shape, dtype code (0 float32, 1 bfloat16, 2 float16) and options on a device with
 // `multiprocessors` SMs; 0 when the shape never takes the decode kernel. Python sizes the
 // forward call's decode workspace with it (jax_flashattn._ops.decode_workspace_size), so the

@@ -66,7 +66,7 @@ struct AttentionParams {
   // stream before each launch); nullptr when the call has none.
   int* tile_counter = nullptr;
   // Forward workspace of the split-KV decode kernel (float32; layout in
-  // cuda/sm80/decode_plan.h) and its size in floats; nullptr / 0 when the call has none.
+  // ffi/decode_plan.h) and its size in floats; nullptr / 0 when the call has none.
   float* decode_workspace = nullptr;
   int64_t decode_workspace_floats = 0;
 

@@ -17,7 +17,7 @@ ForwardKernel choose_forward_kernel(const AttentionParams& p, int device);
 // How a call that takes a split-KV decode kernel runs on CUDA device `device` (the current
 // one): its key ranges (splits) per work unit, how many of them one block runs (one per
 // warpgroup), and whether they merge inside each unit's thread block cluster or through the
-// workspace and the combine kernel (sm80/decode_launch.cuh). splits = 0 for a call that takes
+// workspace and the combine kernel (decode/mma_sync_launch.cuh). splits = 0 for a call that takes
 // no decode kernel.
 struct DecodeLayout {
   int64_t splits = 0;

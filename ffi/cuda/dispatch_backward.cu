@@ -8,14 +8,14 @@
 
 #include <iterator>
 
+#include "ffi/cuda/common/backward_elementwise.cuh"
+#include "ffi/cuda/common/tensor_maps.h"
 #include "ffi/cuda/dispatch.h"
+#include "ffi/cuda/hopper_availability.h"
 #include "ffi/cuda/launch.h"
-#include "ffi/cuda/sm80/backward_elementwise.cuh"
-#include "ffi/cuda/sm80/backward_traits.h"
-#include "ffi/cuda/sm90/availability.h"
-#include "ffi/cuda/sm90/backward_traits.h"
-#include "ffi/cuda/sm90/tensor_maps.h"
-#include "ffi/cuda/sm90/traits.h"
+#include "ffi/cuda/mma_sync/backward_traits.h"
+#include "ffi/cuda/wgmma/backward_traits.h"
+#include "ffi/cuda/wgmma/traits.h"
 
 namespace jax_flashattn::cuda {
 namespace {

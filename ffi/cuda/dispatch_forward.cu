@@ -3,7 +3,7 @@
 // smallest instantiated head dim that holds it), the CUDA-core kernel for everything else.
 // A scale <= 0 also takes the CUDA-core kernel: the tensor-core softmax takes the row maximum
 // before scaling and multiplies masked (-inf) scores by the scale, which needs scale > 0.
-// Decoding shapes (few query rows per kv head, a long key sequence; sm80/decode_plan.h) take
+// Decoding shapes (few query rows per kv head, a long key sequence; ffi/decode_plan.h) take
 // a split-KV decode kernel on every architecture, ahead of the others, when the call's
 // workspace holds its splits: on Hopper the wgmma one where it applies
 // (sm90::decode_kernel_applies), else the mma.sync one; calls with a bias or boolean mask keep
@@ -13,13 +13,13 @@
 
 #include <iterator>
 
+#include "ffi/cuda/common/tensor_maps.h"
 #include "ffi/cuda/dispatch.h"
+#include "ffi/cuda/hopper_availability.h"
 #include "ffi/cuda/launch.h"
-#include "ffi/cuda/sm80/decode_plan.h"
-#include "ffi/cuda/sm80/traits.h"
-#include "ffi/cuda/sm90/availability.h"
-#include "ffi/cuda/sm90/tensor_maps.h"
-#include "ffi/cuda/sm90/traits.h"
+#include "ffi/cuda/mma_sync/traits.h"
+#include "ffi/cuda/wgmma/traits.h"
+#include "ffi/decode_plan.h"
 
 namespace jax_flashattn::cuda {
 namespace {
@@ -81,7 +81,7 @@ bool decode_plan_for(const AttentionParams& p, int device, sm80::DecodePlan& pla
 // its merge and block shape decided (plan.cluster_merge, plan.splits_per_block): the one place
 // the launch and decode_layout ask. One split per block where its clusters are resident or
 // the combine is the only way; on the wgmma kernel, two splits per block where that makes the
-// clusters resident (an even split count; sm90/decode_traits.h).
+// clusters resident (an even split count; decode/wgmma_traits.h).
 bool decode_plan_with_merge(const AttentionParams& p, int device, ForwardKernel kernel,
                             sm80::DecodePlan& plan) {
   if (!decode_plan_for(p, device, plan)) return false;

@@ -7,7 +7,7 @@
 #include <mutex>
 #include <utility>
 
-#include "ffi/cuda/sm80/decode_plan.h"
+#include "ffi/decode_plan.h"
 #include "ffi/params.h"
 
 namespace jax_flashattn::cuda {

@@ -58,7 +58,7 @@ class KernelSwitches(NamedTuple):
     sm80_cp_async: bool = False
 
     def attrs(self) -> dict:
-        """The custom call's attributes (int32 0/1, as ffi/decode.h decodes them)."""
+        """The custom call's attributes (int32 0/1, as ffi/call_frame.h decodes them)."""
         return {name: np.int32(value) for name, value in self._asdict().items()}
 
 

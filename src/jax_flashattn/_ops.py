@@ -39,7 +39,7 @@ def decode_workspace_size(q_shape, k_shape, dtype, *, scale: float, has_bias: bo
                           has_mask: bool) -> int:
     """Float32 elements of the decode kernel's workspace for q [..., B, T, N, H] and
     k [..., B, S, K, H]: its splits' partial O and lse ([B*K, splits, T*N/K, H + 1]) at the
-    largest split count the C++ rule (ffi/cuda/sm80/decode_plan.h) gives a call of this shape
+    largest split count the C++ rule (ffi/decode_plan.h) gives a call of this shape
     (with per-batch key lengths) on a GPU with the most SMs it sizes for (a device with more
     runs as many splits as this holds); 0 when the call can never take the decode kernel."""
     *lead, t, n, h = q_shape

@@ -1,9 +1,10 @@
-// Helpers shared by the CUDA-core kernels: element conversion and warp reductions.
+// Helpers shared by the CUDA-core kernels: row dot products and weighted row sums.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "ffi/cuda/common/scalar.cuh"
 #include "ffi/cuda/common/softmax.cuh"  // kLog2e, kLn2
 
 namespace jax_flashattn::cuda::simt {
@@ -11,32 +12,6 @@ namespace jax_flashattn::cuda::simt {
 constexpr int kWarps = 4;  // rows (query or key) per block, one warp each
 // A block's float32 row buffers must fit the opt-in shared memory of every sm_80+ GPU.
 constexpr int64_t kMaxSmemBytes = 99 * 1024;
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-
-template <typename Elem>
-__device__ __forceinline__ Elem from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-
-__device__ __forceinline__ float warp_max(float x) {
-  for (int offset = 16; offset > 0; offset /= 2)
-    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
-  return x;
-}
-
-__device__ __forceinline__ float warp_sum(float x) {
-  for (int offset = 16; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffff, x, offset);
-  return x;
-}
 
 // Dot product of a float row in shared memory with a global row of Elem, by one lane.
 template <typename Elem>

@@ -1,0 +1,249 @@
+#include "ffi/call_frame.h"
+
+#include <tuple>
+#include <string>
+
+namespace jax_flashattn {
+namespace {
+
+// Only error paths call this: a valid call builds no strings at all.
+std::string ShapeString(const ffi::AnyBuffer& b) {
+  std::string text = "[";
+  auto dims = b.dimensions();
+  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
+  return text + "]";
+}
+
+ffi::Error Invalid(const std::string& message) {
+  return ffi::Error::InvalidArgument("jax_flashattn: " + message);
+}
+
+bool ToElemType(ffi::DataType t, ElemType& out) {
+  switch (t) {
+    case ffi::DataType::F32: out = ElemType::kFloat32; return true;
+    case ffi::DataType::BF16: out = ElemType::kBFloat16; return true;
+    case ffi::DataType::F16: out = ElemType::kFloat16; return true;
+    default: return false;
+  }
+}
+
+// Product of the dimensions before the trailing `tail` ones.
+int64_t LeadingProduct(const ffi::AnyBuffer& b, size_t tail) {
+  int64_t n = 1;
+  auto dims = b.dimensions();
+  for (size_t i = 0; i + tail < dims.size(); ++i) n *= dims[i];
+  return n;
+}
+
+// bias or mask: rank of q, the vmapped (outer) dimensions equal to q's, the last four each 1
+// or the full (B, N, T, S). Contiguous row-major, so a broadcast dim simply gets stride 0.
+ffi::Error BroadcastStridesOf(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q,
+                              const AttentionParams& p, const char* name,
+                              BroadcastStrides& strides) {
+  auto xd = x.dimensions();
+  auto qd = q.dimensions();
+  auto mismatch = [&] {
+    return Invalid(std::string(name) + " must broadcast to [..., B, N, T, S] with query " +
+                   ShapeString(q) + ", got " + ShapeString(x));
+  };
+  if (xd.size() != qd.size()) return mismatch();
+  const size_t r = xd.size();
+  for (size_t i = 0; i + 4 < r; ++i)
+    if (xd[i] != qd[i]) return mismatch();
+  const int64_t full[4] = {p.batch_inner, p.num_heads, p.seqlen_q, p.seqlen_k};
+  int64_t stride[4];
+  int64_t running = 1;
+  for (int i = 3; i >= 0; --i) {
+    const int64_t d = xd[r - 4 + i];
+    if (d != 1 && d != full[i]) return mismatch();
+    stride[i] = d == 1 ? 0 : running;
+    running *= d;
+  }
+  strides.batch_outer = r > 4 ? running : 0;
+  strides.batch_inner = stride[0];
+  strides.head = stride[1];
+  strides.row = stride[2];
+  strides.col = stride[3];
+  return ffi::Error::Success();
+}
+
+ffi::Error SeqLengths(const ffi::AnyBuffer& x, const AttentionParams& p, const char* name,
+                      const int32_t*& out) {
+  if (x.element_type() != ffi::DataType::S32 || x.element_count() != size_t(p.batch))
+    return Invalid(std::string(name) + " must be int32 with one entry per batch element (" +
+                   std::to_string(p.batch) + "), got " + ShapeString(x));
+  out = static_cast<const int32_t*>(x.untyped_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckLike(const ffi::AnyBuffer& buffer, const ffi::AnyBuffer& like, const char* what) {
+  auto a = buffer.dimensions();
+  auto b = like.dimensions();
+  bool same = a.size() == b.size() && buffer.element_type() == like.element_type();
+  for (size_t i = 0; same && i < a.size(); ++i) same = a[i] == b[i];
+  if (!same)
+    return Invalid(std::string(what) + " must have shape " + ShapeString(like) +
+                   " and the same dtype, got " + ShapeString(buffer));
+  return ffi::Error::Success();
+}
+
+// A float32 statistic per (batch, head, query row): lse, or the backward's D.
+ffi::Error CheckRowStats(const ffi::AnyBuffer& x, const AttentionParams& p, const char* name) {
+  if (x.element_type() != ffi::DataType::F32 ||
+      x.element_count() != size_t(p.batch * p.num_heads * p.seqlen_q))
+    return Invalid(std::string(name) + " must be float32 [..., N, T], got " + ShapeString(x));
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                        const ffi::RemainingArgs& optional, const CallAttrs& attrs,
+                        AttentionParams& p) {
+  auto qd = q.dimensions();
+  auto kd = k.dimensions();
+  if (qd.size() < 4 || kd.size() != qd.size())
+    return Invalid("query must be [..., B, T, N, H] and key the same rank, got query " +
+                   ShapeString(q) + ", key " + ShapeString(k));
+  const size_t r = qd.size();
+  for (size_t i = 0; i + 3 < r; ++i)
+    if (qd[i] != kd[i])
+      return Invalid("query " + ShapeString(q) + " and key " + ShapeString(k) +
+                     " disagree on the batch dimensions");
+  if (ffi::Error e = CheckLike(v, k, "value"); e.failure()) return e;
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
+      !ToElemType(q.element_type(), p.dtype))
+    return Invalid("query, key and value must share one dtype among float32, bfloat16, float16");
+  p.batch = LeadingProduct(q, 3);
+  p.batch_inner = qd[r - 4];
+  p.seqlen_q = qd[r - 3];
+  p.num_heads = qd[r - 2];
+  p.head_dim = qd[r - 1];
+  p.seqlen_k = kd[r - 3];
+  p.num_kv_heads = kd[r - 2];
+  if (kd[r - 1] != p.head_dim || p.num_kv_heads < 1 || p.num_heads % p.num_kv_heads != 0)
+    return Invalid("key " + ShapeString(k) + " does not fit query " + ShapeString(q) +
+                   " (same head dim, N % K == 0)");
+  p.q_head_stride = p.head_dim;
+  p.q_row_stride = p.num_heads * p.head_dim;
+  p.q_batch_stride = p.seqlen_q * p.q_row_stride;
+  p.kv_head_stride = p.head_dim;
+  p.kv_row_stride = p.num_kv_heads * p.head_dim;
+  p.kv_batch_stride = p.seqlen_k * p.kv_row_stride;
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.scale = attrs.scale;
+  p.window_left = attrs.window_left;
+  p.window_right = attrs.window_right;
+  p.disable_sm90 = attrs.disable_sm90 != 0;
+  p.sm80_cp_async = attrs.sm80_cp_async != 0;
+
+  const size_t expected = size_t(attrs.has_bias != 0) + size_t(attrs.has_mask != 0) +
+                          size_t(attrs.has_q_seqlens != 0) + size_t(attrs.has_kv_seqlens != 0);
+  if (optional.size() != expected)
+    return Invalid("expected " + std::to_string(expected) + " optional operands, got " +
+                   std::to_string(optional.size()));
+  size_t next = 0;
+  if (attrs.has_bias) {
+    auto bias = optional.get<ffi::AnyBuffer>(next++);
+    if (!bias.has_value()) return bias.error();
+    if (!ToElemType(bias->element_type(), p.bias_dtype))
+      return Invalid("bias must be float32, bfloat16 or float16");
+    if (ffi::Error e = BroadcastStridesOf(*bias, q, p, "bias", p.bias_strides); e.failure())
+      return e;
+    p.bias = bias->untyped_data();
+  }
+  if (attrs.has_mask) {
+    auto mask = optional.get<ffi::AnyBuffer>(next++);
+    if (!mask.has_value()) return mask.error();
+    if (mask->element_type() != ffi::DataType::PRED) return Invalid("mask must be bool");
+    if (ffi::Error e = BroadcastStridesOf(*mask, q, p, "mask", p.mask_strides); e.failure())
+      return e;
+    p.mask = static_cast<const bool*>(mask->untyped_data());
+  }
+  if (attrs.has_q_seqlens) {
+    auto lens = optional.get<ffi::AnyBuffer>(next++);
+    if (!lens.has_value()) return lens.error();
+    if (ffi::Error e = SeqLengths(*lens, p, "query_seq_lengths", p.q_seqlens); e.failure())
+      return e;
+  }
+  if (attrs.has_kv_seqlens) {
+    auto lens = optional.get<ffi::AnyBuffer>(next++);
+    if (!lens.has_value()) return lens.error();
+    if (ffi::Error e = SeqLengths(*lens, p, "key_value_seq_lengths", p.kv_seqlens); e.failure())
+      return e;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error DecodeForward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                         const ffi::AnyBuffer& v, const ffi::RemainingArgs& optional,
+                         ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& lse,
+                         ffi::Result<ffi::AnyBuffer>& workspace,
+                         ffi::Result<ffi::AnyBuffer>& decode_workspace, const CallAttrs& attrs,
+                         AttentionParams& p) {
+  if (ffi::Error e = DecodeInputs(q, k, v, optional, attrs, p); e.failure()) return e;
+  if (ffi::Error e = CheckLike(*out, q, "out"); e.failure()) return e;
+  if (ffi::Error e = CheckRowStats(*lse, p, "lse"); e.failure()) return e;
+  if (workspace->element_type() != ffi::DataType::S32 || workspace->element_count() < 1)
+    return Invalid("the forward workspace must hold at least one int32, got " +
+                   ShapeString(*workspace));
+  p.out = out->untyped_data();
+  p.lse = static_cast<float*>(lse->untyped_data());
+  p.tile_counter = static_cast<int*>(workspace->untyped_data());
+  // Any size: the dispatcher runs only as many splits as it holds (none: the normal kernels).
+  if (decode_workspace->element_type() != ffi::DataType::F32)
+    return Invalid("the forward's decode workspace must be float32, got " +
+                   ShapeString(*decode_workspace));
+  p.decode_workspace_floats = int64_t(decode_workspace->element_count());
+  p.decode_workspace = p.decode_workspace_floats > 0
+                           ? static_cast<float*>(decode_workspace->untyped_data())
+                           : nullptr;
+  return ffi::Error::Success();
+}
+
+ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                          const ffi::AnyBuffer& v, const ffi::AnyBuffer& out,
+                          const ffi::AnyBuffer& lse, const ffi::AnyBuffer& d_out,
+                          const ffi::RemainingArgs& optional, ffi::Result<ffi::AnyBuffer>& dq,
+                          ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv,
+                          ffi::Result<ffi::AnyBuffer>& dq_accum,
+                          ffi::Result<ffi::AnyBuffer>& delta, const ffi::RemainingRets& dbias,
+                          const CallAttrs& attrs, AttentionParams& p) {
+  if (ffi::Error e = DecodeInputs(q, k, v, optional, attrs, p); e.failure()) return e;
+  for (auto [buffer, like, what] : {std::tuple{&out, &q, "out"}, {&d_out, &q, "d_out"},
+                                    {&*dq, &q, "dq"}, {&*dk, &k, "dk"}, {&*dv, &k, "dv"}}) {
+    if (ffi::Error e = CheckLike(*buffer, *like, what); e.failure()) return e;
+  }
+  if (ffi::Error e = CheckRowStats(lse, p, "lse"); e.failure()) return e;
+  p.out = const_cast<void*>(out.untyped_data());
+  p.lse = static_cast<float*>(lse.untyped_data());
+  p.d_out = d_out.untyped_data();
+  p.dq = dq->untyped_data();
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
+  if (dq_accum->element_type() != ffi::DataType::F32 ||
+      dq_accum->element_count() != q.element_count())
+    return Invalid("dq_accum must be float32 shaped like query " + ShapeString(q) + ", got " +
+                   ShapeString(*dq_accum));
+  if (ffi::Error e = CheckRowStats(*delta, p, "delta"); e.failure()) return e;
+  p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
+  p.delta = static_cast<float*>(delta->untyped_data());
+  p.deterministic = attrs.deterministic != 0;
+  // The bias gradient is a result only where the caller needs it (never without a bias).
+  if (dbias.size() > size_t(p.bias != nullptr))
+    return Invalid("expected a dbias result only where a bias is given");
+  if (dbias.size() == 1) {
+    auto result = dbias.get<ffi::AnyBuffer>(0);
+    if (!result.has_value()) return result.error();
+    ffi::AnyBuffer grad = **result;
+    if (grad.element_type() != ffi::DataType::F32 ||
+        grad.element_count() != size_t(p.batch * p.num_heads * p.seqlen_q * p.seqlen_k))
+      return Invalid("dbias must be float32 [..., B, N, T, S], got " + ShapeString(grad));
+    p.dbias = static_cast<float*>(grad.untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_flashattn

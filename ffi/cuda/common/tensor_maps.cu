@@ -1,0 +1,148 @@
+// cuTensorMapEncodeTiled comes from the driver through the runtime's entry-point query, so the
+// module links against cudart only and loads wherever the driver does.
+#include "ffi/cuda/common/tensor_maps.h"
+
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+
+namespace jax_flashattn::sm90 {
+namespace {
+
+using EncodeTiled = PFN_cuTensorMapEncodeTiled_v12000;
+
+EncodeTiled encode_tiled() {
+  static const EncodeTiled function = [] {
+    void* address = nullptr;
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t error = cudaGetDriverEntryPointByVersion(
+        "cuTensorMapEncodeTiled", &address, 12000, cudaEnableDefault, &status);
+#else
+    const cudaError_t error =
+        cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &address, cudaEnableDefault, &status);
+#endif
+    const bool found = error == cudaSuccess && status == cudaDriverEntryPointSuccess;
+    return found ? reinterpret_cast<EncodeTiled>(address) : nullptr;
+  }();
+  return function;
+}
+
+constexpr int64_t kElemBytes = 2;
+constexpr cuuint32_t kSpanElems = 64;  // 128 bytes: the widest box the 128-byte swizzle allows
+
+cudaError_t encode(CUtensorMap& map, ElemType dtype, const void* base, int64_t head_dim,
+                   int64_t heads, int64_t rows, int64_t batch, int64_t head_stride,
+                   int64_t row_stride, int64_t batch_stride, int box_rows) {
+  const EncodeTiled encode_function = encode_tiled();
+  if (encode_function == nullptr) return cudaErrorInvalidValue;
+  const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(heads), cuuint64_t(rows),
+                              cuuint64_t(batch)};
+  const cuuint64_t strides[3] = {cuuint64_t(head_stride * kElemBytes),
+                                 cuuint64_t(row_stride * kElemBytes),
+                                 cuuint64_t(batch_stride * kElemBytes)};
+  const cuuint32_t box[4] = {kSpanElems, 1, cuuint32_t(box_rows), 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType type = dtype == ElemType::kBFloat16
+                                       ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  // Out-of-bounds elements (rows past T or S, head dims past H) read as zero and are not
+  // written by stores: the kernel needs no predication on tile edges.
+  const CUresult result = encode_function(
+      &map, type, 4, const_cast<void*>(base), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// A float32 array of `elements` as one flat row, read in boxes of `box` elements without swizzle.
+cudaError_t encode_flat_f32(CUtensorMap& map, const float* base, int64_t elements, int box) {
+  const EncodeTiled encode_function = encode_tiled();
+  if (encode_function == nullptr) return cudaErrorInvalidValue;
+  const cuuint64_t dims[1] = {cuuint64_t(elements)};
+  // A rank-1 map has no strides to give; the array is passed only so that no pointer is null.
+  const cuuint64_t strides[1] = {cuuint64_t((elements * 4 + 15) / 16 * 16)};
+  const cuuint32_t box_dims[1] = {cuuint32_t(box)};
+  const cuuint32_t element_strides[1] = {1};
+  const CUresult result = encode_function(
+      &map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, const_cast<float*>(base), dims, strides, box_dims,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+      CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// A [batch, T, N, H] tensor of the call (q, out, d_out) in boxes of `rows` rows.
+cudaError_t encode_query_like(CUtensorMap& map, const AttentionParams& p, const void* base,
+                              int rows) {
+  return encode(map, p.dtype, base, p.head_dim, p.num_heads, p.seqlen_q, p.batch, p.q_head_stride,
+                p.q_row_stride, p.q_batch_stride, rows);
+}
+
+// A [batch, S, K, H] tensor of the call (k, v, dk, dv) in boxes of `rows` rows.
+cudaError_t encode_key_like(CUtensorMap& map, const AttentionParams& p, const void* base,
+                            int rows) {
+  return encode(map, p.dtype, base, p.head_dim, p.num_kv_heads, p.seqlen_k, p.batch,
+                p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, rows);
+}
+
+bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
+
+bool strides_aligned16(int64_t head_stride, int64_t row_stride, int64_t batch_stride) {
+  return (head_stride * kElemBytes) % 16 == 0 && (row_stride * kElemBytes) % 16 == 0 &&
+         (batch_stride * kElemBytes) % 16 == 0;
+}
+
+}  // namespace
+
+bool tensor_maps_available() { return encode_tiled() != nullptr; }
+
+bool tma_compatible(const AttentionParams& p) {
+  return aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out) &&
+         strides_aligned16(p.q_head_stride, p.q_row_stride, p.q_batch_stride) &&
+         strides_aligned16(p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride);
+}
+
+cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_rows, int out_rows,
+                                ForwardMaps& maps) {
+  const cudaError_t errors[4] = {encode_query_like(maps.q, p, p.q, q_rows),
+                                 encode_key_like(maps.k, p, p.k, kv_rows),
+                                 encode_key_like(maps.v, p, p.v, kv_rows),
+                                 encode_query_like(maps.out, p, p.out, out_rows)};
+  for (cudaError_t e : errors)
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
+cudaError_t encode_kv_maps(const AttentionParams& p, int kv_rows, KVMaps& maps) {
+  if (cudaError_t e = encode_key_like(maps.k, p, p.k, kv_rows); e != cudaSuccess) return e;
+  return encode_key_like(maps.v, p, p.v, kv_rows);
+}
+
+bool backward_tma_compatible(const AttentionParams& p) {
+  // Box coordinates are int32: the last box starts below batch x N x T.
+  const bool rows_addressable = p.batch * p.num_heads * p.seqlen_q <= 0x7fffffff;
+  return rows_addressable && aligned16(p.q) && aligned16(p.k) && aligned16(p.v) &&
+         aligned16(p.d_out) && aligned16(p.dk) && aligned16(p.dv) && aligned16(p.dq_accum) &&
+         aligned16(p.lse) && aligned16(p.delta) &&
+         strides_aligned16(p.q_head_stride, p.q_row_stride, p.q_batch_stride) &&
+         strides_aligned16(p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride);
+}
+
+cudaError_t encode_backward_maps(const AttentionParams& p, int q_rows, int kv_rows, int dkv_rows,
+                                 BackwardMaps& maps) {
+  const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
+  const cudaError_t errors[8] = {encode_query_like(maps.q, p, p.q, q_rows),
+                                 encode_query_like(maps.d_out, p, p.d_out, q_rows),
+                                 encode_key_like(maps.k, p, p.k, kv_rows),
+                                 encode_key_like(maps.v, p, p.v, kv_rows),
+                                 encode_key_like(maps.dk, p, p.dk, dkv_rows),
+                                 encode_key_like(maps.dv, p, p.dv, dkv_rows),
+                                 encode_flat_f32(maps.lse, p.lse, rows, q_rows + kFlatAlignElems),
+                                 encode_flat_f32(maps.delta, p.delta, rows,
+                                                 q_rows + kFlatAlignElems)};
+  for (cudaError_t e : errors)
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
+}  // namespace jax_flashattn::sm90

@@ -1,0 +1,207 @@
+// What the two split-KV decode kernels (decode/mma_sync_kernel.cuh with mma.sync,
+// decode/wgmma_kernel.cuh with wgmma) share about one block: its query rows and their key
+// bounds, its split's range of key tiles, its Q fragments, and how it writes its partial result
+// (to the workspace, layout in ffi/decode_plan.h, or to its shared memory for the cluster
+// merge, decode/cluster_merge.cuh).
+//
+// One block per (split, kv head, batch). Its query rows are the (t, head-in-group) pairs of the
+// kv head's whole GQA group, T * (N / K) <= 64 of them (row r = t * group + g), so each K/V byte
+// is read from HBM once per group.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "ffi/cuda/common/mask.cuh"
+#include "ffi/cuda/common/smem_tile.cuh"
+#include "ffi/decode_plan.h"
+#include "ffi/params.h"
+
+namespace jax_flashattn::sm80 {
+
+// Keys [lo, hi) that query rows [row_begin, row_end) may see, clamped to [0, kv_len].
+// decode_shape_fits bounds seqlen_k, so key positions and lengths in the decode kernels are
+// int32: 32-bit arithmetic on the path to a block's first K/V request (a 64-bit division is a
+// branch and tens of instructions) and in its per-tile loop
+// (docs/decisions/decode-kv-streaming.md).
+__device__ __forceinline__ void decode_key_range(const cuda::Visibility32& vis, int row_begin,
+                                                 int row_end, int& lo, int& hi) {
+  vis.key_range(row_begin, row_end, lo, hi);
+  lo = min(lo, vis.kv_len);
+  hi = max(hi, 0);
+}
+
+// A split's work unit (one batch entry's kv head), its index in the unit, the batch entry's
+// visibility (every head of a group sees the same keys), and the split's key tiles: the keys
+// any row of the unit sees, cut into kBlockN-key tiles, dealt to the splits in equal runs
+// [tile_begin, tile_end) (empty for a split past the last tile). Both decode kernels compute it
+// first, in 32-bit arithmetic, and issue their first tiles' requests right after it: a call's
+// K/V stream starts once every SM's first blocks have issued theirs, so nothing else (the
+// partial's address, the empty-split check, Q) comes before them; an empty split issues none
+// (docs/decisions/decode-kv-streaming.md).
+struct DecodeSplit {
+  int unit, split, b, kv_head;
+  int group;          // query heads per kv head
+  int64_t kv_offset;  // elements from K's (and V's) start to the unit's first key
+  cuda::Visibility32 vis;
+  int key_lo, key_hi;  // keys some row of the unit sees
+  int tile_begin, tile_end;
+
+  template <int kBlockN>
+  __device__ static DecodeSplit make(const AttentionParams& p, const DecodePlan& plan, int unit,
+                                     int split) {
+    DecodeSplit s;
+    s.unit = unit;
+    s.split = split;
+    const int kv_heads = int(p.num_kv_heads);
+    s.b = unit / kv_heads;
+    s.kv_head = unit - s.b * kv_heads;
+    s.group = int(p.num_heads) / kv_heads;
+    s.kv_offset = s.b * p.kv_batch_stride + s.kv_head * p.kv_head_stride;
+    s.vis = cuda::Visibility32::make(p, s.b);
+    decode_key_range(s.vis, 0, int(p.seqlen_q), s.key_lo, s.key_hi);
+    const int first_tile = s.key_lo / kBlockN;
+    const int tiles = s.key_hi > s.key_lo ? (s.key_hi + kBlockN - 1) / kBlockN - first_tile : 0;
+    const int splits = int(plan.splits);
+    const int per_split = (tiles + splits - 1) / splits;
+    const int end = first_tile + tiles;
+    // split * per_split < tiles + splits: no overflow. Past the last tile for a trailing split.
+    s.tile_begin = min(first_tile + split * per_split, end);
+    s.tile_end = min(s.tile_begin + per_split, end);
+    return s;
+  }
+};
+
+// This thread's two rows of a 16-row slab (lane / 4 and lane / 4 + 8) and, for each, the keys
+// [lo, hi) its query sees; empty (hi <= lo) for padding rows and rows past q_seqlens.
+struct DecodeRows {
+  int row[2];
+  int key_lo[2], key_hi[2];
+
+  __device__ static DecodeRows make(const cuda::Visibility32& vis, int slab, int lane, int rows,
+                                    int group) {
+    DecodeRows d;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      d.row[h] = slab * 16 + lane / 4 + h * 8;
+      const int t = d.row[h] / group;
+      d.key_lo[h] = 0;
+      d.key_hi[h] = 0;
+      if (d.row[h] < rows) decode_key_range(vis, t, t + 1, d.key_lo[h], d.key_hi[h]);
+    }
+    return d;
+  }
+
+  // Whether both rows see every key of [key0, key0 + keys): no score of theirs there to mask.
+  __device__ bool sees_all(int key0, int keys) const {
+    return key_lo[0] <= key0 && key_lo[1] <= key0 && key0 + keys <= key_hi[0] &&
+           key0 + keys <= key_hi[1];
+  }
+
+  // Sets the scores of keys [key0, key0 + 8 kNTiles) this thread's rows do not see to -inf.
+  template <int kNTiles>
+  __device__ void mask(float (&s)[kNTiles][4], int key0, int quad_col) const {
+    auto clamp = [](int x) { return x < 0 ? 0 : (x > 8 * kNTiles ? 8 * kNTiles : x); };
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int lo = clamp(key_lo[h] - key0), hi = clamp(key_hi[h] - key0);
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = nt * 8 + quad_col + e;
+          if (c < lo || c >= hi) s[nt][2 * h + e] = -INFINITY;
+        }
+    }
+  }
+};
+
+// A operand fragments (16 rows x head dim) of one slab of split `sp`'s rows, straight from
+// global memory: register i of k-step ks holds row lane / 4 + 8 (i % 2), columns
+// 16 ks + 8 (i / 2) + 2 (lane % 4) + {0, 1} (the mma.sync m16n8k16 A layout, which is also a
+// warp's share of wgmma's register A). Zero past the rows or the head dim. Q is read once per
+// block, a few KiB against the split's K/V, so uncoalesced 4-byte loads cost nothing visible.
+template <typename Elem, int kKSteps>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&q_frag)[kKSteps][4],
+                                                 const AttentionParams& p, const DecodeSplit& sp,
+                                                 const DecodeRows& rows, int64_t num_rows,
+                                                 int quad_col) {
+  const int group = sp.group;
+  const Elem* q_group = static_cast<const Elem*>(p.q) + sp.b * p.q_batch_stride +
+                        sp.kv_head * group * p.q_head_stride;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = rows.row[h];
+    const Elem* q_row = q_group + (r / group) * p.q_row_stride + (r % group) * p.q_head_stride;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int col = ks * 16 + half * 8 + quad_col;
+        q_frag[ks][h + 2 * half] =
+            r < num_rows && col < p.head_dim ? *reinterpret_cast<const uint32_t*>(q_row + col) : 0u;
+      }
+  }
+}
+
+// Issues the cp.async copies of key tile `tile` of split `sp`'s K and V into sK and sV (kBlockN
+// rows each, laid out as Layout). Keys past the batch entry's length are zero-filled, not read:
+// a padded cache may hold anything there.
+template <typename Traits, typename Layout, typename Elem>
+__device__ __forceinline__ void load_split_tile(Elem* sK, Elem* sV, const AttentionParams& p,
+                                                const DecodeSplit& sp, int tile, int tid) {
+  constexpr int kBlockN = Traits::kBlockN;
+  const int64_t offset = sp.kv_offset + int64_t(tile) * kBlockN * p.kv_row_stride;
+  const int valid_keys = sp.vis.kv_len - tile * kBlockN;
+  load_tile<Traits, kBlockN, Layout>(sK, static_cast<const Elem*>(p.k) + offset, p.kv_row_stride,
+                                     valid_keys, p.head_dim, tid);
+  load_tile<Traits, kBlockN, Layout>(sV, static_cast<const Elem*>(p.v) + offset, p.kv_row_stride,
+                                     valid_keys, p.head_dim, tid);
+}
+
+// Where one split's partial result goes: row r's normalised O (plan.head_dim floats) at
+// o + r * o_stride, its natural-log lse at lse[r].
+struct PartialRows {
+  float* o;
+  int64_t o_stride;
+  float* lse;
+};
+
+// Split `split` of work unit `unit` in the workspace, for the combine kernel.
+__device__ __forceinline__ PartialRows workspace_partial(const DecodePlan& plan, int64_t unit,
+                                                         int64_t split) {
+  const int64_t row0 = plan.partial_row(unit, split, 0);
+  return {plan.o_partial + row0 * plan.head_dim, plan.head_dim, plan.lse_partial + row0};
+}
+
+// Writes a slab's normalised O (accumulator fragments, kDTiles 8-column tiles) and its rows'
+// lse to `dst`.
+template <int kDTiles>
+__device__ __forceinline__ void store_split_partial(const PartialRows& dst, const DecodePlan& plan,
+                                                    const DecodeRows& rows,
+                                                    const float (&o)[kDTiles][4],
+                                                    const float (&lse)[2], int lane) {
+  const int quad_col = 2 * (lane % 4);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = rows.row[h];
+    if (r >= plan.rows) continue;
+    float* o_row = dst.o + r * dst.o_stride;
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) {
+      const int col = d * 8 + quad_col;
+      if (col < plan.head_dim)
+        *reinterpret_cast<float2*>(o_row + col) = make_float2(o[d][2 * h], o[d][2 * h + 1]);
+    }
+    if (lane % 4 == 0) dst.lse[r] = lse[h];
+  }
+}
+
+// A split with no key: its lse rows are -inf, which either merge reads as weight 0, never
+// adding its O (which the cluster merge may have loaded).
+__device__ __forceinline__ void store_empty_split(const PartialRows& dst, const DecodePlan& plan,
+                                                  int tid, int threads) {
+  for (int64_t r = tid; r < plan.rows; r += threads) dst.lse[r] = -INFINITY;
+}
+
+}  // namespace jax_flashattn::sm80

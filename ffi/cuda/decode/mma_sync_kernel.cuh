@@ -1,0 +1,225 @@
+// Split-KV decode forward with mma.sync (sm_80 and newer): each block computes one split's
+// partial attention; the splits merge through the workspace and a second kernel
+// (decode/combine.cuh) or, with plan.cluster_merge (9.0+), inside the cluster of the
+// unit's splits (decode/cluster_merge.cuh).
+//
+// The block (its rows and its split: decode/block.cuh) streams its split's key tiles
+// through a three-stage cp.async ring; per step (16 keys or a whole tile: decode/mma_sync_traits.h)
+// a warp computes
+//   S = Q K^T              (Q fragments in registers, loaded once from global memory)
+//   mask                   (per-row key bounds: lengths, causal, window)
+//   online softmax         (exp2 with the scale folded into one FFMA)
+//   O += P V               (P re-packed from the S accumulators, V via ldmatrix.trans)
+// Warps that computed the same rows on other keys merge their states through shared memory,
+// and the split writes its normalised O and lse to the workspace (layout: ffi/decode_plan.h) or,
+// for the cluster merge, to its shared memory.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "ffi/cuda/common/fragments.cuh"
+#include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/smem_tile.cuh"
+#include "ffi/cuda/common/softmax.cuh"
+#include "ffi/cuda/decode/block.cuh"
+#include "ffi/cuda/decode/cluster_merge.cuh"
+#include "ffi/decode_plan.h"
+#include "ffi/params.h"
+
+namespace jax_flashattn::sm80 {
+
+template <typename Elem, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
+    decode_split_kernel(const __grid_constant__ AttentionParams p, const DecodePlan plan) {
+  constexpr int kBlockN = Traits::kBlockN, kSmemDim = Traits::kSmemDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kKSteps = Traits::kHeadDim / 16;  // QK^T reduction steps
+  constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of O
+  constexpr int kStepChunks = Traits::kStepChunks;  // 16-key chunks of a warp step
+  constexpr int kStepKeys = kStepChunks * Traits::kChunkKeys;
+
+  // Aligned to a whole swizzled row (at most 512 bytes) for LdmatrixAddress's XOR.
+  extern __shared__ __align__(512) unsigned char smem_raw[];
+  Elem* ring = reinterpret_cast<Elem*>(smem_raw);  // [kStages][K, V][kBlockN][kSmemDim]
+  auto stage_k = [&](int stage) { return ring + stage * 2 * kBlockN * kSmemDim; };
+  auto stage_v = [&](int stage) { return stage_k(stage) + kBlockN * kSmemDim; };
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int quad_col = 2 * (lane % 4);  // mma accumulator column pair
+
+  // Warp roles: slab `slab` of the rows, steps key_group, key_group + key_groups, ... of a tile.
+  const int slabs = int((plan.rows + 15) / 16);
+  const int key_groups = Traits::kWarps / slabs;
+  const int slab = warp % slabs, key_group = warp / slabs;
+  const bool computes = warp < slabs * key_groups;
+
+  // The split, then at once its first tiles' requests (DecodeSplit, decode_block.cuh;
+  // docs/decisions/decode-kv-streaming.md).
+  const int splits = int(plan.splits), block = int(blockIdx.x);
+  const DecodeSplit sp = DecodeSplit::make<kBlockN>(p, plan, block / splits, block % splits);
+  const cuda::Visibility32& vis = sp.vis;
+  const int key_lo = sp.key_lo, key_hi = sp.key_hi;
+  const int tile_begin = sp.tile_begin, tile_end = sp.tile_end;
+  // The ring's stage `stage` <- key tile `tile` (keys past the length zero-filled).
+  const auto load_stage = [&](int tile, int stage) {
+    load_split_tile<Traits, SwizzledRows<kSmemDim>>(stage_k(stage), stage_v(stage), p, sp, tile,
+                                                    tid);
+  };
+  // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (tile_begin + s < tile_end) load_stage(tile_begin + s, s);
+    ptx::cp_async_commit();
+  }
+
+  // Where the split's result goes: the workspace, or this block's shared memory (over the
+  // drained ring) for the cluster merge.
+  using Partial = ClusterPartial<Traits::kHeadDim>;
+  static_assert(Partial::kBytes <= Traits::kSmemBytes, "the cluster merge's partial fits");
+  float* cluster_partial = reinterpret_cast<float*>(smem_raw);
+  const PartialRows partial = plan.cluster_merge ? Partial::at(cluster_partial)
+                                                : workspace_partial(plan, sp.unit, sp.split);
+  if (tile_begin >= tile_end) {
+    store_empty_split(partial, plan, tid, Traits::kThreads);
+    if (plan.cluster_merge)
+      merge_cluster_splits<Elem, Traits::kHeadDim, 1>(p, plan, sp, cluster_partial, 0, tid,
+                                                      Traits::kThreads);
+    return;
+  }
+
+  const DecodeRows rows = DecodeRows::make(vis, slab, lane, int(plan.rows), sp.group);
+  uint32_t q_frag[kKSteps][4];
+  load_q_fragments<Elem>(q_frag, p, sp, rows, plan.rows, quad_col);
+  float o_acc[1][kDTiles][4] = {};
+  cuda::OnlineSoftmax<1> softmax;
+  softmax.init();
+  const float scale_log2 = p.scale * cuda::kLog2e;
+
+  // ldmatrix lane addressing as in forward_kernel.cuh: K as B operand pairs (keys x k),
+  // V transposed with keys as rows.
+  const int ld_row = lane % 8, ld_matrix = lane / 8;
+
+  for (int tile = tile_begin; tile < tile_end; ++tile) {
+    const int j = tile - tile_begin;
+    ptx::cp_async_wait<kStages - 2>();
+    // Tile j landed for every thread, and every warp is done with tile j - 1, whose stage the
+    // load below refills.
+    __syncthreads();
+    if (tile + kStages - 1 < tile_end) load_stage(tile + kStages - 1, (j + kStages - 1) % kStages);
+    ptx::cp_async_commit();
+    if (!computes) continue;
+
+    const int stage = j % kStages;
+    using Address = LdmatrixAddress<SwizzledRows<kSmemDim>>;
+    const Address k_address(stage_k(stage), (ld_matrix >> 1) * 8 + ld_row, ld_matrix & 1);
+    const Address v_address(stage_v(stage), (ld_matrix & 1) * 8 + ld_row, ld_matrix >> 1);
+    for (int step = key_group; step < Traits::kStepsPerTile; step += key_groups) {
+      const int key0 = tile * kBlockN + step * kStepKeys;
+      if (key0 >= key_hi) break;                // past every row's last key
+      if (key0 + kStepKeys <= key_lo) continue;  // before every row's first key
+      const int chunk0 = step * kStepChunks;
+
+      // S = Q K^T for 16 rows x kStepKeys keys: one accumulator chain per 16-key chunk, the
+      // chunks interleaved per k-step so that consecutive mma do not wait on each other.
+      float s_acc[1][2 * kStepChunks][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks)
+#pragma unroll
+        for (int c = 0; c < kStepChunks; ++c) {
+          uint32_t k_frag[4];
+          ptx::ldmatrix_x4(k_frag, k_address(chunk0 + c, ks));
+          mma_pair<Elem>(s_acc[0], c, q_frag[ks], k_frag);
+        }
+      rows.mask(s_acc[0], key0, quad_col);
+      softmax.update(s_acc, o_acc, scale_log2);
+
+      // O += P V: the S accumulators of chunk c's two 8-key tiles are the A operand of k-step c;
+      // k-steps outermost, so each O tile's accumulation chain has a whole k-step between links.
+      uint32_t p_frag[kStepChunks][4];
+#pragma unroll
+      for (int c = 0; c < kStepChunks; ++c) pack_a<Elem>(p_frag[c], s_acc[0], c);
+#pragma unroll
+      for (int c = 0; c < kStepChunks; ++c)
+#pragma unroll
+        for (int dp = 0; dp < kDTiles / 2; ++dp) {
+          uint32_t v_frag[4];
+          ptx::ldmatrix_x4_trans(v_frag, v_address(chunk0 + c, dp));
+          mma_pair<Elem>(o_acc[0], dp, p_frag[c], v_frag);
+        }
+    }
+  }
+
+  // Merge the warps of each slab through the drained ring: warps of key group > 0 publish their
+  // state, the key-group-0 warp of the slab folds them in (same lane, same fragment elements).
+  ptx::cp_async_wait<0>();
+  __syncthreads();
+  float* merge = reinterpret_cast<float*>(smem_raw);  // [kWarps][kDTiles * 4 + 4][32]
+  constexpr int kStateFloats = kDTiles * 4;  // O floats per lane; then 2 maxima, 2 sums
+  if (computes && key_group > 0) {
+    float* mine = merge + warp * Traits::kMergeFloatsPerWarp + lane;
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) mine[(d * 4 + i) * 32] = o_acc[0][d][i];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mine[(kStateFloats + h) * 32] = softmax.row_max[0][h];
+      mine[(kStateFloats + 2 + h) * 32] = softmax.row_sum[0][h];
+    }
+  }
+  __syncthreads();
+  // The key-group-0 warp of each slab holds its rows' whole state after the fold.
+  const bool folds = computes && key_group == 0;
+  if (!plan.cluster_merge && !folds) return;
+
+  if (folds) {
+    for (int g = 1; g < key_groups; ++g) {
+      const float* other = merge + (g * slabs + slab) * Traits::kMergeFloatsPerWarp + lane;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float other_max = other[(kStateFloats + h) * 32];
+        const float new_max = fmaxf(softmax.row_max[0][h], other_max);
+        if (new_max == -INFINITY) {
+          // Neither has seen a finite score for this row: both sums are 0, or NaN where that
+          // side's scores held a NaN (which its maximum dropped), which the sum must carry.
+          softmax.row_sum[0][h] += other[(kStateFloats + 2 + h) * 32];
+          continue;
+        }
+        // Scores are unscaled: a row's weights are exp2((max - new_max) * scale_log2).
+        const float mine_factor =
+            softmax.row_max[0][h] == -INFINITY
+                ? 0.f
+                : ptx::exp2_approx((softmax.row_max[0][h] - new_max) * scale_log2);
+        const float other_factor =
+            other_max == -INFINITY ? 0.f : ptx::exp2_approx((other_max - new_max) * scale_log2);
+        softmax.row_max[0][h] = new_max;
+        softmax.row_sum[0][h] = softmax.row_sum[0][h] * mine_factor +
+                                other[(kStateFloats + 2 + h) * 32] * other_factor;
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            o_acc[0][d][2 * h + e] = o_acc[0][d][2 * h + e] * mine_factor +
+                                     other[(d * 4 + 2 * h + e) * 32] * other_factor;
+      }
+    }
+  }
+
+  // Normalise this split's O and write it with its lse.
+  float row_lse[1][2];
+  softmax.finalize(o_acc, scale_log2, row_lse);
+  if (plan.cluster_merge) {
+    // Every warp has read the states the partial overwrites.
+    __syncthreads();
+    if (folds) store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
+    merge_cluster_splits<Elem, Traits::kHeadDim, 1>(p, plan, sp, cluster_partial, 0, tid,
+                                                    Traits::kThreads);
+  } else {
+    // The combine may launch now; it waits for this grid's stores before it reads them.
+    ptx::launch_dependents();
+    store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
+  }
+}
+
+}  // namespace jax_flashattn::sm80

@@ -1,0 +1,118 @@
+// Tile configurations of the split-KV decode kernel (decode/mma_sync_kernel.cuh): per instantiated
+// head dim one with 16-key warp steps and, where registers allow, one with whole-tile warp steps
+// (when and why below).
+//
+// A decode block has few query rows (at most kDecodeMaxRows, ffi/decode_plan.h) and streams a
+// long range of keys, so it is limited by HBM, not by the tensor cores: the configuration is
+// chosen for bytes in flight. Every config keeps a 32 KiB K/V stage (K and V tiles of kBlockN
+// keys, rows padded to kSmemDim elements) in a ring of kStages = 3, i.e. 96 KiB per block, so
+// two blocks fit one Hopper SM (228 KiB) with four stages (128 KiB) in flight per SM; A100
+// (164 KiB) holds one block, sm_86/89/120 (99 KiB opt-in) one.
+//
+// Four warps. With s = ceil(rows / 16) slabs, warp w computes slab w % s against the steps
+// w / s, w / s + 4 / s, ... of every tile (warps past s * (4 / s) only load), a step being
+// kStepChunks 16-key chunks; so one slab is computed by up to four warps on disjoint keys, and
+// their partial softmax states are merged through shared memory (the drained ring) at the end.
+//
+// Steps. Up to 32 rows a step is one 16-key chunk, and the 4 / s key groups split each tile.
+// Past 32 rows every warp owns a slab alone and runs all of each tile itself; in 16-key steps
+// that is one dependent chain per chunk (ldmatrix, 8 k-steps of S, softmax with quad shuffles,
+// O rescale, P V), four per tile at head dim 128 against one at T = 1, and the two warps per
+// SM sub-partition (two blocks) cannot hide them. So past 32 rows a step is the whole tile,
+// as in the forward kernel: the tile's S products are independent chains interleaved per
+// k-step (each k-step issues kStepChunks ldmatrix and 2 kStepChunks mma with no dependence
+// between them), the softmax is one pass over all its keys (one pair of quad shuffles per row
+// and one rescale of O per tile: 64 FMULs per tile at head dim 128 instead of 256), and P V
+// runs one k-step at a time across all of O's column tiles. The same mma and ldmatrix, in
+// fewer instructions per tile (why, with measurements:
+// docs/decisions/decode-mma-sync-warp-steps.md).
+// Rejected: two slabs per warp (each K/V fragment feeds two slabs' mma) holds O and Q of two
+// slabs, 192 registers at head dim 128 before S, which spills; eight warps per block (two per
+// slab) keeps the 16-key chains and needs <= 128 registers per thread for two blocks per SM,
+// where one slab's O and Q alone are 96 at head dim 128.
+//
+// Registers per thread: Q fragments kHeadDim / 4 (held for the whole loop, loaded once from
+// global memory), O kHeadDim / 2 floats, S kStepChunks * 8 floats, P kStepChunks * 4, one K or
+// V fragment 4. 16-key steps: 64 / 112 / 208 at head dims 64 / 128 / 256 before addressing;
+// whole tiles: 148 (128 keys) / 148 (64 keys) / 220 (32 keys). __launch_bounds__ allows 255
+// (two blocks of 128 threads per SM). ptxas (nvcc 13.0, sm_80 / sm_90a, bf16 = fp16, no
+// spills): 16-key steps 124 / 128, 174 / 178 and 255 / 255 registers at head dims 64 / 128 /
+// 256; whole tiles 222 / 233 at 64 and 221 / 225 at 128 (at 256 they spill: see
+// kDecodeManyRowsStepChunks).
+#pragma once
+
+#include "ffi/cuda/common/smem_tile.cuh"
+#include "ffi/decode_plan.h"
+
+namespace jax_flashattn::sm80 {
+
+template <int kHeadDim_, int kBlockN_, int kStages_, int kMinBlocks_, int kStepChunks_>
+struct DecodeTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;  // keys per K/V tile
+  static constexpr int kStages = kStages_;  // K/V tiles in the ring: kStages - 1 in flight
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kMinBlocks = kMinBlocks_;  // per SM, for __launch_bounds__
+  static constexpr int kChunkKeys = 16;       // keys of one chunk (one P.V k-step)
+  static constexpr int kChunksPerTile = kBlockN / kChunkKeys;
+  static constexpr int kStepChunks = kStepChunks_;  // 16-key chunks of one warp step
+  static constexpr int kStepsPerTile = kChunksPerTile / kStepChunks;
+  static constexpr int kSmemDim = smem_dim_for(kHeadDim);
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row that hold data
+  static constexpr int kElemBytes = 2;
+  static constexpr int kStageBytes = 2 * kBlockN * kSmemDim * kElemBytes;  // K tile + V tile
+  static constexpr int kRingBytes = kStages * kStageBytes;
+  // Cross-warp merge: per warp and lane, its O fragment (kHeadDim / 2 floats), its two row
+  // maxima and its two partial row sums, stored lane-minor so every access is conflict-free.
+  static constexpr int kMergeFloatsPerWarp = (kHeadDim / 2 + 4) * 32;
+  static constexpr int kMergeBytes = kWarps * kMergeFloatsPerWarp * 4;
+  // After that merge the drained ring also holds the split's result for the cluster merge
+  // (decode/cluster_merge.cuh, ClusterPartial: 64 rows of kHeadDim + 8 floats and their
+  // lse, 34.3 KiB at head dim 128, 66.3 KiB at 256; checked in the kernel).
+  static constexpr int kSmemBytes = kRingBytes;
+
+  static_assert(kHeadDim % 16 == 0 && kHeadDim <= kDecodeMaxHeadDim, "mma k-steps are 16 wide");
+  static_assert(kBlockN % kChunkKeys == 0, "warps take whole 16-key chunks");
+  static_assert(kChunksPerTile % kStepChunks == 0, "warps take whole steps");
+  static_assert(kWarps * 16 >= kDecodeMaxRows, "one warp per 16-row slab at the most rows");
+  static_assert(kMergeBytes <= kRingBytes, "the merge reuses the drained K/V ring");
+  static_assert(kSmemBytes <= 99 * 1024, "fits the opt-in shared memory of every sm_8x/sm_120");
+};
+
+// Query rows up to which a block takes 16-key steps; past it, the head dim's
+// kDecodeManyRowsStepChunks (below). At 32 rows and fewer the key groups already split each
+// tile over two or four warps.
+inline constexpr int64_t kDecodeChunkStepMaxRows = 32;
+
+// The configs of a head dim differ only in kStepChunks (16-key chunks of a warp step), so they
+// share tile, ring and merge sizes.
+template <int kHeadDim, int kStepChunks>
+struct DecodeConfig;
+
+// Stage (128 + 128) * 64 * 2 B = 32 KiB; ring 96 KiB; merge 18 KiB.
+template <int kStepChunks>
+struct DecodeConfig<64, kStepChunks> : DecodeTraits<64, 128, 3, 2, kStepChunks> {};
+// Stage (64 + 64) * 128 * 2 B = 32 KiB; ring 96 KiB; merge 34 KiB.
+template <int kStepChunks>
+struct DecodeConfig<128, kStepChunks> : DecodeTraits<128, 64, 3, 2, kStepChunks> {};
+// Stage (32 + 32) * 256 * 2 B = 32 KiB; ring 96 KiB; merge 66 KiB. Two 16-key chunks per tile,
+// so with one slab only two warps compute (the other two still issue their share of loads).
+template <int kStepChunks>
+struct DecodeConfig<256, kStepChunks> : DecodeTraits<256, 32, 3, 2, kStepChunks> {};
+
+// The step past kDecodeChunkStepMaxRows rows: the whole tile, except at head dim 256, where S
+// and P of a 32-key tile on top of O and Q (192 registers) make ptxas spill; its tiles have
+// two chunks, so its 16-key steps are two chains per tile, not four
+// (docs/decisions/decode-mma-sync-warp-steps.md).
+template <int kHeadDim>
+inline constexpr int kDecodeManyRowsStepChunks = DecodeConfig<kHeadDim, 1>::kChunksPerTile;
+template <>
+inline constexpr int kDecodeManyRowsStepChunks<256> = 1;
+
+// The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one
+// that is at least as large. The kernel reads no more HBM bytes for the padding (the columns
+// past head_dim are zero-filled in shared memory), so three suffice.
+inline constexpr int kDecodeHeadDims[] = {64, 128, 256};
+
+}  // namespace jax_flashattn::sm80

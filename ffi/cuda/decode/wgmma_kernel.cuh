@@ -1,0 +1,199 @@
+// Split-KV decode forward for Hopper (sm_90a): each warpgroup computes one split's partial
+// attention with wgmma (one or two warpgroups per block: decode/wgmma_traits.h); the splits merge
+// as the mma.sync decode kernel's do, whose plan, rows and workspace this one shares
+// (decode/block.cuh): through the workspace and the combine kernel
+// (decode/combine.cuh), or, with plan.cluster_merge, inside the cluster of the unit's
+// blocks (decode/cluster_merge.cuh).
+//
+// Each warpgroup streams its split's key tiles through its own cp.async ring, synchronising
+// with a named barrier of its own (the warpgroups of a block never wait for each other before
+// the merge); per tile it computes
+//   S = Q K^T              wgmma, Q from registers (loaded once from global memory), K from
+//                          shared memory
+//   mask                   per-row key bounds (lengths, causal, window), on the threads whose
+//                          rows do not see the whole tile
+//   online softmax         exp2 with the scale folded into one FFMA
+//   O += P V               wgmma, P re-packed from the S accumulators
+// and writes its normalised O and lse to the workspace or, for the cluster merge, to its
+// ring's shared memory.
+#pragma once
+
+#include <cstdint>
+
+#include "ffi/cuda/common/fragments.cuh"
+#include "ffi/cuda/common/hopper_ptx.cuh"
+#include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/smem_tile.cuh"
+#include "ffi/cuda/common/softmax.cuh"
+#include "ffi/cuda/common/swizzle_layout.h"
+#include "ffi/cuda/decode/block.cuh"
+#include "ffi/cuda/decode/cluster_merge.cuh"
+#include "ffi/decode_plan.h"
+#include "ffi/params.h"
+
+namespace jax_flashattn::sm90 {
+
+template <typename Elem, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
+    decode_split_kernel(const __grid_constant__ AttentionParams p, const sm80::DecodePlan plan) {
+#ifdef JAX_FLASHATTN_SM90_BODY
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kKSteps = kHeadDim / 16;  // k16 steps of S = Q K^T
+  constexpr int kPSteps = kBlockN / 16;   // k16 steps of O += P V
+  constexpr int kNTiles = kBlockN / 8;    // 8-key column tiles of S
+  constexpr int kDTiles = kHeadDim / 8;   // 8-wide column tiles of O
+
+  constexpr int kSplitsPerBlock = Traits::kSplitsPerBlock;
+  constexpr int kGroupThreads = Traits::kWarpgroupThreads;
+
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int warpgroup = tid / kGroupThreads, group_tid = tid % kGroupThreads;
+  const int warp = group_tid / 32;  // the warp's 16-row slab
+  const int quad_col = 2 * (lane % 4);  // accumulator column pair
+
+  // The rings from the next 1024-byte boundary (the 128-byte swizzle's period), one per
+  // warpgroup: stage s of a ring holds its K tile, then its V tile.
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_address = ptx::smem_address(smem_raw);
+  const uint32_t rings = (raw_address + kGroupBytes - 1) & ~(kGroupBytes - 1);
+  const uint32_t base = rings + warpgroup * Traits::kRingBytes;
+  Elem* ring = reinterpret_cast<Elem*>(smem_raw + (base - raw_address));
+  constexpr int kTileElems = kBlockN * kHeadDim;
+  const auto stage_k = [&](int stage) { return ring + stage * 2 * kTileElems; };
+  const auto stage_v = [&](int stage) { return stage_k(stage) + kTileElems; };
+  // The warpgroup's own barrier: the block's (barrier 0) for one warpgroup, else named barrier
+  // 1 + warpgroup, each with its id as a constant (a computed id makes ptxas reserve all 16).
+  const auto sync_warpgroup = [&] {
+    if constexpr (kSplitsPerBlock == 1)
+      __syncthreads();
+    else if (warpgroup == 0)
+      ptx::named_barrier_sync(1, kGroupThreads);
+    else
+      ptx::named_barrier_sync(2, kGroupThreads);
+  };
+
+  // The split, then at once its first tiles' requests (DecodeSplit, decode/block.cuh).
+  // plan.blocks_per_unit() in 32 bits, divided by a constant (its splits_per_block is this
+  // configuration's kSplitsPerBlock): no 64-bit division before the first requests
+  // (docs/decisions/decode-kv-streaming.md).
+  const int blocks_per_unit = int(plan.splits) / kSplitsPerBlock;
+  const int block = int(blockIdx.x);
+  const sm80::DecodeSplit sp = sm80::DecodeSplit::make<kBlockN>(
+      p, plan, block / blocks_per_unit, block % blocks_per_unit * kSplitsPerBlock + warpgroup);
+  // The ring's stage `stage` <- key tile `tile` (keys past the length zero-filled), in the
+  // layout wgmma's descriptors read.
+  const auto load_stage = [&](int tile, int stage) {
+    sm80::load_split_tile<typename Traits::WarpgroupCopies, sm80::SwizzledSpans<kBlockN>>(
+        stage_k(stage), stage_v(stage), p, sp, tile, group_tid);
+  };
+  // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (sp.tile_begin + s < sp.tile_end) load_stage(sp.tile_begin + s, s);
+    ptx::cp_async_commit();
+  }
+
+  // Where the split's result goes: the workspace, or its ring's shared memory (drained) for the
+  // cluster merge, which finds the block's splits' partials a ring apart.
+  using ClusterPartial = sm80::ClusterPartial<kHeadDim>;
+  static_assert(ClusterPartial::kBytes <= Traits::kRingBytes,
+                "the cluster merge's partial fits in a ring");
+  float* cluster_partials =
+      reinterpret_cast<float*>(smem_raw + (rings - raw_address));  // warpgroup 0's
+  constexpr int kPartialStride = Traits::kRingBytes / int(sizeof(float));
+  const auto merge_in_cluster = [&] {
+    sm80::merge_cluster_splits<Elem, kHeadDim, kSplitsPerBlock>(
+        p, plan, sp, cluster_partials, kPartialStride, tid, Traits::kThreads);
+  };
+  const sm80::PartialRows partial =
+      plan.cluster_merge ? ClusterPartial::at(reinterpret_cast<float*>(ring))
+                         : sm80::workspace_partial(plan, sp.unit, sp.split);
+  if (sp.tile_begin >= sp.tile_end) {
+    sm80::store_empty_split(partial, plan, group_tid, kGroupThreads);
+    if (plan.cluster_merge) merge_in_cluster();
+    return;
+  }
+
+  const sm80::DecodeRows rows =
+      sm80::DecodeRows::make(sp.vis, warp, lane, int(plan.rows), sp.group);
+  uint32_t q_frag[kKSteps][4];
+  sm80::load_q_fragments<Elem>(q_frag, p, sp, rows, plan.rows, quad_col);
+  float o_acc[1][kDTiles][4] = {};
+  cuda::OnlineSoftmax<1> softmax;
+  softmax.init();
+  const float scale_log2 = p.scale * cuda::kLog2e;
+
+  // Descriptors as in the forward kernel: K is K-major (head dim contiguous), k-step ks in span
+  // ks / 4, 32 bytes per step into each 128-byte row; V is MN-major for O += P V, k-step kk 16
+  // rows down, spans kBlockN rows apart (LBO). Each is stage 0's, advanced by a byte offset.
+  const uint64_t k_desc0 = ptx::smem_descriptor_sw128(base, 16, kGroupBytes);
+  const uint64_t v_desc0 =
+      ptx::smem_descriptor_sw128(base + Traits::kKVBytes, kBlockN * kRowBytes, kGroupBytes);
+  const auto k_desc = [&](int stage, int ks) {
+    return ptx::smem_descriptor_advance(
+        k_desc0, stage * Traits::kStageBytes + k_major_step_bytes(kBlockN, ks));
+  };
+  const auto v_desc = [&](int stage, int kk) {
+    return ptx::smem_descriptor_advance(v_desc0,
+                                        stage * Traits::kStageBytes + mn_major_step_bytes(kk));
+  };
+
+  float s_acc[1][kNTiles][4];
+  for (int tile = sp.tile_begin; tile < sp.tile_end; ++tile) {
+    const int j = tile - sp.tile_begin;
+    ptx::cp_async_wait<kStages - 2>();
+    // This thread's copies of tile j have landed; the proxy fence makes them visible to wgmma,
+    // which reads shared memory through the async proxy, and the barrier makes every thread's
+    // of the warpgroup visible, and tells that every warp is done with tile j - 1, whose stage
+    // the load below refills (its products were waited for).
+    ptx::fence_proxy_async_shared();
+    sync_warpgroup();
+    if (tile + kStages - 1 < sp.tile_end)
+      load_stage(tile + kStages - 1, (j + kStages - 1) % kStages);
+    ptx::cp_async_commit();
+    const int stage = j % kStages;
+
+    ptx::fence_registers(s_acc[0]);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      ptx::wgmma_rs_k_major<kBlockN, Elem>(s_acc[0], q_frag[ks], k_desc(stage, ks), ks > 0);
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait<0>();
+    ptx::fence_registers(s_acc[0]);
+
+    const int key0 = tile * kBlockN;
+    if (!rows.sees_all(key0, kBlockN)) rows.mask(s_acc[0], key0, quad_col);
+    softmax.update(s_acc, o_acc, scale_log2);
+
+    uint32_t p_frag[kPSteps][4];
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) sm80::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
+    ptx::fence_registers(o_acc[0]);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk)
+      ptx::wgmma_rs<kHeadDim, Elem>(o_acc[0], p_frag[kk], v_desc(stage, kk));
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait<0>();
+    ptx::fence_registers(o_acc[0]);
+  }
+  ptx::cp_async_wait<0>();
+
+  float row_lse[1][2];
+  softmax.finalize(o_acc, scale_log2, row_lse);
+  if (plan.cluster_merge) {
+    // Every warp's last products have read the ring that the partial overwrites.
+    sync_warpgroup();
+    sm80::store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
+    merge_in_cluster();
+  } else {
+    // The combine may launch now; it waits for this grid's stores before it reads them.
+    ptx::launch_dependents();
+    sm80::store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
+  }
+#endif
+}
+
+}  // namespace jax_flashattn::sm90

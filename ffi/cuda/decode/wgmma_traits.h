@@ -1,0 +1,97 @@
+// Tile configurations of the Hopper split-KV decode kernel (decode/wgmma_kernel.cuh), one per
+// instantiated head dim.
+//
+// Why a Hopper kernel beside the mma.sync one (decode/mma_sync_kernel.cuh): at 64 query rows per
+// block (T = 16 with GQA 4) a decode step does 128 FLOP per K/V element it reads, and the
+// mma.sync kernel's eight warps per SM, each a chain of ldmatrix, mma.sync and softmax, cannot
+// keep up with HBM there (docs/decisions/decode-wgmma-kernel.md). One wgmma warpgroup computes
+// the same 64 rows with 8 + 4 instructions per 64-key tile (m64n64k16 for S, m64n128k16 for O
+// at head dim 128) where four warps issue 128 mma.sync and 64 ldmatrix each.
+//
+// One warpgroup per split: warp w of it owns the 16-row slab w of the split's (up to) 64 rows,
+// as a wgmma accumulator lays them out. K and V stream through the warpgroup's ring of kStages
+// stages by cp.async (every thread of the warpgroup a share of each tile; keys past the length
+// zero-filled, never read, as in the mma.sync kernel), written in the 128-byte-swizzled span
+// layout wgmma's descriptors read. Each stage is 32 KiB (K and V tiles of kBlockN keys), the
+// ring 96 KiB, so two rings fit one SM with four stages (128 KiB) in flight per SM, as the
+// mma.sync decode kernel keeps: the split counts of ffi/decode_plan.h hold for both.
+//
+// Two block shapes hold those two rings per SM. One split per block, two blocks per SM: the
+// splits merge through the workspace and the combine, or in a cluster of the unit's splits
+// where every unit's cluster is resident at once. Two splits per block (the paired
+// configuration, one warpgroup, ring and named barrier each, one block per SM): the unit's
+// blocks merge in a cluster of half as many blocks, which stays resident where the first's does
+// not. The decode preset at T = 16 (64 kv heads x 4 splits) is 64 clusters of 4 two-per-SM
+// blocks, of which an H200 holds only 62, or 64 clusters of 2 paired blocks, which it holds: no
+// partials through HBM and no combine (why, with measurements:
+// docs/decisions/decode-paired-blocks.md). The dispatcher takes it only for that: with the
+// cluster merge and an even split count, where the first shape would need the combine.
+//
+// Registers per thread: Q as wgmma's register A operand kHeadDim / 4 (loaded once from global
+// memory), O kHeadDim / 2 floats, S kBlockN / 2, P kBlockN / 4: 16 + 32 + 64 + 32 = 144 at head
+// dim 64 and 32 + 64 + 32 + 16 = 144 at 128, within the 255 of two 128-thread warpgroups per SM.
+// Head dim 256 (64 + 128 registers of Q and O before S) stays on the mma.sync kernel.
+#pragma once
+
+#include "ffi/cuda/common/swizzle_layout.h"
+#include "ffi/decode_plan.h"
+
+namespace jax_flashattn::sm90 {
+
+template <int kHeadDim_, int kBlockN_, int kStages_, int kSplitsPerBlock_>
+struct DecodeTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;  // keys per K/V tile
+  static constexpr int kStages = kStages_;  // K/V tiles in a ring: kStages - 1 in flight
+  static constexpr int kSplitsPerBlock = kSplitsPerBlock_;  // one warpgroup and ring each
+  static constexpr int kWarpgroupThreads = 128;  // one 16-row slab per warp
+  static constexpr int kThreads = kSplitsPerBlock * kWarpgroupThreads;
+  static constexpr int kMinBlocks = 2 / kSplitsPerBlock;  // per SM, for __launch_bounds__
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile
+  static constexpr int kStageBytes = 2 * kKVBytes;
+  static constexpr int kRingBytes = kStages * kStageBytes;  // one warpgroup's
+  // The rings, plus kGroupBytes to align their start to the swizzle's period.
+  static constexpr int kSmemBytes = kSplitsPerBlock * kRingBytes + int(kGroupBytes);
+
+  // What sm80::load_split_tile needs of one warpgroup, which copies its ring's tiles alone.
+  struct WarpgroupCopies {
+    static constexpr int kBlockN = kBlockN_, kChunks = kHeadDim_ / 8, kThreads = 128;
+  };
+
+  static_assert(kSplitsPerBlock == 1 || kSplitsPerBlock == 2, "two rings per SM");
+  static_assert(kHeadDim % 64 == 0, "tiles are whole 128-byte swizzle spans");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N is a multiple of 16 up to 256");
+  static_assert(kKVBytes % kGroupBytes == 0, "tiles stay 1024-byte aligned");
+  static_assert(WarpgroupCopies::kThreads == kWarpgroupThreads &&
+                    kWarpgroupThreads % WarpgroupCopies::kChunks == 0,
+                "every copy of a thread is the same chunk column");
+  static_assert(64 >= sm80::kDecodeMaxRows, "one warpgroup holds every row of a split");
+  static_assert(kMinBlocks * (kSmemBytes + 1024) <= 228 * 1024,
+                "the blocks of an SM (and their 1 KiB of reserved shared memory) fit it");
+};
+
+template <int kHeadDim, int kSplitsPerBlock>
+struct DecodeConfig;
+
+// Stage (128 + 128) keys x 64 x 2 B = 32 KiB; ring 96 KiB; 97 KiB per block, two per SM.
+template <>
+struct DecodeConfig<64, 1> : DecodeTraits<64, 128, 3, 1> {};
+// Stage (64 + 64) keys x 128 x 2 B = 32 KiB; ring 96 KiB; 97 KiB per block, two per SM.
+template <>
+struct DecodeConfig<128, 1> : DecodeTraits<128, 64, 3, 1> {};
+// Paired: the same rings, two per block; 193 KiB per block, one per SM.
+template <>
+struct DecodeConfig<64, 2> : DecodeTraits<64, 128, 3, 2> {};
+template <>
+struct DecodeConfig<128, 2> : DecodeTraits<128, 64, 3, 2> {};
+
+// Query rows per block from which (inclusive) a decode call takes this kernel; fewer stay on the
+// mma.sync decode kernel. At 32 rows the two are level with the combine, and this one is ahead
+// with the paired blocks' cluster merge (docs/decisions/decode-wgmma-kernel.md).
+inline constexpr int64_t kDecodeMinRows = 32;
+
+// The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one
+// that is at least as large (the columns past it are zero-filled in shared memory and Q).
+inline constexpr int kDecodeHeadDims[] = {64, 128};
+
+}  // namespace jax_flashattn::sm90

@@ -1,0 +1,466 @@
+// FlashAttention backward for Hopper (sm_90a), dK/dV/dQ in one pass: TMA loads, wgmma, warp
+// specialisation (FlashAttention-3's structure).
+//
+// One block per (128-key block, kv head, batch). Warpgroup 0 is the producer: one thread loads K
+// and V of the block once, then for every query head of the GQA group and every 64-query tile
+// that can see the block the Q and dO tiles, into a ring of kStages buffers guarded by a full
+// barrier (the loads landed) and an empty barrier (every consumer warp is done with them),
+// with the tile's lse and D beside them. Warpgroups 1 and 2 are consumers of 64 keys each; per
+// tile they compute
+//   S^T  = K_wg Q^T                 wgmma, both operands K-major in shared memory
+//   dP^T = V_wg dO^T                the same, in a second commit group
+//   P^T  = exp2(S^T scale log2(e) - lse log2(e))     0 where hidden; while dP^T computes
+//   dS^T = P^T (dP^T - D)
+//   dV  += P^T dO,  dK += dS^T Q   wgmma, P^T / dS^T from registers, dO / Q read MN-major
+//   dQ  += dS K                     wgmma from shared memory: dS^T of both consumers (A, read
+//                                   MN-major) times K (B, MN-major), each consumer taking half
+//                                   of the head-dim columns over all 128 keys; red.add into the
+//                                   float32 accumulator, which other key blocks add to as well
+// Keys on the rows of S^T make P^T and dS^T the A operands of dV and dK as they are computed;
+// dQ needs them transposed, which the MN-major descriptor does for free, so dS^T is stored as it
+// lies. One named barrier per tile publishes both consumers' dS^T (double-buffered, so the same
+// barrier retires the buffer the tile before used). At the end dK (times the scale) and dV,
+// summed over the group's heads, are staged in the K and V tiles and written with TMA stores,
+// which clip rows past S and head-dim columns past H.
+#pragma once
+
+#include <cuda.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "ffi/cuda/common/fragments.cuh"  // pack_a
+#include "ffi/cuda/common/hopper_ptx.cuh"
+#include "ffi/cuda/common/mask.cuh"
+#include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/softmax.cuh"  // kLog2e
+#include "ffi/cuda/common/swizzle_layout.h"
+#include "ffi/cuda/common/tensor_maps.h"
+#include "ffi/cuda/wgmma/backward_traits.h"
+#include "ffi/cuda/wgmma/traits.h"  // register_budgets_fit
+#include "ffi/params.h"
+
+namespace jax_flashattn::sm90 {
+
+template <typename Traits>
+struct BackwardBarriers {
+  uint64_t kv_full;
+  uint64_t q_full[Traits::kStages], q_empty[Traits::kStages];
+};
+
+// Lengths and window of batch entry b, the same for every head (no elementwise mask on this
+// kernel, the dispatcher's rule: saying so drops its tests). Rebuilt where needed rather than
+// kept: its 64-bit fields would hold eight of the consumers' registers through the tile loop
+// (docs/decisions/hopper-kernels-without-spills.md).
+__device__ __forceinline__ cuda::Visibility block_visibility(const AttentionParams& p, int b) {
+  cuda::Visibility vis = cuda::Visibility::make(p, b, 0);
+  vis.mask = nullptr;
+  return vis;
+}
+
+// The work of one block: its keys and the (query head, Q tile) steps that can see them, heads
+// outermost (head0 + step / tiles, tile_begin + step % tiles), the same for producer and
+// consumers. 32-bit indices: the dispatcher checks indices_fit_32_bits.
+template <typename Traits>
+struct BackwardBlock {
+  int b, kv_head, key0;
+  int head0, tile_begin, tiles, steps;
+
+  __device__ static BackwardBlock make(const AttentionParams& p) {
+    BackwardBlock w;
+    // Key blocks of one (batch, kv head) are consecutive, so the blocks running together stream
+    // the same Q and dO tiles through L2; under causal masking the lowest key block sees the
+    // most queries, so each head's blocks start longest first and a wave ends on short ones.
+    const int key_blocks = int((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
+    const int index = int(blockIdx.x), bh = index / key_blocks;
+    w.key0 = (index % key_blocks) * Traits::kBlockN;
+    w.b = bh / int(p.num_kv_heads);
+    w.kv_head = bh % int(p.num_kv_heads);
+    w.head0 = w.kv_head * int(p.group_size());
+    int64_t t_lo, t_hi;
+    block_visibility(p, w.b).query_range(w.key0, int64_t(w.key0) + Traits::kBlockN, t_lo, t_hi);
+    w.tile_begin = int(t_lo / Traits::kBlockM);
+    w.tiles = t_hi > t_lo ? int((t_hi + Traits::kBlockM - 1) / Traits::kBlockM) - w.tile_begin : 0;
+    w.steps = w.tiles * int(p.group_size());
+    return w;
+  }
+};
+
+template <typename Elem, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    backward_kernel(const __grid_constant__ AttentionParams p,
+                    const __grid_constant__ BackwardMaps maps) {
+#ifdef JAX_FLASHATTN_SM90_BODY
+  static_assert(register_budgets_fit<Traits>(), "setmaxnreg would wait forever");
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages, kHeadDim = Traits::kHeadDim;
+  constexpr int kSpans = Traits::kSpans, kSpanElems = Traits::kSpanElems;
+  constexpr int kKSteps = kHeadDim / 16;   // k16 steps of S^T and dP^T (over the head dim)
+  constexpr int kQSteps = kBlockM / 16;    // k16 steps of dV and dK (over the tile's queries)
+  constexpr int kKeySteps = kBlockN / 16;  // k16 steps of dQ (over the block's keys)
+  constexpr int kQTiles = kBlockM / 8;     // 8-query column tiles of S^T and dP^T
+  constexpr int kDTiles = kHeadDim / 8;    // 8-wide column tiles of dK and dV
+  constexpr int kDqTiles = Traits::kDqCols / 8;  // 8-wide column tiles of a consumer's dQ
+
+  // Tiles at 1024-byte boundaries (the 128-byte swizzle's period): K, V, Q stages, dO stages,
+  // dS^T buffers, then lse / D and the barriers.
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_address = ptx::smem_address(smem_raw);
+  const uint32_t base = (raw_address + kGroupBytes - 1) & ~(kGroupBytes - 1);
+  unsigned char* smem = smem_raw + (base - raw_address);
+  constexpr uint32_t kQOffset = 2 * Traits::kKVBytes;
+  constexpr uint32_t kDoOffset = kQOffset + kStages * Traits::kQBytes;
+  constexpr uint32_t kDsOffset = kDoOffset + kStages * Traits::kQBytes;
+  constexpr uint32_t kStatsOffset = kDsOffset + Traits::kDsStages * Traits::kDsBytes;
+  const uint32_t sK = base, sV = base + Traits::kKVBytes;
+  const auto sQ = [&](int stage) { return base + kQOffset + stage * Traits::kQBytes; };
+  const auto sdO = [&](int stage) { return base + kDoOffset + stage * Traits::kQBytes; };
+  const auto sdS = [&](int buffer) { return base + kDsOffset + buffer * Traits::kDsBytes; };
+  // [stage][0][row]: lse; [stage][1][row]: D, from the tile's first row rounded down to
+  // kFlatAlignElems (BackwardMaps).
+  constexpr int kStatsStride = Traits::kStatsStride;
+  const uint32_t sStats = base + kStatsOffset;
+  const float* stats = reinterpret_cast<const float*>(smem + kStatsOffset);
+  auto& bars = *reinterpret_cast<BackwardBarriers<Traits>*>(smem + kStatsOffset +
+                                                            Traits::kStatsBytes);
+  const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
+
+  const int tid = threadIdx.x;
+  const BackwardBlock<Traits> block = BackwardBlock<Traits>::make(p);
+  // Row (b, n, q0) of lse and D: int32, as backward_tma_compatible checks.
+  const auto stats_row = [&](int n, int q0) {
+    return (block.b * int(p.num_heads) + n) * int(p.seqlen_q) + q0;
+  };
+
+  if (tid == 0) {
+    ptx::mbarrier_init(bar(bars.kv_full), 1);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(bar(bars.q_full[s]), 1);
+      ptx::mbarrier_init(bar(bars.q_empty[s]), Traits::kConsumerWarps);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warpgroup = tid / 128;
+  // The n-th step uses stage n % kStages; its full barrier completes phase (n / kStages) & 1, and
+  // the producer refilling it waits for the empty barrier's phase of step n - kStages.
+  const auto phase = [](int step) { return uint32_t(step / kStages) & 1; };
+  if (warpgroup == 0) {
+    ptx::setmaxnreg_dec<Traits::kProducerRegisters>();
+    if (tid == 0) {  // every TMA load
+      if (block.steps > 0) {
+        ptx::mbarrier_arrive_expect_tx(bar(bars.kv_full), 2 * Traits::kKVBytes);
+        for (int span = 0; span < kSpans; ++span) {
+          ptx::tma_load_4d(sK + span * kBlockN * kRowBytes, &maps.k, bar(bars.kv_full),
+                           span * kSpanElems, block.kv_head, block.key0, block.b);
+          ptx::tma_load_4d(sV + span * kBlockN * kRowBytes, &maps.v, bar(bars.kv_full),
+                           span * kSpanElems, block.kv_head, block.key0, block.b);
+        }
+      }
+      int n = block.head0, tile = block.tile_begin;
+      for (int step = 0; step < block.steps; ++step) {
+        const int stage = step % kStages;
+        if (step >= kStages) ptx::mbarrier_wait(bar(bars.q_empty[stage]), phase(step) ^ 1);
+        const uint32_t full = bar(bars.q_full[stage]);
+        ptx::mbarrier_arrive_expect_tx(full, 2 * Traits::kQBytes +
+                                                 2 * Traits::kStatsBox * sizeof(float));
+        for (int span = 0; span < kSpans; ++span) {
+          ptx::tma_load_4d(sQ(stage) + span * kBlockM * kRowBytes, &maps.q, full,
+                           span * kSpanElems, n, tile * kBlockM, block.b);
+          ptx::tma_load_4d(sdO(stage) + span * kBlockM * kRowBytes, &maps.d_out, full,
+                           span * kSpanElems, n, tile * kBlockM, block.b);
+        }
+        const int box0 = stats_row(n, tile * kBlockM) & -kFlatAlignElems;
+        const uint32_t stage_stats = sStats + stage * Traits::kStatsStageBytes;
+        ptx::tma_load_1d(stage_stats, &maps.lse, full, box0);
+        ptx::tma_load_1d(stage_stats + kStatsStride * sizeof(float), &maps.delta, full, box0);
+        if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
+      }
+    }
+    return;
+  }
+
+  // Consumers.
+  ptx::setmaxnreg_inc<Traits::kConsumerRegisters>();
+  const int consumer = warpgroup - 1, warp = (tid / 32) % 4, lane = tid % 32;
+  const int wg_key0 = consumer * 64;          // this warpgroup's keys of the block
+  const int warp_key0 = wg_key0 + warp * 16;  // this warp's 16 keys (its accumulator rows)
+  const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
+  const int dq_col0 = consumer * Traits::kDqCols;  // this warpgroup's dQ columns
+
+  // Descriptors. K-major operands (head dim contiguous) of S^T = K Q^T and dP^T = V dO^T:
+  // k-step ks lies in span ks / 4, 32 bytes per step into each 128-byte row, as the forward's
+  // Q K^T. MN-major B operands of dV += P^T dO and dK += dS^T Q (head dim contiguous, queries
+  // along the reduction), as the forward's V: k-step kk is 16 rows down, spans kBlockM rows apart
+  // (LBO). dQ = dS K reads dS^T [key][query] as an MN-major A (the 64 queries are one span, so no
+  // LBO) and K [key][head dim] as an MN-major B from this warpgroup's first column: k-step kk is
+  // 16 keys down both.
+  const auto kmajor_desc = [&](uint32_t tile, int rows, int ks) {
+    return ptx::smem_descriptor_sw128(tile + k_major_step_bytes(rows, ks), 16, kGroupBytes);
+  };
+  // The K, V and dQ-K descriptors are the same on every tile: without an opaque copy of their
+  // base per tile ptxas hoists all of them out of the tile loop (64-bit each: 48 registers at
+  // head dim 128, which spills); rebuilt per tile they cost two integer ops each
+  // (docs/decisions/hopper-kernels-without-spills.md).
+  const auto qtile_desc = [&](uint32_t tile, int kk) {  // Q or dO as B of dK or dV
+    return ptx::smem_descriptor_sw128(tile + mn_major_step_bytes(kk), kBlockM * kRowBytes,
+                                      kGroupBytes);
+  };
+  const uint32_t k_dq_offset = (dq_col0 / kSpanElems) * kBlockN * kRowBytes +
+                               (dq_col0 % kSpanElems) * 2;
+  const auto k_dq_desc = [&](uint32_t k_dq_tile, int kk) {
+    return ptx::smem_descriptor_sw128(k_dq_tile + mn_major_step_bytes(kk), kBlockN * kRowBytes,
+                                      kGroupBytes);
+  };
+  const auto ds_desc = [&](int buffer, int kk) {
+    return ptx::smem_descriptor_sw128(sdS(buffer) + mn_major_step_bytes(kk), Traits::kDsBytes,
+                                      kGroupBytes);
+  };
+
+  // Named barriers: 1 for both consumers (dS^T published; the epilogue's K and V free), 2 + c
+  // for consumer c alone.
+  constexpr int kConsumersBarrier = 1, kWarpgroupBarrier = 2;
+  constexpr int kConsumerThreads = 128 * Traits::kConsumers;
+  // One arrival per warp: __syncwarp orders every lane's reads of the stage before lane 0's
+  // arrival releases it to the producer.
+  const auto release = [&](uint64_t& barrier) {
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(bar(barrier));
+  };
+  const auto fence = [](auto& acc) {
+#pragma unroll
+    for (auto& tile : acc)
+#pragma unroll
+      for (auto& x : tile) ptx::fence_register(x);
+  };
+
+  float dk_acc[kDTiles][4], dv_acc[kDTiles][4];
+#pragma unroll
+  for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
+  const float scale_log2 = p.scale * cuda::kLog2e;
+
+  if (block.steps > 0) {
+    ptx::mbarrier_wait(bar(bars.kv_full), 0);
+    // The tensor maps span S, so a block that holds a batch entry's key length loaded the
+    // cache's rows past it, which may hold NaN or Inf: hidden P and dS of 0 would still multiply
+    // them (dP^T = V dO^T, dQ = dS K). Each consumer zeroes its own 64 rows of K and V; its
+    // products read them after the warpgroup barrier below, the other's dQ after the first
+    // consumers' barrier.
+    const int first_row = p.kv_seqlens == nullptr
+                              ? kBlockN
+                              : int(block_visibility(p, block.b).kv_len) - block.key0;
+    if (first_row < wg_key0 + 64) {
+      constexpr int kRowChunks = kRowBytes / 16;
+      const int row0 = first_row > wg_key0 ? first_row : wg_key0;
+      const int chunks = (wg_key0 + 64 - row0) * kRowChunks;
+      for (int i = tid % 128; i < kSpans * chunks; i += 128) {
+        const uint32_t offset = (i / chunks) * kBlockN * kRowBytes +
+                                (row0 + (i % chunks) / kRowChunks) * kRowBytes +
+                                (i % kRowChunks) * 16;
+        ptx::st_shared_v4_b32(sK + offset, 0, 0, 0, 0);
+        ptx::st_shared_v4_b32(sV + offset, 0, 0, 0, 0);
+      }
+      ptx::fence_proxy_async_shared();  // generic stores that wgmma (async proxy) reads
+      ptx::named_barrier_sync(kWarpgroupBarrier + consumer, 128);
+    }
+  }
+  int n = block.head0, tile = block.tile_begin;
+  for (int step = 0; step < block.steps; ++step) {
+    const int stage = step % kStages, ds_buffer = step % Traits::kDsStages;
+    const int q0 = tile * kBlockM;
+    // lse and D of the tile's queries, which start this many rows into their boxes.
+    const int box_shift = stats_row(n, q0) % kFlatAlignElems;
+    const float* lse = stats + stage * 2 * kStatsStride + box_shift;
+    const float* delta = lse + kStatsStride;
+    ptx::mbarrier_wait(bar(bars.q_full[stage]), phase(step));
+
+    // S^T = K_wg Q^T and dP^T = V_wg dO^T (64 keys x 64 queries each), as two commit groups, so
+    // that P^T is computed while dP^T is still running.
+    float s_acc[kQTiles][4], dp_acc[kQTiles][4];
+    const uint32_t k_tile = ptx::opaque(sK + wg_key0 * kRowBytes);
+    const uint32_t v_tile = ptx::opaque(sV + wg_key0 * kRowBytes);
+    fence(s_acc);
+    fence(dp_acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      ptx::wgmma_ss<kBlockM, Elem>(s_acc, kmajor_desc(k_tile, kBlockN, ks),
+                                   kmajor_desc(sQ(stage), kBlockM, ks), ks > 0);
+    ptx::wgmma_commit_group();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      ptx::wgmma_ss<kBlockM, Elem>(dp_acc, kmajor_desc(v_tile, kBlockN, ks),
+                                   kmajor_desc(sdO(stage), kBlockM, ks), ks > 0);
+    ptx::wgmma_commit_group();
+
+    // P^T. This thread's elements [j][e]: query q0 + 8 j + quad_col + e % 2, key
+    // key0 + quad_row + 8 (e / 2) of the warp's first key key0. A row that saw no key has
+    // lse = -inf, whose -lse log2(e) is taken as -inf, and exp2 turns its scores into 0 (scale > 0,
+    // so never inf - inf). Only tiles that straddle a length or window boundary test elements:
+    // a hidden element's P is set to 0 after exp2, as its row's lse may be NaN (a row that saw a
+    // NaN logit, or in the last query tile of a head the slot of a row past T, which holds the
+    // next head's row: the stats box is flat), and NaN must not reach the keys it hides.
+    static_assert(kQTiles * 4 <= 32, "one bit per element of a thread's S^T");
+    uint32_t hidden = 0;  // bit 4 j + e: element [j][e] is hidden
+    ptx::wgmma_wait<1>();
+    fence(s_acc);
+    {
+      const cuda::Visibility vis = block_visibility(p, block.b);
+      const int key0 = block.key0 + warp_key0;
+      if (!vis.all_visible(q0, q0 + kBlockM, key0, key0 + 16)) {
+        const cuda::TileVisibility tile_vis =
+            cuda::TileVisibility::make(vis, q0 + quad_col, key0 + quad_row, kBlockM + 16);
+#pragma unroll
+        for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (!tile_vis.visible(8 * j + e % 2, 8 * (e / 2))) hidden |= 1u << (4 * j + e);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j) {
+      // Two scalar loads: box_shift leaves the pair 8-byte aligned only half the time.
+      const auto neg_log2 = [](float x) { return x == -INFINITY ? -INFINITY : -x * cuda::kLog2e; };
+      const float bias0 = neg_log2(lse[8 * j + quad_col]);
+      const float bias1 = neg_log2(lse[8 * j + quad_col + 1]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        s_acc[j][e] = ptx::exp2_approx(fmaf(s_acc[j][e], scale_log2, e % 2 ? bias1 : bias0));
+    }
+    if (hidden != 0) {
+#pragma unroll
+      for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if ((hidden >> (4 * j + e)) & 1) s_acc[j][e] = 0.f;
+    }
+
+    // dS^T = P^T (dP^T - D), in place of dP^T.
+    ptx::wgmma_wait<0>();
+    fence(dp_acc);
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j) {
+      const float d0 = delta[8 * j + quad_col], d1 = delta[8 * j + quad_col + 1];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp_acc[j][e] = s_acc[j][e] * (dp_acc[j][e] - (e % 2 ? d1 : d0));
+    }
+
+    // P^T and dS^T rounded to Elem: the A operands of dV and dK (the S^T accumulators of 8-query
+    // tiles 2 kk, 2 kk + 1 are k-step kk), and dS^T into shared memory for dQ, [key][query]
+    // rows with chunk c of row r at chunk c ^ (r % 8) (the 128-byte swizzle).
+    uint32_t p_frag[kQSteps][4], ds_frag[kQSteps][4];
+#pragma unroll
+    for (int kk = 0; kk < kQSteps; ++kk) {
+      sm80::pack_a<Elem>(p_frag[kk], s_acc, kk);
+      sm80::pack_a<Elem>(ds_frag[kk], dp_acc, kk);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // Register (j % 2) * 2 + h of k-step j / 2 holds key row quad_row + 8 h, queries
+      // 8 j + quad_col, +1 (pack_a's order). Chunk c of a swizzled row sits at
+      // ((c ^ row % 8) << 4): with the row's bits above bit 6 and quad_col * 2 below bit 4, that
+      // is this row's chunk-0 offset XOR (c << 4).
+      const int row = warp_key0 + quad_row + 8 * h;
+      const uint32_t row_offset = (row * kRowBytes + ((row & 7) << 4)) | (quad_col * 2);
+#pragma unroll
+      for (int j = 0; j < kQTiles; ++j)
+        ptx::st_shared_b32(sdS(ds_buffer) + (row_offset ^ (j << 4)),
+                           ds_frag[j / 2][(j % 2) * 2 + h]);
+    }
+    // The stores above are generic-proxy writes that wgmma (async proxy) reads.
+    ptx::fence_proxy_async_shared();
+
+    // dV += P^T dO and dK += dS^T Q over this warpgroup's 64 keys x every head-dim column,
+    // reducing over the tile's queries; they run while the consumers meet at the barrier.
+    fence(dv_acc);
+    fence(dk_acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQSteps; ++kk) {
+      ptx::wgmma_rs<kHeadDim, Elem>(dv_acc, p_frag[kk], qtile_desc(sdO(stage), kk));
+      ptx::wgmma_rs<kHeadDim, Elem>(dk_acc, ds_frag[kk], qtile_desc(sQ(stage), kk));
+    }
+    ptx::wgmma_commit_group();
+
+    // dQ = dS K over the tile's 64 queries x this warpgroup's kDqCols columns, reducing over
+    // both warpgroups' keys: once both have stored their dS^T.
+    ptx::named_barrier_sync(kConsumersBarrier, kConsumerThreads);
+    float dq_acc[kDqTiles][4];
+    const uint32_t k_dq_tile = ptx::opaque(sK + k_dq_offset);
+    fence(dq_acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kKeySteps; ++kk)
+      ptx::wgmma_ss_mn_major<Traits::kDqCols, Elem>(dq_acc, ds_desc(ds_buffer, kk),
+                                                    k_dq_desc(k_dq_tile, kk), kk > 0);
+    ptx::wgmma_commit_group();
+
+    // dV and dK have read the stage's dO and Q (and lse / D were read above): release it.
+    ptx::wgmma_wait<1>();
+    fence(dv_acc);
+    fence(dk_acc);
+    fence(p_frag);
+    fence(ds_frag);
+    release(bars.q_empty[stage]);
+
+    // This thread's dQ rows q0 + 16 warp + quad_row + 8 h, columns dq_col0 + 8 j + quad_col, +1:
+    // rows past the query length have dS = 0 and columns past H do not exist, so neither is
+    // added.
+    ptx::wgmma_wait<0>();
+    fence(dq_acc);
+    {
+      const int t0 = q0 + warp * 16 + quad_row;
+      const int col0 = dq_col0 + quad_col;
+      float* dq = p.dq_accum + int64_t(block.b) * p.q_batch_stride + n * p.q_head_stride +
+                  t0 * p.q_row_stride + col0;
+      const int64_t rows = block_visibility(p, block.b).q_len - t0;
+      const int cols = int(p.head_dim) - col0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (8 * h >= rows) continue;
+#pragma unroll
+        for (int j = 0; j < kDqTiles; ++j)
+          if (8 * j < cols)
+            ptx::red_add_v2_f32(dq + 8 * h * p.q_row_stride + 8 * j, dq_acc[j][2 * h],
+                                dq_acc[j][2 * h + 1]);
+      }
+    }
+    if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
+  }
+
+  // Epilogue: once both consumers' last dQ has read K, dK = scale dS^T Q and dV (keys no query
+  // sees, and keys past the length, hold zeros) are staged as Elem in this warpgroup's rows of
+  // the K and V tiles, in the swizzled layout the TMA store reads; one thread stores each span.
+  ptx::named_barrier_sync(kConsumersBarrier, kConsumerThreads);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = warp_key0 + quad_row + 8 * h;
+    const uint32_t row_offset = (row * kRowBytes + ((row & 7) << 4)) | (quad_col * 2);
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) {
+      const uint32_t offset = (d / 8) * kBlockN * kRowBytes + (row_offset ^ ((d % 8) << 4));
+      ptx::st_shared_b32(sK + offset, ptx::pack2<Elem>(p.scale * dk_acc[d][2 * h],
+                                                       p.scale * dk_acc[d][2 * h + 1]));
+      ptx::st_shared_b32(sV + offset, ptx::pack2<Elem>(dv_acc[d][2 * h], dv_acc[d][2 * h + 1]));
+    }
+  }
+  ptx::fence_proxy_async_shared();
+  ptx::named_barrier_sync(kWarpgroupBarrier + consumer, 128);
+  if (tid % 128 == 0 && block.key0 + wg_key0 < p.seqlen_k) {
+    for (int span = 0; span < kSpans; ++span) {
+      const uint32_t offset = span * kBlockN * kRowBytes + wg_key0 * kRowBytes;
+      ptx::tma_store_4d(&maps.dk, sK + offset, span * kSpanElems, block.kv_head,
+                        block.key0 + wg_key0, block.b);
+      ptx::tma_store_4d(&maps.dv, sV + offset, span * kSpanElems, block.kv_head,
+                        block.key0 + wg_key0, block.b);
+    }
+    ptx::bulk_commit_group();
+    ptx::bulk_wait_group_read_all();  // shared memory must outlive the stores' reads
+  }
+#endif
+}
+
+}  // namespace jax_flashattn::sm90

@@ -1,0 +1,801 @@
+// FlashAttention forward for Hopper (sm_90a): TMA loads, wgmma, warp specialisation.
+//
+// Persistent: one block per SM walks the (kBlockM-row query block, head, batch) tiles of
+// TileScheduler, claiming each next tile from a global counter when it is ready for one, so
+// that blocks that drew short (causal) tiles take more of them. Warpgroup 0 is the producer:
+// one thread claims the tiles and issues every TMA load, per tile Q and then K_j, V_j into a
+// ring of kStages buffers, each guarded by a full barrier (the load landed) and an empty
+// barrier (every consumer warp is done with it); Q has its own ring of kQStages. Once it has
+// issued the current tile's loads, the producer claims the next tile, hands it, decoded, to the
+// consumers through a shared-memory slot guarded by a full and an empty mbarrier, and issues
+// its Q and first K/V tiles (with two Q buffers it claims the next tile, and issues its Q,
+// before the current tile's loads that wait for buffers). The consumers do not meet between
+// tiles: the one that finishes first starts the next tile while the others finish theirs.
+// Warpgroups 1.. are consumers of 64 query rows each; per K/V tile j they compute
+//   S_j = Q K_j^T              wgmma, both operands in shared memory
+//   mask                       only on tiles that straddle a length or window boundary
+//   P_j = exp2(S_j - max)      online softmax, the scale folded into one FFMA; once a warp's
+//                              row maxima have settled, against those maxima (no max
+//                              reduction, no rescale) unless a score outran them too far
+//   O += P_j V_j               wgmma, P from registers
+// with the products of two tiles in flight together: S_{j+1} = Q K_{j+1}^T is issued before
+// O += P_j V_j, and the softmax of S_{j+1} runs while P_j V_j is still computing; only the
+// rescaling of O waits for it. The consumer warpgroups (two, or three at head dim 64) take
+// turns issuing their products (ping-pong on named barriers, round robin), so one's softmax
+// runs under the others' tensor-core work. O is normalised once and kept in registers until
+// the consumer has issued its next tile's first S = Q K^T (which it reads from the slot under
+// its last O += P V); then, under that product, staged in shared memory and written with a TMA
+// store (which clips rows past T) that runs on; at head dim 256, right after the tile, in a
+// K/V stage that the ring lends for it after the tile's key tiles. A warpgroup whose 64 rows
+// all lie past the query length computes nothing: it takes its turns and releases its buffers
+// so that the others finish the tile without it. In the same way, a warpgroup skips the
+// block's last key tile where none of its rows sees a key of it (the lower warpgroups of a
+// causal query block, where the block's lower rows see a tile further), and multiplies only
+// the first half of a last tile whose second half none of its rows sees by V.
+#pragma once
+
+#include <cuda.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "ffi/cuda/common/fragments.cuh"
+#include "ffi/cuda/common/hopper_ptx.cuh"
+#include "ffi/cuda/common/mask.cuh"
+#include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/softmax.cuh"
+#include "ffi/cuda/common/swizzle_layout.h"
+#include "ffi/cuda/common/tensor_maps.h"
+#include "ffi/cuda/wgmma/tile_scheduler.cuh"
+#include "ffi/cuda/wgmma/traits.h"
+#include "ffi/params.h"
+
+namespace jax_flashattn::sm90 {
+
+template <typename Traits>
+struct ForwardBarriers {
+  uint64_t q_full[Traits::kQStages], q_empty[Traits::kQStages];
+  uint64_t k_full[Traits::kStages], v_full[Traits::kStages];
+  uint64_t k_empty[Traits::kStages], v_empty[Traits::kStages];
+  // The block's k-th tile (TileSlot), handed from the producer to the consumers: written
+  // before tile_full completes phase k, and read by every consumer thread before it arrives on
+  // tile_empty, which the next write waits for. Each thread arrives after its own read, which
+  // keeps racecheck clean (one arrival per warp after __syncwarp did not:
+  // docs/decisions/hopper-forward-tile-hand-over.md).
+  uint64_t tile_full, tile_empty;
+  alignas(16) uint32_t tile[8];
+};
+
+// Named barriers (0 is __syncthreads): 1 + c synchronises consumer warpgroup c, and kTurn + c
+// hands it the ping-pong turn.
+template <int kConsumers>
+struct NamedBarriers {
+  static constexpr int kTurn = 1 + kConsumers;
+  static_assert(kTurn + kConsumers <= 16, "16 named barriers per block");
+};
+
+// Where a barrier ring stands: the n-th use of a kStages ring is stage n % kStages, and its
+// full barrier completes phase (n / kStages) for it; the producer refilling use n waits for the
+// empty barrier's phase of use n - kStages.
+template <int kStages>
+struct RingPosition {
+  // Unsigned: with a power-of-two kStages, % and / are a mask and a shift. It wraps after
+  // 2^32 uses, which no call comes near (one block would run for over half an hour).
+  uint32_t count = 0;
+  __device__ int stage() const { return int(count % kStages); }
+  __device__ uint32_t phase() const { return uint32_t(count / kStages) & 1; }
+  __device__ bool refill() const { return count >= kStages; }
+  __device__ uint32_t previous_phase() const { return uint32_t(count / kStages - 1) & 1; }
+};
+
+// Rows [row0 + first, row0 + first + rows) of a query block that no key is visible to: O = 0
+// and lse = -inf, written with plain stores by `threads` threads.
+template <typename Elem>
+__device__ void write_unseen_rows(const AttentionParams& p, const ForwardTile& t, int first,
+                                  int rows, int thread, int threads) {
+  Elem* out = static_cast<Elem*>(p.out) + t.b * p.q_batch_stride + t.n * p.q_head_stride;
+  float* lse = p.lse + (int64_t(t.b) * p.num_heads + t.n) * p.seqlen_q;
+  const int64_t row_begin = int64_t(t.row0) + first;
+  const int64_t valid = p.seqlen_q - row_begin < rows ? p.seqlen_q - row_begin : rows;
+  for (int64_t i = thread; i < valid * p.head_dim; i += threads)
+    out[(row_begin + i / p.head_dim) * p.q_row_stride + i % p.head_dim] = Elem(0.f);
+  for (int64_t i = thread; i < valid; i += threads) lse[row_begin + i] = -INFINITY;
+}
+
+// The key tiles a computing warpgroup (rows [row0 + wg_row0, +64) of tile t) multiplies under
+// a window: the block's, up to the one that holds the last key its rows see, or all of the
+// block's where its rows see none (the consumers' wg_tiles below, by the same rule).
+template <int kBlockN>
+__device__ __forceinline__ int windowed_warpgroup_tiles(const cuda::Visibility32& vis,
+                                                        const ForwardTile& t, int wg_row0) {
+  int key_lo, key_hi;
+  vis.key_range(t.row0 + wg_row0, t.row0 + wg_row0 + 64, key_lo, key_hi);
+  if (key_hi <= key_lo) return t.num_kv_tiles;
+  const int last = int(unsigned(key_hi - 1) / kBlockN) - t.tile_begin;
+  return last + 1 < t.num_kv_tiles ? last + 1 : t.num_kv_tiles;
+}
+
+// The first row of the V tile that computing consumer `consumer` must zero before its last
+// O += P V, or kBlockN for none. The tensor maps span S, so the key tile that holds a batch
+// entry's key length brings the cache's rows past it, which may hold NaN or Inf, and a masked P
+// of 0 times NaN is NaN. That tile is the last one of every warpgroup that reads it, and the
+// first of them in turn order (the lowest consumer: the consumers below a computing one compute
+// too) zeroes it before its turn: the turns (named barriers, round robin) order its stores
+// before every later reader's product, and no two warpgroups write the buffer. Without a window
+// every computing warpgroup reads every tile, so consumer 0 zeroes. Rebuilt from the
+// parameters (one load of the length) rather than kept through the tile loop
+// (docs/decisions/keys-past-the-length-never-read.md).
+template <int kBlockN, bool kWindowed>
+__device__ __forceinline__ int first_v_row_to_zero(const AttentionParams& p, const ForwardTile& t,
+                                                   int consumer, int wg_tiles) {
+  if (p.kv_seqlens == nullptr) return kBlockN;  // rows past S load as zeros
+  const cuda::Visibility32 vis = cuda::Visibility32::make(p, int(ptx::opaque(uint32_t(t.b))));
+  const int last_key0 = (t.tile_begin + wg_tiles - 1) * kBlockN;
+  if (vis.kv_len >= p.seqlen_k || vis.kv_len - last_key0 >= kBlockN) return kBlockN;
+  if constexpr (kWindowed) {
+    for (int below = 0; below < consumer; ++below)
+      if (windowed_warpgroup_tiles<kBlockN>(vis, t, below * 64) >= wg_tiles) return kBlockN;
+  } else {
+    if (consumer > 0) return kBlockN;
+  }
+  return vis.kv_len - last_key0;
+}
+
+template <typename Elem, typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    forward_kernel(const __grid_constant__ AttentionParams p,
+                   const __grid_constant__ ForwardMaps maps) {
+#ifdef JAX_FLASHATTN_SM90_BODY
+  static_assert(register_budgets_fit<Traits>(), "setmaxnreg would wait forever");
+  static_assert(sizeof(ForwardBarriers<Traits>) <= Traits::kBarrierBytes, "barriers fit");
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages, kHeadDim = Traits::kHeadDim;
+  constexpr int kSpans = Traits::kSpans, kSpanElems = Traits::kSpanElems;
+  constexpr int kKSteps = kHeadDim / 16;  // k16 steps of S = Q K^T
+  constexpr int kPSteps = kBlockN / 16;   // k16 steps of O += P V
+  constexpr int kNTiles = kBlockN / 8;    // 8-key column tiles of S
+  constexpr int kDTiles = kHeadDim / 8;   // 8-wide column tiles of O
+  static_assert(kBlockN % 32 == 0, "half a key tile is whole k16 steps of O += P V");
+  // A warpgroup's tail (the block's key tiles past its own, below) holds at most as many tiles
+  // as the (at most kBlockM - 64) block rows below its own shift the last visible key: one
+  // here. It releases their buffers only after it has read the next tile from the slot, which
+  // the producer fills once it has issued all of this tile's loads; a tail of kStages tiles
+  // would hold buffers those loads wait for
+  // (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
+  static_assert((kBlockM - 64 + kBlockN - 1) / kBlockN < kStages, "a tail never blocks the loads");
+
+  // Tiles at 1024-byte boundaries (the 128-byte swizzle's period): Q stages, O (unless staged
+  // in the K/V ring), K stages, V stages, then the barriers.
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw_address = ptx::smem_address(smem_raw);
+  const uint32_t base = (raw_address + kGroupBytes - 1) & ~(kGroupBytes - 1);
+  unsigned char* smem = smem_raw + (base - raw_address);
+  constexpr int kQStages = Traits::kQStages;
+  constexpr uint32_t sO_offset = kQStages * Traits::kQBytes;
+  constexpr uint32_t sKV_offset = kQStages * Traits::kQBytes + Traits::kOBytes;
+  const auto sQ = [&](int stage) { return base + stage * Traits::kQBytes; };
+  const auto sK = [&](int stage) { return base + sKV_offset + stage * Traits::kKVBytes; };
+  const auto sV = [&](int stage) {
+    return base + sKV_offset + (kStages + stage) * Traits::kKVBytes;
+  };
+  auto& bars = *reinterpret_cast<ForwardBarriers<Traits>*>(smem + sKV_offset +
+                                                           2 * kStages * Traits::kKVBytes);
+  const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
+  // The tile slot by 32-bit shared address: a generic pointer to it would hold a 64-bit
+  // register for the whole kernel, two more than the consumers have at head dim 256
+  // (docs/decisions/hopper-kernels-without-spills.md).
+  const uint32_t tile_slot = ptx::smem_address(bars.tile);
+  using Named = NamedBarriers<Traits::kConsumers>;
+
+  const int tid = threadIdx.x;
+
+  if (tid == 0) {
+    for (int s = 0; s < kQStages; ++s) {
+      ptx::mbarrier_init(bar(bars.q_full[s]), 1);
+      ptx::mbarrier_init(bar(bars.q_empty[s]), Traits::kConsumerWarps);
+    }
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(bar(bars.k_full[s]), 1);
+      ptx::mbarrier_init(bar(bars.v_full[s]), 1);
+      ptx::mbarrier_init(bar(bars.k_empty[s]), Traits::kConsumerWarps);
+      ptx::mbarrier_init(bar(bars.v_empty[s]), Traits::kConsumerWarps);
+    }
+    ptx::mbarrier_init(bar(bars.tile_full), 1);
+    ptx::mbarrier_init(bar(bars.tile_empty), 128 * Traits::kConsumers);
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warpgroup = tid / 128;
+  if (warpgroup == 0) {
+    // Producer: one thread claims the tiles, hands them to the consumers through the tile
+    // slot and issues Q (kQStages buffers) and K/V (kStages buffers) for every tile with keys.
+    ptx::setmaxnreg_dec<Traits::kProducerRegisters>();
+    if (tid != 0) return;
+    // Made here, not once above: a value live across the split spills within the producer's
+    // 24 registers (the default budget; docs/decisions/hopper-kernels-without-spills.md).
+    const auto scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
+    // Each load goes into the next buffer of its ring once the consumers have released it.
+    // Tiles without keys take no buffer (the consumers write their zeros and -inf lse).
+    const auto load_q = [&](const ForwardTile& t, RingPosition<kQStages>& q_ring) {
+      const int q_stage = q_ring.stage();
+      if (q_ring.refill()) ptx::mbarrier_wait(bar(bars.q_empty[q_stage]), q_ring.previous_phase());
+      ++q_ring.count;
+      ptx::mbarrier_arrive_expect_tx(bar(bars.q_full[q_stage]), Traits::kQBytes);
+      for (int span = 0; span < kSpans; ++span)
+        ptx::tma_load_4d(sQ(q_stage) + span * kBlockM * kRowBytes, &maps.q,
+                         bar(bars.q_full[q_stage]), span * kSpanElems, t.n, t.row0, t.b);
+    };
+    // K_j, V_j for j in [j_begin, min(j_end, num_kv_tiles)).
+    const auto load_kv = [&](const ForwardTile& t, int j_begin, int j_end,
+                             RingPosition<kStages>& kv_ring) {
+      for (int j = j_begin; j < j_end && j < t.num_kv_tiles; ++j, ++kv_ring.count) {
+        const int stage = kv_ring.stage();
+        const int key0 = (t.tile_begin + j) * kBlockN;
+        if (kv_ring.refill())
+          ptx::mbarrier_wait(bar(bars.k_empty[stage]), kv_ring.previous_phase());
+        ptx::mbarrier_arrive_expect_tx(bar(bars.k_full[stage]), Traits::kKVBytes);
+        for (int span = 0; span < kSpans; ++span)
+          ptx::tma_load_4d(sK(stage) + span * kBlockN * kRowBytes, &maps.k,
+                           bar(bars.k_full[stage]), span * kSpanElems, t.kv_head, key0, t.b);
+        if (kv_ring.refill())
+          ptx::mbarrier_wait(bar(bars.v_empty[stage]), kv_ring.previous_phase());
+        ptx::mbarrier_arrive_expect_tx(bar(bars.v_full[stage]), Traits::kKVBytes);
+        for (int span = 0; span < kSpans; ++span)
+          ptx::tma_load_4d(sV(stage) + span * kBlockN * kRowBytes, &maps.v,
+                           bar(bars.v_full[stage]), span * kSpanElems, t.kv_head, key0, t.b);
+      }
+    };
+    // A tile's Q (unless q_loaded) and first kStages K/V tiles. Q first, as the first product
+    // needs it as soon as K_0: with one Q buffer it waits for the current tile's last S, but
+    // V_0 (and, from the second K/V tile on, K) wait for buffers released under or after the
+    // last O += P V (docs/decisions/next-q-a-tile-ahead.md).
+    const auto load_first = [&](const ForwardTile& t, RingPosition<kQStages>& q_ring,
+                                RingPosition<kStages>& kv_ring, bool q_loaded) {
+      if (t.num_kv_tiles == 0) return;
+      if (!q_loaded) load_q(t, q_ring);
+      load_kv(t, 0, kStages, kv_ring);
+    };
+    // kOInKV: the ring position after a tile's key tiles is lent to the consumers for O once
+    // they have released it; full barriers completed without a load say that it is theirs
+    // (both, so that the stage's K and V phases stay in step;
+    // docs/decisions/o-staged-in-kv-ring-at-head-dim-256.md).
+    const auto lend_for_o = [&](RingPosition<kStages>& kv_ring) {
+      const int stage = kv_ring.stage();
+      if (kv_ring.refill()) {
+        ptx::mbarrier_wait(bar(bars.k_empty[stage]), kv_ring.previous_phase());
+        ptx::mbarrier_wait(bar(bars.v_empty[stage]), kv_ring.previous_phase());
+      }
+      ptx::mbarrier_arrive(bar(bars.k_full[stage]));
+      ptx::mbarrier_arrive(bar(bars.v_full[stage]));
+      ++kv_ring.count;
+    };
+    // Tile k goes into the slot once every consumer thread has read tile k - 1's. While
+    // the consumers compute tile k the producer issues the rest of tile k's loads, claims tile
+    // k + 1 (with one Q buffer, when it has issued them: the counter then hands out tiles in
+    // the order blocks near the end of theirs;
+    // docs/decisions/hopper-forward-persistent-tile-schedule.md), publishes it and issues its
+    // first loads, which wait only for buffers that tile k releases. No consumer waits for
+    // another between tiles: a warpgroup that finishes tile k first starts tile k + 1 while the
+    // others finish tile k, and the ping-pong turns run on across the tile boundary.
+    // With two Q buffers (kQAhead) the producer claims tile k + 1 and issues its Q before the
+    // rest of tile k's loads, which wait for buffers that tile k releases: Q then lands a whole
+    // tile ahead instead of under tile k's last key tiles. Its buffer held the Q two loads
+    // back (tile k - 1's where tiles k - 1 and k have keys), released at that tile's last
+    // S = Q K^T, which needs nothing the producer has yet to issue. The claim moves a tile
+    // earlier with it, so a block may hold its next tile while it finishes a long causal one;
+    // the earlier Q is worth that, most at short T (why, with measurements:
+    // docs/decisions/next-q-a-tile-ahead.md).
+    // (With one Q buffer, Q k + 1 would wait for tile k's last S, which needs tile k's loads.)
+    constexpr bool kQAhead = kQStages == 2;
+    RingPosition<kQStages> q_ring;
+    RingPosition<kStages> kv_ring;
+    int index = blockIdx.x;  // the current tile's index
+    ForwardTile t;           // the current tile, made once when it is claimed
+    ForwardTile next;        // kQAhead: tile k + 1, made when claimed, its Q issued
+    bool o_owed = false;     // kOInKV: tile k - 1 had keys, so its O takes a ring position
+    // Hands out tile k, the one at `index`: made (kQAhead, k > 0: made and its Q issued at
+    // the claim), published once the consumers have read tile k - 1, (kOInKV) tile k - 1's O
+    // position lent, and its first loads issued; past the last tile, the end is published.
+    // The lending waits for tile k - 1's buffers, so it comes after the publication, which the
+    // consumers read under tile k - 1's last O += P V.
+    const auto hand_out = [&](int k) {
+      const bool more = index < scheduler.num_tiles, claimed_ahead = kQAhead && k > 0;
+      if (more) t = claimed_ahead ? next : scheduler.tile(p, index);
+      if (k > 0) ptx::mbarrier_wait(bar(bars.tile_empty), uint32_t(k - 1) & 1);
+      if (more)
+        TileSlot::store(tile_slot, t);
+      else
+        TileSlot::store_end(tile_slot);
+      ptx::mbarrier_arrive(bar(bars.tile_full));
+      if constexpr (Traits::kOInKV) {
+        if (o_owed) lend_for_o(kv_ring);
+        o_owed = more && t.num_kv_tiles > 0;
+      }
+      if (more) load_first(t, q_ring, kv_ring, claimed_ahead);
+    };
+    const auto claim = [&] { index = int(gridDim.x) + atomicAdd(p.tile_counter, 1); };
+    hand_out(0);
+    for (int k = 0; index < scheduler.num_tiles; ++k) {
+      if constexpr (kQAhead) {
+        claim();
+        if (index < scheduler.num_tiles) {
+          next = scheduler.tile(p, index);
+          if (next.num_kv_tiles > 0) load_q(next, q_ring);
+        }
+      }
+      load_kv(t, kStages, t.num_kv_tiles, kv_ring);
+      if constexpr (!kQAhead) claim();
+      hand_out(k + 1);
+    }
+    return;
+  }
+
+  // Consumers.
+  ptx::setmaxnreg_inc<Traits::kConsumerRegisters>();
+  // The consumer index through a warp reduction, whose result ptxas knows to be the same in
+  // every lane: the tile loop's branches are then known uniform too, and ptxas keeps the tile
+  // counter, the K/V ring and each tile's indices in uniform registers. From tid alone nothing
+  // tells ptxas that the warp stays converged through the loop: those take general registers
+  // and spill with three consumers (docs/decisions/hopper-forward-tile-hand-over.md).
+  const int consumer = __reduce_max_sync(0xffffffff, warpgroup - 1);
+  const int warp = (tid / 32) % 4, lane = tid % 32;
+  const int wg_row0 = consumer * 64;           // this warpgroup's rows of the block
+  const int warp_row0 = wg_row0 + warp * 16;   // this warp's 16 rows (its accumulator rows)
+  const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
+
+  // Descriptors. Q and K are K-major (head dim contiguous): k-step ks lies in span ks / 4, 32
+  // bytes per step into each 128-byte row. V is MN-major for O += P V (head dim contiguous,
+  // keys along the reduction): k-step kk is 16 rows down, spans kBlockN rows apart (LBO).
+  // Each is the descriptor of stage 0 / k-step 0 advanced by a byte offset (constant but for
+  // the stage).
+  const auto q_desc = [&](uint32_t q_tile, int ks) {  // q_tile: this warpgroup's rows
+    return ptx::smem_descriptor_advance(ptx::smem_descriptor_sw128(q_tile, 16, kGroupBytes),
+                                        k_major_step_bytes(kBlockM, ks));
+  };
+  const uint64_t k_desc0 = ptx::smem_descriptor_sw128(sK(0), 16, kGroupBytes);
+  const uint64_t v_desc0 = ptx::smem_descriptor_sw128(sV(0), kBlockN * kRowBytes, kGroupBytes);
+  const auto k_desc = [&](int stage, int ks) {
+    return ptx::smem_descriptor_advance(
+        k_desc0, stage * Traits::kKVBytes + k_major_step_bytes(kBlockN, ks));
+  };
+  const auto v_desc = [&](int stage, int kk) {
+    return ptx::smem_descriptor_advance(v_desc0,
+                                        stage * Traits::kKVBytes + mn_major_step_bytes(kk));
+  };
+
+  float s_acc[1][kNTiles][4];
+  float o_acc[1][kDTiles][4];
+  uint32_t p_frag[kPSteps][4];
+  const float scale_log2 = p.scale * cuda::kLog2e;
+
+  const auto fence_s = [&] { ptx::fence_registers(s_acc[0]); };
+  const auto fence_o = [&] { ptx::fence_registers(o_acc[0]); };
+  const auto issue_qk = [&](uint32_t q_tile, int stage) {  // S = Q K^T, overwriting S
+    // Q's address is the same for every K/V tile: without this opaque copy ptxas hoists all
+    // kKSteps 64-bit Q descriptors out of the tile loop (32 registers at head dim 256, which
+    // spills); rebuilt here they cost two integer ops each
+    // (docs/decisions/hopper-kernels-without-spills.md).
+    q_tile = ptx::opaque(q_tile);
+    fence_s();
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      ptx::wgmma_ss<kBlockN, Elem>(s_acc[0], q_desc(q_tile, ks), k_desc(stage, ks), ks > 0);
+    ptx::wgmma_commit_group();
+  };
+  // O += P V over the tile's first kKeys keys. The register fences go after the branch
+  // between the two widths (issue_pv): with the branch between them and the first wgmma,
+  // ptxas injected a warpgroup.arrive of its own.
+  const auto pv_keys = [&](auto keys, int stage) {
+    fence_o();
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < decltype(keys)::value / 16; ++kk)
+      ptx::wgmma_rs<kHeadDim, Elem>(o_acc[0], p_frag[kk], v_desc(stage, kk));
+    ptx::wgmma_commit_group();
+  };
+  // O += P V; over the first half of the tile's keys when `half` (no row of this warpgroup
+  // sees the rest, and the rest of P holds unexponentiated scores: see softmax_step). Only a
+  // warpgroup's last key tile is taken as seen on its first half alone, and it is multiplied
+  // after the tile loop, so the loop itself has no branch between products.
+  // (S = Q K^T stays whole: of the first half alone, into the first half of S, ptxas
+  // serialises every wgmma of the kernel; docs/decisions/half-seen-last-key-tile.md.)
+  const auto issue_pv = [&](int stage, bool half) {
+    if (half) return pv_keys(std::integral_constant<int, kBlockN / 2>{}, stage);
+    pv_keys(std::integral_constant<int, kBlockN>{}, stage);
+  };
+  // Ping-pong: consumer c issues its products only while it holds the turn (named barrier
+  // Named::kTurn + c, completed by consumer c - 1's hand-over) and hands it to consumer c + 1
+  // (round robin) right after issuing. Every consumer takes the same number of turns (they
+  // share each tile); the last one gives consumer 0 the first turn, so consumer 0 takes one
+  // extra turn at the end to leave every barrier with as many arrivals as waits.
+  const auto take_turn = [&] { ptx::named_barrier_sync(Named::kTurn + consumer, 256); };
+  const auto hand_over = [&] {
+    ptx::named_barrier_arrive(Named::kTurn + (consumer + 1) % Traits::kConsumers, 256);
+  };
+  const auto sync_warpgroup = [&] { ptx::named_barrier_sync(1 + consumer, 128); };
+  // One arrival per warp, once all of its lanes are past their reads of the buffer.
+  const auto release = [&](uint64_t& barrier) {
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(bar(barrier));
+  };
+  // The S accumulators of 8-key tiles 2 kk, 2 kk + 1 are the A operand of k-step kk.
+  const auto pack_p = [&] {
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) sm80::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
+  };
+
+  // S of this warp's 16 rows again, by mma.sync from the Q and K_j tiles in shared memory (the
+  // accumulator layout of a warp's rows of a wgmma is that of m16n8 tiles side by side).
+  // ldmatrix lane l gives row l % 8 of 8 x 8 matrix l / 8 (lanes 0-15 only for .x2);
+  // a tile's element (row, 16-byte chunk c) sits in span c / 8 at row * kRowBytes + ((c % 8) ^
+  // (row % 8)) * 16, and every row group here starts at a multiple of 8 rows. The lane is
+  // opaque so that these addresses are formed on this rare path, not hoisted out of the tile
+  // loop into registers (which spills). One 8-key tile at a time (ldmatrix .x2): the four B
+  // registers of a pair, on top of S, O and the P of the product in flight, spill with three
+  // consumers (docs/decisions/settled-row-maxima.md).
+  const auto recompute_scores = [&](uint32_t q_tile, int stage) {
+    const int l = int(ptx::opaque(uint32_t(lane))), matrix = l / 8;
+    const auto chunk_offset = [&](int row, int chunk, int rows_per_span) {
+      return uint32_t((chunk / 8) * rows_per_span * kRowBytes + row * kRowBytes +
+                      (((chunk % 8) ^ (l % 8)) << 4));
+    };
+#pragma unroll
+    for (int c = 0; c < kNTiles; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s_acc[0][c][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks) {
+      uint32_t a[4];
+      ptx::ldmatrix_x4(a, q_tile + chunk_offset(warp * 16 + (matrix & 1) * 8 + l % 8,
+                                                2 * ks + (matrix >> 1), kBlockM));
+#pragma unroll
+      for (int c = 0; c < kNTiles; ++c) {
+        uint32_t b[2];
+        ptx::ldmatrix_x2(b, sK(stage) + chunk_offset(c * 8 + l % 8, 2 * ks + (matrix & 1),
+                                                     kBlockN));
+        ptx::mma_m16n8k16<Elem>(s_acc[0][c], a, b);
+      }
+    }
+  };
+
+  // A tile's epilogue: O (normalised) staged as Elem in this warpgroup's 64 rows at o_tile
+  // (in the O tile, or kOInKV in its K/V buffer), in the swizzled layout the TMA store reads,
+  // once the previous tile's store has read them, and lse; then one thread stores each span
+  // and lets the store run on.
+  constexpr uint32_t kOSpanBytes = (Traits::kOInKV ? 64 : kBlockM) * kRowBytes;
+  const auto store_output = [&](int b, int n, int row0, const float (&row_lse)[1][2],
+                                uint32_t o_tile) {
+    float* lse = p.lse + (int64_t(b) * p.num_heads + n) * p.seqlen_q;
+    if constexpr (!Traits::kOInKV) {  // (the ring's full barrier says that o_tile is free)
+      if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
+      sync_warpgroup();
+    }
+    // By stmatrix, four 8 x 8 matrices per instruction (a quarter of the instructions of
+    // st.shared.b32 stores; docs/decisions/hopper-forward-epilogue.md). Matrix
+    // m = lane / 8 of instruction i is rows 8 (m % 2) .. 8 (m % 2) + 7 of this warp's 16 and
+    // 8-column tile 2 i + m / 2 of O; each lane gives the address of row lane % 8 of its
+    // matrix. Chunk c of row r sits in span c / 8 at ((c % 8 ^ r % 8) << 4): 2 i is even, so
+    // chunk 2 i + m / 2 lies in span 2 i / 8, and with the lane's chunk-(m / 2) offset below,
+    // at that offset XOR ((2 i % 8) << 4) (bits 5-6 only).
+    // The lane's row and matrix are spelled in quad_row (lane / 4) and quad_col (2 (lane % 4)),
+    // which the kernel holds anyway: from lane / 8 and lane % 8, three consumers spill.
+    // Opaque, so that the kDTiles / 2 addresses are formed here and not hoisted out of the tile
+    // loop, where they would hold registers through it (which spills with 160-key tiles).
+    {
+      const int row = warp * 16 + 8 * ((quad_row >> 1) & 1) + 4 * (quad_row & 1) + quad_col / 2;
+      const uint32_t row_offset =
+          ptx::opaque(uint32_t(row * kRowBytes + (((quad_row >> 2) ^ (row & 7)) << 4)));
+#pragma unroll
+      for (int i = 0; i < kDTiles / 2; ++i) {
+        const int d = 2 * i;
+        ptx::stmatrix_x4(o_tile + (d / 8) * kOSpanBytes + (row_offset ^ ((d % 8) << 4)),
+                         ptx::pack2<Elem>(o_acc[0][d][0], o_acc[0][d][1]),
+                         ptx::pack2<Elem>(o_acc[0][d][2], o_acc[0][d][3]),
+                         ptx::pack2<Elem>(o_acc[0][d + 1][0], o_acc[0][d + 1][1]),
+                         ptx::pack2<Elem>(o_acc[0][d + 1][2], o_acc[0][d + 1][3]));
+      }
+    }
+    // lse after O: before it, three consumers spill (docs/decisions/hopper-forward-epilogue.md).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int block_row = warp_row0 + quad_row + 8 * h;
+      if (lane % 4 == 0 && row0 + block_row < p.seqlen_q) lse[row0 + block_row] = row_lse[0][h];
+    }
+    ptx::fence_proxy_async_shared();
+    sync_warpgroup();
+    // Warp 0 of the warpgroup stores: its first row (warp_row0) is the warpgroup's, and
+    // wg_row0 kept for this spills with 160-key tiles
+    // (docs/decisions/hopper-kernels-without-spills.md).
+    if (tid % 128 == 0) {
+#pragma unroll
+      for (int span = 0; span < kSpans; ++span)
+        ptx::tma_store_4d(&maps.out, o_tile + span * kOSpanBytes, span * kSpanElems, n,
+                          row0 + warp_row0, b);
+      ptx::bulk_commit_group();
+    }
+  };
+  // The epilogue waits (O in its own tile): a tile's normalised O stays in o_acc until the
+  // next tile's first S = Q K^T is issued, and is stored while that product runs, before it
+  // is zeroed for the next tile's first O += P V (or at once, where the next tile computes
+  // nothing). Stored right after the tile, the epilogue and the next tile's start (slot, Q,
+  // first S) run one after the other with the tensor cores idle, which weighs most on blocks
+  // with few key tiles (docs/decisions/hopper-forward-epilogue.md). pending_b = -1: nothing
+  // waits (always, with O in the K/V ring, which is stored at once: there sO_offset is where
+  // the ring starts, and nothing stores to it).
+  int pending_b = -1, pending_n = 0, pending_row0 = 0;
+  float pending_lse[1][2];
+  const auto store_pending = [&] {
+    if (pending_b >= 0)
+      store_output(pending_b, pending_n, pending_row0, pending_lse,
+                   base + sO_offset + wg_row0 * kRowBytes);
+    pending_b = -1;
+  };
+  // The block's next tile from the slot; false when there is none (the producer has left).
+  int tiles_read = 0;
+  const cuda::Visibility32 call_vis = cuda::Visibility32::make(p);
+  const auto read_tile = [&](ForwardTile& tile) {
+    ptx::mbarrier_wait(bar(bars.tile_full), uint32_t(tiles_read) & 1);
+    const bool more = TileSlot::load(tile_slot, call_vis, tile);
+    ptx::mbarrier_arrive(bar(bars.tile_empty));
+    ++tiles_read;
+    return more;
+  };
+
+  if (consumer == Traits::kConsumers - 1) hand_over();
+  RingPosition<kQStages> q_ring;
+  RingPosition<kStages> kv_ring;
+  ForwardTile t;
+  for (bool more = read_tile(t); more;) {
+    if (t.num_kv_tiles == 0) {
+      store_pending();
+      write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
+      more = read_tile(t);
+      continue;
+    }
+    const int q_stage = q_ring.stage();
+    ptx::mbarrier_wait(bar(bars.q_full[q_stage]), q_ring.phase());
+    ++q_ring.count;
+    // Every row of this warpgroup past the query length (in the last query block of a sequence
+    // that is not a whole number of blocks: at T = 512 with 192-row blocks, a third of the last
+    // block; or in the block that holds a per-batch query length): it writes their zeros and
+    // -inf lse (nothing past T) and goes through the tile's turns and buffers with no product
+    // and no softmax, so the other warpgroups finish the tile without it. The same turns, waits
+    // and releases as the computing path below, in the same order, so every barrier phase sees
+    // the same arrivals. The test goes through a warp vote for ptxas's sake: as a plain compare
+    // it moves the tile loop's values out of uniform registers, and three consumers spill
+    // (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
+    if (__all_sync(0xffffffff, t.row0 + wg_row0 >= t.vis.q_len)) {
+      store_pending();
+      write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
+      // Turn r issues S_r (r < n) and P_{r-1} V_{r-1} (r > 0) on the computing path of a
+      // warpgroup without a tail; the counts of turns and releases are what must match.
+      RingPosition<kStages> last = kv_ring;  // tile r - 1's buffers
+      for (int r = 0; r <= t.num_kv_tiles; ++r) {
+        const bool key_tile = r < t.num_kv_tiles, value_tile = r > 0;
+        if (key_tile) ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
+        if (r == t.num_kv_tiles) release(bars.q_empty[q_stage]);
+        if (value_tile) ptx::mbarrier_wait(bar(bars.v_full[last.stage()]), last.phase());
+        take_turn();
+        hand_over();
+        if (key_tile) release(bars.k_empty[kv_ring.stage()]);
+        if (value_tile) release(bars.v_empty[last.stage()]);
+        last = kv_ring;
+        if (key_tile) ++kv_ring.count;
+      }
+      if constexpr (Traits::kOInKV) {  // the ring position lent for O: nothing to stage
+        ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
+        release(bars.k_empty[kv_ring.stage()]);
+        release(bars.v_empty[kv_ring.stage()]);
+        ++kv_ring.count;
+      }
+      more = read_tile(t);
+      continue;
+    }
+    // The key tiles this warpgroup's rows see: the block's, up to the one that holds the last
+    // key its last row sees (fewer where the block's other rows see further: the lower
+    // warpgroups on a causal diagonal); the last one may be seen on its first half only. The
+    // tiles past them are this warpgroup's tail: it takes their turns and releases their
+    // buffers, as an idle warpgroup does, and computes nothing.
+    // Without causal or window bounds (kWindowed false) every row sees the same keys: no tail,
+    // and the last tile is multiplied whole (keys past the length masked to zero). Why:
+    // docs/decisions/idle-warpgroups-and-warpgroup-tails.md, half-seen-last-key-tile.md.
+    int wg_tiles = t.num_kv_tiles;
+    bool half_last = false;
+    if constexpr (Traits::kWindowed) {
+      int key_lo, key_hi;
+      t.vis.key_range(t.row0 + wg_row0, t.row0 + wg_row0 + 64, key_lo, key_hi);
+      if (key_hi > key_lo) {
+        const int last = int(unsigned(key_hi - 1) / kBlockN) - t.tile_begin;
+        if (last + 1 < wg_tiles) wg_tiles = last + 1;
+        half_last = key_hi - (t.tile_begin + wg_tiles - 1) * kBlockN <= kBlockN / 2;
+      }
+    }
+    cuda::OnlineSoftmax<1> softmax;
+    softmax.init();
+    // The tiles no boundary crosses for this warp's rows, worked out once per query block:
+    // two compares per tile remain, and the tile's bounds on the masked path
+    // (docs/decisions/int32-bounds-and-column-bits-masking.md).
+    int interior_lo, interior_hi;
+    t.vis.all_visible_tiles<kBlockN>(t.row0 + warp_row0, t.row0 + warp_row0 + 16, t.tile_begin,
+                                     interior_lo, interior_hi);
+    const uint32_t q_tile = sQ(q_stage) + wg_row0 * kRowBytes;
+    // The full update of tile j over its first kUsed 8-column tiles: where a boundary crosses
+    // the tile for this warp's rows (not interior), the scores it hides set to -inf first.
+    const auto mask_and_exponentiate = [&](auto used, int j, bool interior,
+                                           float (&correction)[1][2]) {
+      constexpr int kUsed = decltype(used)::value;
+      if (!interior) {
+        // The bounds rebuilt from the parameters (the lengths one load away): t.vis, kept live
+        // through the tile loop for this, spills with three consumers
+        // (docs/decisions/int32-bounds-and-column-bits-masking.md).
+        // The opaque batch index keeps the compiler from reusing the tile's first loads.
+        const cuda::Visibility32 vis = cuda::Visibility32::make(p, ptx::opaque(uint32_t(t.b)));
+        const cuda::TileVisibility tile_vis = cuda::TileVisibility::make(
+            vis, t.row0, (t.tile_begin + j) * kBlockN, kBlockM + kBlockN);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint32_t bits[(2 * kUsed + 31) / 32];  // this thread's visible elements of the row
+          tile_vis.column_bits<kUsed>(warp_row0 + quad_row + 8 * h, quad_col, bits);
+#pragma unroll
+          for (int c = 0; c < kUsed; ++c)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (!cuda::TileVisibility::column_visible(bits, 2 * c + e))
+                s_acc[0][c][2 * h + e] = -INFINITY;
+        }
+      }
+      softmax.exponentiate_first<kUsed>(s_acc, scale_log2, correction);
+    };
+    // Tile j's probabilities from its landed scores. On an interior tile (every row of the
+    // warp below the query length) after the first, once each of the warp's rows has a finite
+    // maximum, the tile is exponentiated against those maxima: no max reduction, no O rescale.
+    // Where a score outran them too far, the warp recomputes its 16 rows of S with mma.sync (a
+    // wgmma recompute would need the whole warpgroup, and its issue spills registers) and
+    // takes the full update, as every other tile does (with masking where a boundary crosses
+    // it). K_j is released once nothing reads it (docs/decisions/settled-row-maxima.md).
+    const auto softmax_step = [&](int j, float (&correction)[1][2]) {
+      const int stage = kv_ring.stage();
+      const bool interior = j >= interior_lo && j < interior_hi;
+      const bool settled = j > 0 && interior &&
+                           __all_sync(0xffffffff, softmax.row_max[0][0] > -INFINITY &&
+                                                      softmax.row_max[0][1] > -INFINITY);
+      if (settled && softmax.exponentiate_against_settled_max(s_acc, scale_log2)) {
+        correction[0][0] = correction[0][1] = 1.f;
+      } else {
+        // Beside this warpgroup's P_{j-1} V_{j-1} wgmma, whose registers it leaves alone (a
+        // wgmma wait, taken by one warp, would break wait_group's warpgroup-wide rule).
+        if (settled) recompute_scores(q_tile, stage);
+        // A half-seen last tile (half_last) is masked and exponentiated on its first half
+        // alone: no row of this warpgroup sees the rest, and its O += P V reads only the first
+        // half of P. On a causal diagonal with 128-key tiles and 128-row blocks, that is
+        // warpgroup 0's last tile in every block (docs/decisions/half-seen-last-key-tile.md).
+        if (half_last && j == wg_tiles - 1)
+          mask_and_exponentiate(std::integral_constant<int, kNTiles / 2>{}, j, interior,
+                                correction);
+        else
+          mask_and_exponentiate(std::integral_constant<int, kNTiles>{}, j, interior, correction);
+      }
+      // One release site after both paths: releasing K_j before the full update where no
+      // recompute can follow spills (docs/decisions/hopper-kernels-without-spills.md).
+      release(bars.k_empty[stage]);
+    };
+
+    ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
+    take_turn();
+    issue_qk(q_tile, kv_ring.stage());
+    hand_over();
+    store_pending();
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[0][d][e] = 0.f;
+    ptx::wgmma_wait<0>();
+    fence_s();
+    // The factor O must be rescaled by before the last exponentiated tile's P V is added (1
+    // after tile 0: O is still zero).
+    float correction[1][2];
+    softmax_step(0, correction);
+
+    // The P V product issued by the previous iteration is waited for at the top of the next
+    // one, not right after the softmax: ptxas schedules a wgmma wait as early as its basic
+    // block allows, and in the softmax's block it goes above the softmax, which then no longer
+    // runs under the tensor-core work (docs/decisions/hopper-forward-warp-specialisation.md).
+    // The wait is unconditional (at j = 1 nothing is in flight): behind a branch, ptxas cannot
+    // tell that O is never read while a product writes it, and serialises every wgmma.
+    const auto retire_pv = [&](bool in_flight, int stage) {
+      ptx::wgmma_wait<0>();
+      fence_o();
+      if (in_flight) release(bars.v_empty[stage]);
+    };
+    for (int j = 1; j < wg_tiles; ++j) {
+      const RingPosition<kStages> prev = kv_ring;
+      ++kv_ring.count;
+      retire_pv(j > 1, (prev.count - 1) % kStages);  // P_{j-2} V_{j-2}
+      cuda::OnlineSoftmax<1>::rescale_where_moved(o_acc, correction);
+      pack_p();
+      ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
+      ptx::mbarrier_wait(bar(bars.v_full[prev.stage()]), prev.phase());
+      take_turn();
+      issue_qk(q_tile, kv_ring.stage());
+      issue_pv(prev.stage(), false);
+      hand_over();
+      ptx::wgmma_wait<1>();  // S_j landed; P_{j-1} V_{j-1} may still be running
+      fence_s();
+      softmax_step(j, correction);
+    }
+    retire_pv(wg_tiles > 1, (kv_ring.count - 1) % kStages);
+    cuda::OnlineSoftmax<1>::rescale_where_moved(o_acc, correction);
+    // The tile's last S = Q K^T has landed, Q's last read: the next tile's Q may load under
+    // this tile's last O += P V.
+    release(bars.q_empty[q_stage]);
+    pack_p();
+    ptx::mbarrier_wait(bar(bars.v_full[kv_ring.stage()]), kv_ring.phase());
+    if (const int first_row = first_v_row_to_zero<kBlockN, Traits::kWindowed>(p, t, consumer,
+                                                                              wg_tiles);
+        first_row < kBlockN) {
+      // Rows [first_row, kBlockN) of every span, 16 bytes a store (zero rows need no swizzle).
+      constexpr int kRowChunks = kRowBytes / 16;
+      const int chunks = (kBlockN - first_row) * kRowChunks;
+      for (int i = tid % 128; i < kSpans * chunks; i += 128) {
+        const int span = i / chunks, row = first_row + (i % chunks) / kRowChunks;
+        ptx::st_shared_v4_b32(sV(kv_ring.stage()) + span * kBlockN * kRowBytes + row * kRowBytes +
+                                  (i % kRowChunks) * 16,
+                              0, 0, 0, 0);
+      }
+      ptx::fence_proxy_async_shared();  // generic stores that wgmma (async proxy) reads
+      sync_warpgroup();
+    }
+    take_turn();
+    issue_pv(kv_ring.stage(), half_last);
+    hand_over();
+    // The next tile, read while this one's last O += P V runs.
+    ForwardTile next;
+    more = read_tile(next);
+    retire_pv(true, kv_ring.stage());
+    ++kv_ring.count;
+
+    float row_lse[1][2];
+    softmax.finalize(o_acc, scale_log2, row_lse);
+    // The tail: see wg_tiles. Its turns come before the epilogue (with O in the K/V ring,
+    // before the wait for O's position), so that the other warpgroup's last turn, which
+    // follows them, does not wait for this one's epilogue
+    // (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
+    for (int j = wg_tiles; j < t.num_kv_tiles; ++j, ++kv_ring.count) {
+      ptx::mbarrier_wait(bar(bars.k_full[kv_ring.stage()]), kv_ring.phase());
+      ptx::mbarrier_wait(bar(bars.v_full[kv_ring.stage()]), kv_ring.phase());
+      take_turn();
+      hand_over();
+      release(bars.k_empty[kv_ring.stage()]);
+      release(bars.v_empty[kv_ring.stage()]);
+    }
+    if constexpr (Traits::kOInKV) {
+      // Stored at once, and the position released as soon as the TMA store has read it: the
+      // next tile's second K/V tile loads into it
+      // (docs/decisions/o-staged-in-kv-ring-at-head-dim-256.md).
+      const int stage = kv_ring.stage();
+      ptx::mbarrier_wait(bar(bars.k_full[stage]), kv_ring.phase());
+      store_output(t.b, t.n, t.row0, row_lse, consumer == 0 ? sK(stage) : sV(stage));
+      if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
+      sync_warpgroup();
+      release(bars.k_empty[stage]);
+      release(bars.v_empty[stage]);
+      ++kv_ring.count;
+    } else {
+      pending_b = t.b;
+      pending_n = t.n;
+      pending_row0 = t.row0;
+      pending_lse[0][0] = row_lse[0][0];
+      pending_lse[0][1] = row_lse[0][1];
+    }
+    t = next;
+  }
+  store_pending();
+  if (consumer == 0) take_turn();
+  if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
+#endif
+}
+
+}  // namespace jax_flashattn::sm90

@@ -1,0 +1,78 @@
+"""The C++/CUDA sources keep the layout docs/design.md describes: every project include names a
+file that exists, the includes form no cycle, and no kernel family's folder includes another
+family's headers (what families share lives in ffi/cuda/common/ or at the dispatch level)."""
+
+import pathlib
+import re
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SOURCES = (".h", ".cc", ".cu", ".cuh", ".in")
+INCLUDE = re.compile(r'^\s*#\s*include\s+"(ffi/[^"]+)"', re.MULTILINE)
+FAMILIES = ("mma_sync", "wgmma", "decode", "simt")
+
+
+def project_includes() -> dict[str, list[str]]:
+    """ffi-relative path of each source -> the project headers it includes."""
+    root = REPO / "ffi"
+    if not root.is_dir():
+        pytest.skip("needs the source tree")
+    return {f.relative_to(REPO).as_posix(): INCLUDE.findall(f.read_text())
+            for f in sorted(root.rglob("*")) if f.suffix in SOURCES and f.is_file()}
+
+
+def family(path: str) -> str | None:
+    parts = path.split("/")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["ffi", "cuda"] and \
+        parts[2] in FAMILIES else None
+
+
+def test_includes_exist():
+    missing = [(f, i) for f, incs in project_includes().items() for i in incs
+               if not (REPO / i).is_file()]
+    assert not missing, missing
+
+
+def test_no_include_cycles():
+    graph = project_includes()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == 1:
+                raise AssertionError("include cycle: " + " -> ".join(path + [node, nxt]))
+            if state.get(nxt) is None:
+                visit(nxt, path + [node])
+        state[node] = 2
+
+    for node in graph:
+        if node not in state:
+            visit(node, [])
+
+
+def test_families_do_not_include_each_other():
+    crossings = [(f, i) for f, incs in project_includes().items() for i in incs
+                 if family(f) and family(i) and family(i) != family(f)]
+    assert not crossings, crossings
+
+
+def test_common_and_cpu_code_include_no_family():
+    """ffi/cuda/common/ is what the families share, and the CPU side builds without CUDA."""
+    leaks = [(f, i) for f, incs in project_includes().items() for i in incs
+             if (f.startswith("ffi/cuda/common/") or not f.startswith("ffi/cuda/"))
+             and family(i)]
+    assert not leaks, leaks
+
+
+def test_the_checks_see_a_crossing(monkeypatch):
+    """The family rule fails on a crossing (guards the path parsing above)."""
+    assert family("ffi/cuda/mma_sync/forward_kernel.cuh") == "mma_sync"
+    assert family("ffi/cuda/common/ptx.cuh") is None
+    assert family("ffi/decode_plan.h") is None
+    fake = {"ffi/cuda/decode/block.cuh": ["ffi/cuda/mma_sync/traits.h"]}
+    monkeypatch.setattr(sys.modules[__name__], "project_includes", lambda: fake)
+    with pytest.raises(AssertionError):
+        test_families_do_not_include_each_other()
