@@ -423,7 +423,7 @@ def test_kernel_switches_are_traced_into_every_call(monkeypatch, variable, attri
 
 
 # The split-KV decode kernel's workspace: sized at trace time by the C++ rule at the most SMs
-# it sizes for (_ops), while the C++ plan (ffi/cuda/sm80/decode_plan.h) decides how much of it
+# it sizes for (_ops), while the C++ plan (ffi/decode_plan.h) decides how much of it
 # a call on a given device uses. These run on CPU.
 DECODE_SHAPES = [
     # (lead, T, S, N, K, H)
