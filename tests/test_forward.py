@@ -423,7 +423,7 @@ def test_kernel_switches_are_traced_into_every_call(monkeypatch, variable, attri
 
 
 # The split-KV decode kernel's workspace: sized at trace time by the C++ rule at the most SMs
-# it sizes for (_ops), while the C++ plan (ffi/decode_plan.h) decides how much of it
+# it sizes for (_ffi), while the C++ plan (ffi/decode_plan.h) decides how much of it
 # a call on a given device uses. These run on CPU.
 DECODE_SHAPES = [
     # (lead, T, S, N, K, H)
@@ -442,9 +442,9 @@ def test_decode_workspace_holds_every_split_the_cpp_rule_runs(shape):
     """The size is the C++ rule at the most SMs it is sized for, whole splits, and holds every
     split the C++ rule runs on a device with fewer SMs; under vmap (the same size per vmapped
     element) it still holds what the C++ rule asks for the combined batch."""
-    from jax_flashattn import _ffi, _ops
+    from jax_flashattn import _ffi
     lead, t, s, n, kv, h = shape
-    size = _ops.decode_workspace_size((*lead, t, n, h), (*lead, s, kv, h), jnp.bfloat16,
+    size = _ffi.decode_workspace_size((*lead, t, n, h), (*lead, s, kv, h), jnp.bfloat16,
                                       scale=0.1, has_bias=False, has_mask=False)
     batch = int(np.prod(lead))
     cpp = lambda batch, sms: _ffi._ext.decode_workspace_floats(1, batch, t, s, n, kv, h, 0.1,
@@ -462,12 +462,12 @@ def test_decode_workspace_holds_every_split_the_cpp_rule_runs(shape):
 def test_decode_workspace_is_empty_when_the_kernel_cannot_run(change):
     """Shapes and options the decode kernel never takes get a zero-size workspace, in Python and
     in the C++ rule alike."""
-    from jax_flashattn import _ffi, _ops
+    from jax_flashattn import _ffi
     args = dict(dtype=jnp.float16, has_bias=False, has_mask=False, scale=0.1, t=16, s=4096,
                 h=128)
     args.update(change)
     t, s, h, n, kv = args["t"], args["s"], args["h"], 8, 2
-    size = _ops.decode_workspace_size((2, t, n, h), (2, s, kv, h), args["dtype"],
+    size = _ffi.decode_workspace_size((2, t, n, h), (2, s, kv, h), args["dtype"],
                                       scale=args["scale"], has_bias=args["has_bias"],
                                       has_mask=args["has_mask"])
     code = {jnp.float32: 0, jnp.bfloat16: 1, jnp.float16: 2}[args["dtype"]]
@@ -481,8 +481,8 @@ def test_decode_shaped_call_with_workspace(rng, dtype):
     """A call whose shape gets a decode workspace runs on the CPU kernels (which ignore it), jit
     and vmap included."""
     q, k, v = random_qkv(rng, (2, 3), 2, 300, 8, 2, 64, dtype)
-    from jax_flashattn import _ops
-    assert _ops.decode_workspace_size(q.shape[1:], k.shape[1:], dtype, scale=0.125,
+    from jax_flashattn import _ffi
+    assert _ffi.decode_workspace_size(q.shape[1:], k.shape[1:], dtype, scale=0.125,
                                       has_bias=False, has_mask=False) > 0
     out = jax.jit(jax.vmap(lambda q, k, v: jax_flashattn.attention(
         q, k, v, key_value_seq_lengths=jnp.array([300, 0, 123], jnp.int32))))(q, k, v)

@@ -1,6 +1,7 @@
-"""The C++/CUDA sources keep the layout docs/design.md describes: every project include names a
-file that exists, the includes form no cycle, and no kernel family's folder includes another
-family's headers (what families share lives in ffi/cuda/common/ or at the dispatch level)."""
+"""The sources keep the layout docs/design.md describes: every project include names a file
+that exists, the includes form no cycle, no kernel family's folder includes another family's
+headers (what families share lives in ffi/cuda/common/ or at the dispatch level), and the
+Python modules import each other without a cycle."""
 
 import pathlib
 import re
@@ -35,22 +36,55 @@ def test_includes_exist():
     assert not missing, missing
 
 
-def test_no_include_cycles():
-    graph = project_includes()
+def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """A path that returns to its start, or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(node, path):
         state[node] = 1
         for nxt in graph.get(node, ()):
             if state.get(nxt) == 1:
-                raise AssertionError("include cycle: " + " -> ".join(path + [node, nxt]))
-            if state.get(nxt) is None:
-                visit(nxt, path + [node])
+                return path + [node, nxt]
+            if state.get(nxt) is None and (cycle := visit(nxt, path + [node])):
+                return cycle
         state[node] = 2
+        return None
 
     for node in graph:
-        if node not in state:
-            visit(node, [])
+        if node not in state and (cycle := visit(node, [])):
+            return cycle
+    return None
+
+
+def test_no_include_cycles():
+    cycle = find_cycle(project_includes())
+    assert cycle is None, " -> ".join(cycle)
+
+
+PY_IMPORT = re.compile(r"^\s*(?:from jax_flashattn import ([\w, ]+)|"
+                       r"from jax_flashattn\.(\w+) import|import jax_flashattn\.(\w+))",
+                       re.MULTILINE)
+
+
+def package_imports() -> dict[str, list[str]]:
+    """Module name -> the package modules it imports (at the top or inside functions)."""
+    package = REPO / "src" / "jax_flashattn"
+    if not package.is_dir():
+        pytest.skip("needs the source tree")
+    graph = {}
+    for f in sorted(package.glob("*.py")):
+        names = []
+        for group, sub, dotted in PY_IMPORT.findall(f.read_text()):
+            names += [n.strip() for n in group.split(",")] if group else [sub or dotted]
+        graph[f.stem] = [n for n in names if (package / f"{n}.py").is_file() and n != f.stem]
+    return graph
+
+
+def test_no_python_import_cycles():
+    graph = package_imports()
+    assert graph["_ops"] == ["_ffi"] and "_ops" not in graph["_ffi"], graph
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
 
 
 def test_families_do_not_include_each_other():
@@ -76,3 +110,5 @@ def test_the_checks_see_a_crossing(monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "project_includes", lambda: fake)
     with pytest.raises(AssertionError):
         test_families_do_not_include_each_other()
+    assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": ["b", "c"], "b": ["c"], "c": []}) is None

@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashattn
-from jax_flashattn import _ring, reference, sharding
+from jax_flashattn import _ops, _ring, reference, sharding
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
 
@@ -284,7 +284,7 @@ def test_causal_work_is_balanced_at_run_time(monkeypatch):
     def record(device, pairs):
         records.append((int(device), int(pairs)))
 
-    real = _ring.kernel_forward
+    real = _ops.forward
 
     def counting(q, k, v, bias, mask, q_len, kv_len, *, scale, window, switches):
         rows = jnp.arange(q.shape[-3])[None, :]  # [1, T]
@@ -302,7 +302,7 @@ def test_causal_work_is_balanced_at_run_time(monkeypatch):
     rng = np.random.default_rng(0)
     q, k, v = _qkv(rng, batch, t, t, 2, 2, 16)
     want = jax_flashattn.attention(q, k, v, is_causal=True)
-    monkeypatch.setattr(_ring, "kernel_forward", counting)
+    monkeypatch.setattr(_ops, "forward", counting)
     mesh = _mesh((devices,), ("sp",), AxisType.Auto)
     triangle = batch * t * (t + 1) // 2
     work = {}

@@ -87,13 +87,28 @@ def _kernel_query(query, device):
     return _device_with_kernels(device), _DTYPE_CODES[dtype]
 
 
+def decode_workspace_size(q_shape, k_shape, dtype, *, scale: float, has_bias: bool,
+                          has_mask: bool) -> int:
+    """Float32 elements of the decode kernel's workspace for q [..., B, T, N, H] and
+    k [..., B, S, K, H]: its splits' partial O and lse ([B*K, splits, T*N/K, H + 1]) at the
+    largest split count the C++ rule (ffi/decode_plan.h) gives a call of this shape
+    (with per-batch key lengths) on a GPU with the most SMs it sizes for (a device with more
+    runs as many splits as this holds); 0 when the call can never take the decode kernel."""
+    *lead, t, n, h = q_shape
+    code = _DTYPE_CODES.get(jax.numpy.dtype(dtype).name)
+    if code is None:
+        return 0
+    return _ext.decode_workspace_floats(
+        code, int(np.prod(lead, dtype=np.int64)), t, k_shape[-3], n, k_shape[-2], h,
+        float(scale), has_bias, has_mask, _ext.DECODE_MAX_MULTIPROCESSORS)
+
+
 def _decode_floats(query, key, has_bias: bool, has_mask: bool) -> int:
     """The decode workspace a call of these shapes gets at trace time (default scale)."""
-    from jax_flashattn import _ops  # _ops imports this module
     h = query.shape[-1]
-    return _ops.decode_workspace_size(query.shape, key.shape, query.dtype,
-                                      scale=h ** -0.5 if h else 1.0, has_bias=has_bias,
-                                      has_mask=has_mask)
+    return decode_workspace_size(query.shape, key.shape, query.dtype,
+                                 scale=h ** -0.5 if h else 1.0, has_bias=has_bias,
+                                 has_mask=has_mask)
 
 
 def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jax_flashattn import _ffi
 
@@ -35,20 +36,32 @@ def _attrs(scale: float, window: tuple[int | None, int | None],
                 **switches.attrs())
 
 
-def decode_workspace_size(q_shape, k_shape, dtype, *, scale: float, has_bias: bool,
-                          has_mask: bool) -> int:
-    """Float32 elements of the decode kernel's workspace for q [..., B, T, N, H] and
-    k [..., B, S, K, H]: its splits' partial O and lse ([B*K, splits, T*N/K, H + 1]) at the
-    largest split count the C++ rule (ffi/decode_plan.h) gives a call of this shape
-    (with per-batch key lengths) on a GPU with the most SMs it sizes for (a device with more
-    runs as many splits as this holds); 0 when the call can never take the decode kernel."""
-    *lead, t, n, h = q_shape
-    code = _ffi._DTYPE_CODES.get(jnp.dtype(dtype).name)
-    if code is None:
-        return 0
-    return _ffi._ext.decode_workspace_floats(
-        code, int(np.prod(lead, dtype=np.int64)), t, k_shape[-3], n, k_shape[-2], h,
-        float(scale), has_bias, has_mask, _ffi._ext.DECODE_MAX_MULTIPROCESSORS)
+def _varying_axes(x) -> frozenset:
+    """The manual mesh axes x varies over inside shard_map (jax 0.10+ `manual_axis_type`,
+    older `vma`)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def vary_like(outs, operands):
+    """ffi_call types its results as invariant over shard_map's manual axes whatever its
+    operands are; mark them varying over the axes the operands vary over, as they do."""
+    axes = frozenset().union(*(_varying_axes(x) for x in operands if x is not None))
+    if not axes:
+        return outs
+
+    def vary(x):
+        missing = tuple(sorted(axes - _varying_axes(x)))
+        if not missing:
+            return x
+        if hasattr(lax, "pcast"):
+            return lax.pcast(x, missing, to="varying")
+        return lax.pvary(x, missing)  # jax < 0.8
+
+    return tuple(None if x is None else vary(x) for x in outs)
 
 
 def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple,
@@ -58,12 +71,12 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple
 
     The call's third and fourth results are the CUDA kernels' workspaces, so that XLA owns
     their memory: an int32 the Hopper kernel's blocks claim tiles from (zeroed on the stream
-    per call), and the float32 split partials of the decode kernel (decode_workspace_size;
+    per call), and the float32 split partials of the decode kernel (_ffi.decode_workspace_size;
     empty when the call cannot take it). Both are dropped here: only out and lse leave.
     """
     *lead, t, n, _ = q.shape
     optional, flags = _optional_operands(bias, mask, q_lens, kv_lens)
-    decode_floats = decode_workspace_size(q.shape, k.shape, q.dtype, scale=scale,
+    decode_floats = _ffi.decode_workspace_size(q.shape, k.shape, q.dtype, scale=scale,
                                           has_bias=bias is not None, has_mask=mask is not None)
     call = jax.ffi.ffi_call(
         _ffi.FORWARD_TARGET,
@@ -73,7 +86,7 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple
          jax.ShapeDtypeStruct((decode_floats,), jnp.float32)),
         vmap_method="broadcast_all")
     out, lse, _, _ = call(q, k, v, *optional, **flags, **_attrs(scale, window, switches))
-    return out, lse
+    return vary_like((out, lse), (q, k, v, bias, mask, q_lens, kv_lens))
 
 
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: float,
@@ -101,4 +114,5 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: fl
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
     grads = call(q, k, v, out, lse, d_out, *optional, **flags,
                  **_attrs(scale, window, switches, deterministic))
-    return (*grads[:3], grads[5] if with_dbias else None)
+    return vary_like((*grads[:3], grads[5] if with_dbias else None),
+                     (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens))

@@ -221,50 +221,7 @@ def balanced_schedule(mode: str, devices: int, q_len: int, kv_len: int, window: 
 
 
 # ----------------------------------------------------------------------------------------------
-# Kernel calls on one block, any canonical window
-
-def _varying_axes(x) -> frozenset:
-    """The manual mesh axes x varies over inside shard_map (jax 0.10+ `manual_axis_type`,
-    older `vma`)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(getattr(mat, "varying", ()))
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _vary_like(outs, operands):
-    """ffi_call types its results as invariant over shard_map's manual axes whatever its
-    operands are; mark them varying over the axes the operands vary over, as they do."""
-    axes = frozenset().union(*(_varying_axes(x) for x in operands if x is not None))
-    if not axes:
-        return outs
-
-    def vary(x):
-        missing = tuple(sorted(axes - _varying_axes(x)))
-        if not missing:
-            return x
-        if hasattr(lax, "pcast"):
-            return lax.pcast(x, missing, to="varying")
-        return lax.pvary(x, missing)  # jax < 0.8
-
-    return tuple(None if x is None else vary(x) for x in outs)
-
-
-def kernel_forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale, window, switches):
-    """`_ops.forward` for operands with any dims before [T, N, H]."""
-    operands = (q, k, v, bias, mask, q_lens, kv_lens)
-    return _vary_like(_ops.forward(*operands, scale=scale, window=window, switches=switches),
-                      operands)
-
-
-def kernel_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale, window,
-                    switches, deterministic=False, dbias=False):
-    """`_ops.backward` for operands with any dims before [T, N, H]."""
-    operands = (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens)
-    return _vary_like(_ops.backward(*operands, scale=scale, window=window, switches=switches,
-                                    deterministic=deterministic, dbias=dbias), operands)
-
+# The result of a block no key of which a query row sees
 
 def _empty_forward(q):
     lse_shape = q.shape[:-3] + (q.shape[-2], q.shape[-3])
@@ -419,7 +376,7 @@ def _dispatch(call: Call, p, run, hidden, operands):
     index = np.asarray([0 if w == HIDDEN else 1 + distinct.index(w) for w in call.windows],
                        np.int32)
     branches = [hidden] + [functools.partial(run, w, None) for w in distinct]
-    branches = [lambda branch=branch: _vary_like(branch(), operands) for branch in branches]
+    branches = [lambda branch=branch: _ops.vary_like(branch(), operands) for branch in branches]
     return lax.switch(jnp.asarray(index)[p], branches)
 
 
@@ -452,7 +409,7 @@ def seq_forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale, window: Window,
 
             def run(window, visible, qb=qb, kb=kb, vb=vb, q_len=q_len, kv_len=kv_len):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
-                return kernel_forward(qb, kb, vb, bias, mask, q_len, kv_len, scale=scale,
+                return _ops.forward(qb, kb, vb, bias, mask, q_len, kv_len, scale=scale,
                                      window=window, switches=switches)
 
             out, lse = _dispatch(block.call, p, run, functools.partial(_empty_forward, qb),
@@ -508,7 +465,7 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale
             def run(window, visible, qb=qb, kb=kb, vb=vb, ob=ob, lb=lb, dob=dob, q_len=q_len,
                     kv_len=kv_len):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
-                grads = kernel_backward(qb, kb, vb, ob, lb, dob, bias, mask, q_len, kv_len,
+                grads = _ops.backward(qb, kb, vb, ob, lb, dob, bias, mask, q_len, kv_len,
                                        scale=scale, window=window, switches=switches,
                                        deterministic=deterministic, dbias=with_dbias)
                 return grads[:3] + ((reduce_to(grads[3], bias.shape),) if with_dbias else ())

@@ -38,7 +38,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flashattn import _ffi, _ring, _validate
+from jax_flashattn import _ffi, _ops, _ring, _validate
 
 __all__ = ["ring_attention", "ring_schedule", "zigzag", "unzigzag", "forward", "backward"]
 
@@ -272,12 +272,12 @@ def _partitioned(kind, flags, scale, window, deterministic, switches, with_dbias
     def body(*xs):
         a = _unpack(kind, flags, xs)
         if kind == "fwd":
-            out, lse = _ring.kernel_forward(a.q, a.k, a.v, a.bias, a.mask, a.q_lens, a.kv_lens,
+            out, lse = _ops.forward(a.q, a.k, a.v, a.bias, a.mask, a.q_lens, a.kv_lens,
                                             scale=scale, window=window, switches=switches)
             lead = tuple(range(a.q.ndim - 3))
             return (_typed_like(out, a.q),
                     _typed_like(lse, a.q, lead + (a.q.ndim - 2, a.q.ndim - 3)))
-        dq, dk, dv, dbias = _ring.kernel_backward(a.q, a.k, a.v, a.out, a.lse, a.d_out, a.bias,
+        dq, dk, dv, dbias = _ops.backward(a.q, a.k, a.v, a.out, a.lse, a.d_out, a.bias,
                                                   a.mask, a.q_lens, a.kv_lens, scale=scale,
                                                   window=window, switches=switches,
                                                   deterministic=deterministic,
@@ -533,13 +533,13 @@ def _local(kind, flags, scale, window, deterministic, switches, with_dbias, plan
     schedule = plan.schedule
     if kind == "fwd":
         if schedule is None:
-            return _ring.kernel_forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens,
+            return _ops.forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens,
                                         scale=scale, window=window, switches=switches)
         return _ring.seq_forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, scale=scale,
                                  window=window, schedule=schedule, axes=plan.seq_axes,
                                  switches=switches)
     if schedule is None:
-        dq, dk, dv, dbias = _ring.kernel_backward(a.q, k, v, a.out, a.lse, a.d_out, a.bias,
+        dq, dk, dv, dbias = _ops.backward(a.q, k, v, a.out, a.lse, a.d_out, a.bias,
                                                   a.mask, a.q_lens, a.kv_lens, scale=scale,
                                                   window=window, switches=switches,
                                                   deterministic=deterministic,
