@@ -42,7 +42,7 @@ std::vector<std::string> CudaArchitectures() {
 // Floats of decode workspace the C++ split rule (ffi/decode_plan.h) needs for a call of
 // this shape, dtype code (0 float32, 1 bfloat16, 2 float16) and options on a device with
 // `multiprocessors` SMs; 0 when the shape never takes the decode kernel. Python sizes the
-// forward call's decode workspace with it (jax_flashattn._ops.decode_workspace_size), so the
+// forward call's decode workspace with it (jax_flashattn._ffi.decode_workspace_size), so the
 // rule lives in one place.
 int64_t DecodeWorkspaceFloats(int dtype, int64_t batch, int64_t seqlen_q, int64_t seqlen_k,
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
