@@ -22,16 +22,16 @@ namespace {
 
 template <typename Elem>
 cudaError_t launch_sm80_for_head_dim(const AttentionParams& p, cudaStream_t stream) {
-  if (p.head_dim <= 32) return launch_backward_sm80<Elem, 32>(p, stream);
-  if (p.head_dim <= 64) return launch_backward_sm80<Elem, 64>(p, stream);
-  if (p.head_dim <= 96) return launch_backward_sm80<Elem, 96>(p, stream);
-  return launch_backward_sm80<Elem, 128>(p, stream);
+  return for_head_dim<sm80::kBackwardHeadDims>(p.head_dim, [&](auto h) {
+    return launch_backward_sm80<Elem, decltype(h)::value>(p, stream);
+  });
 }
 
 template <typename Elem>
 cudaError_t launch_sm90_for_head_dim(const AttentionParams& p, cudaStream_t stream) {
-  if (p.head_dim <= 64) return launch_backward_sm90<Elem, 64>(p, stream);
-  return launch_backward_sm90<Elem, 128>(p, stream);
+  return for_head_dim<sm90::kBackwardHeadDims>(p.head_dim, [&](auto h) {
+    return launch_backward_sm90<Elem, decltype(h)::value>(p, stream);
+  });
 }
 
 int64_t elementwise_blocks(int64_t threads) {

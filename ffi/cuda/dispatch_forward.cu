@@ -14,6 +14,8 @@
 #include <iterator>
 
 #include "ffi/cuda/common/tensor_maps.h"
+#include "ffi/cuda/decode/mma_sync_traits.h"
+#include "ffi/cuda/decode/wgmma_traits.h"
 #include "ffi/cuda/dispatch.h"
 #include "ffi/cuda/hopper_availability.h"
 #include "ffi/cuda/launch.h"
@@ -26,34 +28,32 @@ namespace {
 
 template <typename Elem>
 cudaError_t launch_sm80_for_head_dim(const AttentionParams& p, bool tma_kv, cudaStream_t stream) {
-  if (p.head_dim <= 32) return launch_forward_sm80<Elem, 32>(p, tma_kv, stream);
-  if (p.head_dim <= 64) return launch_forward_sm80<Elem, 64>(p, tma_kv, stream);
-  if (p.head_dim <= 96) return launch_forward_sm80<Elem, 96>(p, tma_kv, stream);
-  if (p.head_dim <= 128) return launch_forward_sm80<Elem, 128>(p, tma_kv, stream);
-  if (p.head_dim <= 192) return launch_forward_sm80<Elem, 192>(p, tma_kv, stream);
-  return launch_forward_sm80<Elem, 256>(p, tma_kv, stream);
+  return for_head_dim<sm80::kHeadDims>(p.head_dim, [&](auto h) {
+    return launch_forward_sm80<Elem, decltype(h)::value>(p, tma_kv, stream);
+  });
 }
 
 template <typename Elem>
 cudaError_t launch_sm90_for_head_dim(const AttentionParams& p, cudaStream_t stream) {
-  if (p.head_dim <= 64) return launch_forward_sm90<Elem, 64>(p, stream);
-  if (p.head_dim <= 128) return launch_forward_sm90<Elem, 128>(p, stream);
-  return launch_forward_sm90<Elem, 256>(p, stream);
+  return for_head_dim<sm90::kHeadDims>(p.head_dim, [&](auto h) {
+    return launch_forward_sm90<Elem, decltype(h)::value>(p, stream);
+  });
 }
 
 template <typename Elem>
 cudaError_t launch_decode_sm90_for_head_dim(const AttentionParams& p, const sm80::DecodePlan& plan,
                                             cudaStream_t stream) {
-  if (p.head_dim <= 64) return launch_forward_decode_sm90<Elem, 64>(p, plan, stream);
-  return launch_forward_decode_sm90<Elem, 128>(p, plan, stream);
+  return for_head_dim<sm90::kDecodeHeadDims>(p.head_dim, [&](auto h) {
+    return launch_forward_decode_sm90<Elem, decltype(h)::value>(p, plan, stream);
+  });
 }
 
 template <typename Elem>
 cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const sm80::DecodePlan& plan,
                                        cudaStream_t stream) {
-  if (p.head_dim <= 64) return launch_forward_decode<Elem, 64>(p, plan, stream);
-  if (p.head_dim <= 128) return launch_forward_decode<Elem, 128>(p, plan, stream);
-  return launch_forward_decode<Elem, 256>(p, plan, stream);
+  return for_head_dim<sm80::kDecodeHeadDims>(p.head_dim, [&](auto h) {
+    return launch_forward_decode<Elem, decltype(h)::value>(p, plan, stream);
+  });
 }
 
 // Whether the decode call (on the wgmma kernel with sm90) merges its splits in clusters on CUDA
@@ -62,11 +62,12 @@ template <typename Elem>
 bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const sm80::DecodePlan& plan,
                               int device) {
   if (sm90)
-    return p.head_dim <= 64 ? forward_decode_sm90_merges_in_cluster<Elem, 64>(plan, device)
-                            : forward_decode_sm90_merges_in_cluster<Elem, 128>(plan, device);
-  if (p.head_dim <= 64) return forward_decode_merges_in_cluster<Elem, 64>(plan, device);
-  if (p.head_dim <= 128) return forward_decode_merges_in_cluster<Elem, 128>(plan, device);
-  return forward_decode_merges_in_cluster<Elem, 256>(plan, device);
+    return for_head_dim<sm90::kDecodeHeadDims>(p.head_dim, [&](auto h) {
+      return forward_decode_sm90_merges_in_cluster<Elem, decltype(h)::value>(plan, device);
+    });
+  return for_head_dim<sm80::kDecodeHeadDims>(p.head_dim, [&](auto h) {
+    return forward_decode_merges_in_cluster<Elem, decltype(h)::value>(plan, device);
+  });
 }
 
 // The decode kernel's plan for this call on CUDA device `device`; false when it does not apply.

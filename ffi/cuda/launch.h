@@ -4,13 +4,31 @@
 
 #include <cuda_runtime.h>
 
+#include <iterator>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include "ffi/decode_plan.h"
 #include "ffi/params.h"
 
 namespace jax_flashattn::cuda {
+
+// f(std::integral_constant<int, H>{}) for the first H of kHeadDims (an instantiated head-dim
+// list, smallest first) that holds `head_dim`, the last one past it (the dispatcher has checked
+// that the largest holds the call). The dispatchers walk the families' lists with it, and
+// cmake/kernels/CMakeLists.txt reads the same lists to instantiate them, so the head dims a
+// family builds and the ones it dispatches to are one list.
+template <const auto& kHeadDims, size_t kIndex = 0, typename F>
+auto for_head_dim(int64_t head_dim, F&& f) {
+  constexpr int kDim = kHeadDims[kIndex];
+  if constexpr (kIndex + 1 == std::size(kHeadDims)) {
+    return f(std::integral_constant<int, kDim>{});
+  } else {
+    if (head_dim <= kDim) return f(std::integral_constant<int, kDim>{});
+    return for_head_dim<kHeadDims, kIndex + 1>(head_dim, std::forward<F>(f));
+  }
+}
 
 // Tensor-core forward for bf16/fp16 and head dims that are a multiple of 8 up to kHeadDim; with
 // tma_kv (sm90::tma_loads_apply) K and V tiles load by TMA.
