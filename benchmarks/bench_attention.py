@@ -4,7 +4,7 @@ Every implementation runs in this one process on the same inputs. Each (config, 
 mode) is first checked against the float32 reference (reported FAIL, and not timed, when it is
 wrong), then timed; OOMs and errors are reported in the table and never end the run. The
 method (FLOP counts, the jitted timing loop, the correctness rule) is described at the top of
-src/jax_flashattn/_bench.py.
+src/jax_flashattn/_bench/__init__.py.
 
     python benchmarks/bench_attention.py --quick                  # < 1 min on an H100/H200
     python benchmarks/bench_attention.py --out bench_out/full     # standard grid, ~5 min

@@ -88,7 +88,7 @@ def test_timed_loop_keeps_every_backward():
     cfg = _bench.Config(1, 64, 64, 2, 2, 32, "bf16", False)
     inputs = _bench.Inputs(cfg, 2)
     fn = _bench.attention_fn("ours", cfg.causal)
-    results = _bench._empty_results(fn, "fwdbwd", inputs)
+    results = _bench.timing._empty_results(fn, "fwdbwd", inputs)
     iters = _bench.RUNNER_UNROLL
     hlo = _bench.build_runner(fn, "fwdbwd", iters).lower(inputs.sets, results,
                                                          inputs.g).compile().as_text()
@@ -104,7 +104,7 @@ def test_timed_loop_updates_q_in_place(mode):
     cfg = _bench.Config(2, 256, 256, 4, 4, 64, "bf16", True)
     inputs = _bench.Inputs(cfg, 2)
     fn = _bench.attention_fn("ours", cfg.causal)
-    results = _bench._empty_results(fn, mode, inputs)
+    results = _bench.timing._empty_results(fn, mode, inputs)
     compiled = _bench.build_runner(fn, mode, 12).lower(inputs.sets, results, inputs.g).compile()
     q_bytes = inputs.sets[0][0].nbytes
     # Forward only: the backward's own workspaces (dq accumulator, delta) are temporaries of
@@ -123,7 +123,7 @@ def test_benchmark_marks_a_wrong_implementation_fail(monkeypatch):
         fn = real(impl, causal)
         return (lambda q, k, v: fn(q, k, v) + 1) if impl == "ours" else fn
 
-    monkeypatch.setattr(_bench, "attention_fn", broken)
+    monkeypatch.setattr(_bench.impls, "attention_fn", broken)
     cfg = _bench.Config(1, 32, 32, 2, 2, 32, "bf16", True)
     records = _bench.run_benchmark([cfg], ["ours"], ["fwd"], progress=False)
     assert [r["status"] for r in records] == ["FAIL"]
@@ -136,13 +136,13 @@ def test_benchmark_times_implementations_in_alternation(monkeypatch):
     # same number of runs each, so that a drift during the case reaches both alike; each
     # record's median is of its own runs.
     order = []
-    real_run = _bench._Timed.run
+    real_run = _bench.timing._Timed.run
 
     def logged(self, inputs):
         order.append(self.record["impl"])
         return real_run(self, inputs)
 
-    monkeypatch.setattr(_bench._Timed, "run", logged)
+    monkeypatch.setattr(_bench.timing._Timed, "run", logged)
     settings = _bench.TimingSettings.for_backend(repeats=4, min_repeats=4, target_s=0.001,
                                                  time_budget_s=0.0)
     cfg = _bench.Config(1, 32, 32, 2, 2, 32, "bf16", False)
@@ -156,7 +156,7 @@ def test_benchmark_times_implementations_in_alternation(monkeypatch):
 def test_benchmark_survives_an_implementation_failing_mid_case(monkeypatch):
     # xla fails on its third run, after donating the inputs: it is marked, dropped from the
     # remaining rounds, and ours is still timed on redrawn inputs.
-    real_run = _bench._Timed.run
+    real_run = _bench.timing._Timed.run
     runs = {"ours": 0, "xla": 0}
 
     def flaky(self, inputs):
@@ -167,7 +167,7 @@ def test_benchmark_survives_an_implementation_failing_mid_case(monkeypatch):
             raise RuntimeError("injected failure")
         return real_run(self, inputs)
 
-    monkeypatch.setattr(_bench._Timed, "run", flaky)
+    monkeypatch.setattr(_bench.timing._Timed, "run", flaky)
     settings = _bench.TimingSettings.for_backend(repeats=4, min_repeats=4, target_s=0.001,
                                                  time_budget_s=0.0)
     cfg = _bench.Config(1, 32, 32, 2, 2, 32, "bf16", False)
@@ -242,7 +242,7 @@ def test_copy_bandwidth_warns_and_gives_none_when_the_copy_fails(monkeypatch):
     def fail(device, nbytes, runs):
         raise RuntimeError("copy bandwidth: cudaMalloc: out of memory")
 
-    monkeypatch.setattr(_bench, "on_gpu", lambda: True)
+    monkeypatch.setattr(_bench.timing, "on_gpu", lambda: True)
     monkeypatch.setattr(jax_flashattn, "cuda_built", lambda: True)
     monkeypatch.setattr(_ffi, "_ext", types.SimpleNamespace(cuda_copy_bandwidth=fail))
     with pytest.warns(UserWarning, match="not measured: copy bandwidth: cudaMalloc"):
@@ -343,7 +343,7 @@ _TINY_SETTINGS = dict(repeats=1, min_repeats=1, target_s=1e-4, time_budget_s=0.0
 @pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
 def test_variants_grid_runs_and_passes_the_gate(monkeypatch, mode):
     # The forward check takes 8 + 8 of the 64 query rows: every option is sliced by rows.
-    monkeypatch.setattr(_bench, "FORWARD_CHECK_ROWS", 16)
+    monkeypatch.setattr(_bench.checks, "FORWARD_CHECK_ROWS", 16)
     configs = _tiny_variants()
     settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
     records = _bench.run_benchmark(configs, ["ours", "xla"], [mode], settings, progress=False)
@@ -369,7 +369,7 @@ def test_variants_grid_runs_and_passes_the_gate(monkeypatch, mode):
 def test_variants_gate_checks_each_option(monkeypatch, dropped):
     """An implementation that ignores one of the options fails the check (query lengths: it
     leaves the padded rows nonzero, which the check covers)."""
-    monkeypatch.setattr(_bench, "FORWARD_CHECK_ROWS", 16)
+    monkeypatch.setattr(_bench.checks, "FORWARD_CHECK_ROWS", 16)
     real = _bench.attention_fn
 
     def ignoring(impl, causal, window=None):
@@ -377,7 +377,7 @@ def test_variants_gate_checks_each_option(monkeypatch, dropped):
         return lambda q, k, v, **extras: fn(q, k, v, **{name: x for name, x in extras.items()
                                                         if name != dropped})
 
-    monkeypatch.setattr(_bench, "attention_fn", ignoring)
+    monkeypatch.setattr(_bench.impls, "attention_fn", ignoring)
     option = {"local_window_size": "window", "key_value_seq_lengths": "lengths",
               "query_seq_lengths": "lengths", "bias": "bias", "mask": "mask"}[dropped]
     cfg, = [c for c in _tiny_variants() if c.variant.startswith(option)]

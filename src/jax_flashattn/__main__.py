@@ -4,7 +4,7 @@ The checks run our kernels (`implementation="cuda"` on a GPU, `"cpu"` otherwise,
 without CUDA fails loudly instead of falling back to XLA) against `jax_flashattn.reference`
 in float32 on the default device: dtypes, causal, GQA/MQA, bias and mask, sequence lengths,
 local windows, odd sizes, the log-sum-exp residual, and gradients against `jax.vjp` of the
-reference. The rules are those of the benchmarks (see src/jax_flashattn/_bench.py). The exit status
+reference. The rules are those of the benchmarks (see src/jax_flashattn/_bench/). The exit status
 is 1 when any check (or a benchmark correctness gate of ours) fails.
 
     python -m jax_flashattn                  # checks + benchmark on the default device

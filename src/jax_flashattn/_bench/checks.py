@@ -1,0 +1,252 @@
+"""The correctness gate: a float32 reference on a slice of each case and the error-budget
+verdicts on forward outputs and gradients. (Method: the package docstring.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flashattn import reference
+from jax_flashattn._bench.configs import Config, DTYPES
+from jax_flashattn._bench.impls import Inputs
+
+
+# Gradient tolerances (normwise relative error against the float32 reference).
+GRAD_RTOL = {"bf16": 2e-2, "fp16": 1e-2, "fp32": 1e-4}
+# Elements of one float32 [b, n, t, S] logits tensor a reference slice may materialise (on
+# the host CPU): the forward+backward check (every query row) and the forward check (at most
+# FORWARD_CHECK_ROWS query rows). At least one head of one batch entry is always checked.
+DEFAULT_CHECK_BUDGET = 1 << 24
+FORWARD_CHECK_BUDGET = 1 << 23
+FORWARD_CHECK_ROWS = 256
+
+
+
+
+@dataclasses.dataclass
+class Verdict:
+    ok: bool
+    detail: str
+    metrics: dict
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def forward_verdict(out, exact, rounded, dtype: str, magnitude=None) -> Verdict:
+    """`out` (the kernel's) against `exact` (float32 reference) with the tests' rule; `rounded`
+    is the reference with P and the output rounded to `dtype` (unused for float32), `magnitude`
+    each element's sum_j p_j |v_j| (reference.error_budget)."""
+    out, exact = _f64(out), _f64(exact)
+    scale = float(np.max(np.abs(exact), initial=0.0))
+    if dtype == "fp32":
+        bounds = 2e-5 * (scale + 1)
+    else:
+        bounds = reference.error_budget(exact, _f64(rounded), DTYPES[dtype],
+                                        None if magnitude is None else _f64(magnitude))
+    metrics = dict(max_err=None, bound=float(np.max(bounds, initial=0.0)), rel_err=None)
+    if not np.isfinite(out).all():
+        bad = int(np.size(out) - np.isfinite(out).sum())
+        return Verdict(False, f"{bad} non-finite output elements", metrics)
+    errors = np.abs(out - exact)
+    err = float(np.max(errors, initial=0.0))
+    rel = float(np.linalg.norm(out - exact) / max(np.linalg.norm(exact), 1e-30))
+    worst, bound = reference.worst_against_budget(errors, bounds)
+    metrics.update(max_err=err, bound=bound, rel_err=rel)
+    ok = worst <= bound
+    return Verdict(ok, f"err {worst:.3g} {'<=' if ok else '>'} its bound {bound:.3g} "
+                       f"(max err {err:.3g}, rel {rel:.2g})", metrics)
+
+
+def grad_verdict(grads: dict, ref_grads: dict, dtype: str) -> Verdict:
+    """Each gradient against its float32 reference: normwise relative error <= GRAD_RTOL and
+    max abs error <= 4 GRAD_RTOL max |ref|."""
+    rtol = GRAD_RTOL[dtype]
+    metrics, problems, parts = {}, [], []
+    for name, ref in ref_grads.items():
+        got, ref = _f64(grads[name]), _f64(ref)
+        if not np.isfinite(got).all():
+            problems.append(f"{name}: non-finite")
+            metrics[name] = dict(rel_err=None, max_err=None)
+            continue
+        norm = max(np.linalg.norm(ref), 1e-30)
+        rel = float(np.linalg.norm(got - ref) / norm)
+        err = float(np.max(np.abs(got - ref), initial=0.0))
+        err_rel = err / max(float(np.max(np.abs(ref), initial=0.0)), 1e-30)
+        metrics[name] = dict(rel_err=rel, max_err=err, max_err_rel=err_rel)
+        parts.append(f"{name} {rel:.2g}")
+        if rel > rtol or err_rel > 4 * rtol:
+            problems.append(f"{name}: rel {rel:.3g} (tol {rtol:g}), max {err_rel:.3g} of max|ref| "
+                            f"(tol {4 * rtol:g})")
+    if problems:
+        return Verdict(False, "; ".join(problems), metrics)
+    return Verdict(True, "grad rel err " + ", ".join(parts), metrics)
+
+
+@dataclasses.dataclass
+class ReferenceSlice:
+    """The float32 reference on a slice of input set 0; see the module docstring."""
+    batch_index: np.ndarray
+    rows: np.ndarray | None  # query rows checked (None: all)
+    kv_heads: int
+    exact: jax.Array
+    rounded: jax.Array
+    grads: dict | None
+    magnitude: jax.Array | None = None  # sum_j p_j |v_j| per element (reference.error_budget)
+
+    def take(self, cfg: "Config", x, per_query_head: bool = True):
+        """The slice of a full [B, T or S, N or K, H] array that the reference covers."""
+        rows = self.rows if per_query_head else None
+        return _take(x, self.batch_index, rows,
+                     heads=self.kv_heads * (cfg.group if per_query_head else 1))
+
+    def take_extras(self, cfg: "Config", extras: dict) -> dict:
+        """The extras (`Inputs.extras`) of the slice: bias and mask [B or 1, N or 1, T, S] at
+        the checked batch entries, heads and query rows (every key), lengths at the batch
+        entries."""
+        heads = self.kv_heads * cfg.group
+        sliced = {}
+        for name, x in extras.items():
+            if name in ("bias", "mask"):
+                sliced[name] = _take_logits_shaped(x, self.batch_index, self.rows, heads=heads)
+            else:
+                sliced[name] = x[self.batch_index]
+        return sliced
+
+
+@functools.partial(jax.jit, static_argnames="heads")
+def _take(x, batch_index, rows, *, heads):
+    x = x[batch_index, :, :heads]
+    return x if rows is None else x[:, rows]
+
+
+@functools.partial(jax.jit, static_argnames="heads")
+def _take_logits_shaped(x, batch_index, rows, *, heads):
+    """`_take` for a [B or 1, N or 1, T or 1, S] bias or mask (a broadcast dim stays 1)."""
+    if x.shape[0] > 1:
+        x = x[batch_index]
+    if x.shape[1] > 1:
+        x = x[:, :heads]
+    return x if rows is None or x.shape[2] == 1 else x[:, :, rows]
+
+
+def _slice_plan(cfg: Config, budget: int, max_rows: int | None):
+    """Batch entries {0, B-1}, query rows (the first and last max_rows/2, or all), and as many
+    kv heads (with their query-head groups) as keep one [b, n, t, S] logits tensor in budget."""
+    batch_index = np.array(sorted({0, cfg.batch - 1}), np.int32)
+    rows = None
+    if max_rows is not None and cfg.seqlen_q > max_rows:
+        half = max_rows // 2
+        rows = np.concatenate([np.arange(half), np.arange(cfg.seqlen_q - half, cfg.seqlen_q)])
+    n_rows = cfg.seqlen_q if rows is None else len(rows)
+    per_kv_head = len(batch_index) * cfg.group * n_rows * cfg.seqlen_k
+    kv_heads = max(1, min(cfg.num_kv_heads, budget // per_kv_head))
+    return batch_index, rows.astype(np.int32) if rows is not None else None, kv_heads
+
+
+def _row_visibility(rows, seqlen_k, *, causal, window, q_lens, kv_lens, mask):
+    """bool [b or 1, 1 or n, r, S] (None where nothing is hidden): which keys query rows
+    `rows` (their true positions) see, by `reference.visibility`'s rules; q_lens, kv_lens and
+    mask are already sliced to the checked batch entries (and the mask to the rows)."""
+    if not (causal or window is not None or q_lens is not None or kv_lens is not None
+            or mask is not None):
+        return None
+    t = rows[:, None]
+    s = jnp.arange(seqlen_k)[None, :]
+    keep = jnp.ones((len(rows), seqlen_k), bool)
+    if causal:
+        keep &= s <= t
+    if window is not None:
+        left, right = window
+        keep &= (s >= t - left) & (s <= t + right)
+    keep = keep[None, None]
+    if q_lens is not None:
+        keep = keep & (rows[None, :] < q_lens[:, None])[:, None, :, None]
+    if kv_lens is not None:
+        keep = keep & (jnp.arange(seqlen_k)[None, :] < kv_lens[:, None])[:, None, None, :]
+    if mask is not None:
+        keep = keep & mask
+    return keep
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "window", "dtype"))
+def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype):
+    """Exact and P-rounded reference outputs for query rows `rows` (causal, window, lengths
+    and mask mask by the rows' true positions, as the full problem would; `extras` are sliced
+    by `ReferenceSlice.take_extras`)."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    mask = _row_visibility(rows, k.shape[1], causal=causal, window=window,
+                           q_lens=extras.get("query_seq_lengths"),
+                           kv_lens=extras.get("key_value_seq_lengths"), mask=extras.get("mask"))
+    f = functools.partial(reference.attention, bias=extras.get("bias"), mask=mask)
+    exact = f(q, k, v)
+    rounded = f(q, k, v, p_dtype=DTYPES[dtype])
+    magnitude = f(q, k, jnp.abs(v))
+    return exact, rounded.astype(DTYPES[dtype]), magnitude
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "window", "dtype"))
+def _reference_forward_backward(q, k, v, g, extras, *, causal, window, dtype):
+    """Every query row: the options go to `reference.attention` as its own arguments."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    f = functools.partial(reference.attention, is_causal=causal, local_window_size=window,
+                          **extras)
+    exact, vjp = jax.vjp(f, q, k, v)
+    rounded = f(q, k, v, p_dtype=DTYPES[dtype])
+    magnitude = f(q, k, jnp.abs(v))
+    grads = dict(zip(("dq", "dk", "dv"), vjp(g.astype(jnp.float32))))
+    return exact, rounded.astype(DTYPES[dtype]), magnitude, grads
+
+
+def _reference_device():
+    """The references run on the host's CPU backend: no GPU compile (or autotuning) per shape,
+    and nothing on the GPU that is being measured."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:
+        return jax.devices()[0]
+
+
+def reference_slice(cfg: Config, inputs: Inputs, with_grads: bool,
+                    budget: int = DEFAULT_CHECK_BUDGET) -> ReferenceSlice:
+    """Forward: up to FORWARD_CHECK_ROWS query rows against all keys. Forward+backward: every
+    row (dk and dv sum over all of them) of fewer heads. Both on the host CPU."""
+    q, k, v = inputs.sets[0]
+    if with_grads:
+        batch_index, rows, kv_heads = _slice_plan(cfg, budget, None)
+    else:
+        batch_index, rows, kv_heads = _slice_plan(cfg, FORWARD_CHECK_BUDGET,
+                                                  FORWARD_CHECK_ROWS)
+    plan = ReferenceSlice(batch_index, rows, kv_heads, None, None, None)
+    sliced = (plan.take(cfg, q), plan.take(cfg, k, False), plan.take(cfg, v, False))
+    extras = plan.take_extras(cfg, inputs.extras)
+    device = _reference_device()
+    if with_grads:
+        args = jax.device_put(sliced + (plan.take(cfg, inputs.g), extras), device)
+        plan.exact, plan.rounded, plan.magnitude, plan.grads = _reference_forward_backward(
+            *args, causal=cfg.causal, window=cfg.window, dtype=cfg.dtype)
+    else:
+        all_rows = np.arange(cfg.seqlen_q, dtype=np.int32) if rows is None else rows
+        args = jax.device_put(sliced + (all_rows, extras), device)
+        plan.exact, plan.rounded, plan.magnitude = _reference_forward(
+            *args, causal=cfg.causal, window=cfg.window, dtype=cfg.dtype)
+    jax.block_until_ready((plan.exact, plan.rounded, plan.grads))
+    return plan
+
+
+def check_outputs(cfg: Config, outputs, ref: ReferenceSlice) -> Verdict:
+    """`outputs` = (out,) or (out, dq, dk, dv) of the full-size call on input set 0."""
+    verdict = forward_verdict(ref.take(cfg, outputs[0]), ref.exact, ref.rounded, cfg.dtype,
+                              ref.magnitude)
+    if not verdict.ok or ref.grads is None:
+        return verdict
+    grads = dict(dq=ref.take(cfg, outputs[1]), dk=ref.take(cfg, outputs[2], False),
+                 dv=ref.take(cfg, outputs[3], False))
+    g_verdict = grad_verdict(grads, ref.grads, cfg.dtype)
+    return Verdict(g_verdict.ok, f"{verdict.detail}; {g_verdict.detail}",
+                   dict(verdict.metrics, grads=g_verdict.metrics))

@@ -1,0 +1,228 @@
+"""The benchmark's cases: `Config`, its FLOP and byte counts, and the standard, decode and
+variants grids. (Method: the package docstring.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+IMPLS = ("ours", "cudnn", "xla")
+MODES = ("fwd", "fwdbwd")
+MODE_TITLES = {"fwd": "forward", "fwdbwd": "forward+backward"}
+BACKWARD_FLOP_FACTOR = 2.5  # backward FLOPs / forward FLOPs
+# Rounds of the timed loop per loop iteration (`build_runner`; why: the module docstring).
+RUNNER_UNROLL = 8
+
+
+def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, mode="fwd") -> float:
+    """The FLOP count: forward 4 B N T S H (half when causal), backward 2.5x forward."""
+    forward = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim * (0.5 if causal else 1.0)
+    return forward * (1.0 if mode == "fwd" else 1.0 + BACKWARD_FLOP_FACTOR)
+
+
+# The standard grid: 16k tokens per batch, hidden 2048.
+STANDARD_TOKENS = 16384
+STANDARD_HIDDEN = 2048
+STANDARD_HEAD_DIMS = (64, 128, 256)
+STANDARD_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+# The decode preset: B=8, N=32, K=8, H=128, S=65536.
+DECODE_SEQLENS = (1, 8, 16)
+DECODE_SHAPE = dict(batch=8, num_heads=32, num_kv_heads=8, head_dim=128, kv_len=65536)
+# The variants preset: B=4, T=S=4096, N=16 (hidden 2048), H=128, one row per option.
+VARIANTS_SEQLENS = (4096,)
+VARIANTS_SHAPE = dict(batch=4, hidden=2048, head_dim=128, kv_group=4, window=1024)
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One attention problem: q [B, T, N, H], k/v [B, S, K, H]."""
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    causal: bool
+    kind: str = "standard"  # "standard", "decode" or "variants": picks its table
+    # The variants preset's options (`variants_grid`), each None where unused:
+    variant: str = ""  # the row's name in the table ("window 1024", "GQA 16/4", ...)
+    window: tuple[int, int] | None = None  # local_window_size (left, right)
+    q_lens: tuple[int, ...] | None = None  # query_seq_lengths, one per batch entry
+    kv_lens: tuple[int, ...] | None = None  # key_value_seq_lengths, one per batch entry
+    bias_shape: tuple[int, int, int, int] | None = None  # an additive bias of this shape
+    # A boolean mask [B, 1, T, S] of packed documents: batch entry b holds mask_docs[b]
+    # documents of (nearly) equal length, and a position sees its own document only.
+    mask_docs: tuple[int, ...] | None = None
+
+    @property
+    def q_shape(self):
+        return (self.batch, self.seqlen_q, self.num_heads, self.head_dim)
+
+    @property
+    def kv_shape(self):
+        return (self.batch, self.seqlen_k, self.num_kv_heads, self.head_dim)
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def restricted(self) -> bool:
+        """Whether an option beyond `causal` hides logits (window, lengths, mask)."""
+        return any(x is not None for x in (self.window, self.q_lens, self.kv_lens,
+                                           self.mask_docs))
+
+    def visible_pairs(self) -> float:
+        """The (t, s) pairs whose logits a call computes, summed over the batch, per query
+        head: B·T·S (causal: half that, the convention) without a restriction; else the exact
+        count, row by row (each row sees one interval of keys; see the module docstring)."""
+        if not self.restricted:
+            return self.batch * self.seqlen_q * self.seqlen_k * (0.5 if self.causal else 1.0)
+        t = np.arange(self.seqlen_q, dtype=np.int64)
+        total = 0
+        for b in range(self.batch):
+            rows = t[:self.q_lens[b]] if self.q_lens is not None else t
+            lo = np.zeros_like(rows)
+            hi = np.full_like(rows, self.seqlen_k if self.kv_lens is None else self.kv_lens[b])
+            if self.causal:
+                hi = np.minimum(hi, rows + 1)
+            if self.window is not None:
+                left, right = self.window
+                lo = np.maximum(lo, rows - left)
+                hi = np.minimum(hi, rows + right + 1)
+            if self.mask_docs is not None:
+                starts, ends = _document_bounds(self.mask_docs[b], self.mask_length, rows)
+                lo, hi = np.maximum(lo, starts), np.minimum(hi, ends)
+            total += int(np.maximum(hi - lo, 0).sum())
+        return float(total)
+
+    @property
+    def mask_length(self) -> int:
+        """The positions the document mask's boundaries split (queries and keys alike)."""
+        return max(self.seqlen_q, self.seqlen_k)
+
+    def flops(self, mode: str = "fwd") -> float:
+        if not self.restricted:
+            return attention_flops(self.batch, self.num_heads, self.seqlen_q, self.seqlen_k,
+                                   self.head_dim, self.causal, mode)
+        forward = 4.0 * self.num_heads * self.head_dim * self.visible_pairs()
+        return forward * (1.0 if mode == "fwd" else 1.0 + BACKWARD_FLOP_FACTOR)
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V one forward call must read."""
+        return 2 * math.prod(self.kv_shape) * jnp.dtype(self.jnp_dtype).itemsize
+
+    def extra_bytes(self) -> int:
+        """Bytes of the bias and mask a call reads."""
+        total = 0
+        if self.bias_shape is not None:
+            total += math.prod(self.bias_shape) * jnp.dtype(self.jnp_dtype).itemsize
+        if self.mask_docs is not None:
+            total += self.batch * self.seqlen_q * self.seqlen_k
+        return total
+
+    def io_bytes(self, mode: str = "fwd") -> int:
+        """A lower bound on the bytes a call moves: q, k, v, out (and their gradients), and
+        the bias and mask."""
+        item = jnp.dtype(self.jnp_dtype).itemsize
+        forward = 2 * math.prod(self.q_shape) * item + self.kv_bytes()
+        return forward * (1 if mode == "fwd" else 3) + self.extra_bytes()
+
+    def label(self) -> str:
+        gqa = "" if self.num_kv_heads == self.num_heads else f" K={self.num_kv_heads}"
+        variant = (f" {self.variant}" if self.variant and self.variant not in ("full", "causal")
+                   else "")
+        return (f"{self.dtype} B={self.batch} T={self.seqlen_q} S={self.seqlen_k} "
+                f"N={self.num_heads}{gqa} H={self.head_dim}{' causal' if self.causal else ''}"
+                f"{variant}")
+
+
+def _document_bounds(docs: int, length: int, positions):
+    """[start, end) of the document holding each position, for `docs` documents splitting
+    `length` positions as evenly as integers allow."""
+    bounds = (np.arange(docs + 1, dtype=np.int64) * length) // docs
+    index = np.searchsorted(bounds, positions, side="right") - 1
+    return bounds[index], bounds[index + 1]
+
+
+def document_ids(docs: int, length: int) -> np.ndarray:
+    """The document index of each of `length` positions (`_document_bounds`' split)."""
+    bounds = (np.arange(docs + 1, dtype=np.int64) * length) // docs
+    return (np.searchsorted(bounds, np.arange(length), side="right") - 1).astype(np.int32)
+
+
+def standard_grid(dtypes=("bf16", "fp16"), head_dims=STANDARD_HEAD_DIMS,
+                  seqlens=STANDARD_SEQLENS, causal=(False, True), tokens=STANDARD_TOKENS,
+                  hidden=STANDARD_HIDDEN) -> list[Config]:
+    """B = tokens / T, N = hidden / H, S = T (the standard grid)."""
+    configs = []
+    for dtype in dtypes:
+        for h in head_dims:
+            if hidden % h:
+                raise ValueError(f"hidden {hidden} is not a multiple of head dim {h}")
+            for t in seqlens:
+                if tokens % t:
+                    raise ValueError(f"tokens {tokens} is not a multiple of seqlen {t}")
+                for is_causal in causal:
+                    configs.append(Config(tokens // t, t, t, hidden // h, hidden // h, h, dtype,
+                                          bool(is_causal)))
+    return configs
+
+
+def decode_grid(dtypes=("bf16", "fp16"), seqlens=DECODE_SEQLENS, kv_len=None) -> list[Config]:
+    """The decode preset: a few query tokens against a long, grouped K/V."""
+    d = DECODE_SHAPE
+    return [Config(d["batch"], t, kv_len or d["kv_len"], d["num_heads"], d["num_kv_heads"],
+                   d["head_dim"], dtype, False, kind="decode")
+            for dtype in dtypes for t in seqlens]
+
+
+def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
+                  head_dims=(VARIANTS_SHAPE["head_dim"],), batch=VARIANTS_SHAPE["batch"],
+                  hidden=VARIANTS_SHAPE["hidden"], kv_group=VARIANTS_SHAPE["kv_group"],
+                  window=None) -> list[Config]:
+    """The variants preset: one row per option users pass, at B = `batch`, T = S, N =
+    hidden / H: full, causal, a causal sliding window (`window`, default min(1024, T/4),
+    right side 0), per-batch lengths (queries and keys alike: T·(B-i)/B for entry i, so
+    4096, 3072, 2048, 1024), GQA (N over N/kv_group kv heads, causal), a bias [1, N, T, S]
+    (full) and a boolean document mask [B, 1, T, S] (entry i packs 2**i documents, full)."""
+    configs = []
+    for dtype in dtypes:
+        for h in head_dims:
+            if hidden % h:
+                raise ValueError(f"hidden {hidden} is not a multiple of head dim {h}")
+            n = hidden // h
+            kv = max(1, n // kv_group)
+            if n % kv:
+                raise ValueError(f"{n} heads do not split into groups of {kv_group}")
+            for t in seqlens:
+                base = Config(batch, t, t, n, n, h, dtype, False, kind="variants",
+                              variant="full")
+                side = window or max(1, min(VARIANTS_SHAPE["window"], t // 4))
+                lens = tuple(max(1, t * (batch - i) // batch) for i in range(batch))
+                configs += [
+                    base,
+                    dataclasses.replace(base, causal=True, variant="causal"),
+                    dataclasses.replace(base, causal=True, window=(side, 0),
+                                        variant=f"window {side}"),
+                    dataclasses.replace(base, q_lens=lens, kv_lens=lens, variant="lengths"),
+                    dataclasses.replace(base, causal=True, num_kv_heads=kv,
+                                        variant=f"GQA {n}/{kv}"),
+                    dataclasses.replace(base, bias_shape=(1, n, t, t), variant="bias [1,N,T,S]"),
+                    dataclasses.replace(base, mask_docs=tuple(min(2 ** i, t) for i in
+                                                              range(batch)),
+                                        variant="mask [B,1,T,S]"),
+                ]
+    return configs

@@ -1,0 +1,135 @@
+"""The implementations a case times (ours, cuDNN, XLA through jax.nn) and the inputs it draws. (Method: the package docstring.)"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flashattn._bench.configs import Config, IMPLS, document_ids
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def ours_implementation() -> str:
+    """Our kernels for the default backend, by name, so a missing build raises rather than
+    silently falling back to XLA."""
+    return "cuda" if on_gpu() else "cpu"
+
+
+def available_impls(requested: Sequence[str]) -> list[str]:
+    """The requested implementations that can run here (cuDNN needs a GPU)."""
+    unknown = [i for i in requested if i not in IMPLS]
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {unknown}; choose from {IMPLS}")
+    return [i for i in requested if i != "cudnn" or on_gpu()]
+
+
+def attention_fn(impl: str, causal: bool, window: tuple[int, int] | None = None) -> Callable:
+    """(q, k, v, **extras) -> out for one implementation; `extras` are `Inputs.extras` (bias,
+    mask, lengths), the same keywords for every implementation."""
+    options = dict(is_causal=causal)
+    if window is not None:
+        options["local_window_size"] = window
+    if impl == "ours":
+        import jax_flashattn
+        return functools.partial(jax_flashattn.attention, implementation=ours_implementation(),
+                                 **options)
+    return functools.partial(jax.nn.dot_product_attention, implementation=impl, **options)
+
+
+def config_attention_fn(impl: str, cfg: Config) -> Callable:
+    """`attention_fn` with the config's static options."""
+    if cfg.window is None:
+        return attention_fn(impl, cfg.causal)
+    return attention_fn(impl, cfg.causal, cfg.window)
+
+
+def call_once(fn, mode, q, k, v, g, extras=None):
+    """The outputs one call produces: (out,) or (out, dq, dk, dv); the gradients are those of
+    q, k and v only (none of a bias)."""
+    extras = extras or {}
+    if mode == "fwd":
+        return (fn(q, k, v, **extras),)
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, **extras), q, k, v)
+    return (out, *vjp(g))
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _flat_normal(key, size, dtype):
+    return jax.random.normal(key, (size,), jnp.float32).astype(dtype)
+
+
+def _normal(key, shape, dtype):
+    """Standard normal `shape` array. Drawn flat, so that every config with the same element
+    count (the whole standard grid has B*T*N*H = tokens*hidden) shares one compiled draw."""
+    return _flat_normal(key, math.prod(shape), dtype).reshape(shape)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _document_mask(ids, seqlen_q, seqlen_k):
+    """bool [B, 1, T, S]: query t sees key s where both lie in one document."""
+    return (ids[:, None, :seqlen_q, None] == ids[:, None, None, :seqlen_k])
+
+
+class Inputs:
+    """`n_sets` independent (q, k, v) sets plus a cotangent g, drawn on the device.
+
+    Runs donate the sets and hand them back; `ensure_alive` redraws them (same seed, same
+    values) when a failed run left them deleted."""
+
+    def __init__(self, cfg: Config, n_sets: int, seed: int = 0):
+        self.cfg, self.n_sets, self.seed = cfg, n_sets, seed
+        self._suspect = False
+        self.sets, self.g = self._draw()
+        self.extras = self._draw_extras()
+
+    def _draw_extras(self) -> dict:
+        """The config's extra arguments, by `attention`'s keyword: bias (standard normal, the
+        input dtype), mask, query_seq_lengths and key_value_seq_lengths (int32). One copy for
+        every set; never donated."""
+        cfg, extras = self.cfg, {}
+        if cfg.bias_shape is not None:
+            key = jax.random.fold_in(jax.random.key(self.seed), 1 << 20)
+            extras["bias"] = _normal(key, cfg.bias_shape, jnp.dtype(cfg.jnp_dtype))
+        if cfg.mask_docs is not None:
+            ids = np.stack([document_ids(d, cfg.mask_length) for d in cfg.mask_docs])
+            extras["mask"] = _document_mask(jnp.asarray(ids), cfg.seqlen_q, cfg.seqlen_k)
+        if cfg.q_lens is not None:
+            extras["query_seq_lengths"] = jnp.asarray(cfg.q_lens, jnp.int32)
+        if cfg.kv_lens is not None:
+            extras["key_value_seq_lengths"] = jnp.asarray(cfg.kv_lens, jnp.int32)
+        return extras
+
+    def _draw(self):
+        cfg = self.cfg
+        keys = jax.random.split(jax.random.key(self.seed), 3 * self.n_sets + 1)
+
+        dtype = jnp.dtype(cfg.jnp_dtype)
+        sets = [tuple(_normal(keys[3 * i + j], shape, dtype) for j, shape in
+                      enumerate((cfg.q_shape, cfg.kv_shape, cfg.kv_shape)))
+                for i in range(self.n_sets)]
+        return sets, _normal(keys[-1], cfg.q_shape, dtype)
+
+    def ensure_alive(self):
+        leaves = jax.tree.leaves((self.sets, self.g))
+        if self._suspect or any(x.is_deleted() for x in leaves):
+            self.sets = self.g = None
+            gc.collect()
+            self.sets, self.g = self._draw()
+            self._suspect = False
+
+    def invalidate(self):
+        """After a failed run: the sets it handed back may carry its error (PJRT propagates an
+        asynchronous failure into the outputs), so the next use redraws them."""
+        self._suspect = True
