@@ -1,6 +1,6 @@
 // When a forward call takes the split-KV decode kernel, how many splits it runs, and where the
 // splits' partial results live in the workspace. Plain C++ (no CUDA): the dispatcher, the
-// kernels and the Python extension (ffi/module.cc, through which src/jax_flashattn/_ops.py sizes
+// kernels and the Python extension (ffi/module.cc, through which src/jax_flashattn/_ffi.py sizes
 // the workspace at trace time) share it.
 //
 // Workspace layout (float32, a result of the forward call, so XLA owns it):

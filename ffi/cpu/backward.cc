@@ -68,7 +68,8 @@ struct StepTiles {
         continue;
       }
       exp2_row(x, kTileKeys, lse2[i]);
-      // Hidden elements have P = 0 exactly: their dS is 0 too, whatever dP holds there.
+      // Where P = 0 exactly (hidden keys, or a probability that underflowed) dS is 0 too,
+      // whatever dP holds there.
       for (int64_t j = 0; j < kTileKeys; ++j)
         d[j] = x[j] == 0.0f ? 0.0f : x[j] * (d[j] - delta[i]);
     }

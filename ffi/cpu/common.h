@@ -15,8 +15,8 @@
 namespace jax_flashattn::cpu {
 
 // A tile is kTileRows query rows of one head against kTileKeys keys, a multiple of the matmul's
-// register block both ways. Its float32 operands (Q and O [32][H], K, V [64][H] and their
-// transposes) take 96 KiB at H = 128, about an L2 slice: each K/V element converted from the
+// register block both ways. A task's float32 tiles (the forward's Q and O [32][H], K, Kᵀ and
+// V [64][H]) take 128 KiB at H = 128, about an L2 slice: each K/V element converted from the
 // input dtype serves 32 query rows.
 inline constexpr int64_t kTileRows = 32;
 inline constexpr int64_t kTileKeys = 64;

@@ -48,6 +48,12 @@ cudaError_t launch_decode_sm90_for_head_dim(const AttentionParams& p, const sm80
   });
 }
 
+// decode_shape_fits admits head dims up to kDecodeMaxHeadDim, and for_head_dim runs the
+// largest instantiation past the list: the two limits must be one.
+static_assert(sm80::kDecodeHeadDims[std::size(sm80::kDecodeHeadDims) - 1] ==
+                  sm80::kDecodeMaxHeadDim,
+              "the mma.sync decode kernel's largest head dim is the decode shape limit");
+
 template <typename Elem>
 cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const sm80::DecodePlan& plan,
                                        cudaStream_t stream) {

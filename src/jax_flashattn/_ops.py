@@ -77,7 +77,7 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple
     *lead, t, n, _ = q.shape
     optional, flags = _optional_operands(bias, mask, q_lens, kv_lens)
     decode_floats = _ffi.decode_workspace_size(q.shape, k.shape, q.dtype, scale=scale,
-                                          has_bias=bias is not None, has_mask=mask is not None)
+                                               has_bias=bias is not None, has_mask=mask is not None)
     call = jax.ffi.ffi_call(
         _ffi.FORWARD_TARGET,
         (jax.ShapeDtypeStruct(q.shape, q.dtype),

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -410,7 +409,7 @@ def seq_forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale, window: Window,
             def run(window, visible, qb=qb, kb=kb, vb=vb, q_len=q_len, kv_len=kv_len):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
                 return _ops.forward(qb, kb, vb, bias, mask, q_len, kv_len, scale=scale,
-                                     window=window, switches=switches)
+                                    window=window, switches=switches)
 
             out, lse = _dispatch(block.call, p, run, functools.partial(_empty_forward, qb),
                                  (qb, kb, vb, q_len, kv_len))
@@ -466,8 +465,8 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale
                     kv_len=kv_len):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
                 grads = _ops.backward(qb, kb, vb, ob, lb, dob, bias, mask, q_len, kv_len,
-                                       scale=scale, window=window, switches=switches,
-                                       deterministic=deterministic, dbias=with_dbias)
+                                      scale=scale, window=window, switches=switches,
+                                      deterministic=deterministic, dbias=with_dbias)
                 return grads[:3] + ((reduce_to(grads[3], bias.shape),) if with_dbias else ())
 
             def hidden(qb=qb, kb=kb):

@@ -182,10 +182,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
 
 def _call_kernels(args: _validate.Normalized, deterministic_backward: bool):
     """(out [B, T, N, H], lse [B, N, T]) from the kernels, or _UNSUPPORTED_DERIVATIVE for
-    forward-mode differentiation: when an operand carries a jvp tangent (jax.jvp and jacfwd,
-    jitted or not), or when JAX raises its own error for a jvp it evaluates at once. (A jvp
-    JAX applies to an already traced call, as jax.jvp of a jitted function, fails when lowered,
-    with JAX's own TypeError.)"""
+    forward-mode differentiation: when an operand is itself a jvp tracer (jax.jvp of a
+    function that calls attention, jitted or not), or when JAX raises its own error for a jvp
+    it evaluates at once (eagerly, under vmap). (A jvp that reaches attention only through
+    another transformation, as jax.jit of jax.jvp of a vmapped or jitted function, fails when
+    lowered, with JAX's own TypeError.)"""
     if _has_jvp_tangent(args):
         raise TypeError(_UNSUPPORTED_DERIVATIVE)
     try:

@@ -273,15 +273,15 @@ def _partitioned(kind, flags, scale, window, deterministic, switches, with_dbias
         a = _unpack(kind, flags, xs)
         if kind == "fwd":
             out, lse = _ops.forward(a.q, a.k, a.v, a.bias, a.mask, a.q_lens, a.kv_lens,
-                                            scale=scale, window=window, switches=switches)
+                                    scale=scale, window=window, switches=switches)
             lead = tuple(range(a.q.ndim - 3))
             return (_typed_like(out, a.q),
                     _typed_like(lse, a.q, lead + (a.q.ndim - 2, a.q.ndim - 3)))
         dq, dk, dv, dbias = _ops.backward(a.q, a.k, a.v, a.out, a.lse, a.d_out, a.bias,
-                                                  a.mask, a.q_lens, a.kv_lens, scale=scale,
-                                                  window=window, switches=switches,
-                                                  deterministic=deterministic,
-                                                  dbias=with_dbias)
+                                          a.mask, a.q_lens, a.kv_lens, scale=scale,
+                                          window=window, switches=switches,
+                                          deterministic=deterministic,
+                                          dbias=with_dbias)
         grads = (_typed_like(dq, a.q), _typed_like(dk, a.k), _typed_like(dv, a.v))
         if not with_dbias:
             return grads
@@ -534,16 +534,16 @@ def _local(kind, flags, scale, window, deterministic, switches, with_dbias, plan
     if kind == "fwd":
         if schedule is None:
             return _ops.forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens,
-                                        scale=scale, window=window, switches=switches)
+                                scale=scale, window=window, switches=switches)
         return _ring.seq_forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, scale=scale,
                                  window=window, schedule=schedule, axes=plan.seq_axes,
                                  switches=switches)
     if schedule is None:
         dq, dk, dv, dbias = _ops.backward(a.q, k, v, a.out, a.lse, a.d_out, a.bias,
-                                                  a.mask, a.q_lens, a.kv_lens, scale=scale,
-                                                  window=window, switches=switches,
-                                                  deterministic=deterministic,
-                                                  dbias=with_dbias)
+                                          a.mask, a.q_lens, a.kv_lens, scale=scale,
+                                          window=window, switches=switches,
+                                          deterministic=deterministic,
+                                          dbias=with_dbias)
         if dbias is not None:
             dbias = _ring.reduce_to(dbias, a.bias.shape)
     else:

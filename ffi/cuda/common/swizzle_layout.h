@@ -1,5 +1,5 @@
-// The shared-memory layout both Hopper kernels keep their TMA tiles in (traits.h,
-// backward_traits.h): 128-byte rows with the 128-byte swizzle, whose pattern repeats every 8
+// The shared-memory layout both Hopper kernels keep their TMA tiles in (wgmma/traits.h,
+// wgmma/backward_traits.h): 128-byte rows with the 128-byte swizzle, whose pattern repeats every 8
 // rows, so every tile starts at a kGroupBytes boundary and the kernels align their dynamic
 // shared memory to one.
 #pragma once

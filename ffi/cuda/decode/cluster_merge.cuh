@@ -187,7 +187,7 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
       add(split_lse, o);
     }
 
-    // Row r is query t of head n (decode_block.cuh's row order).
+    // Row r is query t of head n (decode/block.cuh's row order).
     const int t = r / group, n = sp.kv_head * group + r % group;
     if (row_lane == 0) p.lse[(sp.b * p.num_heads + n) * p.seqlen_q + t] = lse;
     Elem* out = static_cast<Elem*>(p.out) + sp.b * p.q_batch_stride + t * p.q_row_stride +

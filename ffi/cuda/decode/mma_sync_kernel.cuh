@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int slab = warp % slabs, key_group = warp / slabs;
   const bool computes = warp < slabs * key_groups;
 
-  // The split, then at once its first tiles' requests (DecodeSplit, decode_block.cuh;
+  // The split, then at once its first tiles' requests (DecodeSplit, decode/block.cuh;
   // docs/decisions/decode-kv-streaming.md).
   const int splits = int(plan.splits), block = int(blockIdx.x);
   const DecodeSplit sp = DecodeSplit::make<kBlockN>(p, plan, block / splits, block % splits);
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   softmax.init();
   const float scale_log2 = p.scale * cuda::kLog2e;
 
-  // ldmatrix lane addressing as in forward_kernel.cuh: K as B operand pairs (keys x k),
+  // ldmatrix lane addressing as in mma_sync/forward_kernel.cuh: K as B operand pairs (keys x k),
   // V transposed with keys as rows.
   const int ld_row = lane % 8, ld_matrix = lane / 8;
 

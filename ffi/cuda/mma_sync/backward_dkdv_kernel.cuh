@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // l % 8 of matrix l / 8. Operands whose 16 x 16 matrices run (rows 0-7, chunk 0),
   // (8-15, 0), (0-7, 1), (8-15, 1) — A from [m][k], B from [k][n] (transposed) — take
   // `rows_first`; those that run (0-7, 0), (0-7, 1), (8-15, 0), (8-15, 1) — B from [n][k],
-  // A from [k][m] (transposed) — take `chunks_first` (fragments.cuh has the same orders).
+  // A from [k][m] (transposed) — take `chunks_first` (common/fragments.cuh has the same orders).
   const int ld_row = lane % 8, ld_matrix = lane / 8;
   const int rows_first_row = (ld_matrix & 1) * 8 + ld_row, rows_first_chunk = ld_matrix >> 1;
   const int chunks_first_row = (ld_matrix >> 1) * 8 + ld_row, chunks_first_chunk = ld_matrix & 1;

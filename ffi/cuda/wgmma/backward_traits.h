@@ -47,7 +47,7 @@ struct BackwardTraits {
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V (later dK or dV staged)
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer
   // lse and D of a tile: kBlockM rows and up to kFlatAlignElems - 1 before them, since their
-  // TMA boxes start 16-byte aligned (tensor_maps.h); each array 128-byte aligned for TMA.
+  // TMA boxes start 16-byte aligned (common/tensor_maps.h); each array 128-byte aligned for TMA.
   static constexpr int kStatsBox = kBlockM + kFlatAlignElems;
   static constexpr int kStatsStride = (kStatsBox + 31) / 32 * 32;         // floats per array
   static constexpr int kStatsStageBytes = 2 * kStatsStride * 4;  // [lse, D][row]

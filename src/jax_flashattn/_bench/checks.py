@@ -90,7 +90,7 @@ def grad_verdict(grads: dict, ref_grads: dict, dtype: str) -> Verdict:
 
 @dataclasses.dataclass
 class ReferenceSlice:
-    """The float32 reference on a slice of input set 0; see the module docstring."""
+    """The float32 reference on a slice of input set 0; see the package docstring."""
     batch_index: np.ndarray
     rows: np.ndarray | None  # query rows checked (None: all)
     kv_heads: int

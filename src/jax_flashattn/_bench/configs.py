@@ -15,7 +15,7 @@ IMPLS = ("ours", "cudnn", "xla")
 MODES = ("fwd", "fwdbwd")
 MODE_TITLES = {"fwd": "forward", "fwdbwd": "forward+backward"}
 BACKWARD_FLOP_FACTOR = 2.5  # backward FLOPs / forward FLOPs
-# Rounds of the timed loop per loop iteration (`build_runner`; why: the module docstring).
+# Rounds of the timed loop per loop iteration (`build_runner`; why: the package docstring).
 RUNNER_UNROLL = 8
 
 
@@ -87,7 +87,7 @@ class Config:
     def visible_pairs(self) -> float:
         """The (t, s) pairs whose logits a call computes, summed over the batch, per query
         head: B·T·S (causal: half that, the convention) without a restriction; else the exact
-        count, row by row (each row sees one interval of keys; see the module docstring)."""
+        count, row by row (each row sees one interval of keys; see the package docstring)."""
         if not self.restricted:
             return self.batch * self.seqlen_q * self.seqlen_k * (0.5 if self.causal else 1.0)
         t = np.arange(self.seqlen_q, dtype=np.int64)

@@ -1,4 +1,5 @@
-"""The benchmark driver: runs a grid case by case (draw, check, time) with progress lines. (Method: the package docstring.)"""
+"""The benchmark driver: runs a grid case by case (draw, check, time) with progress lines.
+(Method: the package docstring.)"""
 
 from __future__ import annotations
 

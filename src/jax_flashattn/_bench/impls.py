@@ -1,4 +1,5 @@
-"""The implementations a case times (ours, cuDNN, XLA through jax.nn) and the inputs it draws. (Method: the package docstring.)"""
+"""The implementations a case times (ours, cuDNN, XLA through jax.nn) and the inputs it
+draws. (Method: the package docstring.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Reports: the environment, markdown tables of the records, and the failures. (Method: the package docstring.)"""
+"""Reports: the environment, markdown tables of the records, and the failures. (Method: the
+package docstring.)"""
 
 from __future__ import annotations
 

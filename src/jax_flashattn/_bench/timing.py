@@ -26,7 +26,7 @@ class TimingSettings:
     target_s: float = 0.025      # wall time of one timed run
     # Decode rows: longer runs. A run carries a fixed cost beside its calls (dispatch, the
     # first launch, the wait for the last), a share of each short decode call; the decode rows
-    # are judged against the card's bandwidth, where that share counts in full (the module
+    # are judged against the card's bandwidth, where that share counts in full (the package
     # docstring, "decode runs"; docs/decisions/decode-benchmark-yardstick.md).
     decode_target_s: float = 0.1
     repeats: int = 15            # timed runs per implementation and case (at most)
@@ -59,7 +59,7 @@ class TimingSettings:
 
 def build_runner(fn: Callable, mode: str, iters: int):
     """jit(sets, results, g, extras=None) -> (sets, results): `iters` rounds of one call per
-    set (each passed `extras`, not donated); see the module docstring for why each call depends
+    set (each passed `extras`, not donated); see the package docstring for why each call depends
     on the previous one, and how."""
     def run(sets, results, g, extras=None):
         origin = (0,) * sets[0][0].ndim
