@@ -17,7 +17,7 @@
 
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 // Query rows one decode block serves, T * (N / K): four 16-row mma slabs, one per warp.
 inline constexpr int64_t kDecodeMaxRows = 64;
@@ -133,4 +133,4 @@ inline bool make_decode_plan(const AttentionParams& p, int64_t multiprocessors, 
   return true;
 }
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

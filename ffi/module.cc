@@ -48,7 +48,7 @@ int64_t DecodeWorkspaceFloats(int dtype, int64_t batch, int64_t seqlen_q, int64_
                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                               float scale, bool has_bias, bool has_mask,
                               int64_t multiprocessors) {
-  namespace sm80 = jax_flashattn::sm80;
+  namespace mma_sync = jax_flashattn::mma_sync;
   static const char buffer[16] = {};
   jax_flashattn::AttentionParams p;
   p.dtype = static_cast<jax_flashattn::ElemType>(dtype);
@@ -62,13 +62,13 @@ int64_t DecodeWorkspaceFloats(int dtype, int64_t batch, int64_t seqlen_q, int64_
   p.bias = has_bias ? buffer : nullptr;
   p.mask = has_mask ? reinterpret_cast<const bool*>(buffer) : nullptr;
   if (num_kv_heads < 1 || num_heads % num_kv_heads != 0 || batch < 1 ||
-      !sm80::decode_shape_fits(p))
+      !mma_sync::decode_shape_fits(p))
     return 0;
   // The most splits a call of this shape asks for (with per-batch key lengths): the size
   // depends on the shape alone, and a call that aims at fewer splits runs them in it.
-  const int64_t splits = sm80::decode_splits_wanted(
-      batch * num_kv_heads, seqlen_k, multiprocessors, sm80::kDecodeBlocksPerSmRagged);
-  return sm80::decode_workspace_floats(p, splits);
+  const int64_t splits = mma_sync::decode_splits_wanted(
+      batch * num_kv_heads, seqlen_k, multiprocessors, mma_sync::kDecodeBlocksPerSmRagged);
+  return mma_sync::decode_workspace_floats(p, splits);
 }
 
 #ifdef JAX_FLASHATTN_WITH_CUDA
@@ -212,7 +212,7 @@ NB_MODULE(_jax_flashattn, m) {
   });
   m.def("cuda_architectures", &CudaArchitectures);
   m.def("decode_workspace_floats", &DecodeWorkspaceFloats);
-  m.attr("DECODE_MAX_MULTIPROCESSORS") = jax_flashattn::sm80::kDecodeMaxMultiprocessors;
+  m.attr("DECODE_MAX_MULTIPROCESSORS") = jax_flashattn::mma_sync::kDecodeMaxMultiprocessors;
 #ifdef JAX_FLASHATTN_WITH_CUDA
   m.def("cuda_forward_kernel", &CudaForwardKernel);
   m.def("cuda_decode_layout", &CudaDecodeLayout);

@@ -22,20 +22,20 @@ namespace {
 
 template <typename Elem>
 cudaError_t launch_sm80_for_head_dim(const AttentionParams& p, cudaStream_t stream) {
-  return for_head_dim<sm80::kBackwardHeadDims>(p.head_dim, [&](auto h) {
+  return for_head_dim<mma_sync::kBackwardHeadDims>(p.head_dim, [&](auto h) {
     return launch_backward_sm80<Elem, decltype(h)::value>(p, stream);
   });
 }
 
 template <typename Elem>
 cudaError_t launch_sm90_for_head_dim(const AttentionParams& p, cudaStream_t stream) {
-  return for_head_dim<sm90::kBackwardHeadDims>(p.head_dim, [&](auto h) {
+  return for_head_dim<wgmma::kBackwardHeadDims>(p.head_dim, [&](auto h) {
     return launch_backward_sm90<Elem, decltype(h)::value>(p, stream);
   });
 }
 
 int64_t elementwise_blocks(int64_t threads) {
-  return (threads + sm80::kElementwiseThreads - 1) / sm80::kElementwiseThreads;
+  return (threads + mma_sync::kElementwiseThreads - 1) / mma_sync::kElementwiseThreads;
 }
 
 // The preprocess, the passes of `kernel` (kSm90 or kSm80), then the dQ conversion unless the
@@ -47,27 +47,27 @@ cudaError_t launch_tensor_core(const AttentionParams& p, BackwardKernel kernel,
   const int64_t preprocess_blocks = elementwise_blocks(rows * 32);
   const int64_t convert_blocks = elementwise_blocks(rows * p.head_dim / 8);
   if (preprocess_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  sm80::backward_preprocess_kernel<Elem>
-      <<<unsigned(preprocess_blocks), sm80::kElementwiseThreads, 0, stream>>>(p);
+  mma_sync::backward_preprocess_kernel<Elem>
+      <<<unsigned(preprocess_blocks), mma_sync::kElementwiseThreads, 0, stream>>>(p);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   const cudaError_t passes = kernel == BackwardKernel::kSm90
                                  ? launch_sm90_for_head_dim<Elem>(p, stream)
                                  : launch_sm80_for_head_dim<Elem>(p, stream);
   if (passes != cudaSuccess) return passes;
   if (p.deterministic) return cudaSuccess;
-  sm80::backward_convert_dq_kernel<Elem>
-      <<<unsigned(convert_blocks), sm80::kElementwiseThreads, 0, stream>>>(p);
+  mma_sync::backward_convert_dq_kernel<Elem>
+      <<<unsigned(convert_blocks), mma_sync::kElementwiseThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 // The Hopper kernel sums dQ with atomics only (deterministic mode keeps the mma.sync family's
 // dQ pass), and its grid is one-dimensional: one block per (key block, kv head, batch).
 bool sm90_applies(const AttentionParams& p, int device) {
-  const int64_t max_head_dim = sm90::kBackwardHeadDims[std::size(sm90::kBackwardHeadDims) - 1];
-  constexpr int64_t kBlockN = sm90::kBackwardBlockN;
+  const int64_t max_head_dim = wgmma::kBackwardHeadDims[std::size(wgmma::kBackwardHeadDims) - 1];
+  constexpr int64_t kBlockN = wgmma::kBackwardBlockN;
   const int64_t blocks = (p.seqlen_k + kBlockN - 1) / kBlockN * p.batch * p.num_kv_heads;
   return !p.deterministic && p.head_dim <= max_head_dim && blocks <= 0x7fffffff &&
-         sm90::backward_tma_compatible(p) && sm90::hopper_kernels_apply(p, device);
+         wgmma::backward_tma_compatible(p) && wgmma::hopper_kernels_apply(p, device);
 }
 
 }  // namespace
@@ -75,7 +75,7 @@ bool sm90_applies(const AttentionParams& p, int device) {
 BackwardKernel choose_backward_kernel(const AttentionParams& p, int device) {
   const bool tensor_core_dtype = p.dtype == ElemType::kBFloat16 || p.dtype == ElemType::kFloat16;
   const int64_t max_head_dim =
-      sm80::kBackwardHeadDims[std::size(sm80::kBackwardHeadDims) - 1];
+      mma_sync::kBackwardHeadDims[std::size(mma_sync::kBackwardHeadDims) - 1];
   // scale > 0: the recomputed P multiplies masked (-inf) scores by the scale.
   if (!tensor_core_dtype || p.head_dim <= 0 || p.head_dim % 8 != 0 ||
       p.head_dim > max_head_dim || !(p.scale > 0.f))

@@ -6,7 +6,7 @@
 // Decoding shapes (few query rows per kv head, a long key sequence; ffi/decode_plan.h) take
 // a split-KV decode kernel on every architecture, ahead of the others, when the call's
 // workspace holds its splits: on Hopper the wgmma one where it applies
-// (sm90::decode_kernel_applies), else the mma.sync one; calls with a bias or boolean mask keep
+// (wgmma::decode_kernel_applies), else the mma.sync one; calls with a bias or boolean mask keep
 // the normal kernels. Why in this order: docs/decisions/kernel-family-dispatch.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -28,36 +28,37 @@ namespace {
 
 template <typename Elem>
 cudaError_t launch_sm80_for_head_dim(const AttentionParams& p, bool tma_kv, cudaStream_t stream) {
-  return for_head_dim<sm80::kHeadDims>(p.head_dim, [&](auto h) {
+  return for_head_dim<mma_sync::kHeadDims>(p.head_dim, [&](auto h) {
     return launch_forward_sm80<Elem, decltype(h)::value>(p, tma_kv, stream);
   });
 }
 
 template <typename Elem>
 cudaError_t launch_sm90_for_head_dim(const AttentionParams& p, cudaStream_t stream) {
-  return for_head_dim<sm90::kHeadDims>(p.head_dim, [&](auto h) {
+  return for_head_dim<wgmma::kHeadDims>(p.head_dim, [&](auto h) {
     return launch_forward_sm90<Elem, decltype(h)::value>(p, stream);
   });
 }
 
 template <typename Elem>
-cudaError_t launch_decode_sm90_for_head_dim(const AttentionParams& p, const sm80::DecodePlan& plan,
+cudaError_t launch_decode_sm90_for_head_dim(const AttentionParams& p,
+                                            const mma_sync::DecodePlan& plan,
                                             cudaStream_t stream) {
-  return for_head_dim<sm90::kDecodeHeadDims>(p.head_dim, [&](auto h) {
+  return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
     return launch_forward_decode_sm90<Elem, decltype(h)::value>(p, plan, stream);
   });
 }
 
 // decode_shape_fits admits head dims up to kDecodeMaxHeadDim, and for_head_dim runs the
 // largest instantiation past the list: the two limits must be one.
-static_assert(sm80::kDecodeHeadDims[std::size(sm80::kDecodeHeadDims) - 1] ==
-                  sm80::kDecodeMaxHeadDim,
+static_assert(mma_sync::kDecodeHeadDims[std::size(mma_sync::kDecodeHeadDims) - 1] ==
+                  mma_sync::kDecodeMaxHeadDim,
               "the mma.sync decode kernel's largest head dim is the decode shape limit");
 
 template <typename Elem>
-cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const sm80::DecodePlan& plan,
+cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                        cudaStream_t stream) {
-  return for_head_dim<sm80::kDecodeHeadDims>(p.head_dim, [&](auto h) {
+  return for_head_dim<mma_sync::kDecodeHeadDims>(p.head_dim, [&](auto h) {
     return launch_forward_decode<Elem, decltype(h)::value>(p, plan, stream);
   });
 }
@@ -65,23 +66,23 @@ cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const sm80::Dec
 // Whether the decode call (on the wgmma kernel with sm90) merges its splits in clusters on CUDA
 // device `device`, the current one.
 template <typename Elem>
-bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const sm80::DecodePlan& plan,
+bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const mma_sync::DecodePlan& plan,
                               int device) {
   if (sm90)
-    return for_head_dim<sm90::kDecodeHeadDims>(p.head_dim, [&](auto h) {
+    return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
       return forward_decode_sm90_merges_in_cluster<Elem, decltype(h)::value>(plan, device);
     });
-  return for_head_dim<sm80::kDecodeHeadDims>(p.head_dim, [&](auto h) {
+  return for_head_dim<mma_sync::kDecodeHeadDims>(p.head_dim, [&](auto h) {
     return forward_decode_merges_in_cluster<Elem, decltype(h)::value>(plan, device);
   });
 }
 
 // The decode kernel's plan for this call on CUDA device `device`; false when it does not apply.
-bool decode_plan_for(const AttentionParams& p, int device, sm80::DecodePlan& plan) {
+bool decode_plan_for(const AttentionParams& p, int device, mma_sync::DecodePlan& plan) {
   int multiprocessors = 0;
-  return sm80::decode_shape_fits(p) &&
+  return mma_sync::decode_shape_fits(p) &&
          multiprocessor_count(device, multiprocessors) == cudaSuccess &&
-         sm80::make_decode_plan(p, multiprocessors, plan);
+         mma_sync::make_decode_plan(p, multiprocessors, plan);
 }
 
 // decode_plan_for for a call that takes decode kernel `kernel` (kDecode or kDecodeSm90), with
@@ -90,17 +91,17 @@ bool decode_plan_for(const AttentionParams& p, int device, sm80::DecodePlan& pla
 // the combine is the only way; on the wgmma kernel, two splits per block where that makes the
 // clusters resident (an even split count; decode/wgmma_traits.h).
 bool decode_plan_with_merge(const AttentionParams& p, int device, ForwardKernel kernel,
-                            sm80::DecodePlan& plan) {
+                            mma_sync::DecodePlan& plan) {
   if (!decode_plan_for(p, device, plan)) return false;
   const bool sm90 = kernel == ForwardKernel::kDecodeSm90;
-  const auto merges = [&](const sm80::DecodePlan& candidate) {
+  const auto merges = [&](const mma_sync::DecodePlan& candidate) {
     return p.dtype == ElemType::kBFloat16
                ? decode_merges_in_cluster<__nv_bfloat16>(sm90, p, candidate, device)
                : decode_merges_in_cluster<__half>(sm90, p, candidate, device);
   };
   plan.cluster_merge = merges(plan);
   if (sm90 && !plan.cluster_merge && plan.splits % 2 == 0) {
-    sm80::DecodePlan paired = plan;
+    mma_sync::DecodePlan paired = plan;
     paired.splits_per_block = 2;
     if (merges(paired)) {
       plan = paired;
@@ -111,28 +112,28 @@ bool decode_plan_with_merge(const AttentionParams& p, int device, ForwardKernel 
 }
 
 bool sm90_applies(const AttentionParams& p, int device) {
-  const int64_t max_head_dim = sm90::kHeadDims[std::size(sm90::kHeadDims) - 1];
-  return p.tile_counter != nullptr && p.head_dim <= max_head_dim && sm90::tma_compatible(p) &&
-         sm90::hopper_kernels_apply(p, device);
+  const int64_t max_head_dim = wgmma::kHeadDims[std::size(wgmma::kHeadDims) - 1];
+  return p.tile_counter != nullptr && p.head_dim <= max_head_dim && wgmma::tma_compatible(p) &&
+         wgmma::hopper_kernels_apply(p, device);
 }
 
 }  // namespace
 
 ForwardKernel choose_forward_kernel(const AttentionParams& p, int device) {
   const bool tensor_core_dtype = p.dtype == ElemType::kBFloat16 || p.dtype == ElemType::kFloat16;
-  const int64_t max_head_dim = sm80::kHeadDims[std::size(sm80::kHeadDims) - 1];
+  const int64_t max_head_dim = mma_sync::kHeadDims[std::size(mma_sync::kHeadDims) - 1];
   if (!tensor_core_dtype || p.head_dim <= 0 || p.head_dim % 8 != 0 ||
       p.head_dim > max_head_dim || !(p.scale > 0.f))
     return ForwardKernel::kSimt;
-  if (sm80::DecodePlan plan; decode_plan_for(p, device, plan))
-    return sm90::decode_kernel_applies(p, device) ? ForwardKernel::kDecodeSm90
+  if (mma_sync::DecodePlan plan; decode_plan_for(p, device, plan))
+    return wgmma::decode_kernel_applies(p, device) ? ForwardKernel::kDecodeSm90
                                                   : ForwardKernel::kDecode;
   return sm90_applies(p, device) ? ForwardKernel::kSm90 : ForwardKernel::kSm80;
 }
 
 DecodeLayout decode_layout(const AttentionParams& p, int device) {
   const ForwardKernel kernel = choose_forward_kernel(p, device);
-  sm80::DecodePlan plan;
+  mma_sync::DecodePlan plan;
   if ((kernel != ForwardKernel::kDecode && kernel != ForwardKernel::kDecodeSm90) ||
       !decode_plan_with_merge(p, device, kernel, plan))
     return {};
@@ -149,21 +150,21 @@ cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream) {
       return bf16 ? launch_sm90_for_head_dim<__nv_bfloat16>(p, stream)
                   : launch_sm90_for_head_dim<__half>(p, stream);
     case ForwardKernel::kSm80: {
-      const bool tma_kv = sm90::tma_loads_apply(p, device);
+      const bool tma_kv = wgmma::tma_loads_apply(p, device);
       return bf16 ? launch_sm80_for_head_dim<__nv_bfloat16>(p, tma_kv, stream)
                   : launch_sm80_for_head_dim<__half>(p, tma_kv, stream);
     }
     case ForwardKernel::kSimt:
       return launch_forward_simt(p, stream);
     case ForwardKernel::kDecode: {
-      sm80::DecodePlan plan;
+      mma_sync::DecodePlan plan;
       if (!decode_plan_with_merge(p, device, ForwardKernel::kDecode, plan))
         return cudaErrorInvalidValue;
       return bf16 ? launch_decode_for_head_dim<__nv_bfloat16>(p, plan, stream)
                   : launch_decode_for_head_dim<__half>(p, plan, stream);
     }
     case ForwardKernel::kDecodeSm90: {
-      sm80::DecodePlan plan;
+      mma_sync::DecodePlan plan;
       if (!decode_plan_with_merge(p, device, ForwardKernel::kDecodeSm90, plan))
         return cudaErrorInvalidValue;
       return bf16 ? launch_decode_sm90_for_head_dim<__nv_bfloat16>(p, plan, stream)

@@ -13,7 +13,7 @@
 #include "ffi/decode_plan.h"
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm90 {
+namespace jax_flashattn::wgmma {
 
 // Whether CUDA device `device` is compute capability 9.0 (the only one sm_90a code runs on),
 // queried once per device.
@@ -41,7 +41,7 @@ inline bool hopper_kernels_apply(const AttentionParams& p, int device) {
 #endif
 }
 
-// Whether a call that takes a split-KV decode kernel (sm80::make_decode_plan accepted it) takes
+// Whether a call that takes a split-KV decode kernel (mma_sync::make_decode_plan accepted it) takes
 // the Hopper one: an sm_90a build on a compute capability 9.0 device, no
 // disable_sm90 switch, a head dim up to the largest of kDecodeHeadDims, and at least
 // kDecodeMinRows query rows per block (decode/wgmma_traits.h). It loads by cp.async, so it needs
@@ -49,7 +49,7 @@ inline bool hopper_kernels_apply(const AttentionParams& p, int device) {
 inline bool decode_kernel_applies(const AttentionParams& p, int device) {
 #ifdef JAX_FLASHATTN_HAS_SM90A
   constexpr int kMaxHeadDim = kDecodeHeadDims[sizeof(kDecodeHeadDims) / sizeof(int) - 1];
-  return p.head_dim <= kMaxHeadDim && sm80::decode_rows(p) >= kDecodeMinRows &&
+  return p.head_dim <= kMaxHeadDim && mma_sync::decode_rows(p) >= kDecodeMinRows &&
          !p.disable_sm90 && device_is_sm90(device);
 #else
   (void)p;
@@ -80,4 +80,4 @@ inline bool tma_loads_apply(const AttentionParams& p, int device) {
 #endif
 }
 
-}  // namespace jax_flashattn::sm90
+}  // namespace jax_flashattn::wgmma

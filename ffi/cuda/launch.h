@@ -31,13 +31,13 @@ auto for_head_dim(int64_t head_dim, F&& f) {
 }
 
 // Tensor-core forward for bf16/fp16 and head dims that are a multiple of 8 up to kHeadDim; with
-// tma_kv (sm90::tma_loads_apply) K and V tiles load by TMA.
+// tma_kv (wgmma::tma_loads_apply) K and V tiles load by TMA.
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm80(const AttentionParams& p, bool tma_kv, cudaStream_t stream);
 
 // TMA + wgmma forward for Hopper (an sm_90a build on a compute capability 9.0 device): bf16/fp16,
 // no bias or boolean mask, head dims that are a multiple of 8 up to kHeadDim, 16-byte aligned
-// tensors (sm90::tma_compatible).
+// tensors (wgmma::tma_compatible).
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream);
 
@@ -47,18 +47,18 @@ cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream);
 // forward_decode_merges_in_cluster says whether a plan's clusters fit on CUDA device `device`,
 // the current one (the dispatcher sets plan.cluster_merge from it).
 template <typename Elem, int kHeadDim>
-cudaError_t launch_forward_decode(const AttentionParams& p, const sm80::DecodePlan& plan,
+cudaError_t launch_forward_decode(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                   cudaStream_t stream);
 template <typename Elem, int kHeadDim>
-bool forward_decode_merges_in_cluster(const sm80::DecodePlan& plan, int device);
+bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int device);
 
 // The same with the Hopper decode kernel (an sm_90a build on a compute capability 9.0 device;
-// head dims up to kHeadDim of sm90::kDecodeHeadDims).
+// head dims up to kHeadDim of wgmma::kDecodeHeadDims).
 template <typename Elem, int kHeadDim>
-cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const sm80::DecodePlan& plan,
+cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                        cudaStream_t stream);
 template <typename Elem, int kHeadDim>
-bool forward_decode_sm90_merges_in_cluster(const sm80::DecodePlan& plan, int device);
+bool forward_decode_sm90_merges_in_cluster(const mma_sync::DecodePlan& plan, int device);
 
 // CUDA-core forward for any dtype and head dim (float32 arithmetic throughout).
 cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);
@@ -72,7 +72,7 @@ cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream);
 
 // TMA + wgmma backward for Hopper (an sm_90a build on a compute capability 9.0 device): bf16/fp16,
 // no bias or boolean mask, not deterministic, head dims that are a multiple of 8 up to kHeadDim,
-// 16-byte aligned tensors (sm90::backward_tma_compatible). dK, dV and dQ (summed into
+// 16-byte aligned tensors (wgmma::backward_tma_compatible). dK, dV and dQ (summed into
 // p.dq_accum by atomics) in one pass, between the same preprocess and dQ conversion as the
 // mma.sync family.
 template <typename Elem, int kHeadDim>

@@ -13,7 +13,7 @@
 #include "ffi/cuda/common/scalar.cuh"
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 inline constexpr int kElementwiseThreads = 256;
 
@@ -66,4 +66,4 @@ __global__ void __launch_bounds__(kElementwiseThreads)
   *reinterpret_cast<uint4*>(static_cast<Elem*>(p.dq) + i) = chunk;
 }
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

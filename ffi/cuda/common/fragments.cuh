@@ -12,7 +12,7 @@
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/smem_tile.cuh"
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 // A (16 x 16) of a tile stored [m][k]: rows m0..m0+15, columns 16 ks..16 ks+15.
 template <int kSmemDim, typename Elem>
@@ -70,4 +70,4 @@ __device__ __forceinline__ void mma_pair(float (&acc)[kTiles][4], int np, const 
   ptx::mma_m16n8k16<Elem>(acc[2 * np + 1], a, b1);
 }
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

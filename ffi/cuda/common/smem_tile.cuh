@@ -7,7 +7,7 @@
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 // Rows of 2-byte elements padded to a whole number of 128-byte swizzle spans.
 constexpr int smem_dim_for(int head_dim) {
@@ -185,4 +185,4 @@ __device__ __forceinline__ void zero_rows(Elem* global, int64_t row_stride, int6
   }
 }
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

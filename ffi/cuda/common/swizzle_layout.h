@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-namespace jax_flashattn::sm90 {
+namespace jax_flashattn::wgmma {
 
 inline constexpr uint32_t kRowBytes = 128;              // one swizzle span of one row
 inline constexpr uint32_t kGroupBytes = 8 * kRowBytes;  // 8-row core-matrix groups (descriptor SBO)
@@ -21,4 +21,4 @@ constexpr uint32_t k_major_step_bytes(uint32_t rows, int ks) {
 }
 constexpr uint32_t mn_major_step_bytes(int kk) { return uint32_t(kk) * 16 * kRowBytes; }
 
-}  // namespace jax_flashattn::sm90
+}  // namespace jax_flashattn::wgmma

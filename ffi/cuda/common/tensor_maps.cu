@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-namespace jax_flashattn::sm90 {
+namespace jax_flashattn::wgmma {
 namespace {
 
 using EncodeTiled = PFN_cuTensorMapEncodeTiled_v12000;
@@ -145,4 +145,4 @@ cudaError_t encode_backward_maps(const AttentionParams& p, int q_rows, int kv_ro
   return cudaSuccess;
 }
 
-}  // namespace jax_flashattn::sm90
+}  // namespace jax_flashattn::wgmma

@@ -7,7 +7,7 @@
 
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm90 {
+namespace jax_flashattn::wgmma {
 
 // q and out [batch, T, N, H], k and v [batch, S, K, H], each viewed as the 4-D tensor
 // {H, heads, rows, batch} (innermost first) and read or written in boxes of 64 head-dim
@@ -28,7 +28,7 @@ cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_row
                                 ForwardMaps& maps);
 
 // k and v alone, in the same view, for the mma.sync forward's K/V tile loads on Hopper
-// (sm80::forward_kernel with kTmaKV), in boxes of kv_rows rows.
+// (mma_sync::forward_kernel with kTmaKV), in boxes of kv_rows rows.
 struct KVMaps {
   CUtensorMap k, v;
 };
@@ -59,4 +59,4 @@ bool backward_tma_compatible(const AttentionParams& p);
 cudaError_t encode_backward_maps(const AttentionParams& p, int q_rows, int kv_rows, int dkv_rows,
                                  BackwardMaps& maps);
 
-}  // namespace jax_flashattn::sm90
+}  // namespace jax_flashattn::wgmma

@@ -17,7 +17,7 @@
 #include "ffi/decode_plan.h"
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 // Keys [lo, hi) that query rows [row_begin, row_end) may see, clamped to [0, kv_len].
 // decode_shape_fits bounds seqlen_k, so key positions and lengths in the decode kernels are
@@ -204,4 +204,4 @@ __device__ __forceinline__ void store_empty_split(const PartialRows& dst, const 
   for (int64_t r = tid; r < plan.rows; r += threads) dst.lse[r] = -INFINITY;
 }
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

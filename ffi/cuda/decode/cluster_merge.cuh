@@ -22,7 +22,7 @@
 #include "ffi/decode_plan.h"
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 // The most blocks a cluster merge takes: the portable cluster size, which any kernel whose block
 // fits on an SM may launch with.
@@ -215,4 +215,4 @@ __device__ __forceinline__ void merge_cluster_splits(const AttentionParams& p,
   ptx::cluster_wait();
 }
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

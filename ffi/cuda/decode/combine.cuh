@@ -16,7 +16,7 @@
 #include "ffi/decode_plan.h"
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 inline constexpr int kCombineWarps = 4;  // rows per block
 // float4 column groups a lane owns: head dims up to 256 = 64 groups over 32 lanes.
@@ -94,4 +94,4 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   if (lane == 0) p.lse[row_id] = lse;
 }
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

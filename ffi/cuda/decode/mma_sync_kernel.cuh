@@ -27,7 +27,7 @@
 #include "ffi/decode_plan.h"
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 template <typename Elem, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
@@ -222,4 +222,4 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   }
 }
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

@@ -30,7 +30,7 @@ inline cudaLaunchAttribute cluster_dimension(int size) {
 // plan.blocks_per_unit() blocks per work unit; with plan.cluster_merge, each work unit's blocks
 // form one thread block cluster (block unit * blocks_per_unit() + i has cluster rank i).
 template <auto split_kernel>
-cudaError_t launch_decode_splits(const AttentionParams& p, const sm80::DecodePlan& plan,
+cudaError_t launch_decode_splits(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                  int threads, int smem_bytes, cudaStream_t stream) {
   const int64_t blocks = plan.work_units * plan.blocks_per_unit();
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
@@ -54,10 +54,10 @@ cudaError_t launch_decode_splits(const AttentionParams& p, const sm80::DecodePla
 // (ptx::grid_dependency_wait), so its launch overlaps the splits' last stores instead of
 // following them (docs/decisions/decode-combine-early-launch.md).
 template <typename Elem>
-cudaError_t launch_decode_combine(const AttentionParams& p, const sm80::DecodePlan& plan,
+cudaError_t launch_decode_combine(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                   cudaStream_t stream) {
   const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
-  const int64_t blocks = (rows + sm80::kCombineWarps - 1) / sm80::kCombineWarps;
+  const int64_t blocks = (rows + mma_sync::kCombineWarps - 1) / mma_sync::kCombineWarps;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
@@ -66,13 +66,13 @@ cudaError_t launch_decode_combine(const AttentionParams& p, const sm80::DecodePl
   early_launch.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(unsigned(blocks));
-  config.blockDim = dim3(sm80::kCombineWarps * 32);
+  config.blockDim = dim3(mma_sync::kCombineWarps * 32);
   config.stream = stream;
-  if (runs_sm90_image<sm80::decode_combine_kernel<Elem>>(device)) {
+  if (runs_sm90_image<mma_sync::decode_combine_kernel<Elem>>(device)) {
     config.attrs = &early_launch;
     config.numAttrs = 1;
   }
-  return cudaLaunchKernelEx(&config, sm80::decode_combine_kernel<Elem>, p, plan);
+  return cudaLaunchKernelEx(&config, mma_sync::decode_combine_kernel<Elem>, p, plan);
 }
 
 // How many clusters of size 1..kMaxClusterBlocks (the index) of `kernel` (threads,
@@ -80,16 +80,16 @@ cudaError_t launch_decode_combine(const AttentionParams& p, const sm80::DecodePl
 // device; 0 for a size the query failed for (its error is cleared, so no later launch reports
 // it).
 template <auto kernel>
-std::array<int, sm80::kMaxClusterBlocks + 1> resident_clusters(int device, int threads,
+std::array<int, mma_sync::kMaxClusterBlocks + 1> resident_clusters(int device, int threads,
                                                                int smem_bytes) {
-  using Counts = std::array<int, sm80::kMaxClusterBlocks + 1>;
+  using Counts = std::array<int, mma_sync::kMaxClusterBlocks + 1>;
   return once_per_device(device, Counts{}, [threads, smem_bytes](int) {
     Counts n = {};
     if (ensure_smem_limit<kernel>(smem_bytes) != cudaSuccess) {
       cudaGetLastError();
       return n;
     }
-    for (int size = 1; size <= sm80::kMaxClusterBlocks; ++size) {
+    for (int size = 1; size <= mma_sync::kMaxClusterBlocks; ++size) {
       cudaLaunchAttribute cluster = cluster_dimension(size);
       cudaLaunchConfig_t config = {};
       config.gridDim = dim3(unsigned(size));
@@ -115,16 +115,16 @@ std::array<int, sm80::kMaxClusterBlocks + 1> resident_clusters(int device, int t
 // 62 such clusters: docs/decisions/decode-cluster-merge.md). The dispatcher asks it once per
 // call and records the answer in plan.cluster_merge, which the launch follows.
 template <auto kernel>
-bool cluster_merge_fits(const sm80::DecodePlan& plan, int threads, int smem_bytes, int device) {
+bool cluster_merge_fits(const mma_sync::DecodePlan& plan, int threads, int smem_bytes, int device) {
   const int64_t blocks = plan.blocks_per_unit();
-  return blocks <= sm80::kMaxClusterBlocks && runs_sm90_image<kernel>(device) &&
+  return blocks <= mma_sync::kMaxClusterBlocks && runs_sm90_image<kernel>(device) &&
          plan.work_units <= resident_clusters<kernel>(device, threads, smem_bytes)[blocks];
 }
 
 // A decode call with split kernel `split_kernel`: with plan.cluster_merge the split kernel
 // alone (its clusters merge), else the split kernel writing the workspace and the combine.
 template <typename Elem, auto split_kernel>
-cudaError_t launch_decode(const AttentionParams& p, const sm80::DecodePlan& plan, int threads,
+cudaError_t launch_decode(const AttentionParams& p, const mma_sync::DecodePlan& plan, int threads,
                           int smem_bytes, cudaStream_t stream) {
   if (cudaError_t e = launch_decode_splits<split_kernel>(p, plan, threads, smem_bytes, stream);
       e != cudaSuccess || plan.cluster_merge)
@@ -136,32 +136,32 @@ cudaError_t launch_decode(const AttentionParams& p, const sm80::DecodePlan& plan
 // its slab alone (decode/mma_sync_traits.h); at head dims whose many-row step is one chunk both are
 // the same kernel. with_decode_config calls f with the one a plan takes (a value of its type).
 template <int kHeadDim>
-using DecodeChunkSteps = sm80::DecodeConfig<kHeadDim, 1>;
+using DecodeChunkSteps = mma_sync::DecodeConfig<kHeadDim, 1>;
 template <int kHeadDim>
 using DecodeManyRowSteps =
-    sm80::DecodeConfig<kHeadDim, sm80::kDecodeManyRowsStepChunks<kHeadDim>>;
+    mma_sync::DecodeConfig<kHeadDim, mma_sync::kDecodeManyRowsStepChunks<kHeadDim>>;
 
 template <int kHeadDim, typename F>
-auto with_decode_config(const sm80::DecodePlan& plan, F&& f) {
-  return plan.rows > sm80::kDecodeChunkStepMaxRows ? f(DecodeManyRowSteps<kHeadDim>{})
+auto with_decode_config(const mma_sync::DecodePlan& plan, F&& f) {
+  return plan.rows > mma_sync::kDecodeChunkStepMaxRows ? f(DecodeManyRowSteps<kHeadDim>{})
                                                    : f(DecodeChunkSteps<kHeadDim>{});
 }
 
 template <typename Elem, int kHeadDim>
-cudaError_t launch_forward_decode(const AttentionParams& p, const sm80::DecodePlan& plan,
+cudaError_t launch_forward_decode(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                   cudaStream_t stream) {
   return with_decode_config<kHeadDim>(plan, [&](auto config) {
     using Traits = decltype(config);
-    return launch_decode<Elem, sm80::decode_split_kernel<Elem, Traits>>(
+    return launch_decode<Elem, mma_sync::decode_split_kernel<Elem, Traits>>(
         p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
   });
 }
 
 template <typename Elem, int kHeadDim>
-bool forward_decode_merges_in_cluster(const sm80::DecodePlan& plan, int device) {
+bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
   return with_decode_config<kHeadDim>(plan, [&](auto config) {
     using Traits = decltype(config);
-    return cluster_merge_fits<sm80::decode_split_kernel<Elem, Traits>>(
+    return cluster_merge_fits<mma_sync::decode_split_kernel<Elem, Traits>>(
         plan, Traits::kThreads, Traits::kSmemBytes, device);
   });
 }

@@ -44,7 +44,7 @@
 #include "ffi/cuda/common/smem_tile.cuh"
 #include "ffi/decode_plan.h"
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 template <int kHeadDim_, int kBlockN_, int kStages_, int kMinBlocks_, int kStepChunks_>
 struct DecodeTraits {
@@ -115,4 +115,4 @@ inline constexpr int kDecodeManyRowsStepChunks<256> = 1;
 // past head_dim are zero-filled in shared memory), so three suffice.
 inline constexpr int kDecodeHeadDims[] = {64, 128, 256};
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

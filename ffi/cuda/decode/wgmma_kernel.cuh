@@ -31,11 +31,12 @@
 #include "ffi/decode_plan.h"
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm90 {
+namespace jax_flashattn::wgmma {
 
 template <typename Elem, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
-    decode_split_kernel(const __grid_constant__ AttentionParams p, const sm80::DecodePlan plan) {
+    decode_split_kernel(const __grid_constant__ AttentionParams p,
+                        const mma_sync::DecodePlan plan) {
 #ifdef JAX_FLASHATTN_SM90_BODY
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
@@ -79,12 +80,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // (docs/decisions/decode-kv-streaming.md).
   const int blocks_per_unit = int(plan.splits) / kSplitsPerBlock;
   const int block = int(blockIdx.x);
-  const sm80::DecodeSplit sp = sm80::DecodeSplit::make<kBlockN>(
+  const mma_sync::DecodeSplit sp = mma_sync::DecodeSplit::make<kBlockN>(
       p, plan, block / blocks_per_unit, block % blocks_per_unit * kSplitsPerBlock + warpgroup);
   // The ring's stage `stage` <- key tile `tile` (keys past the length zero-filled), in the
   // layout wgmma's descriptors read.
   const auto load_stage = [&](int tile, int stage) {
-    sm80::load_split_tile<typename Traits::WarpgroupCopies, sm80::SwizzledSpans<kBlockN>>(
+    mma_sync::load_split_tile<typename Traits::WarpgroupCopies, mma_sync::SwizzledSpans<kBlockN>>(
         stage_k(stage), stage_v(stage), p, sp, tile, group_tid);
   };
   // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
@@ -96,29 +97,29 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   // Where the split's result goes: the workspace, or its ring's shared memory (drained) for the
   // cluster merge, which finds the block's splits' partials a ring apart.
-  using ClusterPartial = sm80::ClusterPartial<kHeadDim>;
+  using ClusterPartial = mma_sync::ClusterPartial<kHeadDim>;
   static_assert(ClusterPartial::kBytes <= Traits::kRingBytes,
                 "the cluster merge's partial fits in a ring");
   float* cluster_partials =
       reinterpret_cast<float*>(smem_raw + (rings - raw_address));  // warpgroup 0's
   constexpr int kPartialStride = Traits::kRingBytes / int(sizeof(float));
   const auto merge_in_cluster = [&] {
-    sm80::merge_cluster_splits<Elem, kHeadDim, kSplitsPerBlock>(
+    mma_sync::merge_cluster_splits<Elem, kHeadDim, kSplitsPerBlock>(
         p, plan, sp, cluster_partials, kPartialStride, tid, Traits::kThreads);
   };
-  const sm80::PartialRows partial =
+  const mma_sync::PartialRows partial =
       plan.cluster_merge ? ClusterPartial::at(reinterpret_cast<float*>(ring))
-                         : sm80::workspace_partial(plan, sp.unit, sp.split);
+                         : mma_sync::workspace_partial(plan, sp.unit, sp.split);
   if (sp.tile_begin >= sp.tile_end) {
-    sm80::store_empty_split(partial, plan, group_tid, kGroupThreads);
+    mma_sync::store_empty_split(partial, plan, group_tid, kGroupThreads);
     if (plan.cluster_merge) merge_in_cluster();
     return;
   }
 
-  const sm80::DecodeRows rows =
-      sm80::DecodeRows::make(sp.vis, warp, lane, int(plan.rows), sp.group);
+  const mma_sync::DecodeRows rows =
+      mma_sync::DecodeRows::make(sp.vis, warp, lane, int(plan.rows), sp.group);
   uint32_t q_frag[kKSteps][4];
-  sm80::load_q_fragments<Elem>(q_frag, p, sp, rows, plan.rows, quad_col);
+  mma_sync::load_q_fragments<Elem>(q_frag, p, sp, rows, plan.rows, quad_col);
   float o_acc[1][kDTiles][4] = {};
   cuda::OnlineSoftmax<1> softmax;
   softmax.init();
@@ -169,7 +170,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
     uint32_t p_frag[kPSteps][4];
 #pragma unroll
-    for (int kk = 0; kk < kPSteps; ++kk) sm80::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
+    for (int kk = 0; kk < kPSteps; ++kk) mma_sync::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
     ptx::fence_registers(o_acc[0]);
     ptx::wgmma_fence();
 #pragma unroll
@@ -186,14 +187,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   if (plan.cluster_merge) {
     // Every warp's last products have read the ring that the partial overwrites.
     sync_warpgroup();
-    sm80::store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
+    mma_sync::store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
     merge_in_cluster();
   } else {
     // The combine may launch now; it waits for this grid's stores before it reads them.
     ptx::launch_dependents();
-    sm80::store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
+    mma_sync::store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
   }
 #endif
 }
 
-}  // namespace jax_flashattn::sm90
+}  // namespace jax_flashattn::wgmma

@@ -15,27 +15,27 @@ namespace jax_flashattn::cuda {
 // Calls f with the configuration (a value of its type) of plan.splits_per_block splits per
 // block: 1 or 2 (the dispatcher sets no other).
 template <int kHeadDim, typename F>
-auto with_sm90_decode_config(const sm80::DecodePlan& plan, F&& f) {
-  return plan.splits_per_block == 2 ? f(sm90::DecodeConfig<kHeadDim, 2>{})
-                                    : f(sm90::DecodeConfig<kHeadDim, 1>{});
+auto with_sm90_decode_config(const mma_sync::DecodePlan& plan, F&& f) {
+  return plan.splits_per_block == 2 ? f(wgmma::DecodeConfig<kHeadDim, 2>{})
+                                    : f(wgmma::DecodeConfig<kHeadDim, 1>{});
 }
 
 template <typename Elem, int kHeadDim>
-cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const sm80::DecodePlan& plan,
+cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                        cudaStream_t stream) {
   if (plan.splits % plan.splits_per_block != 0) return cudaErrorInvalidValue;
   return with_sm90_decode_config<kHeadDim>(plan, [&](auto config) {
     using Traits = decltype(config);
-    return launch_decode<Elem, sm90::decode_split_kernel<Elem, Traits>>(
+    return launch_decode<Elem, wgmma::decode_split_kernel<Elem, Traits>>(
         p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
   });
 }
 
 template <typename Elem, int kHeadDim>
-bool forward_decode_sm90_merges_in_cluster(const sm80::DecodePlan& plan, int device) {
+bool forward_decode_sm90_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
   return with_sm90_decode_config<kHeadDim>(plan, [&](auto config) {
     using Traits = decltype(config);
-    return cluster_merge_fits<sm90::decode_split_kernel<Elem, Traits>>(
+    return cluster_merge_fits<wgmma::decode_split_kernel<Elem, Traits>>(
         plan, Traits::kThreads, Traits::kSmemBytes, device);
   });
 }

@@ -36,7 +36,7 @@
 #include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/decode_plan.h"
 
-namespace jax_flashattn::sm90 {
+namespace jax_flashattn::wgmma {
 
 template <int kHeadDim_, int kBlockN_, int kStages_, int kSplitsPerBlock_>
 struct DecodeTraits {
@@ -53,7 +53,7 @@ struct DecodeTraits {
   // The rings, plus kGroupBytes to align their start to the swizzle's period.
   static constexpr int kSmemBytes = kSplitsPerBlock * kRingBytes + int(kGroupBytes);
 
-  // What sm80::load_split_tile needs of one warpgroup, which copies its ring's tiles alone.
+  // What mma_sync::load_split_tile needs of one warpgroup, which copies its ring's tiles alone.
   struct WarpgroupCopies {
     static constexpr int kBlockN = kBlockN_, kChunks = kHeadDim_ / 8, kThreads = 128;
   };
@@ -65,7 +65,7 @@ struct DecodeTraits {
   static_assert(WarpgroupCopies::kThreads == kWarpgroupThreads &&
                     kWarpgroupThreads % WarpgroupCopies::kChunks == 0,
                 "every copy of a thread is the same chunk column");
-  static_assert(64 >= sm80::kDecodeMaxRows, "one warpgroup holds every row of a split");
+  static_assert(64 >= mma_sync::kDecodeMaxRows, "one warpgroup holds every row of a split");
   static_assert(kMinBlocks * (kSmemBytes + 1024) <= 228 * 1024,
                 "the blocks of an SM (and their 1 KiB of reserved shared memory) fit it");
 };
@@ -94,4 +94,4 @@ inline constexpr int64_t kDecodeMinRows = 32;
 // that is at least as large (the columns past it are zero-filled in shared memory and Q).
 inline constexpr int kDecodeHeadDims[] = {64, 128};
 
-}  // namespace jax_flashattn::sm90
+}  // namespace jax_flashattn::wgmma

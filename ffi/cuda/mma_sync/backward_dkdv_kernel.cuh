@@ -28,7 +28,7 @@
 #include "ffi/cuda/mma_sync/backward_terms.cuh"
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 // HeadTerms' per-element terms for the elements (t0 + r, s0 + c) of one thread, 0 <= r < 32,
 // 0 <= c < 16: 32-bit tile-relative visibility and per-thread base offsets, so the unrolled
@@ -450,4 +450,4 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   }
 }
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

@@ -17,7 +17,7 @@
 #include "ffi/cuda/mma_sync/backward_terms.cuh"
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 template <typename Elem, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
@@ -158,4 +158,4 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   store_tile<Traits, kBlockM>(dq, p.q_row_stride, sQ, valid_rows, p.head_dim, tid);
 }
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

@@ -25,7 +25,7 @@ inline cudaError_t backward_large_tiles(bool& large) {
     return std::pair{e, bytes};
   };
   const auto [error, bytes] = once_per_device(device, std::pair{cudaErrorInvalidDevice, 0}, query);
-  large = bytes >= sm80::kLargeSmemBytes;
+  large = bytes >= mma_sync::kLargeSmemBytes;
   return error;
 }
 
@@ -33,7 +33,7 @@ inline cudaError_t backward_large_tiles(bool& large) {
 template <typename Elem, typename DkDv>
 cudaError_t launch_backward_dkdv(const AttentionParams& p, int64_t key_blocks,
                                  cudaStream_t stream) {
-  constexpr auto kernel = sm80::backward_dkdv_kernel<Elem, DkDv>;
+  constexpr auto kernel = mma_sync::backward_dkdv_kernel<Elem, DkDv>;
   if (cudaError_t e = ensure_smem_limit<kernel>(DkDv::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid(unsigned(p.batch * p.num_kv_heads), unsigned(key_blocks));
   kernel<<<grid, DkDv::kThreads, DkDv::kSmemBytes, stream>>>(p);
@@ -42,10 +42,10 @@ cudaError_t launch_backward_dkdv(const AttentionParams& p, int64_t key_blocks,
 
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream) {
-  using DkDvSmall = sm80::DkDvConfig<kHeadDim>;
-  using DkDvLarge = sm80::DkDvConfigLarge<kHeadDim>;
-  using Dq = sm80::DqConfig<kHeadDim>;
-  constexpr auto dq_kernel = sm80::backward_dq_kernel<Elem, Dq>;
+  using DkDvSmall = mma_sync::DkDvConfig<kHeadDim>;
+  using DkDvLarge = mma_sync::DkDvConfigLarge<kHeadDim>;
+  using Dq = mma_sync::DqConfig<kHeadDim>;
+  constexpr auto dq_kernel = mma_sync::backward_dq_kernel<Elem, Dq>;
   bool large = false;
   if (cudaError_t e = backward_large_tiles(large); e != cudaSuccess) return e;
   const int64_t block_n = large ? DkDvLarge::kBlockN : DkDvSmall::kBlockN;

@@ -13,7 +13,7 @@
 #include "ffi/cuda/common/softmax.cuh"  // kLog2e
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 struct HeadTerms {
   cuda::Visibility vis;
@@ -63,4 +63,4 @@ struct HeadTerms {
   }
 };
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

@@ -20,7 +20,7 @@
 // the device's opt-in limit is at least kLargeSmemBytes (backward_launch.cuh).
 #pragma once
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 constexpr int backward_smem_dim(int head_dim) { return (head_dim + 63) / 64 * 64; }
 
@@ -196,4 +196,4 @@ struct DqConfig<128> : DqTraits<128, 32, 4, 2> {};
 // leave each warp half a pair of 8-column tiles: those head dims run on the CUDA-core backward.
 inline constexpr int kBackwardHeadDims[] = {32, 64, 96, 128};
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

@@ -25,7 +25,7 @@
 #include "ffi/cuda/common/tensor_maps.h"
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 // kElementwise: the call has a bias or a boolean mask, read element by element on every tile.
 // Without one, only tiles that straddle a length or window boundary are masked, with int32
@@ -38,7 +38,7 @@ namespace jax_flashattn::sm80 {
 // counts itself done with it, and the last one refills it, so a warp waits only for data, never
 // for the other warps (docs/decisions/mma-sync-tma-kv-loads-on-hopper.md).
 template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV>
-__device__ __forceinline__ void forward_block(const AttentionParams& p, const sm90::KVMaps& maps) {
+__device__ __forceinline__ void forward_block(const AttentionParams& p, const wgmma::KVMaps& maps) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kSlabs = Traits::kSlabs, kSmemDim = Traits::kSmemDim;
   constexpr int kKSteps = Traits::kHeadDim / 16;  // QK^T reduction steps
@@ -364,11 +364,11 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const sm
 }
 
 // kTmaKV bodies exist only in the sm_90a image (TMA, mbarrier try_wait); the launcher picks them
-// only on compute capability 9.0 (sm90::tma_loads_apply).
+// only on compute capability 9.0 (wgmma::tma_loads_apply).
 template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     forward_kernel(const __grid_constant__ AttentionParams p,
-                   const __grid_constant__ sm90::KVMaps maps) {
+                   const __grid_constant__ wgmma::KVMaps maps) {
   if constexpr (kTmaKV) {
 #ifdef JAX_FLASHATTN_SM90_BODY
     forward_block<Elem, Traits, kElementwise, true>(p, maps);
@@ -378,4 +378,4 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   }
 }
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

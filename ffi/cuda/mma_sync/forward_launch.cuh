@@ -11,16 +11,16 @@ namespace jax_flashattn::cuda {
 
 template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV>
 cudaError_t launch_forward_sm80_kernel(const AttentionParams& p, cudaStream_t stream) {
-  constexpr auto kernel = sm80::forward_kernel<Elem, Traits, kElementwise, kTmaKV>;
+  constexpr auto kernel = mma_sync::forward_kernel<Elem, Traits, kElementwise, kTmaKV>;
   constexpr int kSmemBytes = kTmaKV ? Traits::kTmaSmemBytes : Traits::kSmemBytes;
   if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
   const int64_t m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   // One flat grid dimension; the kernel derives (query tile, batch, head) from it.
   if (m_blocks * p.batch * p.num_heads > 0x7fffffff) return cudaErrorInvalidConfiguration;
   // Without kTmaKV the maps are not read.
-  sm90::KVMaps maps{};
+  wgmma::KVMaps maps{};
   if constexpr (kTmaKV) {
-    if (cudaError_t e = sm90::encode_kv_maps(p, Traits::kBlockN, maps); e != cudaSuccess) return e;
+    if (cudaError_t e = wgmma::encode_kv_maps(p, Traits::kBlockN, maps); e != cudaSuccess) return e;
   }
   const dim3 grid(unsigned(m_blocks * p.batch * p.num_heads));
   kernel<<<grid, Traits::kThreads, kSmemBytes, stream>>>(p, maps);
@@ -28,7 +28,7 @@ cudaError_t launch_forward_sm80_kernel(const AttentionParams& p, cudaStream_t st
 }
 
 // The mask kind picks the instantiation (with a bias or boolean mask, or with neither), and
-// tma_kv (sm90::tma_loads_apply) how K and V tiles load.
+// tma_kv (wgmma::tma_loads_apply) how K and V tiles load.
 template <typename Elem, typename Traits, bool kElementwise>
 cudaError_t launch_forward_sm80_loads(const AttentionParams& p, bool tma_kv, cudaStream_t stream) {
   if (tma_kv) return launch_forward_sm80_kernel<Elem, Traits, kElementwise, true>(p, stream);
@@ -37,7 +37,7 @@ cudaError_t launch_forward_sm80_loads(const AttentionParams& p, bool tma_kv, cud
 
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm80(const AttentionParams& p, bool tma_kv, cudaStream_t stream) {
-  using Traits = sm80::ForwardConfig<kHeadDim>;
+  using Traits = mma_sync::ForwardConfig<kHeadDim>;
   if (p.bias != nullptr || p.mask != nullptr)
     return launch_forward_sm80_loads<Elem, Traits, true>(p, tma_kv, stream);
   return launch_forward_sm80_loads<Elem, Traits, false>(p, tma_kv, stream);

@@ -13,7 +13,7 @@
 
 #include "ffi/cuda/common/smem_tile.cuh"
 
-namespace jax_flashattn::sm80 {
+namespace jax_flashattn::mma_sync {
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kMinBlocks_,
           bool kQInRegisters_>
@@ -82,4 +82,4 @@ struct ForwardConfig<256> : ForwardTraits<256, 64, 32, 4, 1, false> {};
 // one that is at least as large.
 inline constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256};
 
-}  // namespace jax_flashattn::sm80
+}  // namespace jax_flashattn::mma_sync

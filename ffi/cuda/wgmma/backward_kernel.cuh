@@ -40,7 +40,7 @@
 #include "ffi/cuda/wgmma/traits.h"  // register_budgets_fit
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm90 {
+namespace jax_flashattn::wgmma {
 
 template <typename Traits>
 struct BackwardBarriers {
@@ -354,8 +354,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     uint32_t p_frag[kQSteps][4], ds_frag[kQSteps][4];
 #pragma unroll
     for (int kk = 0; kk < kQSteps; ++kk) {
-      sm80::pack_a<Elem>(p_frag[kk], s_acc, kk);
-      sm80::pack_a<Elem>(ds_frag[kk], dp_acc, kk);
+      mma_sync::pack_a<Elem>(p_frag[kk], s_acc, kk);
+      mma_sync::pack_a<Elem>(ds_frag[kk], dp_acc, kk);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -463,4 +463,4 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #endif
 }
 
-}  // namespace jax_flashattn::sm90
+}  // namespace jax_flashattn::wgmma

@@ -14,18 +14,18 @@ namespace jax_flashattn::cuda {
 
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
-  using Traits = sm90::BackwardConfig<kHeadDim>;
-  constexpr auto kernel = sm90::backward_kernel<Elem, Traits>;
+  using Traits = wgmma::BackwardConfig<kHeadDim>;
+  constexpr auto kernel = wgmma::backward_kernel<Elem, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-  if (!sm90::indices_fit_32_bits(p) || p.deterministic) return cudaErrorInvalidConfiguration;
+  if (!wgmma::indices_fit_32_bits(p) || p.deterministic) return cudaErrorInvalidConfiguration;
   // One block per (key block, kv head, batch), key blocks innermost (BackwardBlock); the
   // dispatcher sends only grids below 2^31 blocks here (sm90_applies).
   const int64_t key_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const int64_t blocks = key_blocks * p.batch * p.num_kv_heads;
   if (blocks == 0) return cudaSuccess;
-  sm90::BackwardMaps maps;
+  wgmma::BackwardMaps maps;
   // dK and dV are stored by each consumer warpgroup's 64 keys on their own.
-  if (cudaError_t e = sm90::encode_backward_maps(p, Traits::kBlockM, Traits::kBlockN, 64, maps);
+  if (cudaError_t e = wgmma::encode_backward_maps(p, Traits::kBlockM, Traits::kBlockN, 64, maps);
       e != cudaSuccess)
     return e;
   kernel<<<unsigned(blocks), Traits::kThreads, Traits::kSmemBytes, stream>>>(p, maps);

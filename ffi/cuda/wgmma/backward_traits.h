@@ -14,7 +14,7 @@
 
 #include "ffi/cuda/common/tensor_maps.h"  // kFlatAlignElems
 
-namespace jax_flashattn::sm90 {
+namespace jax_flashattn::wgmma {
 
 // Keys per block, 64 per consumer warpgroup, at every head dim: the dispatcher sizes the grid
 // with it before choosing a configuration.
@@ -90,4 +90,4 @@ struct BackwardConfig<128> : BackwardTraits<128> {};
 // that is at least as large (TMA zero-fills the columns past it and clips them from stores).
 inline constexpr int kBackwardHeadDims[] = {64, 128};
 
-}  // namespace jax_flashattn::sm90
+}  // namespace jax_flashattn::wgmma

@@ -51,7 +51,7 @@
 #include "ffi/cuda/wgmma/traits.h"
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm90 {
+namespace jax_flashattn::wgmma {
 
 template <typename Traits>
 struct ForwardBarriers {
@@ -424,7 +424,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // The S accumulators of 8-key tiles 2 kk, 2 kk + 1 are the A operand of k-step kk.
   const auto pack_p = [&] {
 #pragma unroll
-    for (int kk = 0; kk < kPSteps; ++kk) sm80::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
+    for (int kk = 0; kk < kPSteps; ++kk) mma_sync::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
   };
 
   // S of this warp's 16 rows again, by mma.sync from the Q and K_j tiles in shared memory (the
@@ -798,4 +798,4 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #endif
 }
 
-}  // namespace jax_flashattn::sm90
+}  // namespace jax_flashattn::wgmma

@@ -14,16 +14,16 @@ template <typename Elem, typename Traits>
 cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stream) {
   // A configuration without window tests must not see a window (it would ignore it).
   if (!Traits::kWindowed && !p.unwindowed()) return cudaErrorInvalidConfiguration;
-  constexpr auto kernel = sm90::forward_kernel<Elem, Traits>;
+  constexpr auto kernel = wgmma::forward_kernel<Elem, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-  if (!sm90::indices_fit_32_bits(p)) return cudaErrorInvalidConfiguration;
+  if (!wgmma::indices_fit_32_bits(p)) return cudaErrorInvalidConfiguration;
   int sms = 0;
   if (cudaError_t e = multiprocessor_count(sms); e != cudaSuccess) return e;
   const int64_t m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t tiles = m_blocks * p.batch * p.num_heads;
-  sm90::ForwardMaps maps;
+  wgmma::ForwardMaps maps;
   // The epilogue stores each consumer warpgroup's 64 rows on their own.
-  if (cudaError_t e = sm90::encode_forward_maps(p, Traits::kBlockM, Traits::kBlockN, 64, maps);
+  if (cudaError_t e = wgmma::encode_forward_maps(p, Traits::kBlockM, Traits::kBlockN, 64, maps);
       e != cudaSuccess)
     return e;
   // Persistent: one block per SM (fewer when there are fewer tiles), claiming tiles past the
@@ -38,11 +38,11 @@ cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stre
 
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
-  if constexpr (sm90::kHasWideConfig<kHeadDim>) {
-    if (sm90::wide_config_pays<kHeadDim>(p))
-      return launch_forward_sm90_with<Elem, sm90::ForwardConfig<kHeadDim, true>>(p, stream);
+  if constexpr (wgmma::kHasWideConfig<kHeadDim>) {
+    if (wgmma::wide_config_pays<kHeadDim>(p))
+      return launch_forward_sm90_with<Elem, wgmma::ForwardConfig<kHeadDim, true>>(p, stream);
   }
-  return launch_forward_sm90_with<Elem, sm90::ForwardConfig<kHeadDim>>(p, stream);
+  return launch_forward_sm90_with<Elem, wgmma::ForwardConfig<kHeadDim>>(p, stream);
 }
 
 }  // namespace jax_flashattn::cuda

@@ -11,7 +11,7 @@
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm90 {
+namespace jax_flashattn::wgmma {
 
 // 32-bit indices (indices_fit_32_bits in traits.h, checked by the dispatcher and the launch):
 // registers are what the consumers are short of.
@@ -101,4 +101,4 @@ struct TileScheduler {
   }
 };
 
-}  // namespace jax_flashattn::sm90
+}  // namespace jax_flashattn::wgmma

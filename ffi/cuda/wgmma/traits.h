@@ -13,7 +13,7 @@
 
 #include "ffi/params.h"
 
-namespace jax_flashattn::sm90 {
+namespace jax_flashattn::wgmma {
 
 template <int kHeadDim_, int kBlockN_, int kStages_, int kQStages_, bool kOInKV_,
           int kConsumers_ = 2>
@@ -168,4 +168,4 @@ inline bool wide_config_pays(const AttentionParams& p) {
 // that is at least as large (TMA zero-fills the columns past it).
 inline constexpr int kHeadDims[] = {64, 128, 256};
 
-}  // namespace jax_flashattn::sm90
+}  // namespace jax_flashattn::wgmma
