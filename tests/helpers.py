@@ -3,9 +3,11 @@ reference."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jax_flashattn
 from jax_flashattn import _validate, reference
 
 # Above this many [B, N, T, S] logits (256 MiB of float32), the reference runs one batch entry at
@@ -141,3 +143,34 @@ def gradient_nan_rows(q, k, *args, **kwargs):
     bad_row = (seen & ~(np.isfinite(logits) | np.isneginf(logits))).any(-1)  # [B, N, T]
     bad_key = (seen & bad_row[..., None]).reshape(b, kv, n // kv, t, s).any((2, 3))  # [B, K, S]
     return bad_row.transpose(0, 2, 1), bad_key.transpose(0, 2, 1)
+
+
+def run_cuda_forward(q, k, v, *args, **kwargs):
+    """(out, lse) of attention on our CUDA kernels, jitted, after poisoning freed memory so
+    that an unwritten output element shows up as NaN (asserted finite)."""
+    out_like = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    poison(*out_like)
+    out, lse = jax.jit(lambda q, k, v: jax_flashattn.attention(
+        q, k, v, *args, implementation="cuda", return_residual=True, **kwargs))(q, k, v)
+    assert np.isfinite(np.asarray(out, np.float32)).all(), "unwritten or NaN output"
+    return out, lse
+
+
+def check_cuda_forward(q, k, v, *args, **kwargs):
+    """run_cuda_forward, then out and lse against the float32 reference."""
+    out, lse = run_cuda_forward(q, k, v, *args, **kwargs)
+    assert_lse_close(lse, assert_attention_close(out, q, k, v, *args, **kwargs))
+
+
+def assert_lse_close(lse, lse_ref):
+    """lse [B, T, N] against the reference's: -inf exactly where it is, close elsewhere."""
+    lse = np.asarray(lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref))
+    finite = np.isfinite(lse_ref)
+    np.testing.assert_allclose(lse[finite], lse_ref[finite], rtol=2e-3, atol=2e-3)
+
+
+def hopper():
+    """Whether the first device runs the Hopper (sm_90a) kernels of this install."""
+    device = jax.devices()[0]
+    return device.compute_capability == "9.0" and "90a" in jax_flashattn.cuda_architectures()

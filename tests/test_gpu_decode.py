@@ -1,0 +1,298 @@
+"""The split-KV decode kernels on the CUDA backend (run with `pytest -m gpu` on an NVIDIA GPU):
+shapes, head dims, masks, the two ways splits merge, dispatch and gradients. Every case poisons
+freed device memory first, as tests/test_gpu_forward.py does.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flashattn
+from jax_flashattn import _ffi, reference
+from helpers import (assert_attention_close, check_cuda_forward, fill_past_lengths, hopper,
+                     poison, random_qkv, run_cuda_forward)
+
+pytestmark = pytest.mark.gpu
+
+
+def decode_kernel(q, k):
+    """The decode family the dispatcher must pick for a decoding shape: on Hopper the wgmma one
+    for 32 or more query rows per kv head (T * N / K) at head dims up to 128, unless
+    JAX_FLASHATTN_DISABLE_SM90 is set; else the mma.sync one."""
+    t, n, h = q.shape[-3:]
+    wgmma = (hopper() and t * n // k.shape[-2] >= 32 and h <= 128
+             and os.environ.get("JAX_FLASHATTN_DISABLE_SM90", "0") in ("", "0"))
+    return "decode_sm90" if wgmma else "decode"
+
+
+def check_decode(q, k, v, **kwargs):
+    """check_cuda_forward() for a shape the dispatcher must send to a split-KV decode kernel (decode_kernel);
+    also poisons out, lse and the decode workspace, so a split partial the combine reads without
+    it having been written, or a row neither merge writes, shows up as NaN."""
+    assert jax_flashattn.forward_kernel(q, k) == decode_kernel(q, k)
+    *lead, t, n, _ = q.shape
+    floats = _ffi.decode_workspace_size(q.shape, k.shape, q.dtype, scale=q.shape[-1] ** -0.5,
+                                        has_bias=False, has_mask=False)
+    poison(jax.ShapeDtypeStruct((floats,), jnp.float32),
+           jax.ShapeDtypeStruct((*lead, n, t), jnp.float32), jax.ShapeDtypeStruct(q.shape, q.dtype))
+    check_cuda_forward(q, k, v, **kwargs)
+
+
+# "sm80" sends every decoding shape to the mma.sync decode kernel (on Hopper the wgmma one
+# takes the shapes with the most rows by default).
+DECODE_FAMILIES = ["default", "sm80"]
+
+
+def pick_decode_family(monkeypatch, family):
+    if family == "sm80":
+        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+
+
+@pytest.mark.parametrize("family", DECODE_FAMILIES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("t", [1, 3, 8, 9, 13, 16])
+@pytest.mark.parametrize("n,kv", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_decode_shapes(rng, monkeypatch, family, dtype, t, n, kv):
+    """T * N / K query rows per block from 1 to 64 (one to four 16-row slabs, padded; 36, 52
+    and 64 on the wgmma kernel), an odd key count that leaves a partial last tile."""
+    pick_decode_family(monkeypatch, family)
+    check_decode(*random_qkv(rng, 2, t, 4097, n, kv, 128, dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("t", [3, 16])
+@pytest.mark.parametrize("head_dim", [40, 64, 72, 128, 200, 256])
+@pytest.mark.parametrize("s", [1111, 4097])
+def test_decode_head_dims(rng, dtype, t, head_dim, s):
+    """The instantiations (64, 128, 256; wgmma: 64 and 128, at T = 16) and head dims padded up
+    to them, with 5 splits per kv head (on Hopper merged in their cluster) and 17 (through the
+    workspace and the combine)."""
+    check_decode(*random_qkv(rng, 3, t, s, 8, 2, head_dim, dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("kwargs", [
+    dict(is_causal=True),
+    dict(local_window_size=(1000, 0)),
+    dict(local_window_size=(40, 3)),
+    dict(local_window_size=300, is_causal=True),
+    dict(key_value_seq_lengths=np.array([33333, 0, 17, 20000], np.int32)),
+    dict(key_value_seq_lengths=np.array([5000, 1, 33000, 257], np.int32),
+         query_seq_lengths=np.array([8, 3, 0, 8], np.int32)),
+    dict(key_value_seq_lengths=np.array([9000, 0, 300, 33333], np.int32),
+         local_window_size=(8000, 5000)),
+], ids=["causal", "window_left", "window_both", "window_causal", "kv_lengths",
+        "kv_and_q_lengths", "kv_lengths_window"])
+@pytest.mark.parametrize("t,head_dim,family", [(8, 128, "default"), (16, 64, "default"),
+                                                (16, 128, "default"), (16, 128, "sm80")])
+def test_decode_masks(rng, monkeypatch, dtype, kwargs, t, head_dim, family):
+    """Causal is top-left aligned (query t sees keys <= t), so with T << S only the first split
+    has keys; windows and lengths leave many splits empty, and zero-length rows give 0 / -inf.
+    T = 8 runs 32 rows per block, T = 16 64 (both on Hopper the wgmma one,
+    with 128-key tiles at head dim 64 and 64-key tiles at 128; "sm80": the mma.sync kernel's
+    whole-tile steps)."""
+    pick_decode_family(monkeypatch, family)
+    check_decode(*random_qkv(rng, 4, t, 33333, 8, 2, head_dim, dtype), **kwargs)
+
+
+# Key counts that give 4 kv heads (B = 2, K = 2) 3, 8 and 17 splits (at least 256 keys each;
+# a GPU of at least 68 SMs asks for more): on Hopper the first two merge in their thread block
+# cluster, the last through the combine kernel; below compute capability 9.0 all three do.
+MERGE_KEYS = {"cluster3": (700, 3), "cluster8": (2048, 8), "combine17": (4097, 17)}
+
+
+def multiprocessors():
+    return getattr(jax.devices()[0], "core_count", 0)
+
+
+@pytest.mark.parametrize("family", DECODE_FAMILIES)
+@pytest.mark.parametrize("t", [1, 16])
+@pytest.mark.parametrize("merge", MERGE_KEYS)
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(is_causal=True),
+    dict(key_value_seq_lengths=np.array([100, 0], np.int32)),
+    dict(key_value_seq_lengths=np.array([699, 1500], np.int32), local_window_size=(300, 0)),
+], ids=["full", "causal", "short_and_empty", "lengths_window"])
+def test_decode_merges(rng, monkeypatch, family, t, merge, kwargs):
+    """Both merges of the splits at 4 and 64 query rows per kv head (T * 4), on both decode
+    kernels. Causal (top-left) leaves one split with keys, short lengths leave most splits
+    empty and the zero length every one (its rows 0 with lse -inf); the cluster merge deals
+    rows to the blocks in shares that do not divide evenly (64 over 3, 4 over 8)."""
+    if multiprocessors() < 68:
+        pytest.skip("the split counts assume at least 68 SMs")
+    pick_decode_family(monkeypatch, family)
+    s, splits = MERGE_KEYS[merge]
+    q, k, v = random_qkv(rng, 2, t, s, 8, 2, 128, jnp.bfloat16)
+    got = _ffi.decode_layout(q, k, key_value_seq_lengths="key_value_seq_lengths" in kwargs)
+    assert got[0] == splits
+    if hopper():
+        assert got[1] == ("cluster" if merge.startswith("cluster") else "combine")
+    elif float(jax.devices()[0].compute_capability) < 9.0:
+        assert got[1] == "combine"
+    check_decode(q, k, v, **kwargs)
+
+
+def test_decode_preset_layout():
+    """The decode preset's layout on Hopper: one 16-row slab (T = 1) gives each of the 64 kv
+    heads one split per 64 SMs (one block per SM), whose clusters are all resident at once: the
+    cluster merge. 64 rows (T = 16) give two per 64 SMs, four on 128-191 SMs, as two-per-SM
+    blocks 64 clusters of 4, more than an H100 or H200 holds at once (62 on an H200); the wgmma
+    kernel then runs them two per block, 64 clusters of 2 one-per-SM blocks, which it holds."""
+    if not hopper():
+        pytest.skip("the layout checked is Hopper's")
+    k = jax.ShapeDtypeStruct((8, 8192, 8, 128), jnp.bfloat16)
+    q1, q16 = (jax.ShapeDtypeStruct((8, t, 32, 128), jnp.bfloat16) for t in (1, 16))
+    assert _ffi.decode_layout(q1, k) == (max(1, multiprocessors() // 64), "cluster")
+    if multiprocessors() < 128:
+        assert _ffi.decode_layout(q16, k)[0] == max(1, 2 * multiprocessors() // 64)
+    else:
+        assert _ffi.decode_layout(q16, k) == (4, "paired_cluster")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("t", [9, 16])
+@pytest.mark.parametrize("s,kwargs", [
+    (1500, dict()),
+    (1500, dict(is_causal=True)),
+    (1500, dict(local_window_size=(1000, 600))),
+    (1024, dict(key_value_seq_lengths=np.array([1024, 0, 1, 300, 700, 555, 1023, 64],
+                                                np.int32))),
+], ids=["full", "causal", "window", "lengths"])
+def test_decode_paired_splits(rng, s, kwargs, t, head_dim):
+    """The wgmma decode kernel with two splits per block (one per warpgroup) merged in the
+    unit's cluster of such blocks: the decode preset's 64 kv heads at 36 and 64 rows with four
+    splits. Causal (top-left) and the window leave splits, and so warpgroups beside a busy one,
+    without keys; the lengths leave whole blocks (and a whole unit: length 0) without."""
+    if not hopper() or multiprocessors() < 128:
+        pytest.skip("four splits of 64 units pair up on Hopper with at least 128 SMs")
+    q, k, v = random_qkv(rng, 8, t, s, 32, 8, head_dim, jnp.bfloat16)
+    assert _ffi.decode_layout(
+        q, k, key_value_seq_lengths="key_value_seq_lengths" in kwargs) == (4, "paired_cluster")
+    check_decode(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("t", [8, 9, 16])
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(key_value_seq_lengths=np.array([1000, 0], np.int32)),
+], ids=["full", "lengths"])
+def test_decode_paired_clusters_of_six(rng, t, kwargs):
+    """Paired blocks in clusters of six (16 kv heads, twelve splits each): each block merges a
+    sixth of the rows, in shares that do not divide evenly (32 and 36 rows: shares of 6, the
+    last block's 2 and 6; 64 rows: shares of 11, the last block's 9), loading five other
+    blocks' partials. Lengths leave a whole unit, and a third of the other's splits, without
+    keys."""
+    if not hopper() or multiprocessors() < 128:
+        pytest.skip("twelve splits of 16 units pair up on Hopper with at least 128 SMs")
+    q, k, v = random_qkv(rng, 2, t, 3000, 32, 8, 128, jnp.bfloat16)
+    assert _ffi.decode_layout(
+        q, k, key_value_seq_lengths="key_value_seq_lengths" in kwargs) == (12, "paired_cluster")
+    check_decode(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("fill", [np.nan, np.inf])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("t", [4, 16])
+def test_decode_never_reads_keys_past_the_length(rng, fill, head_dim, t):
+    """A padded cache may hold anything past a batch entry's length: the decode kernels
+    zero-fill those rows instead of reading them, so NaN or Inf there changes nothing (the
+    other families: tests/test_gpu_nonfinite.py)."""
+    q, k, v = random_qkv(rng, 3, t, 3001, 8, 2, head_dim, jnp.bfloat16)
+    assert jax_flashattn.forward_kernel(q, k) == decode_kernel(q, k)
+    kv_lens = np.array([1000, 3001, 77], np.int32)
+    poisoned = fill_past_lengths(k, v, kv_lens, fill)
+    kw = dict(key_value_seq_lengths=jnp.asarray(kv_lens))
+    for got, want in zip(run_cuda_forward(q, *poisoned, **kw), run_cuda_forward(q, k, v, **kw)):  # out, lse
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_decode_large_logits(rng, dtype):
+    """Splits whose maxima differ widely: the merge through the lse must not overflow."""
+    check_decode(*random_qkv(rng, 2, 4, 5000, 8, 2, 128, dtype, magnitude=8.0))
+
+
+def test_decode_long_keys(rng):
+    """S = 131072 with one work unit per batch element (MQA) and per-batch key lengths (the
+    whole S), which aim at the most blocks per SM: the most splits per unit."""
+    check_decode(*random_qkv(rng, 1, 1, 131072, 8, 1, 128, jnp.bfloat16),
+                 key_value_seq_lengths=np.array([131072], np.int32))
+
+
+def test_decode_one_split_per_unit(rng):
+    """More work units (batch x kv heads) than SMs, equal key lengths and one 16-row slab of
+    rows: one block per SM leaves each unit a single split, whose result the merge passes
+    through."""
+    check_decode(*random_qkv(rng, 64, 1, 1000, 16, 4, 128, jnp.bfloat16))
+
+
+@pytest.mark.parametrize("family", DECODE_FAMILIES)
+def test_decode_preset_shape(rng, monkeypatch, family):
+    """The benchmark's decode shape (B=8, N=32, K=8, H=128) at T=16 with a shorter S."""
+    pick_decode_family(monkeypatch, family)
+    check_decode(*random_qkv(rng, 8, 16, 8191, 32, 8, 128, jnp.bfloat16))
+
+
+@pytest.mark.parametrize("t", [2, 16])
+def test_decode_vmap(rng, t):
+    """A vmapped decode call is one launch over the extra batch dim, its workspace scaled up."""
+    q, k, v = random_qkv(rng, (2, 3), t, 3000, 8, 2, 64, jnp.bfloat16)
+    assert jax_flashattn.forward_kernel(q, k) == decode_kernel(q, k)
+    f = jax.vmap(lambda q, k, v: jax_flashattn.attention(q, k, v, implementation="cuda"))
+    out = jax.jit(f)(q, k, v)
+    for i in range(2):
+        assert_attention_close(out[i], q[i], k[i], v[i])
+
+
+@pytest.mark.parametrize("t", [3, 16])
+def test_decode_gradients(rng, t):
+    """The backward reads the decode kernel's out and lse."""
+    q, k, v = random_qkv(rng, 2, t, 2000, 8, 2, 64, jnp.bfloat16)
+    assert jax_flashattn.forward_kernel(q, k) == decode_kernel(q, k)
+
+    def loss(fn, q, k, v):
+        out = fn(q, k, v, key_value_seq_lengths=jnp.array([2000, 700], jnp.int32))
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.shape[-1])))
+
+    ours = jax.jit(jax.grad(lambda *a: loss(
+        lambda *x, **kw: jax_flashattn.attention(*x, implementation="cuda", **kw), *a),
+        argnums=(0, 1, 2)))(q, k, v)
+    ref = jax.grad(lambda *a: loss(reference.attention, *a), argnums=(0, 1, 2))(
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, a, r in zip("qkv", ours, ref):
+        a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
+        assert np.isfinite(a).all(), f"d{name} not finite"
+        err = np.linalg.norm(a - r) / (np.linalg.norm(r) + 1e-6)
+        assert err < 3e-2, f"d{name}: relative error {err:.3g}"
+
+
+def test_decode_dispatch(monkeypatch):
+    """forward_kernel reports a decode kernel for decoding shapes only: few query rows per kv
+    head (T * N / K <= 64), enough keys, bf16/fp16, no bias or mask; on Hopper the wgmma one
+    from 32 rows at head dims up to 128, unless JAX_FLASHATTN_DISABLE_SM90."""
+    monkeypatch.delenv("JAX_FLASHATTN_DISABLE_SM90", raising=False)
+
+    def kernel(t, n, kv, s, h=128, dtype=jnp.bfloat16, **kwargs):
+        return jax_flashattn.forward_kernel(jax.ShapeDtypeStruct((8, t, n, h), dtype),
+                                            jax.ShapeDtypeStruct((8, s, kv, h), dtype), **kwargs)
+    wgmma = "decode_sm90" if hopper() else "decode"
+    for dtype in (jnp.bfloat16, jnp.float16):
+        assert kernel(1, 32, 8, 65536, dtype=dtype) == "decode"
+        assert kernel(7, 32, 8, 65536, dtype=dtype) == "decode"  # 28 rows
+        assert kernel(8, 32, 8, 65536, dtype=dtype) == wgmma  # 32 rows
+        assert kernel(16, 32, 8, 65536, dtype=dtype) == wgmma
+    assert kernel(1, 32, 8, 65536, h=72) == "decode"
+    assert kernel(16, 32, 8, 65536, h=72) == wgmma
+    assert kernel(16, 32, 8, 65536, h=64) == wgmma
+    assert kernel(16, 32, 8, 65536, h=136) == "decode"  # past the wgmma kernel's head dims
+    assert kernel(17, 32, 8, 65536) != "decode"  # 68 rows per kv head
+    assert kernel(1, 32, 8, 100) != "decode"  # too few keys to split
+    assert kernel(1, 32, 8, 65536, dtype=jnp.float32) == "simt"
+    bias = jax.ShapeDtypeStruct((8, 32, 1, 65536), jnp.bfloat16)
+    assert kernel(1, 32, 8, 65536, bias=bias) == "sm80"
+    monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    assert kernel(16, 32, 8, 65536) == "decode"
