@@ -1,5 +1,5 @@
-"""Test setup: 8 host CPU devices for the sharding tests, no GPU memory preallocation under
-pytest-xdist, and the `gpu` marker's skipping."""
+"""Test setup: 8 host CPU devices for the sharding tests, no GPU memory preallocation or XLA
+autotuning under pytest-xdist, and the `gpu` marker's skipping."""
 
 import os
 
@@ -13,6 +13,12 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # Without preallocation XLA's allocator still reuses freed blocks, which `helpers.poison` needs.
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    # Nor does each worker autotune XLA's own GPU kernels (the references', cuDNN's): the
+    # candidates' timings on a GPU shared by every worker mean little, and the tests compare
+    # results within error budgets that no algorithm choice comes near. (Ignored on a CPU.)
+    if "xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_gpu_autotune_level=0").strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

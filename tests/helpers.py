@@ -173,4 +173,6 @@ def assert_lse_close(lse, lse_ref):
 def hopper():
     """Whether the first device runs the Hopper (sm_90a) kernels of this install."""
     device = jax.devices()[0]
-    return device.compute_capability == "9.0" and "90a" in jax_flashattn.cuda_architectures()
+    # Architectures as the build was given them: "90a", or with a suffix such as "90a-real".
+    archs = {arch.split("-")[0] for arch in jax_flashattn.cuda_architectures()}
+    return device.compute_capability == "9.0" and "90a" in archs

@@ -8,7 +8,7 @@ import pytest
 
 import jax_flashattn
 from jax_flashattn import reference
-from helpers import poison, random_qkv
+from helpers import hopper, poison, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -277,15 +277,10 @@ def test_tc_vmap_of_grads(rng):
 # build. Everywhere else these run the mma.sync family and still check the gradients.
 
 
-def hopper_backward():
-    return (jax.devices()[0].compute_capability == "9.0"
-            and "90a" in jax_flashattn.cuda_architectures())
-
-
 def test_backward_dispatch_is_visible(monkeypatch):
     """backward_kernel reports the family the dispatcher launches: the Hopper kernel where it
     applies, the mma.sync family for the other tensor-core cases, the CUDA cores for the rest."""
-    tc = "sm90" if hopper_backward() else "sm80"
+    tc = "sm90" if hopper() else "sm80"
     for dtype in LOW_PRECISION:
         for head_dim in (8, 32, 40, 64, 72, 128):
             q = jax.ShapeDtypeStruct((2, 100, 4, head_dim), dtype)
@@ -315,7 +310,7 @@ def test_sm90_many_tiles(rng, dtype, head_dim, kwargs):
     every block cycles its Q/dO ring and both dS^T buffers many times; head dims 40 and 72 run
     zero-filled on the 64 and 128 configurations; rows and keys past the lengths get exactly 0."""
     q, k, v = random_qkv(rng, 3, 333, 517, 8, 2, head_dim, dtype)
-    assert jax_flashattn.backward_kernel(q, k) == ("sm90" if hopper_backward() else "sm80")
+    assert jax_flashattn.backward_kernel(q, k) == ("sm90" if hopper() else "sm80")
     dq, dk, dv = (np.asarray(g, np.float32) for g in check_grads(rng, q, k, v, **kwargs))
     if "query_seq_lengths" in kwargs:
         for b, (q_len, kv_len) in enumerate(zip(kwargs["query_seq_lengths"],
