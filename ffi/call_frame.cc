@@ -238,10 +238,14 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
     auto result = dbias.get<ffi::AnyBuffer>(0);
     if (!result.has_value()) return result.error();
     ffi::AnyBuffer grad = **result;
-    if (grad.element_type() != ffi::DataType::F32 ||
-        grad.element_count() != size_t(p.batch * p.num_heads * p.seqlen_q * p.seqlen_k))
-      return Invalid("dbias must be float32 [..., B, N, T, S], got " + ShapeString(grad));
+    if (grad.element_type() != ffi::DataType::F32)
+      return Invalid("dbias must be float32, got another type of shape " + ShapeString(grad));
+    if (ffi::Error e = BroadcastStridesOf(grad, q, p, "dbias", p.dbias_strides); e.failure())
+      return e;
     p.dbias = static_cast<float*>(grad.untyped_data());
+    p.dbias_elements = int64_t(grad.element_count());
+    // Fewer elements than [batch, N, T, S], or more where that is empty (its zeros are the sum).
+    p.dbias_accumulates = p.dbias_elements != p.batch * p.num_heads * p.seqlen_q * p.seqlen_k;
   }
   return ffi::Error::Success();
 }

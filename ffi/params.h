@@ -90,9 +90,17 @@ struct AttentionParams {
   void* dq = nullptr;           // like q
   void* dk = nullptr;           // like k, summed over the N / K query heads of each kv head
   void* dv = nullptr;           // like v, likewise
-  // [batch, N, T, S] float32, contiguous; nullptr without a bias, or where its gradient is not
-  // needed (the kernels then skip what only dbias needs).
+  // float32, contiguous, broadcastable to [batch, N, T, S] like the bias (element (b, n, t, s)
+  // at dbias_strides.offset): dS summed over its broadcast dims. nullptr without a bias, or
+  // where its gradient is not needed (the kernels then skip what only dbias needs).
   float* dbias = nullptr;
+  BroadcastStrides dbias_strides;
+  int64_t dbias_elements = 0;
+  // Whether dbias broadcasts over a dimension longer than 1, so that several elements of dS
+  // sum into one of dbias: the kernels then zero it on their stream and add the visible
+  // elements (float32 atomics on the GPU). Otherwise every element has one writer, which
+  // stores it (0 where hidden) and nothing is zeroed.
+  bool dbias_accumulates = false;
   // Workspaces (results of the call, so XLA owns them; the CPU kernels ignore them).
   float* dq_accum = nullptr;  // like q, float32: dQ summed over key blocks before rounding
   float* delta = nullptr;     // [batch, N, T] float32: D_t = dO_t . O_t

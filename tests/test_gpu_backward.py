@@ -80,7 +80,8 @@ def test_deterministic(rng):
 LOW_PRECISION = [jnp.bfloat16, jnp.float16]
 # Normwise relative error against the float32 reference: P and dS are rounded to the input
 # dtype before their products (as in every FlashAttention kernel), and the results once more.
-NORMWISE = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 4e-3}
+NORMWISE = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 4e-3,
+            jnp.dtype(jnp.float32): 1e-4}
 
 
 def cuda_grads(q, k, v, bias, d_out, *args, deterministic=False, **kwargs):
@@ -206,6 +207,16 @@ def test_tc_large_inputs(rng, dtype, head_dim, deterministic):
 def test_tc_bias_gradient(rng, dtype, bias_shape, deterministic):
     q, k, v = random_qkv(rng, 2, 100, 140, 4, 2, 128, dtype)
     bias = jnp.asarray(rng.standard_normal(bias_shape), dtype)
+    check_grads(rng, q, k, v, bias, is_causal=True, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 4, 67, 45), (1, 4, 67, 45), (2, 1, 1, 45),
+                                        (4, 67, 1), (45,)])
+def test_simt_bias_gradient(rng, bias_shape, deterministic):
+    """float32 runs the CUDA-core backward: a full-shape dbias is stored row by row, one
+    summed over broadcast dims takes atomic adds (deterministic mode: full, summed after)."""
+    q, k, v = random_qkv(rng, 2, 67, 45, 4, 2, 64, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(bias_shape), jnp.float32)
     check_grads(rng, q, k, v, bias, is_causal=True, deterministic=deterministic)
 
 

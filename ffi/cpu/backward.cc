@@ -5,6 +5,9 @@
 //                                          dS = P (dP - D), dV += P^T dO, dK += dS^T Q
 //                                          over every query row of the kv head's group
 //   dQ per query tile                      the same S, P, dP, dS, then dQ += dS K
+// dbias (zeroed first) sums dS over the bias's broadcast dims inside the key-tile pass: where
+// it broadcasts over the batch, the kv heads or the keys, one task runs the key tiles that
+// share its elements in a fixed order, so the sums are deterministic and O(bias) in memory.
 // Q is scaled by scale log2(e) as in the forward (base-2 logits), so dK comes out scaled by
 // log2(e) and dQ's dS K lacks the scale; both are fixed when stored.
 #include <algorithm>
@@ -96,7 +99,7 @@ void delta_task(const AttentionParams& p, int64_t b, int64_t n) {
 }
 
 // dK and dV of keys [s0, s0 + kTileKeys) of kv head kv_head of batch element b, summed over the
-// query heads of its group, and dbias of those keys (every row: 0 where hidden).
+// query heads of its group, and their dS added into dbias.
 JAX_FLASHATTN_CPU_TASK
 void key_tile_task(const AttentionParams& p, int64_t b, int64_t kv_head, int64_t s0) {
   const int64_t h = p.head_dim, hp = round_up(h, kMatCols);
@@ -113,31 +116,24 @@ void key_tile_task(const AttentionParams& p, int64_t b, int64_t kv_head, int64_t
   StepTiles tiles(hp);
 
   const int64_t group = p.group_size();
+  const BroadcastStrides& db = p.dbias_strides;
   for (int64_t n = kv_head * group; n < (kv_head + 1) * group; ++n) {
     const TileLogits logits(p, range, b, n);
-    float* dbias = p.dbias != nullptr ? p.dbias + (b * p.num_heads + n) * p.seqlen_q * p.seqlen_k
+    float* dbias = p.dbias != nullptr ? p.dbias + db.offset(b, p.batch_inner, n, 0, s0)
                                       : nullptr;
-    // Every dbias element of these keys is written, so with a bias every query tile is visited.
     for (int64_t r0 = 0; r0 < p.seqlen_q; r0 += kTileRows) {
       const int64_t rows = std::min(kTileRows, range.q_len() - r0);
-      const bool sees = count > 0 && rows > 0 && range.rows_see_keys(r0, r0 + rows, s0,
-                                                                     s0 + count);
-      if (!sees && dbias == nullptr) continue;
-      if (sees) {
-        tiles.load_rows(p, b, n, r0, rows);
-        tiles.compute(logits, r0, s0, kt.data(), vt.data());
-      } else {
-        std::fill(tiles.p.begin(), tiles.p.end(), 0.0f);
-        std::fill(tiles.ds.begin(), tiles.ds.end(), 0.0f);
-      }
+      if (count <= 0 || rows <= 0 || !range.rows_see_keys(r0, r0 + rows, s0, s0 + count))
+        continue;
+      tiles.load_rows(p, b, n, r0, rows);
+      tiles.compute(logits, r0, s0, kt.data(), vt.data());
       if (dbias != nullptr) {
-        const int64_t r_end = std::min(p.seqlen_q, r0 + kTileRows);
-        for (int64_t t = r0; t < r_end; ++t)
-          std::copy(tiles.ds.data() + (t - r0) * kTileKeys,
-                    tiles.ds.data() + (t - r0) * kTileKeys + (s_end - s0),
-                    dbias + t * p.seqlen_k + s0);
+        for (int64_t i = 0; i < rows; ++i) {
+          const float* ds = tiles.ds.data() + i * kTileKeys;
+          float* row = dbias + (r0 + i) * db.row;
+          for (int64_t j = 0; j < count; ++j) row[j * db.col] += ds[j];
+        }
       }
-      if (!sees) continue;
       transpose(tiles.p.data(), kTileKeys, pt.data(), kTileRows, kTileRows, kTileKeys);
       transpose(tiles.ds.data(), kTileKeys, dst.data(), kTileRows, kTileRows, kTileKeys);
       matmul(pt.data(), kTileRows, tiles.d_out.data(), hp, dv.data(), hp, kTileKeys, kTileRows,
@@ -198,13 +194,25 @@ void query_tile_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0)
 }  // namespace
 
 void backward(const AttentionParams& p) {
+  if (p.dbias != nullptr) std::fill(p.dbias, p.dbias + p.dbias_elements, 0.0f);
   if (p.num_heads <= 0 || p.num_kv_heads <= 0) return;
   parallel_for(p.batch * p.num_heads,
                [&p](int64_t task) { delta_task(p, task / p.num_heads, task % p.num_heads); });
   const int64_t key_tiles = (p.seqlen_k + kTileKeys - 1) / kTileKeys;
-  parallel_for(p.batch * p.num_kv_heads * key_tiles, [&p, key_tiles](int64_t task) {
-    const int64_t bk = task / key_tiles;
-    key_tile_task(p, bk / p.num_kv_heads, bk % p.num_kv_heads, (task % key_tiles) * kTileKeys);
+  // The key tiles, kv heads and batch entries that add into shared dbias elements run in one
+  // task each, in order (the vmapped outer batch dimensions are never broadcast).
+  const BroadcastStrides& db = p.dbias_strides;
+  const bool sums = p.dbias != nullptr;
+  const int64_t tile_tasks = sums && db.col == 0 ? 1 : key_tiles;
+  const int64_t head_tasks = sums && db.head == 0 ? 1 : p.num_kv_heads;
+  const int64_t inner = sums && db.batch_inner == 0 && p.batch_inner > 1 ? p.batch_inner : 1;
+  parallel_for(p.batch / inner * head_tasks * tile_tasks, [&](int64_t task) {
+    const int64_t tile = task % tile_tasks, head = task / tile_tasks % head_tasks;
+    const int64_t b0 = task / tile_tasks / head_tasks * inner;
+    for (int64_t b = b0; b < b0 + inner; ++b)
+      for (int64_t kv = head; kv < p.num_kv_heads; kv += head_tasks)
+        for (int64_t s = tile; s < key_tiles; s += tile_tasks)
+          key_tile_task(p, b, kv, s * kTileKeys);
   });
   const int64_t row_tiles = (p.seqlen_q + kTileRows - 1) / kTileRows;
   parallel_for(p.batch * p.num_heads * row_tiles, [&p, row_tiles](int64_t task) {

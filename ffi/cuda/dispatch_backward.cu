@@ -84,6 +84,11 @@ BackwardKernel choose_backward_kernel(const AttentionParams& p, int device) {
 }
 
 cudaError_t launch_backward(const AttentionParams& p, cudaStream_t stream) {
+  if (p.dbias_accumulates) {  // the kernels add into it (params.h)
+    const cudaError_t e =
+        cudaMemsetAsync(p.dbias, 0, size_t(p.dbias_elements) * sizeof(float), stream);
+    if (e != cudaSuccess) return e;
+  }
   if (p.batch == 0 || p.num_heads == 0 || p.seqlen_q == 0) return cudaSuccess;
   const bool bf16 = p.dtype == ElemType::kBFloat16;
   int device = 0;

@@ -92,9 +92,11 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: float,
              window: tuple, switches: _ffi.KernelSwitches, deterministic: bool = False,
              dbias: bool = False):
-    """(dq, dk, dv, dbias) where dbias is the float32 [..., B, N, T, S] gradient of the logits'
-    bias before any broadcast is summed out, or None without bias or without `dbias` (its
-    cotangent not needed: the call then has no such result and allocates nothing for it).
+    """(dq, dk, dv, dbias) where dbias is the float32 gradient of the logits' bias, or None
+    without bias or without `dbias` (its cotangent not needed: the call then has no such result
+    and allocates nothing for it). The kernels sum it over the bias's broadcast dims into the
+    bias's shape; with `deterministic` it is the full [..., B, N, T, S] instead, for the caller
+    to sum (the CUDA kernels would sum it with float32 atomics, whose order varies).
 
     `deterministic` makes the CUDA kernels compute dQ in its own pass instead of summing it
     with float32 atomics (bit-identical across runs; the CPU kernels always are). The call's
@@ -110,7 +112,8 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: fl
     results.append(jax.ShapeDtypeStruct((*lead, n, t), jnp.float32))  # delta
     with_dbias = bias is not None and dbias
     if with_dbias:
-        results.append(jax.ShapeDtypeStruct((*lead, n, t, s), jnp.float32))
+        shape = (*lead, n, t, s) if deterministic else bias.shape
+        results.append(jax.ShapeDtypeStruct(shape, jnp.float32))
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
     grads = call(q, k, v, out, lse, d_out, *optional, **flags,
                  **_attrs(scale, window, switches, deterministic))

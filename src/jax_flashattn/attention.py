@@ -74,7 +74,8 @@ def _flash_bwd(scale, window, deterministic, switches, residuals, cotangents):
 
 
 # symbolic_zeros: the backward computes (and allocates) the bias gradient only where it is
-# needed; [B, N, T, S] float32 before its broadcast dims are summed out.
+# needed; the kernels sum it into the bias's shape (float32; [B, N, T, S] with
+# deterministic_backward, summed after).
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
 
 
@@ -150,9 +151,12 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     with float32 atomic adds, whose order varies between runs (last-bit differences); with
     True it computes dQ in a second pass over the keys instead, which recomputes the scores
     and dP once more (7 matrix products per tile instead of 5, so roughly 1.4x the
-    backward's time by that count; not yet measured). The CPU kernels and the GPU's CUDA-core
-    path (float32, head dims the tensor cores do not take) are deterministic either way. It
-    has no effect with implementation="xla" or "cudnn" (jax.nn's own backward).
+    backward's time by that count; not yet measured). A bias broadcast over some dims gets
+    its gradient summed into its own shape by float32 atomic adds by default; with True it is
+    computed at the full [B, N, T, S] in float32 and summed after (more memory). The CPU
+    kernels, and otherwise the GPU's CUDA-core path (float32, head dims the tensor cores do
+    not take), are deterministic either way. It has no effect with implementation="xla" or
+    "cudnn" (jax.nn's own backward).
     """
     _validate.check_options(implementation=implementation,
                             deterministic_backward=deterministic_backward)

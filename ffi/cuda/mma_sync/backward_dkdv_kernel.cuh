@@ -4,7 +4,7 @@
 // tile that can see the block (Q and dO double-buffered with cp.async, with the tile's -lse
 // log2(e) and D staged in shared memory beside them):
 //   S^T  = K Q^T;  P^T from S^T and the saved lse   (warp: 16 keys x kSdpCols queries)
-//   dP^T = V dO^T; dS^T = P^T (dP^T - D)            (dbias = dS when there is a bias)
+//   dP^T = V dO^T; dS^T = P^T (dP^T - D)            (dbias from dS when there is a bias)
 //   dV  += P^T dO,  dK += dS^T Q         (warp: 16 keys x kDkvCols head-dim columns)
 //   dQ  += dS K                          (warp: kDqRows queries x kDqCols; red.add into float32)
 // Computing the transposed scores puts the keys on the rows, so P^T and dS^T are A operands
@@ -39,7 +39,7 @@ struct SubTileTerms {
   const bool* mask;           // element (r, c) at mask[r * mask_row + c * mask_col], or nullptr
   int64_t mask_row, mask_col;
   int64_t bias_offset;        // of element (0, 0); bias strides from p
-  float* dbias;               // element (0, 0), or nullptr; rows of seqlen_k
+  float* dbias;               // element (0, 0), or nullptr; strides p.dbias_strides
   int rows, keys;             // elements inside [T, S]: r < rows, c < keys
 
   __device__ SubTileTerms(const AttentionParams& p, const HeadTerms& head, int64_t t0,
@@ -51,7 +51,8 @@ struct SubTileTerms {
     mask_row = head.vis.mask_row;
     mask_col = head.vis.mask_col;
     bias_offset = head.bias_offset + t0 * p.bias_strides.row + s0 * p.bias_strides.col;
-    dbias = head.dbias ? head.dbias + t0 * p.seqlen_k + s0 : nullptr;
+    dbias = head.dbias ? head.dbias + t0 * p.dbias_strides.row + s0 * p.dbias_strides.col
+                       : nullptr;
     rows = clamp(p.seqlen_q - t0);
     keys = clamp(p.seqlen_k - s0);
   }
@@ -72,9 +73,42 @@ struct SubTileTerms {
                            bias_offset + r * p.bias_strides.row + c * p.bias_strides.col);
   }
 
-  // dbias = dS, every element inside [T, S].
-  __device__ void store_dbias(const AttentionParams& p, int r, int c, float ds) const {
-    if (dbias != nullptr && r < rows && c < keys) dbias[r * p.seqlen_k + c] = ds;
+  // dbias from the warp's dS^T sub-tile, whose element (8 mt + e % 2, 8 (e / 2)) this thread
+  // holds as ds[mt][e] (every lane calls it: the quad's lanes reduce together). Inside [T, S],
+  // a dbias with one writer per element stores it; one summed over broadcast dims adds it,
+  // and where every query shares the bias (row stride 0) the thread's queries and then its
+  // quad's (lane % 4: the same keys) are summed first, one atomic add per key and quad.
+  template <int kTiles8>
+  __device__ void store_dbias(const AttentionParams& p, const float (&ds)[kTiles8][4]) const {
+    if (dbias == nullptr) return;
+    const int64_t row = p.dbias_strides.row, col = p.dbias_strides.col;
+    if (p.dbias_accumulates && row == 0) {
+      float sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int mt = 0; mt < kTiles8; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (mt * 8 + e % 2 < rows) sum[e / 2] += ds[mt][e];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+        if (threadIdx.x % 4 == 0 && h * 8 < keys) ptx::red_add_f32(dbias + h * 8 * col, sum[h]);
+      }
+      return;
+    }
+#pragma unroll
+    for (int mt = 0; mt < kTiles8; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = mt * 8 + e % 2, c = (e / 2) * 8;
+        if (r >= rows || c >= keys) continue;
+        float* element = dbias + r * row + c * col;
+        if (p.dbias_accumulates)
+          ptx::red_add_f32(element, ds[mt][e]);
+        else
+          *element = ds[mt][e];
+      }
   }
 };
 
@@ -126,12 +160,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const Elem* v = static_cast<const Elem*>(p.v) + kv_offset;
 
   // The Q tiles that can see this block (the lengths and window are the same for every head of
-  // the group; only a mask differs, and it is applied per element). With a bias every tile is
-  // visited, so that every dbias element is written (0 where hidden).
+  // the group; only a mask differs, and it is applied per element). A dbias with one writer
+  // per element has every tile visited, so that each element is stored (0 where hidden).
   const cuda::Visibility group_vis = cuda::Visibility::make(p, b, head0);
   int64_t t_lo, t_hi;
   group_vis.query_range(key0, key0 + kBlockN, t_lo, t_hi);
-  if (p.dbias != nullptr) t_lo = 0, t_hi = p.seqlen_q;
+  if (p.dbias != nullptr && !p.dbias_accumulates) t_lo = 0, t_hi = p.seqlen_q;
   // Tile and head indices fit 32 bits (T and N do); element offsets stay 64-bit.
   const int tile_begin = int(t_lo / kBlockM);
   const int tile_end = t_hi > t_lo ? int((t_hi + kBlockM - 1) / kBlockM) : tile_begin;
@@ -308,11 +342,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
             *reinterpret_cast<const float2*>(sDelta + sub_col0 + mt * 8 + quad_col);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const float ds = s_acc[mt][e] * (dp_acc[mt][e] - (e % 2 ? delta.y : delta.x));
-          terms.store_dbias(p, mt * 8 + e % 2, (e / 2) * 8, ds);
-          dp_acc[mt][e] = ds;
+          dp_acc[mt][e] = s_acc[mt][e] * (dp_acc[mt][e] - (e % 2 ? delta.y : delta.x));
         }
       }
+      terms.store_dbias(p, dp_acc);
 
       // P^T and dS^T rounded to Elem: the A operands of dV and dK (16 keys x 16 queries per
       // query step), stored as [key][query] rows for the warps that read them from shared

@@ -19,7 +19,7 @@ struct HeadTerms {
   cuda::Visibility vis;
   const float* lse;    // [T], natural log
   const float* delta;  // [T], D_t = dO_t . O_t
-  float* dbias;        // [T][S] or nullptr
+  float* dbias;        // element (t = 0, s = 0) of dbias (strides in p), or nullptr
   int64_t bias_offset;
 
   __device__ static HeadTerms make(const AttentionParams& p, int64_t b, int64_t n) {
@@ -28,7 +28,7 @@ struct HeadTerms {
     const int64_t row_stats = (b * p.num_heads + n) * p.seqlen_q;
     h.lse = p.lse + row_stats;
     h.delta = p.delta + row_stats;
-    h.dbias = p.dbias ? p.dbias + row_stats * p.seqlen_k : nullptr;
+    h.dbias = p.dbias ? p.dbias + p.dbias_strides.offset(b, p.batch_inner, n, 0, 0) : nullptr;
     h.bias_offset = p.bias ? p.bias_strides.offset(b, p.batch_inner, n, 0, 0) : 0;
     return h;
   }
@@ -55,11 +55,6 @@ struct HeadTerms {
                         float scale_log2, float neg_lse2, bool check) const {
     if (check && !vis.visible(t, s)) return 0.f;
     return ptx::exp2_approx(fmaf(score, scale_log2, bias_log2(p, t, s) + neg_lse2));
-  }
-
-  // dbias_ts = dS_ts (unscaled: the bias is added after the scale), every element of [T, S].
-  __device__ void store_dbias(const AttentionParams& p, int64_t t, int64_t s, float ds) const {
-    if (dbias != nullptr && t < p.seqlen_q && s < p.seqlen_k) dbias[t * p.seqlen_k + s] = ds;
   }
 };
 

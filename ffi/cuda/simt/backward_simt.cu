@@ -1,13 +1,16 @@
 // CUDA-core backward: float32 arithmetic on every dtype and head dim, deterministic (no
-// atomics). P is recomputed from the saved lse, never stored:
+// atomics, except for a dbias summed over broadcast dims). P is recomputed from the saved lse,
+// never stored:
 //   P_ts = exp(scale q_t.k_s + bias_ts - lse_t),  D_t = dO_t.O_t,
 //   dS_ts = P_ts (dO_t.v_s - D_t),  dq_t = scale sum_s dS_ts k_s,
 //   dk_s = scale sum_{n in group, t} dS_ts q_t,  dv_s = sum_{n in group, t} P_ts dO_t.
 // Two kernels: a warp per query row computes dq (and the dbias row), a warp per key row
-// computes dk and dv over the query heads of its group, so every output has one writer.
+// computes dk and dv over the query heads of its group, so every output has one writer (but a
+// dbias summed over broadcast dims, whose elements take float32 atomic adds).
 #include <cmath>
 
 #include "ffi/cuda/common/mask.cuh"
+#include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/launch.h"
 #include "ffi/cuda/simt/common.cuh"
 
@@ -70,12 +73,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   const float d_t = warp_sum(partial_d);
   __syncwarp();
 
-  float* dbias_row = p.dbias ? p.dbias + ((b * p.num_heads + n) * p.seqlen_q + t) * p.seqlen_k
-                             : nullptr;
+  float* dbias_row =
+      p.dbias ? p.dbias + p.dbias_strides.offset(b, p.batch_inner, n, t, 0) : nullptr;
   int64_t lo, hi;
   view.vis.key_range(t, t + 1, lo, hi);
-  // Every dbias element is written, so its row is walked whole when there is one.
-  const int64_t begin = dbias_row ? 0 : lo, end = dbias_row ? p.seqlen_k : hi;
+  // A dbias with one writer per element is stored whole, so its row is walked whole (params.h).
+  const bool store_row = dbias_row && !p.dbias_accumulates;
+  const int64_t begin = store_row ? 0 : lo, end = store_row ? p.seqlen_k : hi;
   for (int64_t base = begin; base < end; base += 32) {
     const int64_t s = base + lane;
     float ds = 0.f;
@@ -84,7 +88,13 @@ __global__ void __launch_bounds__(kWarps * 32)
       const float prob = view.prob(p, t, s, dot_shared(q_row, key, H));
       if (prob != 0.f) ds = prob * (dot_shared(do_row, view.v + s * p.kv_row_stride, H) - d_t);
     }
-    if (dbias_row && s < end) dbias_row[s] = ds;
+    if (dbias_row && s < end) {
+      float* element = dbias_row + s * p.dbias_strides.col;
+      if (store_row)
+        *element = ds;
+      else
+        ptx::red_add_f32(element, ds);
+    }
     accumulate_rows(dq_row, ds * p.scale, view.k + base * p.kv_row_stride, p.kv_row_stride, H,
                     lane);
   }
