@@ -1,7 +1,9 @@
 #include "ffi/call_frame.h"
 
-#include <tuple>
 #include <string>
+#include <tuple>
+
+#include "ffi/call_shape.h"
 
 namespace jax_flashattn {
 namespace {
@@ -112,30 +114,29 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
       !ToElemType(q.element_type(), p.dtype))
     return Invalid("query, key and value must share one dtype among float32, bfloat16, float16");
-  p.batch = LeadingProduct(q, 3);
-  p.batch_inner = qd[r - 4];
-  p.seqlen_q = qd[r - 3];
-  p.num_heads = qd[r - 2];
-  p.head_dim = qd[r - 1];
-  p.seqlen_k = kd[r - 3];
-  p.num_kv_heads = kd[r - 2];
-  if (kd[r - 1] != p.head_dim || p.num_kv_heads < 1 || p.num_heads % p.num_kv_heads != 0)
+  CallShape shape;
+  shape.dtype = p.dtype;
+  shape.batch = LeadingProduct(q, 3);
+  shape.batch_inner = qd[r - 4];
+  shape.seqlen_q = qd[r - 3];
+  shape.num_heads = qd[r - 2];
+  shape.head_dim = qd[r - 1];
+  shape.seqlen_k = kd[r - 3];
+  shape.num_kv_heads = kd[r - 2];
+  if (kd[r - 1] != shape.head_dim || shape.num_kv_heads < 1 ||
+      shape.num_heads % shape.num_kv_heads != 0)
     return Invalid("key " + ShapeString(k) + " does not fit query " + ShapeString(q) +
                    " (same head dim, N % K == 0)");
-  p.q_head_stride = p.head_dim;
-  p.q_row_stride = p.num_heads * p.head_dim;
-  p.q_batch_stride = p.seqlen_q * p.q_row_stride;
-  p.kv_head_stride = p.head_dim;
-  p.kv_row_stride = p.num_kv_heads * p.head_dim;
-  p.kv_batch_stride = p.seqlen_k * p.kv_row_stride;
+  shape.scale = attrs.scale;
+  shape.window_left = attrs.window_left;
+  shape.window_right = attrs.window_right;
+  shape.deterministic = attrs.deterministic != 0;
+  shape.disable_sm90 = attrs.disable_sm90 != 0;
+  shape.sm80_cp_async = attrs.sm80_cp_async != 0;
+  SetLayout(shape, p);
   p.q = q.untyped_data();
   p.k = k.untyped_data();
   p.v = v.untyped_data();
-  p.scale = attrs.scale;
-  p.window_left = attrs.window_left;
-  p.window_right = attrs.window_right;
-  p.disable_sm90 = attrs.disable_sm90 != 0;
-  p.sm80_cp_async = attrs.sm80_cp_async != 0;
 
   const size_t expected = size_t(attrs.has_bias != 0) + size_t(attrs.has_mask != 0) +
                           size_t(attrs.has_q_seqlens != 0) + size_t(attrs.has_kv_seqlens != 0);
@@ -230,7 +231,6 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   if (ffi::Error e = CheckRowStats(*delta, p, "delta"); e.failure()) return e;
   p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   p.delta = static_cast<float*>(delta->untyped_data());
-  p.deterministic = attrs.deterministic != 0;
   // The bias gradient is a result only where the caller needs it (never without a bias).
   if (dbias.size() > size_t(p.bias != nullptr))
     return Invalid("expected a dbias result only where a bias is given");

@@ -391,6 +391,23 @@ def test_forward_kernel_query_on_cpu():
     assert jax_flashattn.forward_kernel(q, q, device=jax.devices("cpu")[0]) == "cpu"
 
 
+def test_plan_of_a_call():
+    """One planning call answers the workspace (no device needed) and, on a device, the
+    kernel families; the call shape is set by field name, and a misspelt field is an error."""
+    from jax_flashattn import _ffi
+    call = _ffi.call_shape((8, 1, 32, 128), (8, 65536, 8, 128), jnp.bfloat16,
+                           has_kv_seqlens=True)
+    # B * K work units, the ragged split count at 256 SMs (4 * 256 / 64 = 16 splits), T * N / K
+    # rows, each H partial values and an lse.
+    floats = 8 * 8 * 16 * (1 * 32 // 8) * (128 + 1)
+    assert _ffi.plan(call) == _ffi.CallPlan(floats, "", "", 0, "")
+    assert _ffi.plan(call, jax.devices("cpu")[0]) == _ffi.CallPlan(floats, "cpu", "cpu", 0, "")
+    call.has_bias = True  # the decode kernels take no bias: no workspace
+    assert _ffi.plan(call).decode_workspace_floats == 0
+    with pytest.raises(AttributeError):
+        call.seqlen = 4
+
+
 def _traced_switches(fn, *args):
     """{attribute: values} of the kernel switches in fn's lowered program, one value per
     custom call (the forward, and the backward when fn differentiates)."""
@@ -444,11 +461,13 @@ def test_decode_workspace_holds_every_split_the_cpp_rule_runs(shape):
     element) it still holds what the C++ rule asks for the combined batch."""
     from jax_flashattn import _ffi
     lead, t, s, n, kv, h = shape
-    size = _ffi.decode_workspace_size((*lead, t, n, h), (*lead, s, kv, h), jnp.bfloat16,
-                                      scale=0.1, has_bias=False, has_mask=False)
+    call = _ffi.call_shape((*lead, t, n, h), (*lead, s, kv, h), jnp.bfloat16, scale=0.1)
+    size = _ffi.plan(call).decode_workspace_floats
     batch = int(np.prod(lead))
-    cpp = lambda batch, sms: _ffi._ext.decode_workspace_floats(1, batch, t, s, n, kv, h, 0.1,
-                                                              False, False, sms)
+
+    def cpp(batch, sms):
+        call.batch = batch
+        return _ffi._ext.decode_workspace_floats(call, sms)
     assert size > 0 and size == cpp(batch, _ffi._ext.DECODE_MAX_MULTIPROCESSORS)
     assert size % (batch * kv * t * (n // kv) * (h + 1)) == 0  # whole splits
     for sms in (1, 46, 108, 132, 170, 256):
@@ -467,13 +486,10 @@ def test_decode_workspace_is_empty_when_the_kernel_cannot_run(change):
                 h=128)
     args.update(change)
     t, s, h, n, kv = args["t"], args["s"], args["h"], 8, 2
-    size = _ffi.decode_workspace_size((2, t, n, h), (2, s, kv, h), args["dtype"],
-                                      scale=args["scale"], has_bias=args["has_bias"],
-                                      has_mask=args["has_mask"])
-    code = {jnp.float32: 0, jnp.bfloat16: 1, jnp.float16: 2}[args["dtype"]]
-    cpp = _ffi._ext.decode_workspace_floats(code, 2, t, s, n, kv, h, args["scale"],
-                                            args["has_bias"], args["has_mask"], 132)
-    assert size == 0 and cpp == 0
+    call = _ffi.call_shape((2, t, n, h), (2, s, kv, h), args["dtype"], scale=args["scale"],
+                           has_bias=args["has_bias"], has_mask=args["has_mask"])
+    size = _ffi.plan(call).decode_workspace_floats
+    assert size == 0 and _ffi._ext.decode_workspace_floats(call, 132) == 0
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -482,8 +498,8 @@ def test_decode_shaped_call_with_workspace(rng, dtype):
     and vmap included."""
     q, k, v = random_qkv(rng, (2, 3), 2, 300, 8, 2, 64, dtype)
     from jax_flashattn import _ffi
-    assert _ffi.decode_workspace_size(q.shape[1:], k.shape[1:], dtype, scale=0.125,
-                                      has_bias=False, has_mask=False) > 0
+    call = _ffi.call_shape(q.shape[1:], k.shape[1:], dtype, scale=0.125, has_kv_seqlens=True)
+    assert _ffi.plan(call).decode_workspace_floats > 0
     out = jax.jit(jax.vmap(lambda q, k, v: jax_flashattn.attention(
         q, k, v, key_value_seq_lengths=jnp.array([300, 0, 123], jnp.int32))))(q, k, v)
     for i in range(2):

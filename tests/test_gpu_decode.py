@@ -34,8 +34,7 @@ def check_decode(q, k, v, **kwargs):
     it having been written, or a row neither merge writes, shows up as NaN."""
     assert jax_flashattn.forward_kernel(q, k) == decode_kernel(q, k)
     *lead, t, n, _ = q.shape
-    floats = _ffi.decode_workspace_size(q.shape, k.shape, q.dtype, scale=q.shape[-1] ** -0.5,
-                                        has_bias=False, has_mask=False)
+    floats = _ffi.plan(_ffi.call_shape(q.shape, k.shape, q.dtype)).decode_workspace_floats
     poison(jax.ShapeDtypeStruct((floats,), jnp.float32),
            jax.ShapeDtypeStruct((*lead, n, t), jnp.float32), jax.ShapeDtypeStruct(q.shape, q.dtype))
     check_cuda_forward(q, k, v, **kwargs)

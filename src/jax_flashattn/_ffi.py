@@ -78,37 +78,64 @@ def _device_with_kernels(device):
     return device
 
 
-def _kernel_query(query, device):
-    """The device a kernel-choice query is about and query's dtype code (TypeError for a dtype
-    no kernel takes)."""
+class CallPlan(NamedTuple):
+    """What a call runs and needs (ffi/plan.h). `decode_workspace_floats`: float32 elements of
+    the forward's decode workspace (the split-KV decode kernels' partial results, sized for the
+    largest GPU the C++ split rule plans for; 0 when the call never takes a decode kernel).
+    With a device: the forward and backward kernel families, and a decode call's key splits per
+    (batch entry, kv head) and their merge ("cluster", "paired_cluster" or "combine"; 0 and ""
+    for any other call). Without one those are "", 0, ""."""
+    decode_workspace_floats: int
+    forward: str
+    backward: str
+    decode_splits: int
+    decode_merge: str
+
+
+def call_shape(query_shape, key_shape, dtype, *, scale=None, has_bias=False, has_mask=False,
+               has_q_seqlens=False, has_kv_seqlens=False, deterministic=False,
+               switches: KernelSwitches | None = None):
+    """The extension's CallShape of a call with q [..., B, T, N, H] and k [..., B, S, K, H] of
+    `dtype` (any dtype: one no kernel takes plans no workspace), `scale` (default H ** -0.5),
+    the optional operands it passes, and `switches` (default: the environment's now). Set by
+    field name, so nothing depends on an argument order across the boundary."""
+    *lead, t, n, h = query_shape
+    if scale is None:
+        scale = h ** -0.5 if h else 1.0
+    switches = kernel_switches() if switches is None else switches
+    shape = _ext.CallShape()
+    fields = dict(dtype=_DTYPE_CODES.get(jax.numpy.dtype(dtype).name, -1),
+                  batch=math.prod(lead), batch_inner=lead[-1] if lead else 1, seqlen_q=t,
+                  seqlen_k=key_shape[-3], num_heads=n, num_kv_heads=key_shape[-2], head_dim=h,
+                  scale=float(scale), has_bias=bool(has_bias), has_mask=bool(has_mask),
+                  has_q_seqlens=bool(has_q_seqlens), has_kv_seqlens=bool(has_kv_seqlens),
+                  deterministic=bool(deterministic), **switches._asdict())
+    for name, value in fields.items():
+        setattr(shape, name, value)
+    return shape
+
+
+def plan(shape, device=None) -> CallPlan:
+    """The plan of a call_shape: on `device` (a CPU or an NVIDIA GPU this install has kernels
+    for; ValueError otherwise), or the workspace alone with device=None."""
+    if device is None:
+        return CallPlan(int(_ext.plan(shape, -1).decode_workspace_floats), "", "", 0, "")
+    if device.platform == "cpu":
+        return CallPlan(int(_ext.plan(shape, -1).decode_workspace_floats), "cpu", "cpu", 0, "")
+    p = _ext.plan(shape, device.local_hardware_id)
+    return CallPlan(int(p.decode_workspace_floats), p.forward, p.backward, int(p.decode_splits),
+                    p.decode_merge)
+
+
+def _kernel_query(query, key, device, **options) -> CallPlan:
+    """The plan of a call of these shapes and dtype on `device` (default: the first JAX device),
+    with the default scale: the public kernel queries' common part (TypeError for a dtype no
+    kernel takes)."""
     dtype = jax.numpy.dtype(query.dtype).name
     if dtype not in _DTYPE_CODES:
         raise TypeError(f"query must be float32, bfloat16 or float16, got {dtype}")
-    return _device_with_kernels(device), _DTYPE_CODES[dtype]
-
-
-def decode_workspace_size(q_shape, k_shape, dtype, *, scale: float, has_bias: bool,
-                          has_mask: bool) -> int:
-    """Float32 elements of the decode kernel's workspace for q [..., B, T, N, H] and
-    k [..., B, S, K, H]: its splits' partial O and lse ([B*K, splits, T*N/K, H + 1]) at the
-    largest split count the C++ rule (ffi/decode_plan.h) gives a call of this shape
-    (with per-batch key lengths) on a GPU with the most SMs it sizes for (a device with more
-    runs as many splits as this holds); 0 when the call can never take the decode kernel."""
-    *lead, t, n, h = q_shape
-    code = _DTYPE_CODES.get(jax.numpy.dtype(dtype).name)
-    if code is None:
-        return 0
-    return _ext.decode_workspace_floats(
-        code, int(np.prod(lead, dtype=np.int64)), t, k_shape[-3], n, k_shape[-2], h,
-        float(scale), has_bias, has_mask, _ext.DECODE_MAX_MULTIPROCESSORS)
-
-
-def _decode_floats(query, key, has_bias: bool, has_mask: bool) -> int:
-    """The decode workspace a call of these shapes gets at trace time (default scale)."""
-    h = query.shape[-1]
-    return decode_workspace_size(query.shape, key.shape, query.dtype,
-                                 scale=h ** -0.5 if h else 1.0, has_bias=has_bias,
-                                 has_mask=has_mask)
+    return plan(call_shape(query.shape, key.shape, query.dtype, **options),
+                _device_with_kernels(device))
 
 
 def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
@@ -119,15 +146,8 @@ def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
     (CUDA cores) on an NVIDIA GPU, "cpu" on the host. Reads only shapes and dtypes (arrays or
     jax.ShapeDtypeStruct) and the kernel switches in the environment now (kernel_switches);
     assumes the default scale; contiguous inputs as XLA lays them out are assumed."""
-    device, dtype_code = _kernel_query(query, device)
-    if device.platform == "cpu":
-        return "cpu"
-    *lead, t, n, h = query.shape
-    decode_floats = _decode_floats(query, key, bias is not None, mask is not None)
-    return _ext.cuda_forward_kernel(device.local_hardware_id, dtype_code, h,
-                                    key.shape[-3], bias is not None, mask is not None,
-                                    math.prod(lead), t, n, key.shape[-2], decode_floats,
-                                    *kernel_switches())
+    return _kernel_query(query, key, device, has_bias=bias is not None,
+                         has_mask=mask is not None).forward
 
 
 def decode_layout(query, key, *, key_value_seq_lengths=False, device=None) -> tuple[int, str]:
@@ -140,16 +160,8 @@ def decode_layout(query, key, *, key_value_seq_lengths=False, device=None) -> tu
     kernel; (0, "") for any other call.
     `key_value_seq_lengths`: whether the call passes them (it then aims at more splits). Shapes
     and dtypes only, as forward_kernel."""
-    device, dtype_code = _kernel_query(query, device)
-    if device.platform == "cpu":
-        return 0, ""
-    *lead, t, n, h = query.shape
-    decode_floats = _decode_floats(query, key, False, False)
-    splits, merge = _ext.cuda_decode_layout(device.local_hardware_id, dtype_code, h,
-                                            key.shape[-3], math.prod(lead), t, n, key.shape[-2],
-                                            bool(key_value_seq_lengths), decode_floats,
-                                            kernel_switches().disable_sm90)
-    return int(splits), merge
+    p = _kernel_query(query, key, device, has_kv_seqlens=bool(key_value_seq_lengths))
+    return p.decode_splits, p.decode_merge
 
 
 def backward_kernel(query, key, bias=None, mask=None, *, deterministic=False,
@@ -160,11 +172,5 @@ def backward_kernel(query, key, bias=None, mask=None, *, deterministic=False,
     `deterministic_backward`. Reads only shapes and dtypes (arrays or jax.ShapeDtypeStruct) and
     the kernel switches in the environment now; assumes the default scale; contiguous inputs as
     XLA lays them out are assumed."""
-    device, dtype_code = _kernel_query(query, device)
-    if device.platform == "cpu":
-        return "cpu"
-    *lead, t, n, h = query.shape
-    return _ext.cuda_backward_kernel(device.local_hardware_id, dtype_code, h,
-                                     key.shape[-3], bias is not None, mask is not None,
-                                     bool(deterministic), math.prod(lead), t, n, key.shape[-2],
-                                     *kernel_switches())
+    return _kernel_query(query, key, device, has_bias=bias is not None,
+                         has_mask=mask is not None, deterministic=deterministic).backward

@@ -71,13 +71,15 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple
 
     The call's third and fourth results are the CUDA kernels' workspaces, so that XLA owns
     their memory: an int32 the Hopper kernel's blocks claim tiles from (zeroed on the stream
-    per call), and the float32 split partials of the decode kernel (_ffi.decode_workspace_size;
+    per call), and the float32 split partials of the decode kernel (_ffi.plan;
     empty when the call cannot take it). Both are dropped here: only out and lse leave.
     """
     *lead, t, n, _ = q.shape
     optional, flags = _optional_operands(bias, mask, q_lens, kv_lens)
-    decode_floats = _ffi.decode_workspace_size(q.shape, k.shape, q.dtype, scale=scale,
-                                               has_bias=bias is not None, has_mask=mask is not None)
+    shape = _ffi.call_shape(q.shape, k.shape, q.dtype, scale=scale, has_bias=bias is not None,
+                            has_mask=mask is not None, has_q_seqlens=q_lens is not None,
+                            has_kv_seqlens=kv_lens is not None, switches=switches)
+    decode_floats = _ffi.plan(shape).decode_workspace_floats
     call = jax.ffi.ffi_call(
         _ffi.FORWARD_TARGET,
         (jax.ShapeDtypeStruct(q.shape, q.dtype),
