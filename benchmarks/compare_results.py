@@ -57,6 +57,7 @@ def compare(before: list[dict], after: list[dict], tolerance: float):
     lines = ["| case | ours before | ours after | change | vs cuDNN before | vs cuDNN after | "
              "change vs cuDNN | verdict |", "|---|---:|---:|---:|---:|---:|---:|---|"]
     losses, unmatched = [], []
+
     def order(key):
         row = next(iter((old.get(key) or new[key]).values()))[1]
         return (row.get("kind", ""), row.get("variant") or "", row["dtype"], row["head_dim"],

@@ -81,7 +81,9 @@ auto BindBackward(Binding binding) {
       .template Ret<ffi::AnyBuffer>()  // dv, like v
       .template Ret<ffi::AnyBuffer>()  // workspace: dq_accum float32, shaped like q
       .template Ret<ffi::AnyBuffer>()  // workspace: delta float32 [..., B, N, T]
-      .RemainingRets()                 // dbias? float32 [..., B, N, T, S], where needed
+      .RemainingRets()                 // dbias? float32 broadcastable to [..., B, N, T, S]
+                                       // (the bias's shape, or the full one in
+                                       // deterministic mode), where needed
       .template Attrs<CallAttrs>();
 }
 

@@ -22,7 +22,8 @@ struct CallShape {
   float scale = 1.0f;
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;
-  // Which optional operands the call passes.
+  // Which optional operands the call passes (read by the planner; the handlers take them from
+  // the operands themselves).
   bool has_bias = false;
   bool has_mask = false;
   bool has_q_seqlens = false;

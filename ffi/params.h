@@ -97,9 +97,10 @@ struct AttentionParams {
   BroadcastStrides dbias_strides;
   int64_t dbias_elements = 0;
   // Whether dbias broadcasts over a dimension longer than 1, so that several elements of dS
-  // sum into one of dbias: the kernels then zero it on their stream and add the visible
-  // elements (float32 atomics on the GPU). Otherwise every element has one writer, which
-  // stores it (0 where hidden) and nothing is zeroed.
+  // sum into one of dbias: the CUDA kernels then zero it on their stream and add the visible
+  // elements with float32 atomics. Otherwise every element has one writer, which stores it
+  // (0 where hidden) and nothing is zeroed. The CPU kernels always zero it and add, in a
+  // fixed order (ffi/cpu/backward.cc).
   bool dbias_accumulates = false;
   // Workspaces (results of the call, so XLA owns them; the CPU kernels ignore them).
   float* dq_accum = nullptr;  // like q, float32: dQ summed over key blocks before rounding

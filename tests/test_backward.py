@@ -115,6 +115,18 @@ def test_bias_grad_broadcast(rng, shape):
     assert got[4].shape == shape
 
 
+@pytest.mark.parametrize("shape", [(2, 4, 70, 1), (1, 4, 1, 1), (1, 1, 1, 130), (2, 1, 70, 130),
+                                   (1, 4, 70, 130)], ids=str)
+def test_bias_grad_broadcast_across_tiles(rng, shape):
+    """dbias summed over broadcast dims where several key tiles, query tiles, kv heads (GQA)
+    and batch entries add into one element: on the CPU the tasks that share an element run in
+    one task, in order; a full-shape dbias has one writer per element."""
+    q, k, v = random_qkv(rng, 2, 70, 130, 4, 2, 16, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+    got = check_grads_vs_reference(rng, q, k, v, bias, local_window_size=(90, 20))
+    assert got[4].shape == shape
+
+
 @pytest.mark.parametrize("bias_dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 def test_bias_grad_dtype(rng, bias_dtype):
     """A bias in a lower precision than q gets a gradient in its own dtype."""

@@ -8,6 +8,9 @@
 // dbias (zeroed first) sums dS over the bias's broadcast dims inside the key-tile pass: where
 // it broadcasts over the batch, the kv heads or the keys, one task runs the key tiles that
 // share its elements in a fixed order, so the sums are deterministic and O(bias) in memory.
+// That costs the pass its parallelism over those dims (a [1, 1, 1, S] bias leaves one task
+// per key tile, a bias broadcast over the keys one task per outer batch entry): the price of
+// memory that does not grow with T * S and of gradients that are bit-identical across runs.
 // Q is scaled by scale log2(e) as in the forward (base-2 logits), so dK comes out scaled by
 // log2(e) and dQ's dS K lacks the scale; both are fixed when stored.
 #include <algorithm>

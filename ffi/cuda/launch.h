@@ -79,7 +79,8 @@ template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream);
 
 // CUDA-core backward for any dtype and head dim: dq (and dbias), then dk and dv, with no
-// atomics, so results are bit-identical across runs.
+// atomics but the adds into a dbias summed over broadcast dims (params.h), so results are
+// otherwise bit-identical across runs.
 cudaError_t launch_backward_simt(const AttentionParams& p, cudaStream_t stream);
 
 // query(device), computed once per CUDA device and cached (out_of_range for ordinals past the

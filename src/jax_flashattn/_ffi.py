@@ -84,7 +84,7 @@ class CallPlan(NamedTuple):
     largest GPU the C++ split rule plans for; 0 when the call never takes a decode kernel).
     With a device: the forward and backward kernel families, and a decode call's key splits per
     (batch entry, kv head) and their merge ("cluster", "paired_cluster" or "combine"; 0 and ""
-    for any other call). Without one those are "", 0, ""."""
+    for any other call). Without one those are "", "", 0, ""."""
     decode_workspace_floats: int
     forward: str
     backward: str
@@ -120,6 +120,7 @@ def plan(shape, device=None) -> CallPlan:
     for; ValueError otherwise), or the workspace alone with device=None."""
     if device is None:
         return CallPlan(int(_ext.plan(shape, -1).decode_workspace_floats), "", "", 0, "")
+    device = _device_with_kernels(device)
     if device.platform == "cpu":
         return CallPlan(int(_ext.plan(shape, -1).decode_workspace_floats), "cpu", "cpu", 0, "")
     p = _ext.plan(shape, device.local_hardware_id)
@@ -135,7 +136,7 @@ def _kernel_query(query, key, device, **options) -> CallPlan:
     if dtype not in _DTYPE_CODES:
         raise TypeError(f"query must be float32, bfloat16 or float16, got {dtype}")
     return plan(call_shape(query.shape, key.shape, query.dtype, **options),
-                _device_with_kernels(device))
+                jax.devices()[0] if device is None else device)
 
 
 def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:

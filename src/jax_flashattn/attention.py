@@ -154,8 +154,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     backward's time by that count; not yet measured). A bias broadcast over some dims gets
     its gradient summed into its own shape by float32 atomic adds by default; with True it is
     computed at the full [B, N, T, S] in float32 and summed after (more memory). The CPU
-    kernels, and otherwise the GPU's CUDA-core path (float32, head dims the tensor cores do
-    not take), are deterministic either way. It has no effect with implementation="xla" or
+    kernels are deterministic either way, and so is the GPU's CUDA-core path (float32, head
+    dims the tensor cores do not take) apart from a broadcast bias's gradient by default. It has no effect with implementation="xla" or
     "cudnn" (jax.nn's own backward).
     """
     _validate.check_options(implementation=implementation,
