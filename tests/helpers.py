@@ -3,6 +3,9 @@ reference."""
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +17,15 @@ from jax_flashattn import _validate, reference
 # a time: its logits and probabilities are live together, and GPU tests share one device among
 # many pytest-xdist workers.
 _SPLIT_LOGITS = 2**26
+
+
+def load_benchmark_script(name: str):
+    """benchmarks/<name>.py as a module (the scripts are not a package)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def random_qkv(rng, b, t, s, n, k, h, dtype, magnitude=1.0):

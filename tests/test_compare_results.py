@@ -1,20 +1,14 @@
 """benchmarks/compare_results.py, the performance guard's case-by-case comparison (CPU only)."""
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from helpers import load_benchmark_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("compare_results",
-                                                  REPO / "benchmarks" / "compare_results.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("compare_results")
 
 
 def _row(impl, seconds, t=1024, causal=False, mode="fwd", status="ok"):

@@ -3,7 +3,6 @@
 import dataclasses
 import importlib.util
 import json
-import pathlib
 import statistics
 
 import jax
@@ -13,16 +12,11 @@ import pytest
 
 from jax_flashattn import _bench, reference
 from jax_flashattn import __main__ as main_job
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from helpers import load_benchmark_script
 
 
 def _load_bench_script():
-    spec = importlib.util.spec_from_file_location("bench_attention",
-                                                  REPO / "benchmarks" / "bench_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("bench_attention")
 
 
 def test_main_checks_pass_at_tiny_size():
