@@ -65,9 +65,10 @@ void PlanKernels(const CallShape& s, int device, CallPlan& plan) {
   AttentionParams p = PlanningParams(s);
   p.decode_workspace_floats = plan.decode_workspace_floats;
   if (plan.decode_workspace_floats > 0) p.decode_workspace = p.dq_accum;
-  plan.forward = Name(cuda::choose_forward_kernel(p, device));
+  const cuda::ForwardKernel forward = cuda::choose_forward_kernel(p, device);
+  plan.forward = Name(forward);
   plan.backward = Name(cuda::choose_backward_kernel(p, device));
-  const cuda::DecodeLayout layout = cuda::decode_layout(p, device);
+  const cuda::DecodeLayout layout = cuda::decode_layout(p, device, forward);
   plan.decode_splits = layout.splits;
   if (layout.splits > 0)
     plan.decode_merge = !layout.cluster_merge           ? "combine"

@@ -24,7 +24,8 @@ struct DecodeLayout {
   int64_t splits_per_block = 0;
   bool cluster_merge = false;
 };
-DecodeLayout decode_layout(const AttentionParams& p, int device);
+// `kernel` is the call's forward family (choose_forward_kernel's answer), which the caller has.
+DecodeLayout decode_layout(const AttentionParams& p, int device, ForwardKernel kernel);
 
 // Launches the chosen forward kernel on `stream`.
 cudaError_t launch_forward(const AttentionParams& p, cudaStream_t stream);

@@ -131,8 +131,7 @@ ForwardKernel choose_forward_kernel(const AttentionParams& p, int device) {
   return sm90_applies(p, device) ? ForwardKernel::kSm90 : ForwardKernel::kSm80;
 }
 
-DecodeLayout decode_layout(const AttentionParams& p, int device) {
-  const ForwardKernel kernel = choose_forward_kernel(p, device);
+DecodeLayout decode_layout(const AttentionParams& p, int device, ForwardKernel kernel) {
   mma_sync::DecodePlan plan;
   if ((kernel != ForwardKernel::kDecode && kernel != ForwardKernel::kDecodeSm90) ||
       !decode_plan_with_merge(p, device, kernel, plan))

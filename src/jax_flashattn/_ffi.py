@@ -118,11 +118,10 @@ def call_shape(query_shape, key_shape, dtype, *, scale=None, has_bias=False, has
 def plan(shape, device=None) -> CallPlan:
     """The plan of a call_shape: on `device` (a CPU or an NVIDIA GPU this install has kernels
     for; ValueError otherwise), or the workspace alone with device=None."""
-    if device is None:
-        return CallPlan(int(_ext.plan(shape, -1).decode_workspace_floats), "", "", 0, "")
-    device = _device_with_kernels(device)
-    if device.platform == "cpu":
-        return CallPlan(int(_ext.plan(shape, -1).decode_workspace_floats), "cpu", "cpu", 0, "")
+    device = None if device is None else _device_with_kernels(device)
+    if device is None or device.platform == "cpu":  # the CPU kernels take no planning
+        family = "" if device is None else "cpu"
+        return CallPlan(int(_ext.plan(shape, -1).decode_workspace_floats), family, family, 0, "")
     p = _ext.plan(shape, device.local_hardware_id)
     return CallPlan(int(p.decode_workspace_floats), p.forward, p.backward, int(p.decode_splits),
                     p.decode_merge)
