@@ -85,7 +85,7 @@ struct StepTiles {
 // D_t = dO_t . O_t for every row of head n of batch element b (0 past the query length).
 void delta_task(const AttentionParams& p, int64_t b, int64_t n) {
   const int64_t h = p.head_dim;
-  const int64_t q_len = valid_length(p.q_seqlens, b, p.seqlen_q);
+  const int64_t q_len = variant::clamp_length(p.q_seqlens, b, p.seqlen_q);
   std::vector<float> d_out(h), out(h);
   float* delta = p.delta + (b * p.num_heads + n) * p.seqlen_q;
   for (int64_t t = 0; t < p.seqlen_q; ++t) {
@@ -106,9 +106,9 @@ void delta_task(const AttentionParams& p, int64_t b, int64_t n) {
 JAX_FLASHATTN_CPU_TASK
 void key_tile_task(const AttentionParams& p, int64_t b, int64_t kv_head, int64_t s0) {
   const int64_t h = p.head_dim, hp = round_up(h, kMatCols);
-  const KeyRange range(p, b);
+  const auto window = variant::KeyWindow<int64_t>::make(p, b);
   const int64_t s_end = std::min(p.seqlen_k, s0 + kTileKeys);
-  const int64_t count = std::max<int64_t>(0, std::min(range.kv_len(), s_end) - s0);
+  const int64_t count = std::max<int64_t>(0, std::min(window.kv_len, s_end) - s0);
 
   std::vector<float> k_rows(kTileKeys * hp, 0.0f), kt(hp * kTileKeys, 0.0f);
   std::vector<float> v_rows(kTileKeys * hp, 0.0f), vt(hp * kTileKeys, 0.0f);
@@ -121,12 +121,12 @@ void key_tile_task(const AttentionParams& p, int64_t b, int64_t kv_head, int64_t
   const int64_t group = p.group_size();
   const BroadcastStrides& db = p.dbias_strides;
   for (int64_t n = kv_head * group; n < (kv_head + 1) * group; ++n) {
-    const TileLogits logits(p, range, b, n);
+    const TileLogits logits(p, window, b, n);
     float* dbias = p.dbias != nullptr ? p.dbias + db.offset(b, p.batch_inner, n, 0, s0)
                                       : nullptr;
     for (int64_t r0 = 0; r0 < p.seqlen_q; r0 += kTileRows) {
-      const int64_t rows = std::min(kTileRows, range.q_len() - r0);
-      if (count <= 0 || rows <= 0 || !range.rows_see_keys(r0, r0 + rows, s0, s0 + count))
+      const int64_t rows = std::min(kTileRows, window.q_len - r0);
+      if (count <= 0 || rows <= 0 || !rows_see_keys(window, r0, r0 + rows, s0, s0 + count))
         continue;
       tiles.load_rows(p, b, n, r0, rows);
       tiles.compute(logits, r0, s0, kt.data(), vt.data());
@@ -160,19 +160,20 @@ JAX_FLASHATTN_CPU_TASK
 void query_tile_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0) {
   const int64_t h = p.head_dim, hp = round_up(h, kMatCols);
   const int64_t kv_head = n / p.group_size();
-  const KeyRange range(p, b);
+  const auto window = variant::KeyWindow<int64_t>::make(p, b);
   const int64_t r_end = std::min(p.seqlen_q, r0 + kTileRows);
-  const int64_t rows = std::max<int64_t>(0, std::min(range.q_len(), r_end) - r0);
+  const int64_t rows = std::max<int64_t>(0, std::min(window.q_len, r_end) - r0);
 
   std::vector<float> dq(kTileRows * hp, 0.0f);
-  if (rows > 0 && range.rows_see_keys(r0, r0 + rows, 0, range.kv_len())) {
+  if (rows > 0 && rows_see_keys(window, r0, r0 + rows, 0, window.kv_len)) {
     std::vector<float> k_rows(kTileKeys * hp, 0.0f), kt(hp * kTileKeys, 0.0f);
     std::vector<float> v_rows(kTileKeys * hp, 0.0f), vt(hp * kTileKeys, 0.0f);
     StepTiles tiles(hp);
     tiles.load_rows(p, b, n, r0, rows);
-    const TileLogits logits(p, range, b, n);
-    const int64_t key_end = range.end(r0 + rows - 1);
-    for (int64_t k0 = range.begin(r0); k0 < key_end; k0 += kTileKeys) {
+    const TileLogits logits(p, window, b, n);
+    int64_t key_begin, key_end;
+    window.key_range(r0, r0 + rows, key_begin, key_end);
+    for (int64_t k0 = key_begin; k0 < key_end; k0 += kTileKeys) {
       const int64_t count = std::min(kTileKeys, key_end - k0);
       if (count < kTileKeys) {  // the last tile: the previous tile's keys must not linger
         std::fill(k_rows.begin(), k_rows.end(), 0.0f);

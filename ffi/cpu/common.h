@@ -11,6 +11,7 @@
 #include "ffi/cpu/elem.h"
 #include "ffi/cpu/tile_math.h"
 #include "ffi/params.h"
+#include "ffi/variant.h"
 
 namespace jax_flashattn::cpu {
 
@@ -40,46 +41,18 @@ inline int64_t kv_offset(const AttentionParams& p, int64_t b, int64_t s, int64_t
   return b * p.kv_batch_stride + s * p.kv_row_stride + kv_head * p.kv_head_stride;
 }
 
-// A sequence length clamped to [0, limit]; a missing length is the whole sequence.
-inline int64_t valid_length(const int32_t* lengths, int64_t b, int64_t limit) {
-  if (lengths == nullptr) return limit;
-  return std::clamp<int64_t>(lengths[b], 0, limit);
+// The keys row t may see before mask and bias: [begin, end) with end <= begin when none (rows at
+// or past q_len see none). Both bounds never decrease with t.
+JAX_FLASHATTN_CPU_INLINE void row_keys(const variant::KeyWindow<int64_t>& window, int64_t t,
+                                       int64_t& begin, int64_t& end) {
+  window.key_range(t, t + 1, begin, end);
 }
 
-// The keys a query row of batch element b may see before mask and bias: [begin(t), end(t)), its
-// window cut to the valid keys. Rows at or past q_len() see none. begin and end never decrease
-// with t, so the keys of rows [r0, r1) all lie in [begin(r0), end(r1 - 1)), and the rows that
-// may see a key of [s0, s1) are those with end(t) > s0 and begin(t) < s1.
-class KeyRange {
- public:
-  KeyRange(const AttentionParams& p, int64_t b)
-      : q_len_(valid_length(p.q_seqlens, b, p.seqlen_q)),
-        kv_len_(valid_length(p.kv_seqlens, b, p.seqlen_k)),
-        // A side past T + S (or unbounded) changes nothing for t < T, s < S; clamping there
-        // keeps t - left and t + right + 1 far from overflow.
-        left_(p.window_left == kUnboundedWindow
-                  ? p.seqlen_q
-                  : std::clamp<int64_t>(p.window_left, -(p.seqlen_k + 1), p.seqlen_q)),
-        right_(p.window_right == kUnboundedWindow
-                   ? p.seqlen_k
-                   : std::clamp<int64_t>(p.window_right, -(p.seqlen_q + 1), p.seqlen_k)) {}
-
-  int64_t q_len() const { return q_len_; }
-  int64_t kv_len() const { return kv_len_; }
-  int64_t begin(int64_t t) const { return std::clamp<int64_t>(t - left_, 0, kv_len_); }
-  int64_t end(int64_t t) const { return std::clamp<int64_t>(t + right_ + 1, 0, kv_len_); }
-  // Whether some row of [r0, r1) (below q_len) may see a key of [s0, s1).
-  bool rows_see_keys(int64_t r0, int64_t r1, int64_t s0, int64_t s1) const {
-    r1 = std::min(r1, q_len_);
-    return r0 < r1 && end(r1 - 1) > s0 && begin(r0) < s1;
-  }
-
- private:
-  int64_t q_len_;
-  int64_t kv_len_;
-  int64_t left_;
-  int64_t right_;
-};
+// Whether some row of [r0, r1) may see a key of [s0, s1).
+inline bool rows_see_keys(const variant::KeyWindow<int64_t>& window, int64_t r0, int64_t r1,
+                          int64_t s0, int64_t s1) {
+  return window.classify(r0, r1, s0, s1) != variant::TileClass::kHidden;
+}
 
 // Rows [s0, s0 + count) of a k-like tensor (kv head kv_head of batch element b) as float32:
 // rows[j][0, H) with row stride `ld`, and, where `transposed` is given, transposed[d][j] with row
@@ -97,44 +70,46 @@ inline void load_key_rows(const AttentionParams& p, const void* base, int64_t b,
 
 // Base-2 logits of a tile of head n of batch element b: x = (scale q.k + bias) log2(e) for the
 // keys a row sees, -inf for the others, where x holds scale log2(e) q.k on entry (Q was scaled).
+// The policies of ffi/variant.h, applied a row at a time: the bias row is converted in one pass.
 class TileLogits {
  public:
-  TileLogits(const AttentionParams& p, const KeyRange& range, int64_t b, int64_t n)
-      : p_(p), range_(range), b_(b), n_(n), batch_inner_(std::max<int64_t>(1, p.batch_inner)) {}
+  TileLogits(const AttentionParams& p, const variant::KeyWindow<int64_t>& window, int64_t b,
+             int64_t n)
+      : window_(window),
+        mask_(variant::ElementMask::make(p, b, n)),
+        bias_(variant::AdditiveBias::make(p, b, n)) {}
 
   // Row t's kTileKeys logits x of keys [k0, k0 + kTileKeys); false when it sees none of them
   // (then x is all -inf).
   JAX_FLASHATTN_CPU_INLINE bool apply(int64_t t, int64_t k0, float* x,
                                        std::vector<float>& bias_row) const {
-    const int64_t j0 = std::max(k0, range_.begin(t)) - k0;
-    const int64_t j1 = std::min(k0 + kTileKeys, range_.end(t)) - k0;
-    if (t >= range_.q_len() || j0 >= j1) {
+    int64_t begin, end;
+    row_keys(window_, t, begin, end);
+    const int64_t j0 = std::max(k0, begin) - k0;
+    const int64_t j1 = std::min(k0 + kTileKeys, end) - k0;
+    if (j0 >= j1) {
       std::fill(x, x + kTileKeys, kNegInf);
       return false;
     }
     std::fill(x, x + j0, kNegInf);
     std::fill(x + j1, x + kTileKeys, kNegInf);
-    if (p_.bias != nullptr) {
-      const BroadcastStrides& st = p_.bias_strides;
-      load_row(p_.bias_dtype, p_.bias, st.offset(b_, batch_inner_, n_, t, k0 + j0), j1 - j0,
-               bias_row.data(), st.col);
+    if (bias_.present()) {
+      load_row(bias_.type, bias_.base, bias_.slice.at(t, k0 + j0), j1 - j0, bias_row.data(),
+               bias_.slice.col);
       for (int64_t j = j0; j < j1; ++j) x[j] += bias_row[j - j0] * kLog2e;
     }
-    if (p_.mask != nullptr) {
-      const BroadcastStrides& st = p_.mask_strides;
-      const bool* keep = p_.mask + st.offset(b_, batch_inner_, n_, t, k0);
+    if (mask_.present()) {
+      const variant::ElementMask row = mask_.from(t, k0);
       for (int64_t j = j0; j < j1; ++j)
-        if (!keep[j * st.col]) x[j] = kNegInf;
+        if (!row.keeps(0, j)) x[j] = kNegInf;
     }
     return true;
   }
 
  private:
-  const AttentionParams& p_;
-  const KeyRange& range_;
-  int64_t b_;
-  int64_t n_;
-  int64_t batch_inner_;
+  variant::KeyWindow<int64_t> window_;
+  variant::ElementMask mask_;
+  variant::AdditiveBias bias_;
 };
 
 // Rows [r0, r0 + rows) of head n of a q-like tensor as float32 times `scale`: dst[i][0, H) with

@@ -34,11 +34,11 @@ JAX_FLASHATTN_CPU_TASK
 void forward_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0) {
   const int64_t h = p.head_dim, hp = round_up(h, kMatCols);
   const int64_t kv_head = n / p.group_size();
-  const KeyRange range(p, b);
+  const auto window = variant::KeyWindow<int64_t>::make(p, b);
   const int64_t r_end = std::min(p.seqlen_q, r0 + kTileRows);
-  const int64_t r1 = std::min(range.q_len(), r_end);  // rows [r0, r1) may see keys
+  const int64_t r1 = std::min(window.q_len, r_end);  // rows [r0, r1) may see keys
   const std::vector<float> zeros(h, 0.0f);
-  if (r1 <= r0 || !range.rows_see_keys(r0, r1, 0, range.kv_len())) {
+  if (r1 <= r0 || !rows_see_keys(window, r0, r1, 0, window.kv_len)) {
     write_unseen_rows(p, b, n, r0, r_end, zeros);
     return;
   }
@@ -49,10 +49,11 @@ void forward_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0) {
   std::vector<float> v(kTileKeys * hp, 0.0f), s(kTileRows * kTileKeys);
   std::vector<float> m(kTileRows, kNegInf), l(kTileRows, 0.0f), bias_row(kTileKeys);
   load_query_rows(p, p.q, b, n, r0, rows, p.scale * kLog2e, q.data(), hp);
-  const TileLogits logits(p, range, b, n);
+  const TileLogits logits(p, window, b, n);
 
-  const int64_t key_end = range.end(r1 - 1);
-  for (int64_t k0 = range.begin(r0); k0 < key_end; k0 += kTileKeys) {
+  int64_t key_begin, key_end;
+  window.key_range(r0, r1, key_begin, key_end);
+  for (int64_t k0 = key_begin; k0 < key_end; k0 += kTileKeys) {
     const int64_t count = std::min(kTileKeys, key_end - k0);
     if (count < kTileKeys) {  // the last tile: the previous tile's keys must not linger
       std::fill(kt.begin(), kt.end(), 0.0f);

@@ -1,6 +1,10 @@
-// Which keys a query sees, shared by every CUDA kernel: the key range a block of query rows
-// must visit (so whole tiles outside it are never loaded) and the per-element predicate for
-// the tiles that straddle a boundary.
+// Which keys a query sees, in the forms the CUDA kernels test: the key range a block of query
+// rows must visit (so whole tiles outside it are never loaded) and the per-element predicate
+// for the tiles that straddle a boundary. The int32 bounds of the Hopper forward and the decode
+// kernels are variant::KeyWindow<int> (ffi/variant.h); Visibility below is the 64-bit form,
+// with the elementwise mask, of the CUDA-core, mma.sync and Hopper backward kernels, which
+// keeps an unbounded window side as a branch instead of a clamped bound (their SASS and
+// speed as measured).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,6 +14,7 @@
 
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/params.h"
+#include "ffi/variant.h"
 
 namespace jax_flashattn::cuda {
 
@@ -79,66 +84,6 @@ struct Visibility {
   }
 };
 
-// Visibility of one (batch, head) in int32 arithmetic, for kernels whose calls keep
-// seqlen_q + seqlen_k + 1024 below 2^31 (the Hopper forward: indices_fit_32_bits), so that every
-// sum of a row, a key, a block and a window below stays in range. No elementwise mask. A query
-// t < seqlen_q and a key s < seqlen_k have -seqlen_q < s - t < seqlen_k, so a left bound of
-// seqlen_q or more hides no key of the call and one of -seqlen_k or less hides every key (and
-// the right bound the same, mirrored). Clamped to [-seqlen_k, seqlen_q] (left) and [-seqlen_q,
-// seqlen_k] (right), each side decides every pair as before, an unbounded side is one that hides
-// nothing, and no test branches on whether a side is bounded. (In 64-bit, with those branches,
-// a tile's bounds are a long dependent chain on every warp's path:
-// docs/decisions/int32-bounds-and-column-bits-masking.md.)
-struct Visibility32 {
-  int q_len, kv_len;  // rows t >= q_len see nothing, keys s >= kv_len are hidden
-  int window_left, window_right;  // query t sees key s iff t - left <= s <= t + right
-
-  // The call's windows, with the call's lengths (make(p, b) has the batch entry's).
-  __device__ static Visibility32 make(const AttentionParams& p) {
-    const auto clamp = [](int64_t w, int64_t hides_all, int64_t hides_none) {
-      if (w == kUnboundedWindow || w > hides_none) return int(hides_none);
-      return int(w < hides_all ? hides_all : w);
-    };
-    Visibility32 v;
-    v.q_len = int(p.seqlen_q);
-    v.kv_len = int(p.seqlen_k);
-    v.window_left = clamp(p.window_left, -p.seqlen_k, p.seqlen_q);
-    v.window_right = clamp(p.window_right, -p.seqlen_q, p.seqlen_k);
-    return v;
-  }
-
-  __device__ static Visibility32 make(const AttentionParams& p, int b) {
-    Visibility32 v = make(p);
-    if (p.q_seqlens != nullptr) v.q_len = int(Visibility::clamp(p.q_seqlens[b], p.seqlen_q));
-    if (p.kv_seqlens != nullptr) v.kv_len = int(Visibility::clamp(p.kv_seqlens[b], p.seqlen_k));
-    return v;
-  }
-
-  // Keys [lo, hi) that rows [row_begin, row_end) may see; hi <= lo when none.
-  __device__ void key_range(int row_begin, int row_end, int& lo, int& hi) const {
-    row_end = min(row_end, q_len);
-    lo = max(0, row_begin - window_left);
-    // The last row, row_end - 1, sees keys up to row_end - 1 + window_right.
-    hi = row_end > row_begin ? min(kv_len, row_end + window_right) : 0;
-  }
-
-  // The key tiles that Visibility::all_visible accepts for rows [row_begin, row_end): tile j of
-  // a walk that starts at tile tile_begin (keys [(tile_begin + j) * kBlockN, + kBlockN)) lies
-  // whole inside every row's visible keys iff lo <= j < hi. Worked out once per block of rows,
-  // it leaves two compares per tile.
-  template <int kBlockN>
-  __device__ void all_visible_tiles(int row_begin, int row_end, int tile_begin, int& lo,
-                                    int& hi) const {
-    lo = hi = 0;
-    if (row_end > q_len) return;
-    const int key_lo = max(0, row_end - 1 - window_left);
-    const int key_hi = min(kv_len, row_begin + window_right + 1);
-    if (key_hi <= key_lo) return;
-    lo = int((unsigned(key_lo) + kBlockN - 1) / kBlockN) - tile_begin;
-    hi = int(unsigned(key_hi) / kBlockN) - tile_begin;
-  }
-};
-
 // Visibility inside one (row block, key tile) in 32-bit tile-relative coordinates: row r and
 // key c of the tile (0 <= r, c < span) are visible iff r < rows, c < keys and
 // diff_lo <= c - r <= diff_hi. Clamping every bound to [-span, span] keeps each comparison's
@@ -159,14 +104,15 @@ struct TileVisibility {
     return t;
   }
 
-  // The same from int32 bounds (no unbounded side there: see Visibility32).
-  __device__ static TileVisibility make(const Visibility32& v, int row0, int key0, int span) {
+  // The same from int32 bounds (no unbounded side there: see variant::KeyWindow).
+  __device__ static TileVisibility make(const variant::KeyWindow<int>& v, int row0, int key0,
+                                        int span) {
     const auto clamp = [span](int x) { return min(max(x, -span), span); };
     TileVisibility t;
     t.rows = clamp(v.q_len - row0);
     t.keys = clamp(v.kv_len - key0);
-    t.diff_lo = clamp(row0 - key0 - v.window_left);
-    t.diff_hi = clamp(row0 - key0 + v.window_right);
+    t.diff_lo = clamp(row0 - key0 - v.left);
+    t.diff_hi = clamp(row0 - key0 + v.right);
     return t;
   }
 

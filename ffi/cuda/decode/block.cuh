@@ -24,8 +24,8 @@ namespace jax_flashattn::mma_sync {
 // int32: 32-bit arithmetic on the path to a block's first K/V request (a 64-bit division is a
 // branch and tens of instructions) and in its per-tile loop
 // (docs/decisions/decode-kv-streaming.md).
-__device__ __forceinline__ void decode_key_range(const cuda::Visibility32& vis, int row_begin,
-                                                 int row_end, int& lo, int& hi) {
+__device__ __forceinline__ void decode_key_range(const variant::KeyWindow<int>& vis,
+                                                 int row_begin, int row_end, int& lo, int& hi) {
   vis.key_range(row_begin, row_end, lo, hi);
   lo = min(lo, vis.kv_len);
   hi = max(hi, 0);
@@ -43,7 +43,7 @@ struct DecodeSplit {
   int unit, split, b, kv_head;
   int group;          // query heads per kv head
   int64_t kv_offset;  // elements from K's (and V's) start to the unit's first key
-  cuda::Visibility32 vis;
+  variant::KeyWindow<int> vis;
   int key_lo, key_hi;  // keys some row of the unit sees
   int tile_begin, tile_end;
 
@@ -58,7 +58,7 @@ struct DecodeSplit {
     s.kv_head = unit - s.b * kv_heads;
     s.group = int(p.num_heads) / kv_heads;
     s.kv_offset = s.b * p.kv_batch_stride + s.kv_head * p.kv_head_stride;
-    s.vis = cuda::Visibility32::make(p, s.b);
+    s.vis = variant::KeyWindow<int>::make(p, s.b);
     decode_key_range(s.vis, 0, int(p.seqlen_q), s.key_lo, s.key_hi);
     const int first_tile = s.key_lo / kBlockN;
     const int tiles = s.key_hi > s.key_lo ? (s.key_hi + kBlockN - 1) / kBlockN - first_tile : 0;
@@ -78,8 +78,8 @@ struct DecodeRows {
   int row[2];
   int key_lo[2], key_hi[2];
 
-  __device__ static DecodeRows make(const cuda::Visibility32& vis, int slab, int lane, int rows,
-                                    int group) {
+  __device__ static DecodeRows make(const variant::KeyWindow<int>& vis, int slab, int lane,
+                                    int rows, int group) {
     DecodeRows d;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

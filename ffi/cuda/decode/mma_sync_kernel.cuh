@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // docs/decisions/decode-kv-streaming.md).
   const int splits = int(plan.splits), block = int(blockIdx.x);
   const DecodeSplit sp = DecodeSplit::make<kBlockN>(p, plan, block / splits, block % splits);
-  const cuda::Visibility32& vis = sp.vis;
+  const variant::KeyWindow<int>& vis = sp.vis;
   const int key_lo = sp.key_lo, key_hi = sp.key_hi;
   const int tile_begin = sp.tile_begin, tile_end = sp.tile_end;
   // The ring's stage `stage` <- key tile `tile` (keys past the length zero-filled).

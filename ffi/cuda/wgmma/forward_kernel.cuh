@@ -107,7 +107,7 @@ __device__ void write_unseen_rows(const AttentionParams& p, const ForwardTile& t
 // a window: the block's, up to the one that holds the last key its rows see, or all of the
 // block's where its rows see none (the consumers' wg_tiles below, by the same rule).
 template <int kBlockN>
-__device__ __forceinline__ int windowed_warpgroup_tiles(const cuda::Visibility32& vis,
+__device__ __forceinline__ int windowed_warpgroup_tiles(const variant::KeyWindow<int>& vis,
                                                         const ForwardTile& t, int wg_row0) {
   int key_lo, key_hi;
   vis.key_range(t.row0 + wg_row0, t.row0 + wg_row0 + 64, key_lo, key_hi);
@@ -130,7 +130,7 @@ template <int kBlockN, bool kWindowed>
 __device__ __forceinline__ int first_v_row_to_zero(const AttentionParams& p, const ForwardTile& t,
                                                    int consumer, int wg_tiles) {
   if (p.kv_seqlens == nullptr) return kBlockN;  // rows past S load as zeros
-  const cuda::Visibility32 vis = cuda::Visibility32::make(p, int(ptx::opaque(uint32_t(t.b))));
+  const auto vis = variant::KeyWindow<int>::make(p, int(ptx::opaque(uint32_t(t.b))));
   const int last_key0 = (t.tile_begin + wg_tiles - 1) * kBlockN;
   if (vis.kv_len >= p.seqlen_k || vis.kv_len - last_key0 >= kBlockN) return kBlockN;
   if constexpr (kWindowed) {
@@ -535,7 +535,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
   // The block's next tile from the slot; false when there is none (the producer has left).
   int tiles_read = 0;
-  const cuda::Visibility32 call_vis = cuda::Visibility32::make(p);
+  const auto call_vis = variant::KeyWindow<int>::make(p);
   const auto read_tile = [&](ForwardTile& tile) {
     ptx::mbarrier_wait(bar(bars.tile_full), uint32_t(tiles_read) & 1);
     const bool more = TileSlot::load(tile_slot, call_vis, tile);
@@ -632,7 +632,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // through the tile loop for this, spills with three consumers
         // (docs/decisions/int32-bounds-and-column-bits-masking.md).
         // The opaque batch index keeps the compiler from reusing the tile's first loads.
-        const cuda::Visibility32 vis = cuda::Visibility32::make(p, ptx::opaque(uint32_t(t.b)));
+        const auto vis = variant::KeyWindow<int>::make(p, ptx::opaque(uint32_t(t.b)));
         const cuda::TileVisibility tile_vis = cuda::TileVisibility::make(
             vis, t.row0, (t.tile_begin + j) * kBlockN, kBlockM + kBlockN);
 #pragma unroll

@@ -20,7 +20,7 @@ struct ForwardTile {
   int row0;          // first query row of the block
   int tile_begin;    // first K/V tile the block visits
   int num_kv_tiles;  // 0 when no row of the block sees a key
-  cuda::Visibility32 vis;
+  variant::KeyWindow<int> vis;
 };
 
 // A claimed tile as the producer hands it to the consumers: 32 bytes of shared memory (16-byte
@@ -38,12 +38,13 @@ struct TileSlot {
   __device__ static void store_end(uint32_t address) {
     ptx::st_shared_v4_b32(address, uint32_t(-1), 0, 0, 0);
   }
-  // The tile in the slot, with the windows of `call` (Visibility32::make(p), made once);
+  // The tile in the slot, with the windows of `call` (KeyWindow<int>::make(p), made once);
   // false when the slot says there is none. Every lane loads the same
   // words; a warp reduction of each says so to ptxas, which then keeps the tile in uniform
   // registers and its loop bounds' branches uniform (loaded plainly, the eight words take
   // vector registers; docs/decisions/hopper-forward-tile-hand-over.md).
-  __device__ static bool load(uint32_t address, const cuda::Visibility32& call, ForwardTile& t) {
+  __device__ static bool load(uint32_t address, const variant::KeyWindow<int>& call,
+                              ForwardTile& t) {
     uint32_t w[4], x[4];
     ptx::ld_shared_v4_b32(address, w);
     ptx::ld_shared_v4_b32(address + 16, x);
@@ -92,7 +93,7 @@ struct TileScheduler {
     t.n = bh % heads;
     t.kv_head = t.n / group_size;
     t.row0 = (m_blocks - 1 - index % m_blocks) * kBlockM;
-    t.vis = cuda::Visibility32::make(p, t.b);
+    t.vis = variant::KeyWindow<int>::make(p, t.b);
     int key_lo, key_hi;
     t.vis.key_range(t.row0, t.row0 + kBlockM, key_lo, key_hi);
     t.tile_begin = key_hi > key_lo ? key_lo / kBlockN : 0;

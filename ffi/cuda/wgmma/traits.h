@@ -70,7 +70,7 @@ struct ForwardTraits {
 
 // The tile scheduler keeps rows, (batch, head) and tile indices in 32 bits: T, S, batch * heads
 // and the tile count (at most one per 64 rows, per head) plus the grid must stay below 2^31, and
-// so must T + S, which the forward's bounds (cuda::Visibility32) add up
+// so must T + S, which the forward's bounds (variant::KeyWindow<int>) add up
 // (docs/decisions/int32-bounds-and-column-bits-masking.md).
 inline bool indices_fit_32_bits(const AttentionParams& p) {
   constexpr int64_t kLimit = 0x7fffffff - 1024;

@@ -1,0 +1,195 @@
+// Attention variants as policies: one definition of each concept, host and device alike.
+//
+//   KeyWindow<Index>  sequence lengths, causal and local windows: visible(t, s) per element,
+//                     key_range() for the tiles a block of rows visits, classify() per tile
+//                     (skip it, test each element, or test none)
+//   ElementMask       the boolean mask: keeps(t, s)
+//   AdditiveBias      the bias operand, added to scale q.k
+//
+// Callers: the CPU kernels (ffi/cpu/common.h), the Hopper forward and the decode kernels
+// (KeyWindow<int>, and its tile-relative form in ffi/cuda/common/mask.cuh). The CUDA-core,
+// mma.sync and Hopper backward kernels test the same rule through cuda::Visibility
+// (ffi/cuda/common/mask.cuh). docs/design.md lists what a new variant touches.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "ffi/params.h"
+
+namespace jax_flashattn::variant {
+
+// What a kernel does with a block of (query, key) pairs.
+enum class TileClass : int {
+  kHidden,   // no pair is visible: skip the tile (nothing loaded, nothing computed)
+  kPartial,  // some may be hidden: test each element
+  kVisible,  // every pair is visible: no element needs a test
+};
+
+template <typename T>
+JAX_FLASHATTN_HOST_DEVICE constexpr T min_of(T a, T b) { return b < a ? b : a; }
+template <typename T>
+JAX_FLASHATTN_HOST_DEVICE constexpr T max_of(T a, T b) { return a < b ? b : a; }
+
+// A sequence length clamped to [0, size]; a missing length is the whole sequence.
+JAX_FLASHATTN_HOST_DEVICE inline int64_t clamp_length(const int32_t* lengths, int64_t b,
+                                                      int64_t size) {
+  if (lengths == nullptr) return size;
+  const int64_t length = lengths[b];
+  return length < 0 ? 0 : (length > size ? size : length);
+}
+
+// Sequence lengths and the local window of one batch entry: query t sees key s iff t < q_len,
+// s < kv_len and t - left <= s <= t + right (causal is right = 0).
+//
+// The bounds are clamped so that no side is "unbounded" and no test branches on one: a query
+// t < T and a key s < S have -T < s - t < S, so a left bound of T or more hides no key and one
+// of -S or less hides every key (the right bound the same, mirrored). Clamped to [-S, T] (left)
+// and [-T, S] (right), each side decides every pair as the call's bound does, and every sum
+// below of a row, a key, a block of either (<= 1024) and a bound stays within T + S + 1024 in
+// magnitude. Index = int serves calls where that fits in int32 (the wgmma and decode kernels:
+// indices_fit_32_bits), int64_t every call.
+template <typename Index>
+struct KeyWindow {
+  using index_type = Index;
+  Index q_len, kv_len;  // rows t >= q_len see nothing, keys s >= kv_len are hidden
+  Index left, right;
+
+  // The call's windows with the call's lengths (make(p, b) has batch entry b's).
+  JAX_FLASHATTN_HOST_DEVICE static KeyWindow make(const AttentionParams& p) {
+    const auto clamp = [](int64_t w, int64_t hides_all, int64_t hides_none) {
+      if (w == kUnboundedWindow || w > hides_none) return Index(hides_none);
+      return Index(w < hides_all ? hides_all : w);
+    };
+    KeyWindow v;
+    v.q_len = Index(p.seqlen_q);
+    v.kv_len = Index(p.seqlen_k);
+    v.left = clamp(p.window_left, -p.seqlen_k, p.seqlen_q);
+    v.right = clamp(p.window_right, -p.seqlen_q, p.seqlen_k);
+    return v;
+  }
+
+  JAX_FLASHATTN_HOST_DEVICE static KeyWindow make(const AttentionParams& p, Index b) {
+    KeyWindow v = make(p);
+    if (p.q_seqlens != nullptr) v.q_len = Index(clamp_length(p.q_seqlens, b, p.seqlen_q));
+    if (p.kv_seqlens != nullptr) v.kv_len = Index(clamp_length(p.kv_seqlens, b, p.seqlen_k));
+    return v;
+  }
+
+  JAX_FLASHATTN_HOST_DEVICE bool visible(Index t, Index s) const {
+    return t < q_len && s < kv_len && s >= t - left && s <= t + right;
+  }
+
+  // Keys [lo, hi) that rows [row_begin, row_end) may see; hi <= lo when none. lo may exceed
+  // kv_len (then hi <= lo).
+  JAX_FLASHATTN_HOST_DEVICE void key_range(Index row_begin, Index row_end, Index& lo,
+                                           Index& hi) const {
+    row_end = min_of(row_end, q_len);
+    lo = max_of(Index(0), row_begin - left);
+    // The last row, row_end - 1, sees keys up to row_end - 1 + right.
+    hi = row_end > row_begin ? min_of(kv_len, row_end + right) : Index(0);
+  }
+
+  // The rectangle rows [row_begin, row_end) x keys [key_begin, key_end).
+  JAX_FLASHATTN_HOST_DEVICE TileClass classify(Index row_begin, Index row_end, Index key_begin,
+                                               Index key_end) const {
+    Index lo, hi;
+    key_range(row_begin, row_end, lo, hi);
+    if (max_of(lo, key_begin) >= min_of(hi, key_end)) return TileClass::kHidden;
+    return all_visible(row_begin, row_end, key_begin, key_end) ? TileClass::kVisible
+                                                               : TileClass::kPartial;
+  }
+
+  // Whether every pair of the rectangle is visible: every row below q_len, every key below
+  // kv_len, the first key inside the last row's window and the last key inside the first's.
+  JAX_FLASHATTN_HOST_DEVICE bool all_visible(Index row_begin, Index row_end, Index key_begin,
+                                             Index key_end) const {
+    return row_end <= q_len && key_end <= kv_len && key_begin >= row_end - 1 - left &&
+           key_end - 1 <= row_begin + right;
+  }
+
+  // The key tiles all_visible accepts for rows [row_begin, row_end): tile j of a walk that
+  // starts at tile tile_begin (keys [(tile_begin + j) * kBlockN, + kBlockN)) lies whole inside
+  // every row's visible keys iff lo <= j < hi. Worked out once per block of rows, it leaves two
+  // compares per tile.
+  template <int kBlockN>
+  JAX_FLASHATTN_HOST_DEVICE void all_visible_tiles(Index row_begin, Index row_end,
+                                                   Index tile_begin, Index& lo,
+                                                   Index& hi) const {
+    lo = hi = 0;
+    if (row_end > q_len) return;
+    const Index key_lo = max_of(Index(0), row_end - 1 - left);
+    const Index key_hi = min_of(kv_len, row_begin + right + 1);
+    if (key_hi <= key_lo) return;
+    // Both keys are >= 0 here: unsigned division is the cheaper one.
+    using Unsigned = std::make_unsigned_t<Index>;
+    lo = Index((Unsigned(key_lo) + kBlockN - 1) / kBlockN) - tile_begin;
+    hi = Index(Unsigned(key_hi) / kBlockN) - tile_begin;
+  }
+};
+
+// The operand of one (batch, head) of a tensor that broadcasts to [batch, N, T, S]: element
+// (t, s) at offset + t * row + s * col (in elements of its buffer).
+struct HeadSlice {
+  int64_t offset = 0, row = 0, col = 0;
+
+  JAX_FLASHATTN_HOST_DEVICE static HeadSlice make(const BroadcastStrides& st,
+                                                  const AttentionParams& p, int64_t b,
+                                                  int64_t n) {
+    const int64_t inner = p.batch_inner > 0 ? p.batch_inner : 1;
+    return HeadSlice{st.offset(b, inner, n, 0, 0), st.row, st.col};
+  }
+  JAX_FLASHATTN_HOST_DEVICE int64_t at(int64_t t, int64_t s) const {
+    return offset + t * row + s * col;
+  }
+  // The same elements with (t0, s0) as the origin: at(r, c) of the result is at(t0 + r, s0 + c).
+  JAX_FLASHATTN_HOST_DEVICE HeadSlice from(int64_t t0, int64_t s0) const {
+    return HeadSlice{at(t0, s0), row, col};
+  }
+};
+
+// The boolean mask (true = keep) of one (batch, head); keep == nullptr when the call has none.
+// Read only inside the KeyWindow's visible pairs, which lie inside [T, S].
+struct ElementMask {
+  const bool* keep = nullptr;
+  HeadSlice slice;
+
+  JAX_FLASHATTN_HOST_DEVICE static ElementMask make(const AttentionParams& p, int64_t b,
+                                                    int64_t n) {
+    ElementMask m;
+    if (p.mask != nullptr) {
+      m.keep = p.mask;
+      m.slice = HeadSlice::make(p.mask_strides, p, b, n);
+    }
+    return m;
+  }
+  JAX_FLASHATTN_HOST_DEVICE bool present() const { return keep != nullptr; }
+  JAX_FLASHATTN_HOST_DEVICE bool keeps(int64_t t, int64_t s) const {
+    return keep == nullptr || keep[slice.at(t, s)];
+  }
+  JAX_FLASHATTN_HOST_DEVICE ElementMask from(int64_t t0, int64_t s0) const {
+    return ElementMask{keep, slice.from(t0, s0)};
+  }
+};
+
+// The additive bias of one (batch, head), in the element type `type`; base == nullptr when the
+// call has none. Added after scaling: x = scale q.k + bias.
+struct AdditiveBias {
+  const void* base = nullptr;
+  ElemType type = ElemType::kFloat32;
+  HeadSlice slice;
+
+  JAX_FLASHATTN_HOST_DEVICE static AdditiveBias make(const AttentionParams& p, int64_t b,
+                                                     int64_t n) {
+    AdditiveBias a;
+    if (p.bias != nullptr) {
+      a.base = p.bias;
+      a.type = p.bias_dtype;
+      a.slice = HeadSlice::make(p.bias_strides, p, b, n);
+    }
+    return a;
+  }
+  JAX_FLASHATTN_HOST_DEVICE bool present() const { return base != nullptr; }
+};
+
+}  // namespace jax_flashattn::variant
