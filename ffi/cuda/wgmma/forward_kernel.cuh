@@ -47,47 +47,12 @@
 #include "ffi/cuda/common/softmax.cuh"
 #include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/cuda/common/tensor_maps.h"
+#include "ffi/cuda/wgmma/forward_pipeline.cuh"
 #include "ffi/cuda/wgmma/tile_scheduler.cuh"
 #include "ffi/cuda/wgmma/traits.h"
 #include "ffi/params.h"
 
 namespace jax_flashattn::wgmma {
-
-template <typename Traits>
-struct ForwardBarriers {
-  uint64_t q_full[Traits::kQStages], q_empty[Traits::kQStages];
-  uint64_t k_full[Traits::kStages], v_full[Traits::kStages];
-  uint64_t k_empty[Traits::kStages], v_empty[Traits::kStages];
-  // The block's k-th tile (TileSlot), handed from the producer to the consumers: written
-  // before tile_full completes phase k, and read by every consumer thread before it arrives on
-  // tile_empty, which the next write waits for. Each thread arrives after its own read, which
-  // keeps racecheck clean (one arrival per warp after __syncwarp did not:
-  // docs/decisions/hopper-forward-tile-hand-over.md).
-  uint64_t tile_full, tile_empty;
-  alignas(16) uint32_t tile[8];
-};
-
-// Named barriers (0 is __syncthreads): 1 + c synchronises consumer warpgroup c, and kTurn + c
-// hands it the ping-pong turn.
-template <int kConsumers>
-struct NamedBarriers {
-  static constexpr int kTurn = 1 + kConsumers;
-  static_assert(kTurn + kConsumers <= 16, "16 named barriers per block");
-};
-
-// Where a barrier ring stands: the n-th use of a kStages ring is stage n % kStages, and its
-// full barrier completes phase (n / kStages) for it; the producer refilling use n waits for the
-// empty barrier's phase of use n - kStages.
-template <int kStages>
-struct RingPosition {
-  // Unsigned: with a power-of-two kStages, % and / are a mask and a shift. It wraps after
-  // 2^32 uses, which no call comes near (one block would run for over half an hour).
-  uint32_t count = 0;
-  __device__ int stage() const { return int(count % kStages); }
-  __device__ uint32_t phase() const { return uint32_t(count / kStages) & 1; }
-  __device__ bool refill() const { return count >= kStages; }
-  __device__ uint32_t previous_phase() const { return uint32_t(count / kStages - 1) & 1; }
-};
 
 // Rows [row0 + first, row0 + first + rows) of a query block that no key is visible to: O = 0
 // and lse = -inf, written with plain stores by `threads` threads.
@@ -165,22 +130,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
   static_assert((kBlockM - 64 + kBlockN - 1) / kBlockN < kStages, "a tail never blocks the loads");
 
-  // Tiles at 1024-byte boundaries (the 128-byte swizzle's period): Q stages, O (unless staged
-  // in the K/V ring), K stages, V stages, then the barriers.
   extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw_address = ptx::smem_address(smem_raw);
-  const uint32_t base = (raw_address + kGroupBytes - 1) & ~(kGroupBytes - 1);
-  unsigned char* smem = smem_raw + (base - raw_address);
+  const auto smem = ForwardSmem<Traits>::make(smem_raw);
   constexpr int kQStages = Traits::kQStages;
-  constexpr uint32_t sO_offset = kQStages * Traits::kQBytes;
-  constexpr uint32_t sKV_offset = kQStages * Traits::kQBytes + Traits::kOBytes;
-  const auto sQ = [&](int stage) { return base + stage * Traits::kQBytes; };
-  const auto sK = [&](int stage) { return base + sKV_offset + stage * Traits::kKVBytes; };
-  const auto sV = [&](int stage) {
-    return base + sKV_offset + (kStages + stage) * Traits::kKVBytes;
-  };
-  auto& bars = *reinterpret_cast<ForwardBarriers<Traits>*>(smem + sKV_offset +
-                                                           2 * kStages * Traits::kKVBytes);
+  // Formed here from the layout's offset: through a member function of ForwardSmem, ptxas
+  // allocated and scheduled the consumer loop differently (the SASS changed).
+  auto& bars = *reinterpret_cast<ForwardBarriers<Traits>*>(smem.start +
+                                                           ForwardSmem<Traits>::kBarrierOffset);
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
   // The tile slot by 32-bit shared address: a generic pointer to it would hold a 64-bit
   // register for the whole kernel, two more than the consumers have at head dim 256
@@ -224,7 +180,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ++q_ring.count;
       ptx::mbarrier_arrive_expect_tx(bar(bars.q_full[q_stage]), Traits::kQBytes);
       for (int span = 0; span < kSpans; ++span)
-        ptx::tma_load_4d(sQ(q_stage) + span * kBlockM * kRowBytes, &maps.q,
+        ptx::tma_load_4d(smem.q(q_stage) + span * kBlockM * kRowBytes, &maps.q,
                          bar(bars.q_full[q_stage]), span * kSpanElems, t.n, t.row0, t.b);
     };
     // K_j, V_j for j in [j_begin, min(j_end, num_kv_tiles)).
@@ -237,13 +193,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           ptx::mbarrier_wait(bar(bars.k_empty[stage]), kv_ring.previous_phase());
         ptx::mbarrier_arrive_expect_tx(bar(bars.k_full[stage]), Traits::kKVBytes);
         for (int span = 0; span < kSpans; ++span)
-          ptx::tma_load_4d(sK(stage) + span * kBlockN * kRowBytes, &maps.k,
+          ptx::tma_load_4d(smem.k(stage) + span * kBlockN * kRowBytes, &maps.k,
                            bar(bars.k_full[stage]), span * kSpanElems, t.kv_head, key0, t.b);
         if (kv_ring.refill())
           ptx::mbarrier_wait(bar(bars.v_empty[stage]), kv_ring.previous_phase());
         ptx::mbarrier_arrive_expect_tx(bar(bars.v_full[stage]), Traits::kKVBytes);
         for (int span = 0; span < kSpans; ++span)
-          ptx::tma_load_4d(sV(stage) + span * kBlockN * kRowBytes, &maps.v,
+          ptx::tma_load_4d(smem.v(stage) + span * kBlockN * kRowBytes, &maps.v,
                            bar(bars.v_full[stage]), span * kSpanElems, t.kv_head, key0, t.b);
       }
     };
@@ -354,8 +310,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     return ptx::smem_descriptor_advance(ptx::smem_descriptor_sw128(q_tile, 16, kGroupBytes),
                                         k_major_step_bytes(kBlockM, ks));
   };
-  const uint64_t k_desc0 = ptx::smem_descriptor_sw128(sK(0), 16, kGroupBytes);
-  const uint64_t v_desc0 = ptx::smem_descriptor_sw128(sV(0), kBlockN * kRowBytes, kGroupBytes);
+  const uint64_t k_desc0 = ptx::smem_descriptor_sw128(smem.k(0), 16, kGroupBytes);
+  const uint64_t v_desc0 =
+      ptx::smem_descriptor_sw128(smem.v(0), kBlockN * kRowBytes, kGroupBytes);
   const auto k_desc = [&](int stage, int ks) {
     return ptx::smem_descriptor_advance(
         k_desc0, stage * Traits::kKVBytes + k_major_step_bytes(kBlockN, ks));
@@ -454,7 +411,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int c = 0; c < kNTiles; ++c) {
         uint32_t b[2];
-        ptx::ldmatrix_x2(b, sK(stage) + chunk_offset(c * 8 + l % 8, 2 * ks + (matrix & 1),
+        ptx::ldmatrix_x2(b, smem.k(stage) + chunk_offset(c * 8 + l % 8, 2 * ks + (matrix & 1),
                                                      kBlockN));
         ptx::mma_m16n8k16<Elem>(s_acc[0][c], a, b);
       }
@@ -523,14 +480,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // nothing). Stored right after the tile, the epilogue and the next tile's start (slot, Q,
   // first S) run one after the other with the tensor cores idle, which weighs most on blocks
   // with few key tiles (docs/decisions/hopper-forward-epilogue.md). pending_b = -1: nothing
-  // waits (always, with O in the K/V ring, which is stored at once: there sO_offset is where
+  // waits (always, with O in the K/V ring, which is stored at once: there smem.o() is where
   // the ring starts, and nothing stores to it).
   int pending_b = -1, pending_n = 0, pending_row0 = 0;
   float pending_lse[1][2];
   const auto store_pending = [&] {
     if (pending_b >= 0)
       store_output(pending_b, pending_n, pending_row0, pending_lse,
-                   base + sO_offset + wg_row0 * kRowBytes);
+                   smem.o() + wg_row0 * kRowBytes);
     pending_b = -1;
   };
   // The block's next tile from the slot; false when there is none (the producer has left).
@@ -621,7 +578,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     int interior_lo, interior_hi;
     t.vis.all_visible_tiles<kBlockN>(t.row0 + warp_row0, t.row0 + warp_row0 + 16, t.tile_begin,
                                      interior_lo, interior_hi);
-    const uint32_t q_tile = sQ(q_stage) + wg_row0 * kRowBytes;
+    const uint32_t q_tile = smem.q(q_stage) + wg_row0 * kRowBytes;
     // The full update of tile j over its first kUsed 8-column tiles: where a boundary crosses
     // the tile for this warp's rows (not interior), the scores it hides set to -inf first.
     const auto mask_and_exponentiate = [&](auto used, int j, bool interior,
@@ -741,8 +698,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int chunks = (kBlockN - first_row) * kRowChunks;
       for (int i = tid % 128; i < kSpans * chunks; i += 128) {
         const int span = i / chunks, row = first_row + (i % chunks) / kRowChunks;
-        ptx::st_shared_v4_b32(sV(kv_ring.stage()) + span * kBlockN * kRowBytes + row * kRowBytes +
-                                  (i % kRowChunks) * 16,
+        ptx::st_shared_v4_b32(smem.v(kv_ring.stage()) + span * kBlockN * kRowBytes +
+                                  row * kRowBytes + (i % kRowChunks) * 16,
                               0, 0, 0, 0);
       }
       ptx::fence_proxy_async_shared();  // generic stores that wgmma (async proxy) reads
@@ -777,7 +734,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // (docs/decisions/o-staged-in-kv-ring-at-head-dim-256.md).
       const int stage = kv_ring.stage();
       ptx::mbarrier_wait(bar(bars.k_full[stage]), kv_ring.phase());
-      store_output(t.b, t.n, t.row0, row_lse, consumer == 0 ? sK(stage) : sV(stage));
+      store_output(t.b, t.n, t.row0, row_lse, consumer == 0 ? smem.k(stage) : smem.v(stage));
       if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
       sync_warpgroup();
       release(bars.k_empty[stage]);
