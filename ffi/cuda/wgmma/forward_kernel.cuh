@@ -48,6 +48,7 @@
 #include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/cuda/common/tensor_maps.h"
 #include "ffi/cuda/wgmma/forward_epilogue.cuh"
+#include "ffi/cuda/wgmma/forward_mma.cuh"
 #include "ffi/cuda/wgmma/forward_pipeline.cuh"
 #include "ffi/cuda/wgmma/forward_tiles.cuh"
 #include "ffi/cuda/wgmma/tile_scheduler.cuh"
@@ -333,38 +334,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int kk = 0; kk < kPSteps; ++kk) mma_sync::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
   };
 
-  // S of this warp's 16 rows again, by mma.sync from the Q and K_j tiles in shared memory (the
-  // accumulator layout of a warp's rows of a wgmma is that of m16n8 tiles side by side).
-  // ldmatrix lane l gives row l % 8 of 8 x 8 matrix l / 8 (lanes 0-15 only for .x2);
-  // a tile's element (row, 16-byte chunk c) sits in span c / 8 at row * kRowBytes + ((c % 8) ^
-  // (row % 8)) * 16, and every row group here starts at a multiple of 8 rows. The lane is
-  // opaque so that these addresses are formed on this rare path, not hoisted out of the tile
-  // loop into registers (which spills). One 8-key tile at a time (ldmatrix .x2): the four B
-  // registers of a pair, on top of S, O and the P of the product in flight, spill with three
-  // consumers (docs/decisions/settled-row-maxima.md).
   const auto recompute_scores = [&](uint32_t q_tile, int stage) {
-    const int l = int(ptx::opaque(uint32_t(lane))), matrix = l / 8;
-    const auto chunk_offset = [&](int row, int chunk, int rows_per_span) {
-      return uint32_t((chunk / 8) * rows_per_span * kRowBytes + row * kRowBytes +
-                      (((chunk % 8) ^ (l % 8)) << 4));
-    };
-#pragma unroll
-    for (int c = 0; c < kNTiles; ++c)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s_acc[0][c][e] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks) {
-      uint32_t a[4];
-      ptx::ldmatrix_x4(a, q_tile + chunk_offset(warp * 16 + (matrix & 1) * 8 + l % 8,
-                                                2 * ks + (matrix >> 1), kBlockM));
-#pragma unroll
-      for (int c = 0; c < kNTiles; ++c) {
-        uint32_t b[2];
-        ptx::ldmatrix_x2(b, smem.k(stage) + chunk_offset(c * 8 + l % 8, 2 * ks + (matrix & 1),
-                                                     kBlockN));
-        ptx::mma_m16n8k16<Elem>(s_acc[0][c], a, b);
-      }
-    }
+    recompute_warp_scores<Elem, Traits>(s_acc, q_tile, smem, stage, lane, warp);
   };
 
   const auto store_output = [&](int b, int n, int row0, const float (&row_lse)[1][2],
@@ -592,15 +563,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (const int first_row = first_v_row_to_zero<kBlockN, Traits::kWindowed>(p, t, consumer,
                                                                               wg_tiles);
         first_row < kBlockN) {
-      // Rows [first_row, kBlockN) of every span, 16 bytes a store (zero rows need no swizzle).
-      constexpr int kRowChunks = kRowBytes / 16;
-      const int chunks = (kBlockN - first_row) * kRowChunks;
-      for (int i = tid % 128; i < kSpans * chunks; i += 128) {
-        const int span = i / chunks, row = first_row + (i % chunks) / kRowChunks;
-        ptx::st_shared_v4_b32(smem.v(kv_ring.stage()) + span * kBlockN * kRowBytes +
-                                  row * kRowBytes + (i % kRowChunks) * 16,
-                              0, 0, 0, 0);
-      }
+      zero_v_rows(smem, kv_ring.stage(), first_row, tid % 128, 128);
       ptx::fence_proxy_async_shared();  // generic stores that wgmma (async proxy) reads
       sync_warpgroup();
     }

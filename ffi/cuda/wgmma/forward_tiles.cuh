@@ -1,12 +1,15 @@
 // Per-tile rules of the Hopper forward that its consumers apply outside the products: the rows
 // of a query block that see no key, the key tiles a warpgroup multiplies under a window, and the
-// V rows to zero past a batch entry's key length.
+// V rows to zero past a batch entry's key length (and the zeroing).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
+#include "ffi/cuda/common/hopper_ptx.cuh"
 #include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/swizzle_layout.h"
+#include "ffi/cuda/wgmma/forward_pipeline.cuh"
 #include "ffi/cuda/wgmma/tile_scheduler.cuh"
 #include "ffi/params.h"
 #include "ffi/variant.h"
@@ -64,6 +67,22 @@ __device__ __forceinline__ int first_v_row_to_zero(const AttentionParams& p, con
     if (consumer > 0) return kBlockN;
   }
   return vis.kv_len - last_key0;
+}
+
+// Rows [first_row, kBlockN) of every span of V stage `stage` set to zero by `threads` threads,
+// 16 bytes a store (zero rows need no swizzle).
+template <typename Traits>
+__device__ __forceinline__ void zero_v_rows(const ForwardSmem<Traits>& smem, int stage,
+                                            int first_row, int thread, int threads) {
+  constexpr int kBlockN = Traits::kBlockN, kSpans = Traits::kSpans;
+  constexpr int kRowChunks = kRowBytes / 16;
+  const int chunks = (kBlockN - first_row) * kRowChunks;
+  for (int i = thread; i < kSpans * chunks; i += threads) {
+    const int span = i / chunks, row = first_row + (i % chunks) / kRowChunks;
+    ptx::st_shared_v4_b32(smem.v(stage) + span * kBlockN * kRowBytes + row * kRowBytes +
+                              (i % kRowChunks) * 16,
+                          0, 0, 0, 0);
+  }
 }
 
 }  // namespace jax_flashattn::wgmma
