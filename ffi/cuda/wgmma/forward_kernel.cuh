@@ -67,7 +67,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages, kHeadDim = Traits::kHeadDim;
   constexpr int kSpans = Traits::kSpans, kSpanElems = Traits::kSpanElems;
-  constexpr int kKSteps = kHeadDim / 16;  // k16 steps of S = Q K^T
   constexpr int kPSteps = kBlockN / 16;   // k16 steps of O += P V
   constexpr int kNTiles = kBlockN / 8;    // 8-key column tiles of S
   constexpr int kDTiles = kHeadDim / 8;   // 8-wide column tiles of O
@@ -251,26 +250,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warp_row0 = wg_row0 + warp * 16;   // this warp's 16 rows (its accumulator rows)
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
 
-  // Descriptors. Q and K are K-major (head dim contiguous): k-step ks lies in span ks / 4, 32
-  // bytes per step into each 128-byte row. V is MN-major for O += P V (head dim contiguous,
-  // keys along the reduction): k-step kk is 16 rows down, spans kBlockN rows apart (LBO).
-  // Each is the descriptor of stage 0 / k-step 0 advanced by a byte offset (constant but for
-  // the stage).
-  const auto q_desc = [&](uint32_t q_tile, int ks) {  // q_tile: this warpgroup's rows
-    return ptx::smem_descriptor_advance(ptx::smem_descriptor_sw128(q_tile, 16, kGroupBytes),
-                                        k_major_step_bytes(kBlockM, ks));
-  };
-  const uint64_t k_desc0 = ptx::smem_descriptor_sw128(smem.k(0), 16, kGroupBytes);
-  const uint64_t v_desc0 =
-      ptx::smem_descriptor_sw128(smem.v(0), kBlockN * kRowBytes, kGroupBytes);
-  const auto k_desc = [&](int stage, int ks) {
-    return ptx::smem_descriptor_advance(
-        k_desc0, stage * Traits::kKVBytes + k_major_step_bytes(kBlockN, ks));
-  };
-  const auto v_desc = [&](int stage, int kk) {
-    return ptx::smem_descriptor_advance(v_desc0,
-                                        stage * Traits::kKVBytes + mn_major_step_bytes(kk));
-  };
+  const auto desc = ForwardDescriptors<Traits>::make(smem);
 
   float s_acc[1][kNTiles][4];
   float o_acc[1][kDTiles][4];
@@ -280,28 +260,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const auto fence_s = [&] { ptx::fence_registers(s_acc[0]); };
   const auto fence_o = [&] { ptx::fence_registers(o_acc[0]); };
   const auto issue_qk = [&](uint32_t q_tile, int stage) {  // S = Q K^T, overwriting S
-    // Q's address is the same for every K/V tile: without this opaque copy ptxas hoists all
-    // kKSteps 64-bit Q descriptors out of the tile loop (32 registers at head dim 256, which
-    // spills); rebuilt here they cost two integer ops each
-    // (docs/decisions/hopper-kernels-without-spills.md).
-    q_tile = ptx::opaque(q_tile);
-    fence_s();
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks)
-      ptx::wgmma_ss<kBlockN, Elem>(s_acc[0], q_desc(q_tile, ks), k_desc(stage, ks), ks > 0);
-    ptx::wgmma_commit_group();
+    issue_scores<Elem, Traits>(s_acc, desc, q_tile, stage);
   };
   // O += P V over the tile's first kKeys keys. The register fences go after the branch
   // between the two widths (issue_pv): with the branch between them and the first wgmma,
   // ptxas injected a warpgroup.arrive of its own.
   const auto pv_keys = [&](auto keys, int stage) {
-    fence_o();
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < decltype(keys)::value / 16; ++kk)
-      ptx::wgmma_rs<kHeadDim, Elem>(o_acc[0], p_frag[kk], v_desc(stage, kk));
-    ptx::wgmma_commit_group();
+    issue_values<decltype(keys)::value, Elem, Traits>(o_acc, p_frag, desc, stage);
   };
   // O += P V; over the first half of the tile's keys when `half` (no row of this warpgroup
   // sees the rest, and the rest of P holds unexponentiated scores: see softmax_step). Only a

@@ -1,4 +1,5 @@
-// Products of the Hopper forward's consumers outside the wgmma pipeline.
+// The products of the Hopper forward's consumers: S = Q K^T and O += P V by wgmma from their
+// descriptors, and S again by mma.sync where the settled maxima were outrun.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +10,67 @@
 #include "ffi/cuda/wgmma/forward_pipeline.cuh"
 
 namespace jax_flashattn::wgmma {
+
+// Descriptors. Q and K are K-major (head dim contiguous): k-step ks lies in span ks / 4, 32
+// bytes per step into each 128-byte row. V is MN-major for O += P V (head dim contiguous,
+// keys along the reduction): k-step kk is 16 rows down, spans kBlockN rows apart (LBO).
+// Each is the descriptor of stage 0 / k-step 0 advanced by a byte offset (constant but for
+// the stage).
+template <typename Traits>
+struct ForwardDescriptors {
+  uint64_t k0, v0;  // K and V of stage 0, k-step 0
+
+  __device__ static ForwardDescriptors make(const ForwardSmem<Traits>& smem) {
+    return ForwardDescriptors{
+        ptx::smem_descriptor_sw128(smem.k(0), 16, kGroupBytes),
+        ptx::smem_descriptor_sw128(smem.v(0), Traits::kBlockN * kRowBytes, kGroupBytes)};
+  }
+  // q_tile: this warpgroup's rows of its Q stage.
+  __device__ static uint64_t q(uint32_t q_tile, int ks) {
+    return ptx::smem_descriptor_advance(ptx::smem_descriptor_sw128(q_tile, 16, kGroupBytes),
+                                        k_major_step_bytes(Traits::kBlockM, ks));
+  }
+  __device__ uint64_t k(int stage, int ks) const {
+    return ptx::smem_descriptor_advance(
+        k0, stage * Traits::kKVBytes + k_major_step_bytes(Traits::kBlockN, ks));
+  }
+  __device__ uint64_t v(int stage, int kk) const {
+    return ptx::smem_descriptor_advance(v0, stage * Traits::kKVBytes + mn_major_step_bytes(kk));
+  }
+};
+
+// S = Q K^T of K/V stage `stage`, overwriting S, issued and committed as one wgmma group.
+template <typename Elem, typename Traits>
+__device__ __forceinline__ void issue_scores(float (&s_acc)[1][Traits::kBlockN / 8][4],
+                                             const ForwardDescriptors<Traits>& desc,
+                                             uint32_t q_tile, int stage) {
+  // Q's address is the same for every K/V tile: without this opaque copy ptxas hoists all
+  // kKSteps 64-bit Q descriptors out of the tile loop (32 registers at head dim 256, which
+  // spills); rebuilt here they cost two integer ops each
+  // (docs/decisions/hopper-kernels-without-spills.md).
+  q_tile = ptx::opaque(q_tile);
+  ptx::fence_registers(s_acc[0]);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < Traits::kHeadDim / 16; ++ks)
+    ptx::wgmma_ss<Traits::kBlockN, Elem>(s_acc[0], ForwardDescriptors<Traits>::q(q_tile, ks),
+                                         desc.k(stage, ks), ks > 0);
+  ptx::wgmma_commit_group();
+}
+
+// O += P V over the first kKeys keys of V stage `stage`, one wgmma group.
+template <int kKeys, typename Elem, typename Traits>
+__device__ __forceinline__ void issue_values(float (&o_acc)[1][Traits::kHeadDim / 8][4],
+                                             uint32_t (&p_frag)[Traits::kBlockN / 16][4],
+                                             const ForwardDescriptors<Traits>& desc,
+                                             int stage) {
+  ptx::fence_registers(o_acc[0]);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kKeys / 16; ++kk)
+    ptx::wgmma_rs<Traits::kHeadDim, Elem>(o_acc[0], p_frag[kk], desc.v(stage, kk));
+  ptx::wgmma_commit_group();
+}
 
 // S of this warp's 16 rows again, by mma.sync from the Q and K_j tiles in shared memory (the
 // accumulator layout of a warp's rows of a wgmma is that of m16n8 tiles side by side).
