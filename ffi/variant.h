@@ -1,15 +1,16 @@
 // Attention variants as policies: one definition of each concept, host and device alike.
 //
-//   KeyWindow<Index>  sequence lengths, causal and local windows: visible(t, s) per element,
-//                     key_range() for the tiles a block of rows visits, classify() per tile
-//                     (skip it, test each element, or test none)
+//   KeyWindow<Index>  sequence lengths, causal and local windows: key_range() for the tiles a
+//                     block of rows visits, classify() per tile (skip it, test each element,
+//                     or test none); per element, query t sees key s iff t < q_len,
+//                     s < kv_len and t - left <= s <= t + right
 //   ElementMask       the boolean mask: keeps(t, s)
 //   AdditiveBias      the bias operand, added to scale q.k
 //
-// Callers: the CPU kernels (ffi/cpu/common.h), the Hopper forward and the decode kernels
-// (KeyWindow<int>, and its tile-relative form in ffi/cuda/common/mask.cuh). The CUDA-core,
-// mma.sync and Hopper backward kernels test the same rule through cuda::Visibility
-// (ffi/cuda/common/mask.cuh). docs/design.md lists what a new variant touches.
+// Callers: the CPU kernels (ffi/cpu/common.h) and, through cuda::Visibility and its
+// tile-relative form (ffi/cuda/common/mask.cuh), every CUDA family: KeyWindow<int> in the
+// Hopper forward and the decode kernels, KeyWindow<int64_t> in the others. docs/design.md lists
+// what a new variant touches.
 #pragma once
 
 #include <cstdint>
@@ -47,8 +48,8 @@ JAX_FLASHATTN_HOST_DEVICE inline int64_t clamp_length(const int32_t* lengths, in
 // of -S or less hides every key (the right bound the same, mirrored). Clamped to [-S, T] (left)
 // and [-T, S] (right), each side decides every pair as the call's bound does, and every sum
 // below of a row, a key, a block of either (<= 1024) and a bound stays within T + S + 1024 in
-// magnitude. Index = int serves calls where that fits in int32 (the wgmma and decode kernels:
-// indices_fit_32_bits), int64_t every call.
+// magnitude. For calls where that fits in int32 (the wgmma forward and decode kernels:
+// indices_fit_32_bits); KeyWindow<int64_t> below serves every call.
 template <typename Index>
 struct KeyWindow {
   using index_type = Index;
@@ -74,10 +75,6 @@ struct KeyWindow {
     if (p.q_seqlens != nullptr) v.q_len = Index(clamp_length(p.q_seqlens, b, p.seqlen_q));
     if (p.kv_seqlens != nullptr) v.kv_len = Index(clamp_length(p.kv_seqlens, b, p.seqlen_k));
     return v;
-  }
-
-  JAX_FLASHATTN_HOST_DEVICE bool visible(Index t, Index s) const {
-    return t < q_len && s < kv_len && s >= t - left && s <= t + right;
   }
 
   // Keys [lo, hi) that rows [row_begin, row_end) may see; hi <= lo when none. lo may exceed
@@ -125,6 +122,73 @@ struct KeyWindow {
     using Unsigned = std::make_unsigned_t<Index>;
     lo = Index((Unsigned(key_lo) + kBlockN - 1) / kBlockN) - tile_begin;
     hi = Index(Unsigned(key_hi) / kBlockN) - tile_begin;
+  }
+};
+
+// The same rule in 64 bits for calls whose indices may not fit int32 (the CPU, CUDA-core,
+// mma.sync and Hopper backward kernels), with each window side as given: an unbounded side
+// (kUnboundedWindow) is a branch around its test instead of a clamped bound. Those kernels
+// were measured slower with clamped 64-bit bounds (docs/decisions/variant-policies.md).
+template <>
+struct KeyWindow<int64_t> {
+  using index_type = int64_t;
+  int64_t q_len, kv_len;              // rows t >= q_len see nothing, keys s >= kv_len are hidden
+  int64_t window_left, window_right;  // kUnboundedWindow for an open side
+
+  JAX_FLASHATTN_HOST_DEVICE static KeyWindow make(const AttentionParams& p, int64_t b) {
+    KeyWindow v;
+    v.q_len = p.seqlen_q;
+    v.kv_len = p.seqlen_k;
+    if (p.q_seqlens != nullptr) v.q_len = clamp_length(p.q_seqlens, b, p.seqlen_q);
+    if (p.kv_seqlens != nullptr) v.kv_len = clamp_length(p.kv_seqlens, b, p.seqlen_k);
+    v.window_left = p.window_left;
+    v.window_right = p.window_right;
+    return v;
+  }
+
+  // Keys [lo, hi) that rows [row_begin, row_end) may see; hi <= lo when none.
+  JAX_FLASHATTN_HOST_DEVICE void key_range(int64_t row_begin, int64_t row_end, int64_t& lo,
+                                           int64_t& hi) const {
+    row_end = row_end < q_len ? row_end : q_len;
+    lo = 0;
+    hi = row_end > row_begin ? kv_len : 0;
+    if (window_left != kUnboundedWindow && row_begin - window_left > lo)
+      lo = row_begin - window_left;
+    // The last row, row_end - 1, sees keys up to row_end - 1 + window_right.
+    if (window_right != kUnboundedWindow && row_end + window_right < hi)
+      hi = row_end + window_right;
+  }
+
+  // Queries [lo, hi) that may see a key of [key_begin, key_end); hi <= lo when none. The
+  // transpose of key_range, for kernels that walk the queries of a block of keys.
+  JAX_FLASHATTN_HOST_DEVICE void query_range(int64_t key_begin, int64_t key_end, int64_t& lo,
+                                             int64_t& hi) const {
+    key_end = key_end < kv_len ? key_end : kv_len;
+    lo = 0;
+    hi = key_end > key_begin ? q_len : 0;
+    // Key s is seen by queries t with s - window_right <= t <= s + window_left.
+    if (window_right != kUnboundedWindow && key_begin - window_right > lo)
+      lo = key_begin - window_right;
+    if (window_left != kUnboundedWindow && key_end + window_left < hi)
+      hi = key_end + window_left;
+  }
+
+  JAX_FLASHATTN_HOST_DEVICE TileClass classify(int64_t row_begin, int64_t row_end,
+                                               int64_t key_begin, int64_t key_end) const {
+    int64_t lo, hi;
+    key_range(row_begin, row_end, lo, hi);
+    if (max_of(lo, key_begin) >= min_of(hi, key_end)) return TileClass::kHidden;
+    return all_visible(row_begin, row_end, key_begin, key_end) ? TileClass::kVisible
+                                                               : TileClass::kPartial;
+  }
+
+  // Whether every pair of the rectangle is visible (the common interior tile).
+  JAX_FLASHATTN_HOST_DEVICE bool all_visible(int64_t row_begin, int64_t row_end,
+                                             int64_t key_begin, int64_t key_end) const {
+    if (row_end > q_len || key_end > kv_len) return false;
+    if (window_left != kUnboundedWindow && key_begin < row_end - 1 - window_left) return false;
+    if (window_right != kUnboundedWindow && key_end - 1 > row_begin + window_right) return false;
+    return true;
   }
 };
 

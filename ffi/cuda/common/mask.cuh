@@ -18,52 +18,22 @@
 
 namespace jax_flashattn::cuda {
 
-// Visibility for one (batch, head): sequence lengths already clamped, window from params.
-struct Visibility {
-  int64_t q_len;   // rows t >= q_len see nothing
-  int64_t kv_len;  // keys s >= kv_len are hidden
-  int64_t window_left, window_right;  // kUnboundedWindow for an open side
-  const bool* mask;                   // element (t, s) at mask_offset + t * row + s * col
+// Visibility for one (batch, head) in 64 bits: the KeyWindow's lengths and window (key_range,
+// query_range) and the elementwise mask. The two tests below are KeyWindow's with the mask
+// added, spelled out: composed through KeyWindow's calls, ptxas branched and scheduled the
+// mma.sync and CUDA-core kernels differently (their SASS changed; this form keeps it).
+struct Visibility : variant::KeyWindow<int64_t> {
+  const bool* mask;  // element (t, s) at mask_offset + t * row + s * col
   int64_t mask_offset, mask_row, mask_col;
 
   __device__ static Visibility make(const AttentionParams& p, int64_t b, int64_t n) {
     Visibility v;
-    v.q_len = p.seqlen_q;
-    v.kv_len = p.seqlen_k;
-    if (p.q_seqlens != nullptr) v.q_len = clamp(p.q_seqlens[b], p.seqlen_q);
-    if (p.kv_seqlens != nullptr) v.kv_len = clamp(p.kv_seqlens[b], p.seqlen_k);
-    v.window_left = p.window_left;
-    v.window_right = p.window_right;
+    static_cast<variant::KeyWindow<int64_t>&>(v) = variant::KeyWindow<int64_t>::make(p, b);
     v.mask = p.mask;
     v.mask_offset = p.mask ? p.mask_strides.offset(b, p.batch_inner, n, 0, 0) : 0;
     v.mask_row = p.mask_strides.row;
     v.mask_col = p.mask_strides.col;
     return v;
-  }
-
-  __device__ static int64_t clamp(int32_t length, int64_t size) {
-    return length < 0 ? 0 : (length > size ? size : length);
-  }
-
-  // Keys [lo, hi) that rows [row_begin, row_end) may see; hi <= lo when none.
-  __device__ void key_range(int64_t row_begin, int64_t row_end, int64_t& lo, int64_t& hi) const {
-    row_end = row_end < q_len ? row_end : q_len;
-    lo = 0;
-    hi = row_end > row_begin ? kv_len : 0;
-    if (window_left != kUnboundedWindow && row_begin - window_left > lo) lo = row_begin - window_left;
-    // The last row, row_end - 1, sees keys up to row_end - 1 + window_right.
-    if (window_right != kUnboundedWindow && row_end + window_right < hi) hi = row_end + window_right;
-  }
-
-  // Queries [lo, hi) that may see a key of [key_begin, key_end); hi <= lo when none. The
-  // transpose of key_range, for kernels that walk the queries of a block of keys.
-  __device__ void query_range(int64_t key_begin, int64_t key_end, int64_t& lo, int64_t& hi) const {
-    key_end = key_end < kv_len ? key_end : kv_len;
-    lo = 0;
-    hi = key_end > key_begin ? q_len : 0;
-    // Key s is seen by queries t with s - window_right <= t <= s + window_left.
-    if (window_right != kUnboundedWindow && key_begin - window_right > lo) lo = key_begin - window_right;
-    if (window_left != kUnboundedWindow && key_end + window_left < hi) hi = key_end + window_left;
   }
 
   // Whether every (row, key) of the rectangle is visible without looking at elements, so the
