@@ -19,20 +19,19 @@
 namespace jax_flashattn::cuda {
 
 // Visibility for one (batch, head) in 64 bits: the KeyWindow's lengths and window (key_range,
-// query_range) and the elementwise mask. The two tests below are KeyWindow's with the mask
-// added, spelled out: composed through KeyWindow's calls, ptxas branched and scheduled the
+// query_range) and the ElementMask. The two tests below are KeyWindow's with the mask added,
+// spelled out: composed through KeyWindow's calls, ptxas branched and scheduled the
 // mma.sync and CUDA-core kernels differently (their SASS changed; this form keeps it).
 struct Visibility : variant::KeyWindow<int64_t> {
-  const bool* mask;  // element (t, s) at mask_offset + t * row + s * col
-  int64_t mask_offset, mask_row, mask_col;
+  variant::ElementMask mask;
 
   __device__ static Visibility make(const AttentionParams& p, int64_t b, int64_t n) {
     Visibility v;
     static_cast<variant::KeyWindow<int64_t>&>(v) = variant::KeyWindow<int64_t>::make(p, b);
-    v.mask = p.mask;
-    v.mask_offset = p.mask ? p.mask_strides.offset(b, p.batch_inner, n, 0, 0) : 0;
-    v.mask_row = p.mask_strides.row;
-    v.mask_col = p.mask_strides.col;
+    v.mask.keep = p.mask;
+    v.mask.slice.offset = p.mask ? p.mask_strides.offset(b, p.batch_inner, n, 0, 0) : 0;
+    v.mask.slice.row = p.mask_strides.row;
+    v.mask.slice.col = p.mask_strides.col;
     return v;
   }
 
@@ -40,7 +39,7 @@ struct Visibility : variant::KeyWindow<int64_t> {
   // per-element predicate can be skipped (the common interior tile).
   __device__ bool all_visible(int64_t row_begin, int64_t row_end, int64_t key_begin,
                               int64_t key_end) const {
-    if (mask != nullptr || row_end > q_len || key_end > kv_len) return false;
+    if (mask.keep != nullptr || row_end > q_len || key_end > kv_len) return false;
     if (window_left != kUnboundedWindow && key_begin < row_end - 1 - window_left) return false;
     if (window_right != kUnboundedWindow && key_end - 1 > row_begin + window_right) return false;
     return true;
@@ -50,7 +49,8 @@ struct Visibility : variant::KeyWindow<int64_t> {
     if (t >= q_len || s >= kv_len) return false;
     if (window_left != kUnboundedWindow && s < t - window_left) return false;
     if (window_right != kUnboundedWindow && s > t + window_right) return false;
-    return mask == nullptr || mask[mask_offset + t * mask_row + s * mask_col];
+    return mask.keep == nullptr ||
+           mask.keep[mask.slice.offset + t * mask.slice.row + s * mask.slice.col];
   }
 };
 

@@ -45,11 +45,10 @@ struct SubTileTerms {
   __device__ SubTileTerms(const AttentionParams& p, const HeadTerms& head, int64_t t0,
                           int64_t s0) {
     tile = cuda::TileVisibility::make(head.vis, t0, s0, kSpan);
-    mask = head.vis.mask ? head.vis.mask + head.vis.mask_offset + t0 * head.vis.mask_row +
-                               s0 * head.vis.mask_col
-                         : nullptr;
-    mask_row = head.vis.mask_row;
-    mask_col = head.vis.mask_col;
+    mask = head.vis.mask.present() ? head.vis.mask.keep + head.vis.mask.slice.at(t0, s0)
+                                   : nullptr;
+    mask_row = head.vis.mask.slice.row;
+    mask_col = head.vis.mask.slice.col;
     bias_offset = head.bias_offset + t0 * p.bias_strides.row + s0 * p.bias_strides.col;
     dbias = head.dbias ? head.dbias + t0 * p.dbias_strides.row + s0 * p.dbias_strides.col
                        : nullptr;

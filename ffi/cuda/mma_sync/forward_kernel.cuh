@@ -255,7 +255,7 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
             [[maybe_unused]] int64_t bias_base = 0, mask_base = 0;
             if constexpr (kElementwise) {
               bias_base = has_bias ? p.bias_strides.offset(b, p.batch_inner, n, row0 + r, key0) : 0;
-              mask_base = vis.mask_offset + (row0 + r) * vis.mask_row + key0 * vis.mask_col;
+              mask_base = vis.mask.slice.at(row0 + r, key0);
             }
 #pragma unroll
             for (int nt = 0; nt < kNTiles; ++nt)
@@ -271,7 +271,8 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
                     score = fmaf(score, scale_log2,
                                  cuda::kLog2e * cuda::load_bias(p.bias, p.bias_dtype,
                                                           bias_base + c * p.bias_strides.col));
-                  if (keep && vis.mask != nullptr) keep = vis.mask[mask_base + c * vis.mask_col];
+                  if (keep && vis.mask.present())
+                    keep = vis.mask.keep[mask_base + c * vis.mask.slice.col];
                 }
                 if (!keep) score = -INFINITY;
               }

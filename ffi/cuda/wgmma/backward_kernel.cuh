@@ -54,7 +54,7 @@ struct BackwardBarriers {
 // (docs/decisions/hopper-kernels-without-spills.md).
 __device__ __forceinline__ cuda::Visibility block_visibility(const AttentionParams& p, int b) {
   cuda::Visibility vis = cuda::Visibility::make(p, b, 0);
-  vis.mask = nullptr;
+  vis.mask.keep = nullptr;
   return vis;
 }
 
