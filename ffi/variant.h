@@ -18,6 +18,11 @@
 
 #include "ffi/params.h"
 
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#endif
+
 namespace jax_flashattn::variant {
 
 // What a kernel does with a block of (query, key) pairs.
@@ -254,6 +259,21 @@ struct AdditiveBias {
     return a;
   }
   JAX_FLASHATTN_HOST_DEVICE bool present() const { return base != nullptr; }
+
+#ifdef __CUDACC__
+  // Element i of a bias buffer of element type `type`, as float: what the CUDA kernels read
+  // per element (the CPU kernels convert whole rows, ffi/cpu/elem.h).
+  __device__ __forceinline__ static float element(const void* base, ElemType type, int64_t i) {
+    switch (type) {
+      case ElemType::kBFloat16:
+        return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+      case ElemType::kFloat16:
+        return __half2float(static_cast<const __half*>(base)[i]);
+      default:
+        return static_cast<const float*>(base)[i];
+    }
+  }
+#endif
 };
 
 }  // namespace jax_flashattn::variant

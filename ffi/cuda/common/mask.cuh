@@ -129,16 +129,4 @@ struct TileVisibility {
   }
 };
 
-// One bias element as float, whatever its storage type.
-__device__ __forceinline__ float load_bias(const void* bias, ElemType type, int64_t offset) {
-  switch (type) {
-    case ElemType::kBFloat16:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[offset]);
-    case ElemType::kFloat16:
-      return __half2float(static_cast<const __half*>(bias)[offset]);
-    default:
-      return static_cast<const float*>(bias)[offset];
-  }
-}
-
 }  // namespace jax_flashattn::cuda

@@ -68,8 +68,9 @@ struct SubTileTerms {
   __device__ float bias_log2(const AttentionParams& p, int r, int c) const {
     if (p.bias == nullptr || r >= rows || c >= keys) return 0.f;
     return cuda::kLog2e *
-           cuda::load_bias(p.bias, p.bias_dtype,
-                           bias_offset + r * p.bias_strides.row + c * p.bias_strides.col);
+           variant::AdditiveBias::element(p.bias, p.bias_dtype,
+                                          bias_offset + r * p.bias_strides.row +
+                                              c * p.bias_strides.col);
   }
 
   // dbias from the warp's dS^T sub-tile, whose element (8 mt + e % 2, 8 (e / 2)) this thread

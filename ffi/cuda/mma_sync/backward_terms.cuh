@@ -46,8 +46,10 @@ struct HeadTerms {
   // log2(e) bias_ts, 0 without a bias or outside [T, S].
   __device__ float bias_log2(const AttentionParams& p, int64_t t, int64_t s) const {
     if (p.bias == nullptr || t >= p.seqlen_q || s >= p.seqlen_k) return 0.f;
-    return cuda::kLog2e * cuda::load_bias(p.bias, p.bias_dtype,
-                                    bias_offset + t * p.bias_strides.row + s * p.bias_strides.col);
+    return cuda::kLog2e *
+           variant::AdditiveBias::element(p.bias, p.bias_dtype,
+                                          bias_offset + t * p.bias_strides.row +
+                                              s * p.bias_strides.col);
   }
 
   // P_ts from the raw score q_t.k_s; `check` false when the caller knows (t, s) is visible.

@@ -269,8 +269,9 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
                 if constexpr (kElementwise) {
                   if (keep && has_bias)
                     score = fmaf(score, scale_log2,
-                                 cuda::kLog2e * cuda::load_bias(p.bias, p.bias_dtype,
-                                                          bias_base + c * p.bias_strides.col));
+                                 cuda::kLog2e * variant::AdditiveBias::element(
+                                                    p.bias, p.bias_dtype,
+                                                    bias_base + c * p.bias_strides.col));
                   if (keep && vis.mask.present())
                     keep = vis.mask.keep[mask_base + c * vis.mask.slice.col];
                 }

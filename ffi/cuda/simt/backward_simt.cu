@@ -43,9 +43,11 @@ struct HeadView {
   // P_ts given q_t.k_s; 0 where (t, s) is hidden or row t saw nothing (lse = -inf).
   __device__ float prob(const AttentionParams& p, int64_t t, int64_t s, float qk) const {
     if (!vis.visible(t, s) || lse[t] == -INFINITY) return 0.f;
-    const float bias = p.bias ? load_bias(p.bias, p.bias_dtype, bias_offset + t * p.bias_strides.row +
-                                                                    s * p.bias_strides.col)
-                              : 0.f;
+    const float bias =
+        p.bias ? variant::AdditiveBias::element(
+                     p.bias, p.bias_dtype,
+                     bias_offset + t * p.bias_strides.row + s * p.bias_strides.col)
+               : 0.f;
     return expf(fmaf(qk, p.scale, bias) - lse[t]);
   }
 };

@@ -52,8 +52,9 @@ __global__ void __launch_bounds__(kWarps * 32)
     float score = -INFINITY;  // log2-domain logit of key s
     if (s < hi && vis.visible(t, s)) {
       const float qk = dot_shared(q_row, k + s * p.kv_row_stride, H);
-      const float bias =
-          p.bias ? load_bias(p.bias, p.bias_dtype, bias_row + s * p.bias_strides.col) : 0.f;
+      const float bias = p.bias ? variant::AdditiveBias::element(
+                                      p.bias, p.bias_dtype, bias_row + s * p.bias_strides.col)
+                                : 0.f;
       score = fmaf(qk, scale_log2, bias * kLog2e);
     }
     const float new_max = fmaxf(row_max, warp_max(score));
