@@ -36,6 +36,7 @@
 #include "ffi/cuda/common/softmax.cuh"  // kLog2e
 #include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/cuda/common/tensor_maps.h"
+#include "ffi/cuda/wgmma/backward_epilogue.cuh"
 #include "ffi/cuda/wgmma/backward_traits.h"
 #include "ffi/cuda/wgmma/traits.h"  // register_budgets_fit
 #include "ffi/params.h"
@@ -218,9 +219,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                       kGroupBytes);
   };
 
-  // Named barriers: 1 for both consumers (dS^T published; the epilogue's K and V free), 2 + c
-  // for consumer c alone.
-  constexpr int kConsumersBarrier = 1, kWarpgroupBarrier = 2;
+  constexpr int kConsumersBarrier = BackwardNamedBarriers::kConsumers;
+  constexpr int kWarpgroupBarrier = BackwardNamedBarriers::kWarpgroup;
   constexpr int kConsumerThreads = 128 * Traits::kConsumers;
   // One arrival per warp: __syncwarp orders every lane's reads of the stage before lane 0's
   // arrival releases it to the producer.
@@ -431,35 +431,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
   }
 
-  // Epilogue: once both consumers' last dQ has read K, dK = scale dS^T Q and dV (keys no query
-  // sees, and keys past the length, hold zeros) are staged as Elem in this warpgroup's rows of
-  // the K and V tiles, in the swizzled layout the TMA store reads; one thread stores each span.
-  ptx::named_barrier_sync(kConsumersBarrier, kConsumerThreads);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = warp_key0 + quad_row + 8 * h;
-    const uint32_t row_offset = (row * kRowBytes + ((row & 7) << 4)) | (quad_col * 2);
-#pragma unroll
-    for (int d = 0; d < kDTiles; ++d) {
-      const uint32_t offset = (d / 8) * kBlockN * kRowBytes + (row_offset ^ ((d % 8) << 4));
-      ptx::st_shared_b32(sK + offset, ptx::pack2<Elem>(p.scale * dk_acc[d][2 * h],
-                                                       p.scale * dk_acc[d][2 * h + 1]));
-      ptx::st_shared_b32(sV + offset, ptx::pack2<Elem>(dv_acc[d][2 * h], dv_acc[d][2 * h + 1]));
-    }
-  }
-  ptx::fence_proxy_async_shared();
-  ptx::named_barrier_sync(kWarpgroupBarrier + consumer, 128);
-  if (tid % 128 == 0 && block.key0 + wg_key0 < p.seqlen_k) {
-    for (int span = 0; span < kSpans; ++span) {
-      const uint32_t offset = span * kBlockN * kRowBytes + wg_key0 * kRowBytes;
-      ptx::tma_store_4d(&maps.dk, sK + offset, span * kSpanElems, block.kv_head,
-                        block.key0 + wg_key0, block.b);
-      ptx::tma_store_4d(&maps.dv, sV + offset, span * kSpanElems, block.kv_head,
-                        block.key0 + wg_key0, block.b);
-    }
-    ptx::bulk_commit_group();
-    ptx::bulk_wait_group_read_all();  // shared memory must outlive the stores' reads
-  }
+  store_dk_dv<Elem, Traits>(p, maps, block, dk_acc, dv_acc, sK, sV,
+                            BackwardEpilogueThread{tid, consumer, wg_key0, warp_key0, quad_row,
+                                                   quad_col});
 #endif
 }
 
