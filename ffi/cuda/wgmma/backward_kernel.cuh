@@ -37,6 +37,7 @@
 #include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/cuda/common/tensor_maps.h"
 #include "ffi/cuda/wgmma/backward_epilogue.cuh"
+#include "ffi/cuda/wgmma/backward_mma.cuh"
 #include "ffi/cuda/wgmma/backward_traits.h"
 #include "ffi/cuda/wgmma/traits.h"  // register_budgets_fit
 #include "ffi/params.h"
@@ -190,34 +191,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
   const int dq_col0 = consumer * Traits::kDqCols;  // this warpgroup's dQ columns
 
-  // Descriptors. K-major operands (head dim contiguous) of S^T = K Q^T and dP^T = V dO^T:
-  // k-step ks lies in span ks / 4, 32 bytes per step into each 128-byte row, as the forward's
-  // Q K^T. MN-major B operands of dV += P^T dO and dK += dS^T Q (head dim contiguous, queries
-  // along the reduction), as the forward's V: k-step kk is 16 rows down, spans kBlockM rows apart
-  // (LBO). dQ = dS K reads dS^T [key][query] as an MN-major A (the 64 queries are one span, so no
-  // LBO) and K [key][head dim] as an MN-major B from this warpgroup's first column: k-step kk is
-  // 16 keys down both.
-  const auto kmajor_desc = [&](uint32_t tile, int rows, int ks) {
-    return ptx::smem_descriptor_sw128(tile + k_major_step_bytes(rows, ks), 16, kGroupBytes);
-  };
   // The K, V and dQ-K descriptors are the same on every tile: without an opaque copy of their
   // base per tile ptxas hoists all of them out of the tile loop (64-bit each: 48 registers at
   // head dim 128, which spills); rebuilt per tile they cost two integer ops each
   // (docs/decisions/hopper-kernels-without-spills.md).
-  const auto qtile_desc = [&](uint32_t tile, int kk) {  // Q or dO as B of dK or dV
-    return ptx::smem_descriptor_sw128(tile + mn_major_step_bytes(kk), kBlockM * kRowBytes,
-                                      kGroupBytes);
-  };
   const uint32_t k_dq_offset = (dq_col0 / kSpanElems) * kBlockN * kRowBytes +
                                (dq_col0 % kSpanElems) * 2;
-  const auto k_dq_desc = [&](uint32_t k_dq_tile, int kk) {
-    return ptx::smem_descriptor_sw128(k_dq_tile + mn_major_step_bytes(kk), kBlockN * kRowBytes,
-                                      kGroupBytes);
-  };
-  const auto ds_desc = [&](int buffer, int kk) {
-    return ptx::smem_descriptor_sw128(sdS(buffer) + mn_major_step_bytes(kk), Traits::kDsBytes,
-                                      kGroupBytes);
-  };
+  using Desc = BackwardDescriptors<Traits>;
 
   constexpr int kConsumersBarrier = BackwardNamedBarriers::kConsumers;
   constexpr int kWarpgroupBarrier = BackwardNamedBarriers::kWarpgroup;
@@ -287,13 +267,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
-      ptx::wgmma_ss<kBlockM, Elem>(s_acc, kmajor_desc(k_tile, kBlockN, ks),
-                                   kmajor_desc(sQ(stage), kBlockM, ks), ks > 0);
+      ptx::wgmma_ss<kBlockM, Elem>(s_acc, Desc::k_major(k_tile, kBlockN, ks),
+                                   Desc::k_major(sQ(stage), kBlockM, ks), ks > 0);
     ptx::wgmma_commit_group();
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
-      ptx::wgmma_ss<kBlockM, Elem>(dp_acc, kmajor_desc(v_tile, kBlockN, ks),
-                                   kmajor_desc(sdO(stage), kBlockM, ks), ks > 0);
+      ptx::wgmma_ss<kBlockM, Elem>(dp_acc, Desc::k_major(v_tile, kBlockN, ks),
+                                   Desc::k_major(sdO(stage), kBlockM, ks), ks > 0);
     ptx::wgmma_commit_group();
 
     // P^T. This thread's elements [j][e]: query q0 + 8 j + quad_col + e % 2, key
@@ -380,8 +360,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kQSteps; ++kk) {
-      ptx::wgmma_rs<kHeadDim, Elem>(dv_acc, p_frag[kk], qtile_desc(sdO(stage), kk));
-      ptx::wgmma_rs<kHeadDim, Elem>(dk_acc, ds_frag[kk], qtile_desc(sQ(stage), kk));
+      ptx::wgmma_rs<kHeadDim, Elem>(dv_acc, p_frag[kk], Desc::query_tile(sdO(stage), kk));
+      ptx::wgmma_rs<kHeadDim, Elem>(dk_acc, ds_frag[kk], Desc::query_tile(sQ(stage), kk));
     }
     ptx::wgmma_commit_group();
 
@@ -394,8 +374,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kKeySteps; ++kk)
-      ptx::wgmma_ss_mn_major<Traits::kDqCols, Elem>(dq_acc, ds_desc(ds_buffer, kk),
-                                                    k_dq_desc(k_dq_tile, kk), kk > 0);
+      ptx::wgmma_ss_mn_major<Traits::kDqCols, Elem>(dq_acc, Desc::ds(sdS(ds_buffer), kk),
+                                                    Desc::k_for_dq(k_dq_tile, kk), kk > 0);
     ptx::wgmma_commit_group();
 
     // dV and dK have read the stage's dO and Q (and lse / D were read above): release it.
