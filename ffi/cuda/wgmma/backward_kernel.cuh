@@ -38,55 +38,12 @@
 #include "ffi/cuda/common/tensor_maps.h"
 #include "ffi/cuda/wgmma/backward_epilogue.cuh"
 #include "ffi/cuda/wgmma/backward_mma.cuh"
+#include "ffi/cuda/wgmma/backward_pipeline.cuh"
 #include "ffi/cuda/wgmma/backward_traits.h"
 #include "ffi/cuda/wgmma/traits.h"  // register_budgets_fit
 #include "ffi/params.h"
 
 namespace jax_flashattn::wgmma {
-
-template <typename Traits>
-struct BackwardBarriers {
-  uint64_t kv_full;
-  uint64_t q_full[Traits::kStages], q_empty[Traits::kStages];
-};
-
-// Lengths and window of batch entry b, the same for every head (no elementwise mask on this
-// kernel, the dispatcher's rule: saying so drops its tests). Rebuilt where needed rather than
-// kept: its 64-bit fields would hold eight of the consumers' registers through the tile loop
-// (docs/decisions/hopper-kernels-without-spills.md).
-__device__ __forceinline__ cuda::Visibility block_visibility(const AttentionParams& p, int b) {
-  cuda::Visibility vis = cuda::Visibility::make(p, b, 0);
-  vis.mask.keep = nullptr;
-  return vis;
-}
-
-// The work of one block: its keys and the (query head, Q tile) steps that can see them, heads
-// outermost (head0 + step / tiles, tile_begin + step % tiles), the same for producer and
-// consumers. 32-bit indices: the dispatcher checks indices_fit_32_bits.
-template <typename Traits>
-struct BackwardBlock {
-  int b, kv_head, key0;
-  int head0, tile_begin, tiles, steps;
-
-  __device__ static BackwardBlock make(const AttentionParams& p) {
-    BackwardBlock w;
-    // Key blocks of one (batch, kv head) are consecutive, so the blocks running together stream
-    // the same Q and dO tiles through L2; under causal masking the lowest key block sees the
-    // most queries, so each head's blocks start longest first and a wave ends on short ones.
-    const int key_blocks = int((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
-    const int index = int(blockIdx.x), bh = index / key_blocks;
-    w.key0 = (index % key_blocks) * Traits::kBlockN;
-    w.b = bh / int(p.num_kv_heads);
-    w.kv_head = bh % int(p.num_kv_heads);
-    w.head0 = w.kv_head * int(p.group_size());
-    int64_t t_lo, t_hi;
-    block_visibility(p, w.b).query_range(w.key0, int64_t(w.key0) + Traits::kBlockN, t_lo, t_hi);
-    w.tile_begin = int(t_lo / Traits::kBlockM);
-    w.tiles = t_hi > t_lo ? int((t_hi + Traits::kBlockM - 1) / Traits::kBlockM) - w.tile_begin : 0;
-    w.steps = w.tiles * int(p.group_size());
-    return w;
-  }
-};
 
 template <typename Elem, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
@@ -104,27 +61,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kDTiles = kHeadDim / 8;    // 8-wide column tiles of dK and dV
   constexpr int kDqTiles = Traits::kDqCols / 8;  // 8-wide column tiles of a consumer's dQ
 
-  // Tiles at 1024-byte boundaries (the 128-byte swizzle's period): K, V, Q stages, dO stages,
-  // dS^T buffers, then lse / D and the barriers.
   extern __shared__ unsigned char smem_raw[];
+  using Layout = BackwardSmemLayout<Traits>;
   const uint32_t raw_address = ptx::smem_address(smem_raw);
   const uint32_t base = (raw_address + kGroupBytes - 1) & ~(kGroupBytes - 1);
   unsigned char* smem = smem_raw + (base - raw_address);
-  constexpr uint32_t kQOffset = 2 * Traits::kKVBytes;
-  constexpr uint32_t kDoOffset = kQOffset + kStages * Traits::kQBytes;
-  constexpr uint32_t kDsOffset = kDoOffset + kStages * Traits::kQBytes;
-  constexpr uint32_t kStatsOffset = kDsOffset + Traits::kDsStages * Traits::kDsBytes;
   const uint32_t sK = base, sV = base + Traits::kKVBytes;
-  const auto sQ = [&](int stage) { return base + kQOffset + stage * Traits::kQBytes; };
-  const auto sdO = [&](int stage) { return base + kDoOffset + stage * Traits::kQBytes; };
-  const auto sdS = [&](int buffer) { return base + kDsOffset + buffer * Traits::kDsBytes; };
-  // [stage][0][row]: lse; [stage][1][row]: D, from the tile's first row rounded down to
-  // kFlatAlignElems (BackwardMaps).
+  const auto sQ = [&](int stage) { return base + Layout::kQOffset + stage * Traits::kQBytes; };
+  const auto sdO = [&](int stage) { return base + Layout::kDoOffset + stage * Traits::kQBytes; };
+  const auto sdS = [&](int buffer) {
+    return base + Layout::kDsOffset + buffer * Traits::kDsBytes;
+  };
   constexpr int kStatsStride = Traits::kStatsStride;
-  const uint32_t sStats = base + kStatsOffset;
-  const float* stats = reinterpret_cast<const float*>(smem + kStatsOffset);
-  auto& bars = *reinterpret_cast<BackwardBarriers<Traits>*>(smem + kStatsOffset +
-                                                            Traits::kStatsBytes);
+  const uint32_t sStats = base + Layout::kStatsOffset;
+  const float* stats = reinterpret_cast<const float*>(smem + Layout::kStatsOffset);
+  auto& bars = *reinterpret_cast<BackwardBarriers<Traits>*>(smem + Layout::kBarrierOffset);
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
 
   const int tid = threadIdx.x;

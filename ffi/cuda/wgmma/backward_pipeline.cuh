@@ -1,0 +1,69 @@
+// The Hopper backward's pipeline state, shared by its producer and its consumers
+// (backward_kernel.cuh): the mbarriers, the block's work, and the shared-memory layout.
+#pragma once
+
+#include <cstdint>
+
+#include "ffi/cuda/common/mask.cuh"
+#include "ffi/params.h"
+
+namespace jax_flashattn::wgmma {
+
+template <typename Traits>
+struct BackwardBarriers {
+  uint64_t kv_full;
+  uint64_t q_full[Traits::kStages], q_empty[Traits::kStages];
+};
+
+// Lengths and window of batch entry b, the same for every head (no elementwise mask on this
+// kernel, the dispatcher's rule: saying so drops its tests). Rebuilt where needed rather than
+// kept: its 64-bit fields would hold eight of the consumers' registers through the tile loop
+// (docs/decisions/hopper-kernels-without-spills.md).
+__device__ __forceinline__ cuda::Visibility block_visibility(const AttentionParams& p, int b) {
+  cuda::Visibility vis = cuda::Visibility::make(p, b, 0);
+  vis.mask.keep = nullptr;
+  return vis;
+}
+
+// The work of one block: its keys and the (query head, Q tile) steps that can see them, heads
+// outermost (head0 + step / tiles, tile_begin + step % tiles), the same for producer and
+// consumers. 32-bit indices: the dispatcher checks indices_fit_32_bits.
+template <typename Traits>
+struct BackwardBlock {
+  int b, kv_head, key0;
+  int head0, tile_begin, tiles, steps;
+
+  __device__ static BackwardBlock make(const AttentionParams& p) {
+    BackwardBlock w;
+    // Key blocks of one (batch, kv head) are consecutive, so the blocks running together stream
+    // the same Q and dO tiles through L2; under causal masking the lowest key block sees the
+    // most queries, so each head's blocks start longest first and a wave ends on short ones.
+    const int key_blocks = int((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
+    const int index = int(blockIdx.x), bh = index / key_blocks;
+    w.key0 = (index % key_blocks) * Traits::kBlockN;
+    w.b = bh / int(p.num_kv_heads);
+    w.kv_head = bh % int(p.num_kv_heads);
+    w.head0 = w.kv_head * int(p.group_size());
+    int64_t t_lo, t_hi;
+    block_visibility(p, w.b).query_range(w.key0, int64_t(w.key0) + Traits::kBlockN, t_lo, t_hi);
+    w.tile_begin = int(t_lo / Traits::kBlockM);
+    w.tiles = t_hi > t_lo ? int((t_hi + Traits::kBlockM - 1) / Traits::kBlockM) - w.tile_begin : 0;
+    w.steps = w.tiles * int(p.group_size());
+    return w;
+  }
+};
+
+// The dynamic shared memory's layout, tiles at 1024-byte boundaries (the 128-byte swizzle's
+// period) from the aligned start: K, V, Q stages, dO stages, dS^T buffers, then lse / D
+// ([stage][0][row]: lse; [stage][1][row]: D, from the tile's first row rounded down to
+// kFlatAlignElems: BackwardMaps) and the barriers (BackwardBarriers).
+template <typename Traits>
+struct BackwardSmemLayout {
+  static constexpr uint32_t kQOffset = 2 * Traits::kKVBytes;
+  static constexpr uint32_t kDoOffset = kQOffset + Traits::kStages * Traits::kQBytes;
+  static constexpr uint32_t kDsOffset = kDoOffset + Traits::kStages * Traits::kQBytes;
+  static constexpr uint32_t kStatsOffset = kDsOffset + Traits::kDsStages * Traits::kDsBytes;
+  static constexpr uint32_t kBarrierOffset = kStatsOffset + Traits::kStatsBytes;
+};
+
+}  // namespace jax_flashattn::wgmma
