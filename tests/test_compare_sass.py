@@ -1,0 +1,64 @@
+"""benchmarks/compare_sass.py, the SASS-identity guard of kernel refactors: its parsing and
+comparison (CPU only; compiling needs nvcc and nvdisasm)."""
+
+import pathlib
+
+import pytest
+
+from helpers import load_benchmark_script
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+SASS = """
+\t.headerflags\t@"EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+.text._ZN13jax_flashattn4cuda49_GLOBAL__N__5545d00e_16_backward_simt_cu_ce2388bf18kernelEv:
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   ISETP.GE.AND P0, PT, R0, UR4, PT ;
+        /*0020*/               @P0 EXIT ;
+.L_x_0:
+        /*0030*/                   IMAD.MOV.U32 R2, RZ, RZ, 0x4 ;
+        /*0040*/                   EXIT ;
+"""
+
+
+def _load():
+    return load_benchmark_script("compare_sass")
+
+
+def test_head_dims_match_the_lists_cmake_instantiates():
+    """Every family's list parses from its traits header, as cmake/kernels/CMakeLists.txt
+    reads it; a header without the list is an error, not an empty list."""
+    sass = _load()
+    for family, (header, array) in sass.FAMILIES.items():
+        dims = sass.head_dims((REPO / header).read_text(), array)
+        assert dims and dims == sorted(dims), family
+        assert (REPO / "ffi/cuda/instantiations" / f"{family}.cu.in").is_file(), family
+    assert sass.head_dims("inline constexpr int kHeadDims[] = {64, 128};", "kHeadDims") == [64, 128]
+    with pytest.raises(ValueError, match="kHeadDims"):
+        sass.head_dims("constexpr int other[] = {1};", "kHeadDims")
+
+
+def test_anonymous_namespace_hashes_are_not_a_difference():
+    """The same code compiled from a file whose contents changed elsewhere gets another
+    anonymous-namespace hash: identical after normalisation, and no changed instructions."""
+    sass = _load()
+    moved = SASS.replace("5545d00e", "ee801fdb")
+    assert moved != SASS
+    assert sass.normalized(moved) == sass.normalized(SASS)
+    assert sass.changed_opcodes(SASS, moved) == 0
+
+
+def test_opcodes_drop_operands_predicates_and_addresses():
+    sass = _load()
+    ops = sass.opcodes(SASS)
+    assert ops[1:] == ["LDC", "ISETP.GE.AND", "EXIT", "IMAD.MOV.U32", "EXIT"]
+    assert ops[0].startswith(".text.") and "ANON" in ops[0]
+    renamed = SASS.replace("R2, RZ", "R7, RZ").replace("/*0030*/", "/*0040*/")
+    assert sass.changed_opcodes(SASS, renamed) == 0
+
+
+def test_a_changed_instruction_is_counted():
+    """One instruction replaced by two others: three changed lines."""
+    sass = _load()
+    changed = SASS.replace("IMAD.MOV.U32 R2, RZ, RZ, 0x4 ;", "MOV R2, 0x4 ;\n        NOP ;")
+    assert sass.changed_opcodes(SASS, changed) == 3
