@@ -1,14 +1,10 @@
 // Which keys a query sees, in the forms the CUDA kernels test: the key range a block of query
 // rows must visit (so whole tiles outside it are never loaded) and the per-element predicate
-// for the tiles that straddle a boundary. The int32 bounds of the Hopper forward and the decode
-// kernels are variant::KeyWindow<int> (ffi/variant.h); Visibility below is the 64-bit form,
-// with the elementwise mask, of the CUDA-core, mma.sync and Hopper backward kernels, which
-// keeps an unbounded window side as a branch instead of a clamped bound (their SASS and
-// speed as measured).
+// for the tiles that straddle a boundary. The Hopper forward and the decode kernels test
+// variant::KeyWindow<int> (ffi/variant.h) through TileVisibility; Visibility below joins
+// variant::KeyWindow<int64_t> and the mask for the CUDA-core, mma.sync and Hopper backward
+// kernels.
 #pragma once
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <cstdint>
 
