@@ -1,8 +1,8 @@
 // Attention variants as policies: one definition of each concept, host and device alike.
 //
-//   KeyWindow<Index>  sequence lengths, causal and local windows: key_range() for the tiles a
-//                     block of rows visits, classify() per tile (skip it, test each element,
-//                     or test none); per element, query t sees key s iff t < q_len,
+//   KeyWindow<Index>  sequence lengths, causal and local windows: key_range() / query_range()
+//                     for the tiles a block visits, all_visible_tiles() for the tiles that need
+//                     no element test; per element, query t sees key s iff t < q_len,
 //                     s < kv_len and t - left <= s <= t + right
 //   ElementMask       the boolean mask: keeps(t, s)
 //   AdditiveBias      the bias operand, added to scale q.k
@@ -24,13 +24,6 @@
 #endif
 
 namespace jax_flashattn::variant {
-
-// What a kernel does with a block of (query, key) pairs.
-enum class TileClass : int {
-  kHidden,   // no pair is visible: skip the tile (nothing loaded, nothing computed)
-  kPartial,  // some may be hidden: test each element
-  kVisible,  // every pair is visible: no element needs a test
-};
 
 template <typename T>
 JAX_FLASHATTN_HOST_DEVICE constexpr T min_of(T a, T b) { return b < a ? b : a; }
@@ -57,7 +50,6 @@ JAX_FLASHATTN_HOST_DEVICE inline int64_t clamp_length(const int32_t* lengths, in
 // indices_fit_32_bits); KeyWindow<int64_t> below serves every call.
 template <typename Index>
 struct KeyWindow {
-  using index_type = Index;
   Index q_len, kv_len;  // rows t >= q_len see nothing, keys s >= kv_len are hidden
   Index left, right;
 
@@ -92,27 +84,10 @@ struct KeyWindow {
     hi = row_end > row_begin ? min_of(kv_len, row_end + right) : Index(0);
   }
 
-  // The rectangle rows [row_begin, row_end) x keys [key_begin, key_end).
-  JAX_FLASHATTN_HOST_DEVICE TileClass classify(Index row_begin, Index row_end, Index key_begin,
-                                               Index key_end) const {
-    Index lo, hi;
-    key_range(row_begin, row_end, lo, hi);
-    if (max_of(lo, key_begin) >= min_of(hi, key_end)) return TileClass::kHidden;
-    return all_visible(row_begin, row_end, key_begin, key_end) ? TileClass::kVisible
-                                                               : TileClass::kPartial;
-  }
-
-  // Whether every pair of the rectangle is visible: every row below q_len, every key below
-  // kv_len, the first key inside the last row's window and the last key inside the first's.
-  JAX_FLASHATTN_HOST_DEVICE bool all_visible(Index row_begin, Index row_end, Index key_begin,
-                                             Index key_end) const {
-    return row_end <= q_len && key_end <= kv_len && key_begin >= row_end - 1 - left &&
-           key_end - 1 <= row_begin + right;
-  }
-
-  // The key tiles all_visible accepts for rows [row_begin, row_end): tile j of a walk that
-  // starts at tile tile_begin (keys [(tile_begin + j) * kBlockN, + kBlockN)) lies whole inside
-  // every row's visible keys iff lo <= j < hi. Worked out once per block of rows, it leaves two
+  // The key tiles every row of [row_begin, row_end) sees whole: tile j of a walk that starts
+  // at tile tile_begin (keys [(tile_begin + j) * kBlockN, + kBlockN)) needs no element test
+  // iff lo <= j < hi (every row below q_len, every key below kv_len, the tile's first key
+  // inside the last row's window and its last key inside the first row's). Worked out once per block of rows, it leaves two
   // compares per tile.
   template <int kBlockN>
   JAX_FLASHATTN_HOST_DEVICE void all_visible_tiles(Index row_begin, Index row_end,
@@ -136,7 +111,6 @@ struct KeyWindow {
 // were measured slower with clamped 64-bit bounds (docs/decisions/variant-policies.md).
 template <>
 struct KeyWindow<int64_t> {
-  using index_type = int64_t;
   int64_t q_len, kv_len;              // rows t >= q_len see nothing, keys s >= kv_len are hidden
   int64_t window_left, window_right;  // kUnboundedWindow for an open side
 
@@ -164,36 +138,21 @@ struct KeyWindow<int64_t> {
       hi = row_end + window_right;
   }
 
-  // Queries [lo, hi) that may see a key of [key_begin, key_end); hi <= lo when none. The
-  // transpose of key_range, for kernels that walk the queries of a block of keys.
+  // Queries [lo, hi) that may see a key of [key_begin, key_end); hi <= lo when none, for
+  // kernels that walk the queries of a block of keys. Key s is seen by queries t with
+  // s - window_right <= t <= s + window_left: key_range of the transposed window.
   JAX_FLASHATTN_HOST_DEVICE void query_range(int64_t key_begin, int64_t key_end, int64_t& lo,
                                              int64_t& hi) const {
-    key_end = key_end < kv_len ? key_end : kv_len;
-    lo = 0;
-    hi = key_end > key_begin ? q_len : 0;
-    // Key s is seen by queries t with s - window_right <= t <= s + window_left.
-    if (window_right != kUnboundedWindow && key_begin - window_right > lo)
-      lo = key_begin - window_right;
-    if (window_left != kUnboundedWindow && key_end + window_left < hi)
-      hi = key_end + window_left;
+    KeyWindow{kv_len, q_len, window_right, window_left}.key_range(key_begin, key_end, lo, hi);
   }
 
-  JAX_FLASHATTN_HOST_DEVICE TileClass classify(int64_t row_begin, int64_t row_end,
-                                               int64_t key_begin, int64_t key_end) const {
+  // Whether some row of [row_begin, row_end) may see a key of [key_begin, key_end): a tile
+  // without one is skipped.
+  JAX_FLASHATTN_HOST_DEVICE bool sees_any(int64_t row_begin, int64_t row_end,
+                                          int64_t key_begin, int64_t key_end) const {
     int64_t lo, hi;
     key_range(row_begin, row_end, lo, hi);
-    if (max_of(lo, key_begin) >= min_of(hi, key_end)) return TileClass::kHidden;
-    return all_visible(row_begin, row_end, key_begin, key_end) ? TileClass::kVisible
-                                                               : TileClass::kPartial;
-  }
-
-  // Whether every pair of the rectangle is visible (the common interior tile).
-  JAX_FLASHATTN_HOST_DEVICE bool all_visible(int64_t row_begin, int64_t row_end,
-                                             int64_t key_begin, int64_t key_end) const {
-    if (row_end > q_len || key_end > kv_len) return false;
-    if (window_left != kUnboundedWindow && key_begin < row_end - 1 - window_left) return false;
-    if (window_right != kUnboundedWindow && key_end - 1 > row_begin + window_right) return false;
-    return true;
+    return max_of(lo, key_begin) < min_of(hi, key_end);
   }
 };
 

@@ -126,7 +126,7 @@ void key_tile_task(const AttentionParams& p, int64_t b, int64_t kv_head, int64_t
                                       : nullptr;
     for (int64_t r0 = 0; r0 < p.seqlen_q; r0 += kTileRows) {
       const int64_t rows = std::min(kTileRows, window.q_len - r0);
-      if (count <= 0 || rows <= 0 || !rows_see_keys(window, r0, r0 + rows, s0, s0 + count))
+      if (count <= 0 || rows <= 0 || !window.sees_any(r0, r0 + rows, s0, s0 + count))
         continue;
       tiles.load_rows(p, b, n, r0, rows);
       tiles.compute(logits, r0, s0, kt.data(), vt.data());
@@ -165,7 +165,7 @@ void query_tile_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0)
   const int64_t rows = std::max<int64_t>(0, std::min(window.q_len, r_end) - r0);
 
   std::vector<float> dq(kTileRows * hp, 0.0f);
-  if (rows > 0 && rows_see_keys(window, r0, r0 + rows, 0, window.kv_len)) {
+  if (rows > 0 && window.sees_any(r0, r0 + rows, 0, window.kv_len)) {
     std::vector<float> k_rows(kTileKeys * hp, 0.0f), kt(hp * kTileKeys, 0.0f);
     std::vector<float> v_rows(kTileKeys * hp, 0.0f), vt(hp * kTileKeys, 0.0f);
     StepTiles tiles(hp);

@@ -41,19 +41,6 @@ inline int64_t kv_offset(const AttentionParams& p, int64_t b, int64_t s, int64_t
   return b * p.kv_batch_stride + s * p.kv_row_stride + kv_head * p.kv_head_stride;
 }
 
-// The keys row t may see before mask and bias: [begin, end) with end <= begin when none (rows at
-// or past q_len see none). Both bounds never decrease with t.
-JAX_FLASHATTN_CPU_INLINE void row_keys(const variant::KeyWindow<int64_t>& window, int64_t t,
-                                       int64_t& begin, int64_t& end) {
-  window.key_range(t, t + 1, begin, end);
-}
-
-// Whether some row of [r0, r1) may see a key of [s0, s1).
-inline bool rows_see_keys(const variant::KeyWindow<int64_t>& window, int64_t r0, int64_t r1,
-                          int64_t s0, int64_t s1) {
-  return window.classify(r0, r1, s0, s1) != variant::TileClass::kHidden;
-}
-
 // Rows [s0, s0 + count) of a k-like tensor (kv head kv_head of batch element b) as float32:
 // rows[j][0, H) with row stride `ld`, and, where `transposed` is given, transposed[d][j] with row
 // stride kTileKeys. Padding (rows past count, columns past H) keeps the zeros it was made with.
@@ -83,8 +70,8 @@ class TileLogits {
   // (then x is all -inf).
   JAX_FLASHATTN_CPU_INLINE bool apply(int64_t t, int64_t k0, float* x,
                                        std::vector<float>& bias_row) const {
-    int64_t begin, end;
-    row_keys(window_, t, begin, end);
+    int64_t begin, end;  // the keys row t sees before mask and bias; end <= begin when none
+    window_.key_range(t, t + 1, begin, end);
     const int64_t j0 = std::max(k0, begin) - k0;
     const int64_t j1 = std::min(k0 + kTileKeys, end) - k0;
     if (j0 >= j1) {

@@ -38,7 +38,7 @@ void forward_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0) {
   const int64_t r_end = std::min(p.seqlen_q, r0 + kTileRows);
   const int64_t r1 = std::min(window.q_len, r_end);  // rows [r0, r1) may see keys
   const std::vector<float> zeros(h, 0.0f);
-  if (r1 <= r0 || !rows_see_keys(window, r0, r1, 0, window.kv_len)) {
+  if (r1 <= r0 || !window.sees_any(r0, r1, 0, window.kv_len)) {
     write_unseen_rows(p, b, n, r0, r_end, zeros);
     return;
   }

@@ -15,9 +15,9 @@
 namespace jax_flashattn::cuda {
 
 // Visibility for one (batch, head) in 64 bits: the KeyWindow's lengths and window (key_range,
-// query_range) and the ElementMask. The two tests below are KeyWindow's with the mask added,
-// spelled out: composed through KeyWindow's calls, ptxas branched and scheduled the
-// mma.sync and CUDA-core kernels differently (their SASS changed; this form keeps it).
+// query_range) and the ElementMask, with the two tests the kernels make on them, each in one
+// function: built from smaller calls, ptxas branched and scheduled the mma.sync and CUDA-core
+// kernels differently (their SASS changed; this form keeps it).
 struct Visibility : variant::KeyWindow<int64_t> {
   variant::ElementMask mask;
 
