@@ -118,11 +118,12 @@ def compile_cubin(nvcc: str, tree: str, source: str, cubin: str, arch: str) -> s
 
 def build(nvcc: str, tree: str, files: list[str], out_dir: str, arch: str, jobs: int) -> dict:
     """name -> cubin path for every source of `tree`; raises on a compile error."""
-    cubins = {os.path.splitext(os.path.basename(f))[0]: f for f in files}
-    targets = {name: os.path.join(out_dir, name + ".cubin") for name in cubins}
+    source_of = {os.path.splitext(os.path.basename(f))[0]: f for f in files}
+    targets = {name: os.path.join(out_dir, name + ".cubin") for name in source_of}
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        errors = dict(zip(cubins, pool.map(
-            lambda name: compile_cubin(nvcc, tree, cubins[name], targets[name], arch), cubins)))
+        errors = dict(zip(source_of, pool.map(
+            lambda name: compile_cubin(nvcc, tree, source_of[name], targets[name], arch),
+            source_of)))
     failed = {name: error for name, error in errors.items() if error}
     if failed:
         name, error = next(iter(failed.items()))
@@ -146,11 +147,9 @@ def main(argv=None) -> int:
     parser.add_argument("--nvcc", default=shutil.which("nvcc") or "nvcc")
     parser.add_argument("--nvdisasm", default=shutil.which("nvdisasm") or "nvdisasm")
     args = parser.parse_args(argv)
-    families = args.family.split(",")
-    dtypes = args.dtype.split(",")
-    for name, known in (("family", FAMILIES), ("dtype", ELEMS)):
-        unknown = [x for x in (families if name == "family" else dtypes) if x not in known]
-        if unknown:
+    families, dtypes = args.family.split(","), args.dtype.split(",")
+    for name, given, known in (("family", families, FAMILIES), ("dtype", dtypes, ELEMS)):
+        if unknown := [x for x in given if x not in known]:
             parser.error(f"unknown --{name} {unknown}; choose from {sorted(known)}")
 
     with tempfile.TemporaryDirectory() as scratch:
