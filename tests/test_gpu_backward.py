@@ -73,9 +73,10 @@ def test_deterministic(rng):
 
 
 # ----------------------------------------------------------------------------------------------
-# The tensor-core backward (bf16/fp16, head dims multiple of 8 up to 128; larger ones and
-# float32 run on the CUDA-core kernels), over the forward tests' shape and mask matrix, in both
-# dQ modes: float32 atomics (default) and the deterministic dQ pass.
+# The tensor-core backward (bf16/fp16, head dims multiple of 8 up to 256, above 128 where the
+# device has 163 KiB of shared memory per block; float32 runs on the CUDA-core kernels), over
+# the forward tests' shape and mask matrix, in both dQ modes: float32 atomics (default) and the
+# deterministic dQ pass.
 
 LOW_PRECISION = [jnp.bfloat16, jnp.float16]
 # Normwise relative error against the float32 reference: P and dS are rounded to the input
@@ -153,6 +154,20 @@ def test_tc_head_dims(rng, dtype, head_dim, deterministic):
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("head_dim", [136, 192, 256])
+@pytest.mark.parametrize("kwargs", [dict(is_causal=True), dict(local_window_size=(70, 9)),
+                                    dict(query_seq_lengths=np.array([201, 0, 57], np.int32),
+                                         key_value_seq_lengths=np.array([333, 40, 0], np.int32),
+                                         is_causal=True)])
+def test_tc_large_head_dims(rng, dtype, head_dim, kwargs, deterministic):
+    """Head dims above 128 on the mma.sync large table (64-key blocks, 32-query tiles, rows
+    padded to 256 elements; 136 runs on 192): GQA 8 -> 2, several key blocks and query tiles,
+    partial last ones, zero-length rows."""
+    check_grads(rng, *random_qkv(rng, 3, 201, 333, 8, 2, head_dim, dtype),
+                deterministic=deterministic, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize("t,s", [(1, 1), (1, 300), (300, 1), (129, 65), (64, 128), (257, 513)])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_tc_sizes_and_causal(rng, dtype, t, s, is_causal, deterministic):
@@ -204,8 +219,9 @@ def test_tc_large_inputs(rng, dtype, head_dim, deterministic):
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize("bias_shape", [(2, 4, 100, 140), (1, 1, 100, 140), (2, 1, 1, 140),
                                         (4, 100, 1), (140,)])
-def test_tc_bias_gradient(rng, dtype, bias_shape, deterministic):
-    q, k, v = random_qkv(rng, 2, 100, 140, 4, 2, 128, dtype)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_tc_bias_gradient(rng, dtype, bias_shape, head_dim, deterministic):
+    q, k, v = random_qkv(rng, 2, 100, 140, 4, 2, head_dim, dtype)
     bias = jnp.asarray(rng.standard_normal(bias_shape), dtype)
     check_grads(rng, q, k, v, bias, is_causal=True, deterministic=deterministic)
 
@@ -240,7 +256,7 @@ def test_tc_mask_without_bias(rng, dtype, deterministic):
                 query_seq_lengths=jnp.array([150, 61], jnp.int32), deterministic=deterministic)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_tc_deterministic_is_bit_identical(rng, head_dim):
     q, k, v = random_qkv(rng, 2, 300, 333, 8, 2, head_dim, jnp.bfloat16)
     d_out = jnp.asarray(rng.standard_normal(q.shape, dtype=np.float32), q.dtype)
@@ -302,8 +318,14 @@ def test_backward_dispatch_is_visible(monkeypatch):
     assert jax_flashattn.backward_kernel(q, kv, bias=q) == "sm80"
     assert jax_flashattn.backward_kernel(q, kv, mask=q) == "sm80"
     assert jax_flashattn.backward_kernel(q, kv, deterministic=True) == "sm80"
-    assert jax_flashattn.backward_kernel(q.update(shape=(2, 100, 8, 256)),
-                                         kv.update(shape=(2, 300, 2, 256))) == "simt"
+    # Above 128 the mma.sync family needs 163 KiB of shared memory per block.
+    large_smem = jax.devices()[0].compute_capability in ("8.0", "8.7", "9.0", "10.0")
+    for head_dim in (136, 192, 256):
+        assert jax_flashattn.backward_kernel(
+            q.update(shape=(2, 100, 8, head_dim)),
+            kv.update(shape=(2, 300, 2, head_dim))) == ("sm80" if large_smem else "simt")
+    assert jax_flashattn.backward_kernel(q.update(shape=(2, 100, 8, 264)),
+                                         kv.update(shape=(2, 300, 2, 264))) == "simt"
     assert jax_flashattn.backward_kernel(q.update(dtype=jnp.float32),
                                          kv.update(dtype=jnp.float32)) == "simt"
     monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")

@@ -1,8 +1,9 @@
 // Picks the backward kernels for a call: on Hopper the TMA + wgmma kernel where it applies, else
 // the mma.sync family for bf16/fp16 with head dims that are a multiple of 8 up to the largest
-// instantiated one (on the smallest instantiated head dim that holds it) and a scale > 0, the
-// CUDA-core kernels for everything else. Both tensor-core families are three stream-ordered
-// steps: preprocess (D, zeroed dQ accumulator), the passes, dQ conversion.
+// instantiated one (on the smallest instantiated head dim that holds it; above 128 only where the
+// device has the large table's shared memory) and a scale > 0, the CUDA-core kernels for
+// everything else. Both tensor-core families are three stream-ordered steps: preprocess (D,
+// zeroed dQ accumulator), the passes, dQ conversion.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -80,7 +81,14 @@ BackwardKernel choose_backward_kernel(const AttentionParams& p, int device) {
   if (!tensor_core_dtype || p.head_dim <= 0 || p.head_dim % 8 != 0 ||
       p.head_dim > max_head_dim || !(p.scale > 0.f))
     return BackwardKernel::kSimt;
-  return sm90_applies(p, device) ? BackwardKernel::kSm90 : BackwardKernel::kSm80;
+  if (sm90_applies(p, device)) return BackwardKernel::kSm90;
+  // Head dims past the 99 KiB table need the large one (mma_sync/backward_traits.h).
+  int smem_bytes = 0;
+  if (p.head_dim > mma_sync::kSmallTableMaxHeadDim &&
+      (opt_in_smem_bytes(device, smem_bytes) != cudaSuccess ||
+       smem_bytes < mma_sync::kLargeSmemBytes))
+    return BackwardKernel::kSimt;
+  return BackwardKernel::kSm80;
 }
 
 cudaError_t launch_backward(const AttentionParams& p, cudaStream_t stream) {

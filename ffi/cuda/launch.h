@@ -127,6 +127,18 @@ inline cudaError_t multiprocessor_count(int& count) {
   return multiprocessor_count(device, count);
 }
 
+// CUDA device `device`'s opt-in shared memory per block in bytes (which tile tables fit).
+inline cudaError_t opt_in_smem_bytes(int device, int& bytes) {
+  const auto query = [](int d) {
+    int n = 0;
+    const cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, d);
+    return std::pair{e, n};
+  };
+  const auto [error, value] = once_per_device(device, std::pair{cudaErrorInvalidDevice, 0}, query);
+  bytes = value;
+  return error;
+}
+
 // Whether kKernel, as loaded on CUDA device `device` (the current one: the kernel's attributes
 // are the current device's), runs from an image compiled for compute
 // capability 9.0+ on a 9.0+ device (PTX version 9.0+), so the sm_90 instructions in its body

@@ -4,8 +4,6 @@
 // instantiate it; dispatch_backward.cu runs the preprocess before and the dQ conversion after.
 #pragma once
 
-#include <utility>
-
 #include "ffi/cuda/launch.h"
 #include "ffi/cuda/mma_sync/backward_dkdv_kernel.cuh"
 #include "ffi/cuda/mma_sync/backward_dq_kernel.cuh"
@@ -13,18 +11,11 @@
 
 namespace jax_flashattn::cuda {
 
-// Whether the current device's opt-in shared memory per block holds the large dK/dV
-// configurations (sm_80, sm_87, sm_90, sm_100: 163 KiB or more), queried once per device.
-inline cudaError_t backward_large_tiles(bool& large) {
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  const auto query = [](int d) {
-    int bytes = 0;
-    const cudaError_t e =
-        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, d);
-    return std::pair{e, bytes};
-  };
-  const auto [error, bytes] = once_per_device(device, std::pair{cudaErrorInvalidDevice, 0}, query);
+// Whether CUDA device `device`'s opt-in shared memory per block holds the large dK/dV
+// configurations (sm_80, sm_87, sm_90, sm_100: 163 KiB or more).
+inline cudaError_t backward_large_tiles(int device, bool& large) {
+  int bytes = 0;
+  const cudaError_t error = opt_in_smem_bytes(device, bytes);
   large = bytes >= mma_sync::kLargeSmemBytes;
   return error;
 }
@@ -40,24 +31,18 @@ cudaError_t launch_backward_dkdv(const AttentionParams& p, int64_t key_blocks,
   return cudaGetLastError();
 }
 
-template <typename Elem, int kHeadDim>
-cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream) {
-  using DkDvSmall = mma_sync::DkDvConfig<kHeadDim>;
-  using DkDvLarge = mma_sync::DkDvConfigLarge<kHeadDim>;
-  using Dq = mma_sync::DqConfig<kHeadDim>;
+// The dK/dV pass with the DkDv table, then in deterministic mode the dQ pass.
+template <typename Elem, typename DkDv, typename Dq>
+cudaError_t launch_backward_passes(const AttentionParams& p, cudaStream_t stream) {
   constexpr auto dq_kernel = mma_sync::backward_dq_kernel<Elem, Dq>;
-  bool large = false;
-  if (cudaError_t e = backward_large_tiles(large); e != cudaSuccess) return e;
-  const int64_t block_n = large ? DkDvLarge::kBlockN : DkDvSmall::kBlockN;
-  const int64_t key_blocks = (p.seqlen_k + block_n - 1) / block_n;
+  const int64_t key_blocks = (p.seqlen_k + DkDv::kBlockN - 1) / DkDv::kBlockN;
   const int64_t query_blocks = (p.seqlen_q + Dq::kBlockM - 1) / Dq::kBlockM;
   // Grid y limits: the dK/dV pass always runs, the dQ pass only in deterministic mode.
   if (key_blocks > 65535 || (p.deterministic && query_blocks > 65535) ||
       p.batch * p.num_heads > 0x7fffffff)
     return cudaErrorInvalidConfiguration;
   if (key_blocks > 0) {
-    const cudaError_t e = large ? launch_backward_dkdv<Elem, DkDvLarge>(p, key_blocks, stream)
-                                : launch_backward_dkdv<Elem, DkDvSmall>(p, key_blocks, stream);
+    const cudaError_t e = launch_backward_dkdv<Elem, DkDv>(p, key_blocks, stream);
     if (e != cudaSuccess) return e;
   }
   if (!p.deterministic) return cudaSuccess;
@@ -65,6 +50,24 @@ cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream) 
   const dim3 grid(unsigned(p.batch * p.num_heads), unsigned(query_blocks));
   dq_kernel<<<grid, Dq::kThreads, Dq::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename Elem, int kHeadDim>
+cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream) {
+  using DkDvLarge = mma_sync::DkDvConfigLarge<kHeadDim>;
+  using Dq = mma_sync::DqConfig<kHeadDim>;
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  bool large = false;
+  if (cudaError_t e = backward_large_tiles(device, large); e != cudaSuccess) return e;
+  if constexpr (kHeadDim > mma_sync::kSmallTableMaxHeadDim) {
+    // Only the large table: choose_backward_kernel sends these head dims here only where it fits.
+    if (!large) return cudaErrorInvalidConfiguration;
+    return launch_backward_passes<Elem, DkDvLarge, Dq>(p, stream);
+  } else {
+    return large ? launch_backward_passes<Elem, DkDvLarge, Dq>(p, stream)
+                 : launch_backward_passes<Elem, mma_sync::DkDvConfig<kHeadDim>, Dq>(p, stream);
+  }
 }
 
 }  // namespace jax_flashattn::cuda

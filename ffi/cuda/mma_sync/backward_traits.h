@@ -13,16 +13,18 @@
 // dQ kernel (deterministic mode only): one block per (query tile, head, batch), the forward's
 // shape, each warp owning 16 query rows.
 //
-// Rows of 2-byte elements are padded to whole 128-byte swizzle spans (kSmemDim); the XOR
-// swizzle only touches the low three bits of the 16-byte chunk index, so any multiple of 64
-// works. DkDvConfig and DqConfig fit the 99 KiB of opt-in shared memory of every sm_8x/sm_120;
-// DkDvConfigLarge needs the 163 KiB of sm_80/sm_87 (227 KiB on sm_90/sm_100) and runs where
-// the device's opt-in limit is at least kLargeSmemBytes (backward_launch.cuh).
+// Rows of 2-byte elements are padded to 64, 128 or 256 elements (smem_dim_for): whole 128-byte
+// swizzle spans, rows of a power-of-two size (ldmatrix column steps are XORs into the row
+// address: LdmatrixAddress) and a whole number of rows per 256-thread copy pass. DkDvConfig and
+// DqConfig fit the 99 KiB of opt-in shared memory of every sm_8x/sm_120; DkDvConfigLarge needs
+// the 163 KiB of sm_80/sm_87 (227 KiB on sm_90/sm_100) and runs where the device's opt-in limit
+// is at least kLargeSmemBytes (backward_launch.cuh). Head dims above kSmallTableMaxHeadDim have
+// only the large table: on other devices they run on the CUDA-core backward.
 #pragma once
 
-namespace jax_flashattn::mma_sync {
+#include "ffi/cuda/common/smem_tile.cuh"  // smem_dim_for
 
-constexpr int backward_smem_dim(int head_dim) { return (head_dim + 63) / 64 * 64; }
+namespace jax_flashattn::mma_sync {
 
 // Opt-in shared memory per block: every sm_80+ device, and sm_80 / sm_87 / sm_90 / sm_100.
 inline constexpr int kSmallSmemBytes = 99 * 1024;
@@ -41,7 +43,7 @@ struct DkDvTraits {
   // Q/dO tiles in flight: compute tile i while tile i + 1 lands (the load of tile i + 1 is
   // issued after the barrier that starts tile i, into the buffer tile i - 1 used).
   static constexpr int kStages = 2;
-  static constexpr int kSmemDim = backward_smem_dim(kHeadDim);
+  static constexpr int kSmemDim = smem_dim_for(kHeadDim);
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row that hold data
   static constexpr int kElemBytes = 2;
   // Warp w works on key slab w % kKeySlabs (16 keys) and part w / kKeySlabs of the other dim:
@@ -59,7 +61,7 @@ struct DkDvTraits {
   static constexpr int kSubCols = kSubCols_;
   // dS^T (and P^T unless kPInRegisters) [kBlockN][kDsDim] in shared memory, rows padded to
   // whole swizzle spans.
-  static constexpr int kDsDim = backward_smem_dim(kBlockM);
+  static constexpr int kDsDim = smem_dim_for(kBlockM);
   static constexpr int kDsTiles = kPInRegisters ? 1 : 2;
   // dQ = dS K of a Q tile: kDqSlabs slabs of kDqRows queries times kDqColGroups groups of
   // kDqCols head-dim columns, one per warp (warps past kDqWarps sit that product out). 32-row
@@ -101,7 +103,7 @@ struct DqTraits {
   static constexpr int kBlockN = kBlockN_;     // keys per K/V tile
   static constexpr int kMinBlocks = kMinBlocks_;
   static constexpr int kStages = 2;
-  static constexpr int kSmemDim = backward_smem_dim(kHeadDim);
+  static constexpr int kSmemDim = smem_dim_for(kHeadDim);
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kElemBytes = 2;
   static constexpr int kSmemBytes = (2 * kBlockM + 2 * kStages * kBlockN) * kSmemDim * kElemBytes;
@@ -167,6 +169,19 @@ struct DkDvConfigLarge<96> : DkDvTraits<96, 128, 64, 16, 16, 2, kLargeSmemBytes>
 // stores (36 of loads): NOT yet spill-free on sm_90a.
 template <>
 struct DkDvConfigLarge<128> : DkDvTraits<128, 128, 64, 16, 32, 4, kLargeSmemBytes> {};
+// Head dims above 128: 128 keys would hold kHeadDim / 2 dK + dV floats per thread, so these
+// keep DkDvConfig<128>'s shape (64 keys x 32 queries, two parts, P^T through shared memory) on
+// rows padded to 256 elements. dK+dV 96 / 128, S+dP 8, dQ 24 / 32 (2 slabs x 4 groups of 48 /
+// 64 columns); smem (128 + 128) * 256 * 2 + 16 KiB + 0.5 KiB = 144.5 KiB.
+template <>
+struct DkDvConfigLarge<192> : DkDvTraits<192, 64, 32, 16, 16, 4, kLargeSmemBytes> {};
+template <>
+struct DkDvConfigLarge<256> : DkDvTraits<256, 64, 32, 16, 16, 4, kLargeSmemBytes> {};
+
+// The largest head dim of the 99 KiB table: above it, 64-key K/V tiles plus two 32-query Q/dO
+// stages pass the 99 KiB (H = 256: 32 + 32 + 32 + 32 + 16 KiB), and 16-query tiles would leave
+// each warp half a pair of 8-column tiles.
+inline constexpr int kSmallTableMaxHeadDim = 128;
 
 // Registers of the dQ kernel: dQ kHeadDim / 2 floats, S and dP kBlockN / 2 floats (Q and dO
 // fragments are re-read from shared memory per K/V tile: held in registers they spilled 16
@@ -189,11 +204,14 @@ struct DqConfig<96> : DqTraits<96, 32, 4, 2> {};
 // ptxas sm_80 / sm_90a: 246 / 246 registers, no spills.
 template <>
 struct DqConfig<128> : DqTraits<128, 32, 4, 2> {};
+// dQ 96 / 128, S+dP 8; 16-key K/V tiles keep two blocks of (128 + 64) * 256 * 2 = 96 KiB.
+template <>
+struct DqConfig<192> : DqTraits<192, 16, 4, 2> {};
+template <>
+struct DqConfig<256> : DqTraits<256, 16, 4, 2> {};
 
 // The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first
-// one that is at least as large. Above 128, 64-key K/V tiles plus two 32-query Q/dO stages
-// pass the 99 KiB (H = 256: 32 + 32 + 32 + 32 + 16 KiB), and the 16-query tiles that would fit
-// leave each warp half a pair of 8-column tiles: those head dims run on the CUDA-core backward.
-inline constexpr int kBackwardHeadDims[] = {32, 64, 96, 128};
+// one that is at least as large.
+inline constexpr int kBackwardHeadDims[] = {32, 64, 96, 128, 192, 256};
 
 }  // namespace jax_flashattn::mma_sync
