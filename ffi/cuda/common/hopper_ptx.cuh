@@ -82,11 +82,23 @@ __device__ __forceinline__ void tma_store_4d(const void* tensor_map, uint32_t sr
       : "memory");
 }
 
+// Adds a box of shared memory into a 4-D tensor map's tensor in global memory, element-wise
+// (the map's type; the adds are performed in L2, atomically per element), clipped at the
+// tensor's bounds. Completes with the bulk group it is committed in.
+__device__ __forceinline__ void tma_reduce_add_4d(const void* tensor_map, uint32_t src, int c0,
+                                                  int c1, int c2, int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group "
+      "[%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(tensor_map),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
 __device__ __forceinline__ void bulk_commit_group() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
 
-// Waits until the committed bulk stores have finished reading shared memory.
+// Waits until the committed bulk stores and reductions have finished reading shared memory.
 __device__ __forceinline__ void bulk_wait_group_read_all() {
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
@@ -102,6 +114,11 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 // through a generic pointer takes a 64-bit address register.
 __device__ __forceinline__ void st_shared_b32(uint32_t address, uint32_t value) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(address), "r"(value) : "memory");
+}
+
+// Two floats, 8-byte aligned, at a shared-memory address.
+__device__ __forceinline__ void st_shared_v2_f32(uint32_t address, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(address), "f"(x), "f"(y) : "memory");
 }
 
 // 16 bytes, 16-byte aligned, at a shared-memory address.
@@ -415,12 +432,5 @@ JAX_FLASHATTN_WGMMA_SS_MN(64, __half, "f16", JAX_FLASHATTN_WGMMA_MN_D64_REGS,
 #undef JAX_FLASHATTN_WGMMA_MN_D64_REGS
 #undef JAX_FLASHATTN_WGMMA_MN_D32_OPERANDS
 #undef JAX_FLASHATTN_WGMMA_MN_D64_OPERANDS
-
-// Adds two consecutive floats (8-byte aligned) to global memory without a return value: the
-// vector form of red.add (sm_90+), half as many reductions as two scalar ones.
-__device__ __forceinline__ void red_add_v2_f32(float* address, float x, float y) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(x), "f"(y)
-               : "memory");
-}
 
 }  // namespace jax_flashattn::ptx

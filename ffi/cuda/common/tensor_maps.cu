@@ -29,25 +29,24 @@ EncodeTiled encode_tiled() {
 }
 
 constexpr int64_t kElemBytes = 2;
-constexpr cuuint32_t kSpanElems = 64;  // 128 bytes: the widest box the 128-byte swizzle allows
+constexpr int64_t kSwizzleBytes = 128;  // the widest box row the 128-byte swizzle allows
 
-cudaError_t encode(CUtensorMap& map, ElemType dtype, const void* base, int64_t head_dim,
-                   int64_t heads, int64_t rows, int64_t batch, int64_t head_stride,
-                   int64_t row_stride, int64_t batch_stride, int box_rows) {
+// A tensor of `type` elements of `elem_bytes` bytes, boxes of 128 bytes of head dim.
+cudaError_t encode(CUtensorMap& map, CUtensorMapDataType type, int64_t elem_bytes,
+                   const void* base, int64_t head_dim, int64_t heads, int64_t rows,
+                   int64_t batch, int64_t head_stride, int64_t row_stride, int64_t batch_stride,
+                   int box_rows) {
   const EncodeTiled encode_function = encode_tiled();
   if (encode_function == nullptr) return cudaErrorInvalidValue;
   const cuuint64_t dims[4] = {cuuint64_t(head_dim), cuuint64_t(heads), cuuint64_t(rows),
                               cuuint64_t(batch)};
-  const cuuint64_t strides[3] = {cuuint64_t(head_stride * kElemBytes),
-                                 cuuint64_t(row_stride * kElemBytes),
-                                 cuuint64_t(batch_stride * kElemBytes)};
-  const cuuint32_t box[4] = {kSpanElems, 1, cuuint32_t(box_rows), 1};
+  const cuuint64_t strides[3] = {cuuint64_t(head_stride * elem_bytes),
+                                 cuuint64_t(row_stride * elem_bytes),
+                                 cuuint64_t(batch_stride * elem_bytes)};
+  const cuuint32_t box[4] = {cuuint32_t(kSwizzleBytes / elem_bytes), 1, cuuint32_t(box_rows), 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType type = dtype == ElemType::kBFloat16
-                                       ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   // Out-of-bounds elements (rows past T or S, head dims past H) read as zero and are not
-  // written by stores: the kernel needs no predication on tile edges.
+  // written by stores or reductions: the kernel needs no predication on tile edges.
   const CUresult result = encode_function(
       &map, type, 4, const_cast<void*>(base), dims, strides, box, element_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -71,18 +70,23 @@ cudaError_t encode_flat_f32(CUtensorMap& map, const float* base, int64_t element
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+CUtensorMapDataType elem_type(const AttentionParams& p) {
+  return p.dtype == ElemType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+}
+
 // A [batch, T, N, H] tensor of the call (q, out, d_out) in boxes of `rows` rows.
 cudaError_t encode_query_like(CUtensorMap& map, const AttentionParams& p, const void* base,
                               int rows) {
-  return encode(map, p.dtype, base, p.head_dim, p.num_heads, p.seqlen_q, p.batch, p.q_head_stride,
-                p.q_row_stride, p.q_batch_stride, rows);
+  return encode(map, elem_type(p), kElemBytes, base, p.head_dim, p.num_heads, p.seqlen_q,
+                p.batch, p.q_head_stride, p.q_row_stride, p.q_batch_stride, rows);
 }
 
 // A [batch, S, K, H] tensor of the call (k, v, dk, dv) in boxes of `rows` rows.
 cudaError_t encode_key_like(CUtensorMap& map, const AttentionParams& p, const void* base,
                             int rows) {
-  return encode(map, p.dtype, base, p.head_dim, p.num_kv_heads, p.seqlen_k, p.batch,
-                p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, rows);
+  return encode(map, elem_type(p), kElemBytes, base, p.head_dim, p.num_kv_heads, p.seqlen_k,
+                p.batch, p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, rows);
 }
 
 bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
@@ -131,7 +135,7 @@ bool backward_tma_compatible(const AttentionParams& p) {
 cudaError_t encode_backward_maps(const AttentionParams& p, int q_rows, int kv_rows, int dkv_rows,
                                  BackwardMaps& maps) {
   const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
-  const cudaError_t errors[8] = {encode_query_like(maps.q, p, p.q, q_rows),
+  const cudaError_t errors[9] = {encode_query_like(maps.q, p, p.q, q_rows),
                                  encode_query_like(maps.d_out, p, p.d_out, q_rows),
                                  encode_key_like(maps.k, p, p.k, kv_rows),
                                  encode_key_like(maps.v, p, p.v, kv_rows),
@@ -139,7 +143,12 @@ cudaError_t encode_backward_maps(const AttentionParams& p, int q_rows, int kv_ro
                                  encode_key_like(maps.dv, p, p.dv, dkv_rows),
                                  encode_flat_f32(maps.lse, p.lse, rows, q_rows + kFlatAlignElems),
                                  encode_flat_f32(maps.delta, p.delta, rows,
-                                                 q_rows + kFlatAlignElems)};
+                                                 q_rows + kFlatAlignElems),
+                                 // q's layout in float32: strides of 4-byte elements.
+                                 encode(maps.dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4,
+                                        p.dq_accum, p.head_dim, p.num_heads, p.seqlen_q,
+                                        p.batch, p.q_head_stride, p.q_row_stride,
+                                        p.q_batch_stride, q_rows)};
   for (cudaError_t e : errors)
     if (e != cudaSuccess) return e;
   return cudaSuccess;

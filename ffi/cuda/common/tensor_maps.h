@@ -43,19 +43,22 @@ cudaError_t encode_kv_maps(const AttentionParams& p, int kv_rows, KVMaps& maps);
 // long and start at the tile's first row rounded down to kFlatAlignElems; what lies around
 // the tile's rows (the rows before, the next head's first rows, zeros past the whole tensor)
 // belongs to queries the kernel's masks give P = 0 (docs/decisions/backward-kernels.md).
+// dq_accum, the float32 dQ accumulator in q's layout, takes reductions (adds) of boxes of 32
+// head-dim elements (128 bytes) x 1 head x q_rows rows x 1 batch entry, with the 128-byte
+// swizzle.
 inline constexpr int kFlatAlignElems = 4;  // 16 bytes of float32
 
 struct BackwardMaps {
-  CUtensorMap q, d_out, k, v, dk, dv, lse, delta;
+  CUtensorMap q, d_out, k, v, dk, dv, lse, delta, dq_accum;
 };
 
-// Whether TMA can address the backward's tensors (q, d_out, k, v, dk, dv, lse, delta) and the
-// float32 dQ accumulator takes 8-byte vector reductions: 16-byte aligned base addresses and
-// strides, and lse's batch x N x T elements addressable by int32 box coordinates.
+// Whether TMA can address the backward's tensors (q, d_out, k, v, dk, dv, lse, delta and the
+// float32 dQ accumulator): 16-byte aligned base addresses and strides, and lse's batch x N x T
+// elements addressable by int32 box coordinates.
 bool backward_tma_compatible(const AttentionParams& p);
 
-// Box rows per map: q_rows for q and d_out (q_rows + kFlatAlignElems for lse and delta),
-// kv_rows for k and v, dkv_rows for dk and dv.
+// Box rows per map: q_rows for q, d_out and dq_accum (q_rows + kFlatAlignElems for lse and
+// delta), kv_rows for k and v, dkv_rows for dk and dv.
 cudaError_t encode_backward_maps(const AttentionParams& p, int q_rows, int kv_rows, int dkv_rows,
                                  BackwardMaps& maps);
 

@@ -14,8 +14,9 @@
 //   dV  += P^T dO,  dK += dS^T Q   wgmma, P^T / dS^T from registers, dO / Q read MN-major
 //   dQ  += dS K                     wgmma from shared memory: dS^T of both consumers (A, read
 //                                   MN-major) times K (B, MN-major), each consumer taking half
-//                                   of the head-dim columns over all 128 keys; red.add into the
-//                                   float32 accumulator, which other key blocks add to as well
+//                                   of the head-dim columns over all 128 keys; staged in shared
+//                                   memory and added into the float32 accumulator (which other
+//                                   key blocks add to as well) by a TMA reduction
 // Keys on the rows of S^T make P^T and dS^T the A operands of dV and dK as they are computed;
 // dQ needs them transposed, which the MN-major descriptor does for free, so dS^T is stored as it
 // lies. One named barrier per tile publishes both consumers' dS^T (double-buffered, so the same
@@ -71,6 +72,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const auto sdO = [&](int stage) { return base + Layout::kDoOffset + stage * Traits::kQBytes; };
   const auto sdS = [&](int buffer) {
     return base + Layout::kDsOffset + buffer * Traits::kDsBytes;
+  };
+  const auto sDq = [&](int consumer) {
+    return base + Layout::kDqOffset + consumer * Traits::kDqBytes;
   };
   constexpr int kStatsStride = Traits::kStatsStride;
   const uint32_t sStats = base + Layout::kStatsOffset;
@@ -317,7 +321,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::wgmma_commit_group();
 
     // dQ = dS K over the tile's 64 queries x this warpgroup's kDqCols columns, reducing over
-    // both warpgroups' keys: once both have stored their dS^T.
+    // both warpgroups' keys: once both have stored their dS^T. The thread that issues this
+    // warpgroup's dQ reductions waits for the last one to have read its staging tile before
+    // the barrier, after which the warpgroup overwrites it.
+    if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
     ptx::named_barrier_sync(kConsumersBarrier, kConsumerThreads);
     float dq_acc[kDqTiles][4];
     const uint32_t k_dq_tile = ptx::opaque(sK + k_dq_offset);
@@ -337,31 +344,37 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     fence(ds_frag);
     release(bars.q_empty[stage]);
 
-    // This thread's dQ rows q0 + 16 warp + quad_row + 8 h, columns dq_col0 + 8 j + quad_col, +1:
-    // rows past the query length have dS = 0 and columns past H do not exist, so neither is
-    // added.
+    // dQ into this warpgroup's staging tile, then one TMA reduction per 32-column box adds it
+    // into dq_accum (clipping rows past T and columns past H; rows past a query length have
+    // dS = 0). This thread's rows 16 warp + quad_row + 8 h, columns 8 j + quad_col, +1 of the
+    // warpgroup's: column c of row r is word c % 4 of 16-byte chunk (c % 32) / 4 of the row's
+    // 128 bytes in box c / 32, the chunk index XORed with r % 8 (the 128-byte swizzle of the
+    // map's boxes). Chunk 2 (j % 4) + quad_col / 4 is (j % 4) << 1 XOR quad_col / 4.
     ptx::wgmma_wait<0>();
     fence(dq_acc);
-    {
-      const int t0 = q0 + warp * 16 + quad_row;
-      const int col0 = dq_col0 + quad_col;
-      float* dq = p.dq_accum + int64_t(block.b) * p.q_batch_stride + n * p.q_head_stride +
-                  t0 * p.q_row_stride + col0;
-      const int64_t rows = block_visibility(p, block.b).q_len - t0;
-      const int cols = int(p.head_dim) - col0;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (8 * h >= rows) continue;
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp * 16 + quad_row + 8 * h;
+      const uint32_t row_offset = (row * kRowBytes + (((row & 7) ^ (quad_col / 4)) << 4)) |
+                                  ((quad_col % 4) * 4);
 #pragma unroll
-        for (int j = 0; j < kDqTiles; ++j)
-          if (8 * j < cols)
-            ptx::red_add_v2_f32(dq + 8 * h * p.q_row_stride + 8 * j, dq_acc[j][2 * h],
-                                dq_acc[j][2 * h + 1]);
+      for (int j = 0; j < kDqTiles; ++j) {
+        const uint32_t offset = (j / 4) * kBlockM * kRowBytes + (row_offset ^ ((j % 4) << 5));
+        ptx::st_shared_v2_f32(sDq(consumer) + offset, dq_acc[j][2 * h], dq_acc[j][2 * h + 1]);
       }
+    }
+    ptx::fence_proxy_async_shared();  // generic stores that the TMA reduction (async proxy) reads
+    ptx::named_barrier_sync(kWarpgroupBarrier + consumer, 128);
+    if (tid % 128 == 0) {
+      for (int box = 0; box < Traits::kDqBoxes; ++box)
+        ptx::tma_reduce_add_4d(&maps.dq_accum, sDq(consumer) + box * kBlockM * kRowBytes,
+                               dq_col0 + box * Traits::kDqBoxCols, n, q0, block.b);
+      ptx::bulk_commit_group();
     }
     if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
   }
 
+  if (tid % 128 == 0) ptx::bulk_wait_group_read_all();  // the staging tiles outlive the reads
   store_dk_dv<Elem, Traits>(p, maps, block, dk_acc, dv_acc, sK, sV,
                             BackwardEpilogueThread{tid, consumer, wg_key0, warp_key0, quad_row,
                                                    quad_col});

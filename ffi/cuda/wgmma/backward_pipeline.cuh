@@ -54,7 +54,8 @@ struct BackwardBlock {
 };
 
 // The dynamic shared memory's layout, tiles at 1024-byte boundaries (the 128-byte swizzle's
-// period) from the aligned start: K, V, Q stages, dO stages, dS^T buffers, then lse / D
+// period) from the aligned start: K, V, Q stages, dO stages, dS^T buffers, the consumers' dQ
+// staging tiles, then lse / D
 // ([stage][0][row]: lse; [stage][1][row]: D, from the tile's first row rounded down to
 // kFlatAlignElems: BackwardMaps) and the barriers (BackwardBarriers).
 template <typename Traits>
@@ -62,7 +63,8 @@ struct BackwardSmemLayout {
   static constexpr uint32_t kQOffset = 2 * Traits::kKVBytes;
   static constexpr uint32_t kDoOffset = kQOffset + Traits::kStages * Traits::kQBytes;
   static constexpr uint32_t kDsOffset = kDoOffset + Traits::kStages * Traits::kQBytes;
-  static constexpr uint32_t kStatsOffset = kDsOffset + Traits::kDsStages * Traits::kDsBytes;
+  static constexpr uint32_t kDqOffset = kDsOffset + Traits::kDsStages * Traits::kDsBytes;
+  static constexpr uint32_t kStatsOffset = kDqOffset + Traits::kConsumers * Traits::kDqBytes;
   static constexpr uint32_t kBarrierOffset = kStatsOffset + Traits::kStatsBytes;
 };
 

@@ -53,16 +53,23 @@ struct BackwardTraits {
   static constexpr int kStatsStageBytes = 2 * kStatsStride * 4;  // [lse, D][row]
   static constexpr int kStatsBytes = kStages * kStatsStageBytes;
   static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);   // kv_full, q_full[], q_empty[]
-  // K, V, kStages Q and dO tiles, kDsStages dS^T buffers (1024-byte aligned each: the swizzle
-  // repeats every 8 rows of 128 bytes), lse / D, barriers; plus 1024 bytes to align the start.
+  // A consumer's dQ of a tile in float32, staged for the TMA reduction into dq_accum: boxes of
+  // 32 columns (128 bytes, swizzled as the tiles) x kBlockM rows, kDqBoxes of them.
+  static constexpr int kDqBoxCols = 32;
+  static constexpr int kDqBoxes = kDqCols / kDqBoxCols;
+  static constexpr int kDqBytes = kBlockM * kDqCols * 4;
+  // K, V, kStages Q and dO tiles, kDsStages dS^T buffers, the consumers' dQ staging tiles
+  // (1024-byte aligned each: the swizzle repeats every 8 rows of 128 bytes), lse / D, barriers;
+  // plus 1024 bytes to align the start.
   static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsStages * kDsBytes +
-                                    kStatsBytes + kBarrierBytes + 1024;
+                                    kConsumers * kDqBytes + kStatsBytes + kBarrierBytes + 1024;
 
   static_assert(kHeadDim % kSpanElems == 0, "tiles are whole 128-byte swizzle spans");
   static_assert(kBlockM == kSpanElems, "a dS^T row (kBlockM queries) is one 128-byte span");
-  static_assert(kDqCols % 16 == 0 && kDqCols <= kSpanElems,
-                "a consumer's dQ columns are a wgmma N within one span of K");
-  static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kDsBytes % 1024 == 0,
+  static_assert(kDqCols % kDqBoxCols == 0 && kDqCols <= kSpanElems,
+                "a consumer's dQ columns are a wgmma N within one span of K, in whole boxes");
+  static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kDsBytes % 1024 == 0 &&
+                    kDqBytes % 1024 == 0,
                 "tiles stay 1024-byte aligned");
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
@@ -77,12 +84,12 @@ struct BackwardTraits {
 // them), no spills, at both head dims.
 template <int kHeadDim>
 struct BackwardConfig;
-// dK+dV 64, S+dP 64, dQ 16; smem 2 x 16 + 4 x 8 + 2 x 16 KiB + 1.5 KiB stats + 1 KiB
-// alignment = 98.5 KiB.
+// dK+dV 64, S+dP 64, dQ 16; smem 2 x 16 + 4 x 8 + 2 x 16 + 2 x 8 (dQ) KiB + 1.5 KiB stats +
+// 1 KiB alignment = 114.5 KiB.
 template <>
 struct BackwardConfig<64> : BackwardTraits<64> {};
-// dK+dV 128, S+dP 64, dQ 32; smem 2 x 32 + 4 x 16 + 2 x 16 KiB + 1.5 KiB stats + 1 KiB
-// alignment = 162.5 KiB.
+// dK+dV 128, S+dP 64, dQ 32; smem 2 x 32 + 4 x 16 + 2 x 16 + 2 x 16 (dQ) KiB + 1.5 KiB stats +
+// 1 KiB alignment = 194.5 KiB.
 template <>
 struct BackwardConfig<128> : BackwardTraits<128> {};
 
