@@ -48,7 +48,8 @@ def main():
         (jnp.bfloat16, 32, dict(bias=np.ones((4, 77, 1), np.float32),
                                 mask=np.arange(93) % 3 != 1, deterministic_backward=True)),
         # Head dims above 128 on the mma.sync backward's large table (the H = 256 cases above
-        # use its atomics): 136 padded to 192, the deterministic dQ pass's 16-key tiles.
+        # run the Hopper backward on Hopper, this table's atomic mode elsewhere): 136 padded to
+        # 192, the deterministic dQ pass's 16-key tiles.
         (jnp.float16, 136, dict(is_causal=True, key_value_seq_lengths=lens,
                                 deterministic_backward=True)),
     ]

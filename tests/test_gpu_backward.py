@@ -300,7 +300,7 @@ def test_tc_vmap_of_grads(rng):
 
 # ----------------------------------------------------------------------------------------------
 # The Hopper backward (TMA + wgmma, one pass for dK, dV and the atomic dQ): bf16/fp16, head dims
-# a multiple of 8 up to 128, no bias or mask, atomic dQ, on compute capability 9.0 with an sm_90a
+# a multiple of 8 up to 256, no bias or mask, atomic dQ, on compute capability 9.0 with an sm_90a
 # build. Everywhere else these run the mma.sync family and still check the gradients.
 
 
@@ -322,8 +322,8 @@ def test_backward_dispatch_is_visible(monkeypatch):
     large_smem = jax.devices()[0].compute_capability in ("8.0", "8.7", "9.0", "10.0")
     for head_dim in (136, 192, 256):
         assert jax_flashattn.backward_kernel(
-            q.update(shape=(2, 100, 8, head_dim)),
-            kv.update(shape=(2, 300, 2, head_dim))) == ("sm80" if large_smem else "simt")
+            q.update(shape=(2, 100, 8, head_dim)), kv.update(shape=(2, 300, 2, head_dim))) == (
+                "sm90" if hopper() else "sm80" if large_smem else "simt")
     assert jax_flashattn.backward_kernel(q.update(shape=(2, 100, 8, 264)),
                                          kv.update(shape=(2, 300, 2, 264))) == "simt"
     assert jax_flashattn.backward_kernel(q.update(dtype=jnp.float32),
@@ -333,15 +333,16 @@ def test_backward_dispatch_is_visible(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
-@pytest.mark.parametrize("head_dim", [40, 64, 72, 128])
+@pytest.mark.parametrize("head_dim", [40, 64, 72, 128, 200, 256])
 @pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(70, 9)),
                                     dict(query_seq_lengths=np.array([333, 0, 41], np.int32),
                                          key_value_seq_lengths=np.array([517, 77, 0], np.int32),
                                          is_causal=True)])
 def test_sm90_many_tiles(rng, dtype, head_dim, kwargs):
-    """GQA (4 query heads per kv head), T != S, several 128-key blocks and 64-query tiles, so
-    every block cycles its Q/dO ring and both dS^T buffers many times; head dims 40 and 72 run
-    zero-filled on the 64 and 128 configurations; rows and keys past the lengths get exactly 0."""
+    """GQA (4 query heads per kv head), T != S, several key blocks and 64-query tiles, so
+    every block cycles its Q/dO ring and dS^T buffers many times; head dims 40, 72 and 200 run
+    zero-filled on the 64, 128 and 256 configurations (256: 64-key blocks, the head dim split
+    between the consumers); rows and keys past the lengths get exactly 0."""
     q, k, v = random_qkv(rng, 3, 333, 517, 8, 2, head_dim, dtype)
     assert jax_flashattn.backward_kernel(q, k) == ("sm90" if hopper() else "sm80")
     dq, dk, dv = (np.asarray(g, np.float32) for g in check_grads(rng, q, k, v, **kwargs))

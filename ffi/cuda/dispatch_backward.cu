@@ -65,7 +65,7 @@ cudaError_t launch_tensor_core(const AttentionParams& p, BackwardKernel kernel,
 // dQ pass), and its grid is one-dimensional: one block per (key block, kv head, batch).
 bool sm90_applies(const AttentionParams& p, int device) {
   const int64_t max_head_dim = wgmma::kBackwardHeadDims[std::size(wgmma::kBackwardHeadDims) - 1];
-  constexpr int64_t kBlockN = wgmma::kBackwardBlockN;
+  constexpr int64_t kBlockN = wgmma::kBackwardMinBlockN;
   const int64_t blocks = (p.seqlen_k + kBlockN - 1) / kBlockN * p.batch * p.num_kv_heads;
   return !p.deterministic && p.head_dim <= max_head_dim && blocks <= 0x7fffffff &&
          wgmma::backward_tma_compatible(p) && wgmma::hopper_kernels_apply(p, device);

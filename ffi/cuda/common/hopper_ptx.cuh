@@ -395,6 +395,11 @@ __device__ __forceinline__ void wgmma_ss_mn_major(float (&d)[N / 8][4], uint64_t
 #define JAX_FLASHATTN_WGMMA_MN_D64_REGS \
   "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" "}"
+#define JAX_FLASHATTN_WGMMA_MN_D128_REGS \
+  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" "}"
 #define JAX_FLASHATTN_WGMMA_MN_D32_OPERANDS(d) \
   "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
@@ -406,6 +411,16 @@ __device__ __forceinline__ void wgmma_ss_mn_major(float (&d)[N / 8][4], uint64_t
   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
   "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define JAX_FLASHATTN_WGMMA_MN_D128_OPERANDS(d) \
+  JAX_FLASHATTN_WGMMA_MN_D64_OPERANDS(d), \
+  "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+  "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
+  "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
+  "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
+  "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
+  "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
+  "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
+  "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
 
 // As JAX_FLASHATTN_WGMMA_SS with imm-trans-a = imm-trans-b = 1.
 #define JAX_FLASHATTN_WGMMA_SS_MN(N, ELEM, TYPE, REGS, OPERANDS, A, B, SCALE_D)                 \
@@ -427,10 +442,23 @@ JAX_FLASHATTN_WGMMA_SS_MN(64, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_MN_D64_
                           JAX_FLASHATTN_WGMMA_MN_D64_OPERANDS, 32, 33, 34)
 JAX_FLASHATTN_WGMMA_SS_MN(64, __half, "f16", JAX_FLASHATTN_WGMMA_MN_D64_REGS,
                           JAX_FLASHATTN_WGMMA_MN_D64_OPERANDS, 32, 33, 34)
+JAX_FLASHATTN_WGMMA_SS_MN(128, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_MN_D128_REGS,
+                          JAX_FLASHATTN_WGMMA_MN_D128_OPERANDS, 64, 65, 66)
+JAX_FLASHATTN_WGMMA_SS_MN(128, __half, "f16", JAX_FLASHATTN_WGMMA_MN_D128_REGS,
+                          JAX_FLASHATTN_WGMMA_MN_D128_OPERANDS, 64, 65, 66)
 #undef JAX_FLASHATTN_WGMMA_SS_MN
 #undef JAX_FLASHATTN_WGMMA_MN_D32_REGS
 #undef JAX_FLASHATTN_WGMMA_MN_D64_REGS
+#undef JAX_FLASHATTN_WGMMA_MN_D128_REGS
 #undef JAX_FLASHATTN_WGMMA_MN_D32_OPERANDS
 #undef JAX_FLASHATTN_WGMMA_MN_D64_OPERANDS
+#undef JAX_FLASHATTN_WGMMA_MN_D128_OPERANDS
+
+// Adds two consecutive floats (8-byte aligned) to global memory without a return value: the
+// vector form of red.add (sm_90+), half as many reductions as two scalar ones.
+__device__ __forceinline__ void red_add_v2_f32(float* address, float x, float y) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(x), "f"(y)
+               : "memory");
+}
 
 }  // namespace jax_flashattn::ptx

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kQSteps = kBlockM / 16;    // k16 steps of dV and dK (over the tile's queries)
   constexpr int kKeySteps = kBlockN / 16;  // k16 steps of dQ (over the block's keys)
   constexpr int kQTiles = kBlockM / 8;     // 8-query column tiles of S^T and dP^T
-  constexpr int kDTiles = kHeadDim / 8;    // 8-wide column tiles of dK and dV
+  constexpr int kDTiles = Traits::kDkvCols / 8;  // 8-wide column tiles of a consumer's dK, dV
   constexpr int kDqTiles = Traits::kDqCols / 8;  // 8-wide column tiles of a consumer's dQ
 
   extern __shared__ unsigned char smem_raw[];
@@ -141,10 +141,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // Consumers.
   ptx::setmaxnreg_inc<Traits::kConsumerRegisters>();
   const int consumer = warpgroup - 1, warp = (tid / 32) % 4, lane = tid % 32;
-  const int wg_key0 = consumer * 64;          // this warpgroup's keys of the block
-  const int warp_key0 = wg_key0 + warp * 16;  // this warp's 16 keys (its accumulator rows)
+  constexpr bool kSplit = Traits::kSplitHeadDim;
+  const int wg_key0 = kSplit ? 0 : consumer * 64;  // this warpgroup's keys of the block
+  const int warp_key0 = wg_key0 + warp * 16;       // this warp's 16 keys (its accumulator rows)
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
   const int dq_col0 = consumer * Traits::kDqCols;  // this warpgroup's dQ columns
+  // The first span of this warpgroup's dK / dV columns (the head dim split between consumers).
+  const int dkv_span0 = kSplit ? consumer * (Traits::kDkvCols / kSpanElems) : 0;
 
   // The K, V and dQ-K descriptors are the same on every tile: without an opaque copy of their
   // base per tile ptxas hoists all of them out of the tile loop (64-bit each: 48 registers at
@@ -183,15 +186,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // cache's rows past it, which may hold NaN or Inf: hidden P and dS of 0 would still multiply
     // them (dP^T = V dO^T, dQ = dS K). Each consumer zeroes its own 64 rows of K and V; its
     // products read them after the warpgroup barrier below, the other's dQ after the first
-    // consumers' barrier.
+    // consumers' barrier. With the head dim split both consumers have the same 64 rows: each
+    // zeroes every other chunk of them, and both meet before either reads them.
     const int first_row = p.kv_seqlens == nullptr
                               ? kBlockN
                               : int(block_visibility(p, block.b).kv_len) - block.key0;
     if (first_row < wg_key0 + 64) {
       constexpr int kRowChunks = kRowBytes / 16;
+      constexpr int kZeroThreads = kSplit ? kConsumerThreads : 128;
       const int row0 = first_row > wg_key0 ? first_row : wg_key0;
       const int chunks = (wg_key0 + 64 - row0) * kRowChunks;
-      for (int i = tid % 128; i < kSpans * chunks; i += 128) {
+      for (int i = kSplit ? tid - 128 : tid % 128; i < kSpans * chunks; i += kZeroThreads) {
         const uint32_t offset = (i / chunks) * kBlockN * kRowBytes +
                                 (row0 + (i % chunks) / kRowChunks) * kRowBytes +
                                 (i % kRowChunks) * 16;
@@ -199,12 +204,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         ptx::st_shared_v4_b32(sV + offset, 0, 0, 0, 0);
       }
       ptx::fence_proxy_async_shared();  // generic stores that wgmma (async proxy) reads
-      ptx::named_barrier_sync(kWarpgroupBarrier + consumer, 128);
+      if constexpr (kSplit)
+        ptx::named_barrier_sync(kConsumersBarrier, kConsumerThreads);
+      else
+        ptx::named_barrier_sync(kWarpgroupBarrier + consumer, 128);
     }
   }
   int n = block.head0, tile = block.tile_begin;
   for (int step = 0; step < block.steps; ++step) {
-    const int stage = step % kStages, ds_buffer = step % Traits::kDsStages;
+    // With the head dim split each consumer has the tile's whole dS^T, in a buffer of its own.
+    const int stage = step % kStages, ds_buffer = kSplit ? consumer : step % Traits::kDsBuffers;
     const int q0 = tile * kBlockM;
     // lse and D of the tile's queries, which start this many rows into their boxes.
     const int box_shift = stats_row(n, q0) % kFlatAlignElems;
@@ -308,24 +317,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // The stores above are generic-proxy writes that wgmma (async proxy) reads.
     ptx::fence_proxy_async_shared();
 
-    // dV += P^T dO and dK += dS^T Q over this warpgroup's 64 keys x every head-dim column,
+    // dV += P^T dO and dK += dS^T Q over this warpgroup's keys x its kDkvCols head-dim columns,
     // reducing over the tile's queries; they run while the consumers meet at the barrier.
+    const uint32_t dkv_offset = dkv_span0 * kBlockM * kRowBytes;
     fence(dv_acc);
     fence(dk_acc);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kQSteps; ++kk) {
-      ptx::wgmma_rs<kHeadDim, Elem>(dv_acc, p_frag[kk], Desc::query_tile(sdO(stage), kk));
-      ptx::wgmma_rs<kHeadDim, Elem>(dk_acc, ds_frag[kk], Desc::query_tile(sQ(stage), kk));
+      ptx::wgmma_rs<Traits::kDkvCols, Elem>(dv_acc, p_frag[kk],
+                                            Desc::query_tile(sdO(stage) + dkv_offset, kk));
+      ptx::wgmma_rs<Traits::kDkvCols, Elem>(dk_acc, ds_frag[kk],
+                                            Desc::query_tile(sQ(stage) + dkv_offset, kk));
     }
     ptx::wgmma_commit_group();
 
     // dQ = dS K over the tile's 64 queries x this warpgroup's kDqCols columns, reducing over
-    // both warpgroups' keys: once both have stored their dS^T. The thread that issues this
-    // warpgroup's dQ reductions waits for the last one to have read its staging tile before
-    // the barrier, after which the warpgroup overwrites it.
-    if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
-    ptx::named_barrier_sync(kConsumersBarrier, kConsumerThreads);
+    // the block's keys: once both consumers have stored their dS^T, or with the head dim split
+    // once this one's warps have. The thread that issues this warpgroup's dQ reductions waits
+    // for the last one to have read its staging tile before the barrier, after which the
+    // warpgroup overwrites it.
+    if constexpr (Traits::kDqStaged)
+      if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
+    if constexpr (kSplit)
+      ptx::named_barrier_sync(kWarpgroupBarrier + consumer, 128);
+    else
+      ptx::named_barrier_sync(kConsumersBarrier, kConsumerThreads);
     float dq_acc[kDqTiles][4];
     const uint32_t k_dq_tile = ptx::opaque(sK + k_dq_offset);
     fence(dq_acc);
@@ -344,40 +361,63 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     fence(ds_frag);
     release(bars.q_empty[stage]);
 
-    // dQ into this warpgroup's staging tile, then one TMA reduction per 32-column box adds it
-    // into dq_accum (clipping rows past T and columns past H; rows past a query length have
-    // dS = 0). This thread's rows 16 warp + quad_row + 8 h, columns 8 j + quad_col, +1 of the
-    // warpgroup's: column c of row r is word c % 4 of 16-byte chunk (c % 32) / 4 of the row's
-    // 128 bytes in box c / 32, the chunk index XORed with r % 8 (the 128-byte swizzle of the
-    // map's boxes). Chunk 2 (j % 4) + quad_col / 4 is (j % 4) << 1 XOR quad_col / 4.
     ptx::wgmma_wait<0>();
     fence(dq_acc);
+    if constexpr (Traits::kDqStaged) {
+      // dQ into this warpgroup's staging tile, then one TMA reduction per 32-column box adds it
+      // into dq_accum (clipping rows past T and columns past H; rows past a query length have
+      // dS = 0). This thread's rows 16 warp + quad_row + 8 h, columns 8 j + quad_col, +1 of the
+      // warpgroup's: column c of row r is word c % 4 of 16-byte chunk (c % 32) / 4 of the row's
+      // 128 bytes in box c / 32, the chunk index XORed with r % 8 (the 128-byte swizzle of the
+      // map's boxes). Chunk 2 (j % 4) + quad_col / 4 is (j % 4) << 1 XOR quad_col / 4.
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = warp * 16 + quad_row + 8 * h;
-      const uint32_t row_offset = (row * kRowBytes + (((row & 7) ^ (quad_col / 4)) << 4)) |
-                                  ((quad_col % 4) * 4);
+      for (int h = 0; h < 2; ++h) {
+        const int row = warp * 16 + quad_row + 8 * h;
+        const uint32_t row_offset = (row * kRowBytes + (((row & 7) ^ (quad_col / 4)) << 4)) |
+                                    ((quad_col % 4) * 4);
 #pragma unroll
-      for (int j = 0; j < kDqTiles; ++j) {
-        const uint32_t offset = (j / 4) * kBlockM * kRowBytes + (row_offset ^ ((j % 4) << 5));
-        ptx::st_shared_v2_f32(sDq(consumer) + offset, dq_acc[j][2 * h], dq_acc[j][2 * h + 1]);
+        for (int j = 0; j < kDqTiles; ++j) {
+          const uint32_t offset = (j / 4) * kBlockM * kRowBytes + (row_offset ^ ((j % 4) << 5));
+          ptx::st_shared_v2_f32(sDq(consumer) + offset, dq_acc[j][2 * h], dq_acc[j][2 * h + 1]);
+        }
       }
-    }
-    ptx::fence_proxy_async_shared();  // generic stores that the TMA reduction (async proxy) reads
-    ptx::named_barrier_sync(kWarpgroupBarrier + consumer, 128);
-    if (tid % 128 == 0) {
-      for (int box = 0; box < Traits::kDqBoxes; ++box)
-        ptx::tma_reduce_add_4d(&maps.dq_accum, sDq(consumer) + box * kBlockM * kRowBytes,
-                               dq_col0 + box * Traits::kDqBoxCols, n, q0, block.b);
-      ptx::bulk_commit_group();
+      // Generic stores that the TMA reduction (async proxy) reads.
+      ptx::fence_proxy_async_shared();
+      ptx::named_barrier_sync(kWarpgroupBarrier + consumer, 128);
+      if (tid % 128 == 0) {
+        for (int box = 0; box < Traits::kDqBoxes; ++box)
+          ptx::tma_reduce_add_4d(&maps.dq_accum, sDq(consumer) + box * kBlockM * kRowBytes,
+                                 dq_col0 + box * Traits::kDqBoxCols, n, q0, block.b);
+        ptx::bulk_commit_group();
+      }
+    } else {
+      // This thread's dQ rows q0 + 16 warp + quad_row + 8 h, columns dq_col0 + 8 j + quad_col,
+      // +1, added with red.global.add: rows past the query length have dS = 0 and columns past
+      // H do not exist, so neither is added.
+      const int t0 = q0 + warp * 16 + quad_row;
+      const int col0 = dq_col0 + quad_col;
+      float* dq = p.dq_accum + int64_t(block.b) * p.q_batch_stride + n * p.q_head_stride +
+                  t0 * p.q_row_stride + col0;
+      const int64_t rows = block_visibility(p, block.b).q_len - t0;
+      const int cols = int(p.head_dim) - col0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (8 * h >= rows) continue;
+#pragma unroll
+        for (int j = 0; j < kDqTiles; ++j)
+          if (8 * j < cols)
+            ptx::red_add_v2_f32(dq + 8 * h * p.q_row_stride + 8 * j, dq_acc[j][2 * h],
+                                dq_acc[j][2 * h + 1]);
+      }
     }
     if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
   }
 
-  if (tid % 128 == 0) ptx::bulk_wait_group_read_all();  // the staging tiles outlive the reads
+  if constexpr (Traits::kDqStaged)
+    if (tid % 128 == 0) ptx::bulk_wait_group_read_all();  // the staging tiles outlive the reads
   store_dk_dv<Elem, Traits>(p, maps, block, dk_acc, dv_acc, sK, sV,
                             BackwardEpilogueThread{tid, consumer, wg_key0, warp_key0, quad_row,
-                                                   quad_col});
+                                                   quad_col, dkv_span0});
 #endif
 }
 

@@ -63,7 +63,7 @@ struct BackwardSmemLayout {
   static constexpr uint32_t kQOffset = 2 * Traits::kKVBytes;
   static constexpr uint32_t kDoOffset = kQOffset + Traits::kStages * Traits::kQBytes;
   static constexpr uint32_t kDsOffset = kDoOffset + Traits::kStages * Traits::kQBytes;
-  static constexpr uint32_t kDqOffset = kDsOffset + Traits::kDsStages * Traits::kDsBytes;
+  static constexpr uint32_t kDqOffset = kDsOffset + Traits::kDsBuffers * Traits::kDsBytes;
   static constexpr uint32_t kStatsOffset = kDqOffset + Traits::kConsumers * Traits::kDqBytes;
   static constexpr uint32_t kBarrierOffset = kStatsOffset + Traits::kStatsBytes;
 };
