@@ -32,13 +32,14 @@ FORWARD = {
     "simt": ({}, "simt", jnp.float32, (3, 37, 300, 4, 2, 64), False),
 }
 
-# family -> (environment, the name backward_kernel reports, dtype, deterministic, bias).
+# family -> (environment, the name backward_kernel reports, dtype, deterministic, bias, H).
 BACKWARD = {
-    "sm90": ({}, "sm90", jnp.bfloat16, False, False),
-    "sm80": (DISABLE_SM90, "sm80", jnp.bfloat16, False, False),
-    "sm80_deterministic": ({}, "sm80", jnp.float16, True, False),
-    "sm80_bias": ({}, "sm80", jnp.bfloat16, False, True),
-    "simt": ({}, "simt", jnp.float32, False, False),
+    "sm90": ({}, "sm90", jnp.bfloat16, False, False, 64),
+    "sm90_hd256": ({}, "sm90", jnp.float16, False, False, 256),
+    "sm80": (DISABLE_SM90, "sm80", jnp.bfloat16, False, False, 64),
+    "sm80_deterministic": ({}, "sm80", jnp.float16, True, False, 64),
+    "sm80_bias": ({}, "sm80", jnp.bfloat16, False, True, 64),
+    "simt": ({}, "simt", jnp.float32, False, False, 64),
 }
 
 
@@ -151,8 +152,8 @@ def grads(q, k, v, bias, d_out, deterministic, **kwargs):
 def test_backward_never_reads_keys_past_the_length(rng, monkeypatch, family, is_causal, fill):
     """NaN or Inf past the lengths: gradients finite, as with finite values there, and dK, dV 0
     past the lengths."""
-    env, expected, dtype, deterministic, with_bias = BACKWARD[family]
-    q, k, v, bias = setup(monkeypatch, env, rng, dtype, (3, 150, 333, 4, 2, 64), with_bias,
+    env, expected, dtype, deterministic, with_bias, head_dim = BACKWARD[family]
+    q, k, v, bias = setup(monkeypatch, env, rng, dtype, (3, 150, 333, 4, 2, head_dim), with_bias,
                           family, expected, deterministic=deterministic)
     kv_lens = jnp.asarray([333 // 3 + 5, 128, 333], jnp.int32)
     d_out = jnp.asarray(rng.standard_normal(q.shape, dtype=np.float32), dtype)
@@ -173,8 +174,8 @@ def test_backward_nan_logit_rows(rng, monkeypatch, family):
     """A NaN key element: dq is NaN in the rows that see that key, dk and dv in the key rows
     those rows see, and never where jax.nn's gradients are finite (a NaN key row also reaches,
     as 0 x NaN, the dq of rows that share its key tile without seeing it, as in jax.nn)."""
-    env, expected, dtype, deterministic, with_bias = BACKWARD[family]
-    q, k, v, bias = setup(monkeypatch, env, rng, dtype, (2, 70, 90, 4, 2, 64), with_bias,
+    env, expected, dtype, deterministic, with_bias, head_dim = BACKWARD[family]
+    q, k, v, bias = setup(monkeypatch, env, rng, dtype, (2, 70, 90, 4, 2, head_dim), with_bias,
                           family, expected, deterministic=deterministic)
     k = set_at(k, (1, 40, 0, 7), np.nan)
     args = () if bias is None else (bias,)
