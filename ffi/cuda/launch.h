@@ -107,17 +107,24 @@ cudaError_t ensure_smem_limit(int bytes) {
   });
 }
 
+// CUDA device `device`'s attribute kAttribute, queried once per device (each attribute's
+// instantiation has a cache of its own).
+template <cudaDeviceAttr kAttribute>
+cudaError_t device_attribute(int device, int& value) {
+  const auto query = [](int d) {
+    int n = 0;
+    const cudaError_t e = cudaDeviceGetAttribute(&n, kAttribute, d);
+    return std::pair{e, n};
+  };
+  const auto [error, result] = once_per_device(device, std::pair{cudaErrorInvalidDevice, 0}, query);
+  value = result;
+  return error;
+}
+
 // CUDA device `device`'s multiprocessor count (the grid of persistent kernels, the decode
 // kernel's split count).
 inline cudaError_t multiprocessor_count(int device, int& count) {
-  const auto query = [](int d) {
-    int n = 0;
-    const cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, d);
-    return std::pair{e, n};
-  };
-  const auto [error, sms] = once_per_device(device, std::pair{cudaErrorInvalidDevice, 0}, query);
-  count = sms;
-  return error;
+  return device_attribute<cudaDevAttrMultiProcessorCount>(device, count);
 }
 
 // The same for the current device.
@@ -129,14 +136,7 @@ inline cudaError_t multiprocessor_count(int& count) {
 
 // CUDA device `device`'s opt-in shared memory per block in bytes (which tile tables fit).
 inline cudaError_t opt_in_smem_bytes(int device, int& bytes) {
-  const auto query = [](int d) {
-    int n = 0;
-    const cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, d);
-    return std::pair{e, n};
-  };
-  const auto [error, value] = once_per_device(device, std::pair{cudaErrorInvalidDevice, 0}, query);
-  bytes = value;
-  return error;
+  return device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(device, bytes);
 }
 
 // Whether kKernel, as loaded on CUDA device `device` (the current one: the kernel's attributes

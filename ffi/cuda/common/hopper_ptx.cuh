@@ -372,10 +372,6 @@ JAX_FLASHATTN_WGMMA_RS(wgmma_rs, 1, 256, JAX_FLASHATTN_WGMMA_D256_REGS,
 #undef JAX_FLASHATTN_WGMMA_SS
 #undef JAX_FLASHATTN_WGMMA_RS
 #undef JAX_FLASHATTN_WGMMA_RS_ONE
-#undef JAX_FLASHATTN_WGMMA_D64_REGS
-#undef JAX_FLASHATTN_WGMMA_D128_REGS
-#undef JAX_FLASHATTN_WGMMA_D64_OPERANDS
-#undef JAX_FLASHATTN_WGMMA_D128_OPERANDS
 #undef JAX_FLASHATTN_WGMMA_D160_REGS
 #undef JAX_FLASHATTN_WGMMA_D256_REGS
 #undef JAX_FLASHATTN_WGMMA_D160_OPERANDS
@@ -390,37 +386,13 @@ template <int N, typename Elem>
 __device__ __forceinline__ void wgmma_ss_mn_major(float (&d)[N / 8][4], uint64_t a_desc,
                                                   uint64_t b_desc, bool accumulate);
 
-#define JAX_FLASHATTN_WGMMA_MN_D32_REGS \
+#define JAX_FLASHATTN_WGMMA_D32_REGS \
   "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" "}"
-#define JAX_FLASHATTN_WGMMA_MN_D64_REGS \
-  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" "}"
-#define JAX_FLASHATTN_WGMMA_MN_D128_REGS \
-  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" "}"
-#define JAX_FLASHATTN_WGMMA_MN_D32_OPERANDS(d) \
+#define JAX_FLASHATTN_WGMMA_D32_OPERANDS(d) \
   "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-#define JAX_FLASHATTN_WGMMA_MN_D64_OPERANDS(d) \
-  JAX_FLASHATTN_WGMMA_MN_D32_OPERANDS(d), \
-  "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
-  "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-  "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
-  "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-#define JAX_FLASHATTN_WGMMA_MN_D128_OPERANDS(d) \
-  JAX_FLASHATTN_WGMMA_MN_D64_OPERANDS(d), \
-  "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
-  "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
-  "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
-  "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
-  "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
-  "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
-  "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
-  "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
 
 // As JAX_FLASHATTN_WGMMA_SS with imm-trans-a = imm-trans-b = 1.
 #define JAX_FLASHATTN_WGMMA_SS_MN(N, ELEM, TYPE, REGS, OPERANDS, A, B, SCALE_D)                 \
@@ -434,25 +406,25 @@ __device__ __forceinline__ void wgmma_ss_mn_major(float (&d)[N / 8][4], uint64_t
                  : "l"(a_desc), "l"(b_desc), "r"(int(accumulate)));                          \
   }
 
-JAX_FLASHATTN_WGMMA_SS_MN(32, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_MN_D32_REGS,
-                          JAX_FLASHATTN_WGMMA_MN_D32_OPERANDS, 16, 17, 18)
-JAX_FLASHATTN_WGMMA_SS_MN(32, __half, "f16", JAX_FLASHATTN_WGMMA_MN_D32_REGS,
-                          JAX_FLASHATTN_WGMMA_MN_D32_OPERANDS, 16, 17, 18)
-JAX_FLASHATTN_WGMMA_SS_MN(64, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_MN_D64_REGS,
-                          JAX_FLASHATTN_WGMMA_MN_D64_OPERANDS, 32, 33, 34)
-JAX_FLASHATTN_WGMMA_SS_MN(64, __half, "f16", JAX_FLASHATTN_WGMMA_MN_D64_REGS,
-                          JAX_FLASHATTN_WGMMA_MN_D64_OPERANDS, 32, 33, 34)
-JAX_FLASHATTN_WGMMA_SS_MN(128, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_MN_D128_REGS,
-                          JAX_FLASHATTN_WGMMA_MN_D128_OPERANDS, 64, 65, 66)
-JAX_FLASHATTN_WGMMA_SS_MN(128, __half, "f16", JAX_FLASHATTN_WGMMA_MN_D128_REGS,
-                          JAX_FLASHATTN_WGMMA_MN_D128_OPERANDS, 64, 65, 66)
+JAX_FLASHATTN_WGMMA_SS_MN(32, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D32_REGS,
+                          JAX_FLASHATTN_WGMMA_D32_OPERANDS, 16, 17, 18)
+JAX_FLASHATTN_WGMMA_SS_MN(32, __half, "f16", JAX_FLASHATTN_WGMMA_D32_REGS,
+                          JAX_FLASHATTN_WGMMA_D32_OPERANDS, 16, 17, 18)
+JAX_FLASHATTN_WGMMA_SS_MN(64, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D64_REGS,
+                          JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34)
+JAX_FLASHATTN_WGMMA_SS_MN(64, __half, "f16", JAX_FLASHATTN_WGMMA_D64_REGS,
+                          JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34)
+JAX_FLASHATTN_WGMMA_SS_MN(128, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D128_REGS,
+                          JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66)
+JAX_FLASHATTN_WGMMA_SS_MN(128, __half, "f16", JAX_FLASHATTN_WGMMA_D128_REGS,
+                          JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66)
 #undef JAX_FLASHATTN_WGMMA_SS_MN
-#undef JAX_FLASHATTN_WGMMA_MN_D32_REGS
-#undef JAX_FLASHATTN_WGMMA_MN_D64_REGS
-#undef JAX_FLASHATTN_WGMMA_MN_D128_REGS
-#undef JAX_FLASHATTN_WGMMA_MN_D32_OPERANDS
-#undef JAX_FLASHATTN_WGMMA_MN_D64_OPERANDS
-#undef JAX_FLASHATTN_WGMMA_MN_D128_OPERANDS
+#undef JAX_FLASHATTN_WGMMA_D32_REGS
+#undef JAX_FLASHATTN_WGMMA_D64_REGS
+#undef JAX_FLASHATTN_WGMMA_D128_REGS
+#undef JAX_FLASHATTN_WGMMA_D32_OPERANDS
+#undef JAX_FLASHATTN_WGMMA_D64_OPERANDS
+#undef JAX_FLASHATTN_WGMMA_D128_OPERANDS
 
 // Adds two consecutive floats (8-byte aligned) to global memory without a return value: the
 // vector form of red.add (sm_90+), half as many reductions as two scalar ones.
