@@ -63,6 +63,12 @@ SIZES = {
     # GPT-2 small's shape (112M parameters with a 32k vocabulary) at T = 2048, 16k tokens/step.
     "small": Config(vocab_size=32768, num_layers=12, d_model=768, num_heads=12, seq_len=2048,
                     batch_size=8, dtype="bfloat16", learning_rate=6e-4, warmup_steps=20),
+    # The same depth, sequence and batch at width 1024 with head dim 128 (8 heads) or 256
+    # (4 heads, as Gemma's): 187M parameters each, the same FLOPs outside attention.
+    "h128": Config(vocab_size=32768, num_layers=12, d_model=1024, num_heads=8, seq_len=2048,
+                   batch_size=8, dtype="bfloat16", learning_rate=6e-4, warmup_steps=20),
+    "h256": Config(vocab_size=32768, num_layers=12, d_model=1024, num_heads=4, seq_len=2048,
+                   batch_size=8, dtype="bfloat16", learning_rate=6e-4, warmup_steps=20),
 }
 
 
