@@ -110,7 +110,8 @@ template <>
 struct BackwardConfig<128> : BackwardTraits<128, false> {};
 // 64 keys, both consumers on them, half the columns each. dK+dV 128, S+dP 64, dQ 64 (added by
 // red.global.add); smem 2 x 32 + 4 x 32 + 2 x 8 KiB + 1.5 KiB stats + 1 KiB alignment =
-// 210.5 KiB.
+// 210.5 KiB. With dQ issued while dV and dK are in flight (their accumulators, dQ's and the
+// P^T / dS^T fragments: 224 registers) ptxas serializes the wgmma (its warning C7512).
 template <>
 struct BackwardConfig<256> : BackwardTraits<256, true> {};
 
