@@ -32,8 +32,7 @@ struct BackwardTraits {
   static constexpr bool kSplitHeadDim = kSplitHeadDim_;
   static constexpr int kConsumers = kBackwardConsumers;  // consumer warpgroups
   static constexpr int kBlockN = kSplitHeadDim ? 64 : 64 * kConsumers;
-  // A consumer's keys and its dK / dV columns.
-  static constexpr int kConsumerKeys = kSplitHeadDim ? kBlockN : kBlockN / kConsumers;
+  // A consumer's dK / dV columns.
   static constexpr int kDkvCols = kSplitHeadDim ? kHeadDim / kConsumers : kHeadDim;
   // Queries per streamed Q/dO tile: the N of S^T = K Q^T and the K of dV += P^T dO. 64 keeps
   // S^T and dP^T at 32 floats per thread each beside dK and dV.
