@@ -160,9 +160,10 @@ def test_tc_head_dims(rng, dtype, head_dim, deterministic):
                                          key_value_seq_lengths=np.array([333, 40, 0], np.int32),
                                          is_causal=True)])
 def test_tc_large_head_dims(rng, dtype, head_dim, kwargs, deterministic):
-    """Head dims above 128 on the mma.sync large table (64-key blocks, 32-query tiles, rows
-    padded to 256 elements; 136 runs on 192): GQA 8 -> 2, several key blocks and query tiles,
-    partial last ones, zero-length rows."""
+    """Head dims above 128: on Hopper the Hopper backward's 256 configuration (atomic mode),
+    elsewhere and in deterministic mode the mma.sync large table (64-key blocks, 32-query tiles,
+    rows padded to 256 elements; 136 runs on 192): GQA 8 -> 2, several key blocks and query
+    tiles, partial last ones, zero-length rows."""
     check_grads(rng, *random_qkv(rng, 3, 201, 333, 8, 2, head_dim, dtype),
                 deterministic=deterministic, **kwargs)
 
@@ -304,6 +305,16 @@ def test_tc_vmap_of_grads(rng):
 # build. Everywhere else these run the mma.sync family and still check the gradients.
 
 
+def tensor_core_family(head_dim):
+    """The backward family of a bf16/fp16 call without bias, mask or deterministic mode: the
+    Hopper kernel where it runs, else the mma.sync family, which above head dim 128 needs
+    163 KiB of shared memory per block (sm_80, sm_87, sm_90, sm_100)."""
+    if hopper():
+        return "sm90"
+    large_smem = jax.devices()[0].compute_capability in ("8.0", "8.7", "9.0", "10.0")
+    return "sm80" if head_dim <= 128 or large_smem else "simt"
+
+
 def test_backward_dispatch_is_visible(monkeypatch):
     """backward_kernel reports the family the dispatcher launches: the Hopper kernel where it
     applies, the mma.sync family for the other tensor-core cases, the CUDA cores for the rest."""
@@ -318,12 +329,10 @@ def test_backward_dispatch_is_visible(monkeypatch):
     assert jax_flashattn.backward_kernel(q, kv, bias=q) == "sm80"
     assert jax_flashattn.backward_kernel(q, kv, mask=q) == "sm80"
     assert jax_flashattn.backward_kernel(q, kv, deterministic=True) == "sm80"
-    # Above 128 the mma.sync family needs 163 KiB of shared memory per block.
-    large_smem = jax.devices()[0].compute_capability in ("8.0", "8.7", "9.0", "10.0")
     for head_dim in (136, 192, 256):
         assert jax_flashattn.backward_kernel(
-            q.update(shape=(2, 100, 8, head_dim)), kv.update(shape=(2, 300, 2, head_dim))) == (
-                "sm90" if hopper() else "sm80" if large_smem else "simt")
+            q.update(shape=(2, 100, 8, head_dim)),
+            kv.update(shape=(2, 300, 2, head_dim))) == tensor_core_family(head_dim)
     assert jax_flashattn.backward_kernel(q.update(shape=(2, 100, 8, 264)),
                                          kv.update(shape=(2, 300, 2, 264))) == "simt"
     assert jax_flashattn.backward_kernel(q.update(dtype=jnp.float32),
@@ -344,7 +353,7 @@ def test_sm90_many_tiles(rng, dtype, head_dim, kwargs):
     zero-filled on the 64, 128 and 256 configurations (256: 64-key blocks, the head dim split
     between the consumers); rows and keys past the lengths get exactly 0."""
     q, k, v = random_qkv(rng, 3, 333, 517, 8, 2, head_dim, dtype)
-    assert jax_flashattn.backward_kernel(q, k) == ("sm90" if hopper() else "sm80")
+    assert jax_flashattn.backward_kernel(q, k) == tensor_core_family(head_dim)
     dq, dk, dv = (np.asarray(g, np.float32) for g in check_grads(rng, q, k, v, **kwargs))
     if "query_seq_lengths" in kwargs:
         for b, (q_len, kv_len) in enumerate(zip(kwargs["query_seq_lengths"],
