@@ -83,10 +83,9 @@ BackwardKernel choose_backward_kernel(const AttentionParams& p, int device) {
     return BackwardKernel::kSimt;
   if (sm90_applies(p, device)) return BackwardKernel::kSm90;
   // Head dims past the 99 KiB table need the large one (mma_sync/backward_traits.h).
-  int smem_bytes = 0;
+  bool large = false;
   if (p.head_dim > mma_sync::kSmallTableMaxHeadDim &&
-      (opt_in_smem_bytes(device, smem_bytes) != cudaSuccess ||
-       smem_bytes < mma_sync::kLargeSmemBytes))
+      (mma_sync::large_tables_fit(device, large) != cudaSuccess || !large))
     return BackwardKernel::kSimt;
   return BackwardKernel::kSm80;
 }

@@ -11,15 +11,6 @@
 
 namespace jax_flashattn::cuda {
 
-// Whether CUDA device `device`'s opt-in shared memory per block holds the large dK/dV
-// configurations (sm_80, sm_87, sm_90, sm_100: 163 KiB or more).
-inline cudaError_t backward_large_tiles(int device, bool& large) {
-  int bytes = 0;
-  const cudaError_t error = opt_in_smem_bytes(device, bytes);
-  large = bytes >= mma_sync::kLargeSmemBytes;
-  return error;
-}
-
 // One dK/dV launch: a block per (batch x kv head, key block); key_blocks fits the grid's y.
 template <typename Elem, typename DkDv>
 cudaError_t launch_backward_dkdv(const AttentionParams& p, int64_t key_blocks,
@@ -59,7 +50,7 @@ cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream) 
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
   bool large = false;
-  if (cudaError_t e = backward_large_tiles(device, large); e != cudaSuccess) return e;
+  if (cudaError_t e = mma_sync::large_tables_fit(device, large); e != cudaSuccess) return e;
   if constexpr (kHeadDim > mma_sync::kSmallTableMaxHeadDim) {
     // Only the large table: choose_backward_kernel sends these head dims here only where it fits.
     if (!large) return cudaErrorInvalidConfiguration;

@@ -23,12 +23,23 @@
 #pragma once
 
 #include "ffi/cuda/common/smem_tile.cuh"  // smem_dim_for
+#include "ffi/cuda/launch.h"               // opt_in_smem_bytes
 
 namespace jax_flashattn::mma_sync {
 
 // Opt-in shared memory per block: every sm_80+ device, and sm_80 / sm_87 / sm_90 / sm_100.
 inline constexpr int kSmallSmemBytes = 99 * 1024;
 inline constexpr int kLargeSmemBytes = 163 * 1024;
+
+// Whether CUDA device `device`'s opt-in shared memory per block holds the large tables
+// (sm_80, sm_87, sm_90, sm_100): the launcher's choice of table, and the dispatcher's rule for
+// the head dims that have only the large one.
+inline cudaError_t large_tables_fit(int device, bool& large) {
+  int bytes = 0;
+  const cudaError_t error = cuda::opt_in_smem_bytes(device, bytes);
+  large = bytes >= kLargeSmemBytes;
+  return error;
+}
 
 template <int kHeadDim_, int kBlockN_, int kBlockM_, int kSubCols_, int kDqRows_,
           int kDqColGroups_, int kSmemLimit_>
