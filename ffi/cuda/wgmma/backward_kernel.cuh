@@ -339,10 +339,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // warpgroup overwrites it.
     if constexpr (Traits::kDqStaged)
       if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
-    if constexpr (kSplit)
+    if constexpr (kSplit) {
+      // With the head dim split, dV and dK hold 2 x 64 accumulator registers: dQ issued while
+      // they are in flight leaves ptxas too few registers to keep the wgmma chain
+      // asynchronous, and it serializes every wgmma of the kernel (BackwardConfig<256>).
+      ptx::wgmma_wait<0>();
+      fence(dv_acc);
+      fence(dk_acc);
+      fence(p_frag);
+      fence(ds_frag);
       ptx::named_barrier_sync(kWarpgroupBarrier + consumer, 128);
-    else
+    } else {
       ptx::named_barrier_sync(kConsumersBarrier, kConsumerThreads);
+    }
     float dq_acc[kDqTiles][4];
     const uint32_t k_dq_tile = ptx::opaque(sK + k_dq_offset);
     fence(dq_acc);
