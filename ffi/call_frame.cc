@@ -78,6 +78,21 @@ ffi::Error SeqLengths(const ffi::AnyBuffer& x, const AttentionParams& p, const c
   return ffi::Error::Success();
 }
 
+// Segment ids: int32 shaped like `like` (query or key) without its last two dims: [..., B, T]
+// or [..., B, S].
+ffi::Error SegmentIds(const ffi::AnyBuffer& x, const ffi::AnyBuffer& like, const char* name,
+                      const int32_t*& out) {
+  auto xd = x.dimensions();
+  auto ld = like.dimensions();
+  bool fits = x.element_type() == ffi::DataType::S32 && xd.size() + 2 == ld.size();
+  for (size_t i = 0; fits && i < xd.size(); ++i) fits = xd[i] == ld[i];
+  if (!fits)
+    return Invalid(std::string(name) + " must be int32 with the dims of " + ShapeString(like) +
+                   " but the last two, got " + ShapeString(x));
+  out = static_cast<const int32_t*>(x.untyped_data());
+  return ffi::Error::Success();
+}
+
 ffi::Error CheckLike(const ffi::AnyBuffer& buffer, const ffi::AnyBuffer& like, const char* what) {
   auto a = buffer.dimensions();
   auto b = like.dimensions();
@@ -139,7 +154,8 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   p.v = v.untyped_data();
 
   const size_t expected = size_t(attrs.has_bias != 0) + size_t(attrs.has_mask != 0) +
-                          size_t(attrs.has_q_seqlens != 0) + size_t(attrs.has_kv_seqlens != 0);
+                          size_t(attrs.has_q_seqlens != 0) + size_t(attrs.has_kv_seqlens != 0) +
+                          2 * size_t(attrs.has_segment_ids != 0);
   if (optional.size() != expected)
     return Invalid("expected " + std::to_string(expected) + " optional operands, got " +
                    std::to_string(optional.size()));
@@ -171,6 +187,17 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     auto lens = optional.get<ffi::AnyBuffer>(next++);
     if (!lens.has_value()) return lens.error();
     if (ffi::Error e = SeqLengths(*lens, p, "key_value_seq_lengths", p.kv_seqlens); e.failure())
+      return e;
+  }
+  if (attrs.has_segment_ids) {
+    auto q_ids = optional.get<ffi::AnyBuffer>(next++);
+    if (!q_ids.has_value()) return q_ids.error();
+    auto kv_ids = optional.get<ffi::AnyBuffer>(next++);
+    if (!kv_ids.has_value()) return kv_ids.error();
+    if (ffi::Error e = SegmentIds(*q_ids, q, "query_segment_ids", p.q_segment_ids); e.failure())
+      return e;
+    if (ffi::Error e = SegmentIds(*kv_ids, k, "key_value_segment_ids", p.kv_segment_ids);
+        e.failure())
       return e;
   }
   return ffi::Error::Success();

@@ -28,6 +28,7 @@ struct CallShape {
   bool has_mask = false;
   bool has_q_seqlens = false;
   bool has_kv_seqlens = false;
+  bool has_segment_ids = false;  // query and key/value segment ids, both
   // Backward only: dQ in its own pass (AttentionParams::deterministic).
   bool deterministic = false;
   // The kernel switches (AttentionParams::disable_sm90, sm80_cp_async).

@@ -78,6 +78,10 @@ struct AttentionParams {
   BroadcastStrides mask_strides;
   const int32_t* q_seqlens = nullptr;   // [batch]; rows t >= q_seqlens[b] see no key
   const int32_t* kv_seqlens = nullptr;  // [batch]; keys s >= kv_seqlens[b] are hidden
+  // Packed sequences, both or neither: [batch, T] and [batch, S] contiguous; query t of batch
+  // entry b sees key s only where q_segment_ids[b T + t] == kv_segment_ids[b S + s].
+  const int32_t* q_segment_ids = nullptr;
+  const int32_t* kv_segment_ids = nullptr;
 
   float scale = 1.0f;  // logits = scale * q.k + bias
   // Query t sees key s iff t - window_left <= s <= t + window_right (each side unbounded when
@@ -115,6 +119,11 @@ struct AttentionParams {
   bool sm80_cp_async = false;  // JAX_FLASHATTN_SM80_CP_ASYNC: mma.sync K/V by cp.async on Hopper
 
   JAX_FLASHATTN_HOST_DEVICE int64_t group_size() const { return num_heads / num_kv_heads; }
+  // A bias, a boolean mask or segment ids: terms read element by element, which the Hopper
+  // and decode kernels do not have (the mma.sync forward has an instantiation for them).
+  JAX_FLASHATTN_HOST_DEVICE bool has_elementwise_terms() const {
+    return bias != nullptr || mask != nullptr || q_segment_ids != nullptr;
+  }
   // No causal or window bound: every query sees every key up to the lengths.
   JAX_FLASHATTN_HOST_DEVICE bool unwindowed() const {
     return window_left == kUnboundedWindow && window_right == kUnboundedWindow;

@@ -35,6 +35,8 @@ AttentionParams PlanningParams(const CallShape& s) {
   if (s.has_mask) p.mask = reinterpret_cast<const bool*>(buffer);
   if (s.has_q_seqlens) p.q_seqlens = reinterpret_cast<const int32_t*>(buffer);
   if (s.has_kv_seqlens) p.kv_seqlens = reinterpret_cast<const int32_t*>(buffer);
+  if (s.has_segment_ids)
+    p.q_segment_ids = p.kv_segment_ids = reinterpret_cast<const int32_t*>(buffer);
   return p;
 }
 

@@ -6,6 +6,7 @@
 //                     s < kv_len and t - left <= s <= t + right
 //   ElementMask       the boolean mask: keeps(t, s)
 //   AdditiveBias      the bias operand, added to scale q.k
+//   SegmentIds        packed sequences: keeps(t, s), may_share() for tiles to skip
 //
 // Callers: the CPU kernels (ffi/cpu/common.h) and, through cuda::Visibility and its
 // tile-relative form (ffi/cuda/common/mask.cuh), every CUDA family: KeyWindow<int> in the
@@ -197,6 +198,45 @@ struct ElementMask {
   }
   JAX_FLASHATTN_HOST_DEVICE ElementMask from(int64_t t0, int64_t s0) const {
     return ElementMask{keep, slice.from(t0, s0)};
+  }
+};
+
+// Segment ids of one batch entry (packed sequences): query t sees key s only where
+// q[t] == kv[s]; q == nullptr when the call has none. Read only inside the KeyWindow's visible
+// pairs, which lie inside [T, S].
+struct SegmentIds {
+  const int32_t* q = nullptr;   // the entry's [T] query ids
+  const int32_t* kv = nullptr;  // its [S] key ids
+
+  JAX_FLASHATTN_HOST_DEVICE static SegmentIds make(const AttentionParams& p, int64_t b) {
+    SegmentIds ids;
+    if (p.q_segment_ids != nullptr) {
+      ids.q = p.q_segment_ids + b * p.seqlen_q;
+      ids.kv = p.kv_segment_ids + b * p.seqlen_k;
+    }
+    return ids;
+  }
+  JAX_FLASHATTN_HOST_DEVICE bool present() const { return q != nullptr; }
+  JAX_FLASHATTN_HOST_DEVICE bool keeps(int64_t t, int64_t s) const {
+    return q == nullptr || q[t] == kv[s];
+  }
+
+  // Whether a row of [row_begin, row_end) may share a segment with a key of
+  // [key_begin, key_end): false when the two ranges of ids are disjoint, so no pair of the tile
+  // is visible and it is skipped. Both ranges must be non-empty and inside [T] and [S].
+  JAX_FLASHATTN_HOST_DEVICE bool may_share(int64_t row_begin, int64_t row_end,
+                                           int64_t key_begin, int64_t key_end) const {
+    if (q == nullptr) return true;
+    int32_t q_lo = q[row_begin], q_hi = q_lo, kv_lo = kv[key_begin], kv_hi = kv_lo;
+    for (int64_t t = row_begin + 1; t < row_end; ++t) {
+      q_lo = min_of(q_lo, q[t]);
+      q_hi = max_of(q_hi, q[t]);
+    }
+    for (int64_t s = key_begin + 1; s < key_end; ++s) {
+      kv_lo = min_of(kv_lo, kv[s]);
+      kv_hi = max_of(kv_hi, kv[s]);
+    }
+    return q_lo <= kv_hi && kv_lo <= q_hi;
   }
 };
 

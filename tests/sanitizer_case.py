@@ -52,6 +52,10 @@ def main():
         # 192, the deterministic dQ pass's 16-key tiles.
         (jnp.float16, 136, dict(is_causal=True, key_value_seq_lengths=lens,
                                 deterministic_backward=True)),
+        # Segment ids (the mma.sync forward's elementwise kernels, the mma.sync backward).
+        (jnp.bfloat16, 128, dict(is_causal=True, key_value_seq_lengths=lens,
+                                 query_segment_ids=np.arange(2 * 77).reshape(2, 77) // 20,
+                                 key_value_segment_ids=np.arange(2 * 93).reshape(2, 93) // 25)),
     ]
     for dtype, head_dim, kwargs in cases:
         q, k, v = random_qkv(rng, 2, 77, 93, 4, 2, head_dim, dtype)

@@ -309,7 +309,7 @@ def test_valid_edge_arguments_accepted(rng):
 # --- errors inside the FFI handlers -------------------------------------------------------------
 
 FLAGS = dict(has_bias=np.int32(0), has_mask=np.int32(0), has_q_seqlens=np.int32(0),
-             has_kv_seqlens=np.int32(0))
+             has_kv_seqlens=np.int32(0), has_segment_ids=np.int32(0))
 ATTRS = dict(scale=np.float32(0.25), window_left=np.int64(_ops.UNBOUNDED_WINDOW),
              window_right=np.int64(_ops.UNBOUNDED_WINDOW),
              deterministic=np.int32(0), **_ffi.KernelSwitches().attrs())
@@ -336,6 +336,9 @@ HANDLER_CASES = {
     "extra_optional_operand": "extra",
     "bias_wrong_rank": "bias",
     "lengths_wrong_dtype": "lengths",
+    "segment_ids_wrong_dtype": "segments_dtype",
+    "segment_ids_wrong_shape": "segments_shape",
+    "segment_ids_one_only": "segments_one",
 }
 
 
@@ -350,6 +353,14 @@ def test_handler_error_is_python_exception(rng, case):
         spec, optional = dict(has_bias=np.int32(1)), (jnp.ones((T, S), jnp.float32),)
     elif spec == "lengths":
         spec, optional = dict(has_q_seqlens=np.int32(1)), (jnp.ones((B,), jnp.float32),)
+    elif spec == "segments_dtype":
+        spec = dict(has_segment_ids=np.int32(1))
+        optional = (jnp.zeros((B, T), jnp.float32), jnp.zeros((B, S), jnp.int32))
+    elif spec == "segments_shape":  # the key ids sized like the queries
+        spec = dict(has_segment_ids=np.int32(1))
+        optional = (jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.int32))
+    elif spec == "segments_one":
+        spec, optional = dict(has_segment_ids=np.int32(1)), (jnp.zeros((B, T), jnp.int32),)
     with pytest.raises(jax.errors.JaxRuntimeError, match="jax_flashattn: "):
         jax.block_until_ready(_raw_forward(q, k, v, *optional, **spec))
     # The process is fine afterwards.

@@ -20,6 +20,7 @@ import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jax_flashattn.flax as jfa_flax  # noqa: E402
+from jax_flashattn import reference  # noqa: E402
 from helpers import random_qkv  # noqa: E402
 
 B, T, F, HEADS = 2, 16, 32, 4
@@ -276,6 +277,30 @@ def test_function_fully_masked_row_returns_zero(rng):
     np.testing.assert_array_equal(out[0, 1], 0.0)
     np.testing.assert_allclose(ref[0, 1], np.asarray(v)[0].mean(axis=0), rtol=1e-5, atol=1e-6)
     assert_trees_close(np.delete(out, 1, axis=1), np.delete(ref, 1, axis=1))
+
+
+def test_function_segment_ids_with_batch_dims(rng):
+    """Ids [batch..., T] and [batch..., S] with two batch dims: the reference on the folded
+    batch (T != S packed differently), and Flax's attention with the ids' equality as its mask
+    (query and key ids equal, so no row is empty)."""
+    lead, t, s = (2, 3), 11, 14
+    q, k, v = random_qkv(rng, lead, t, s, 4, 2, 8, jnp.float32)
+    q_ids = jnp.asarray(np.sort(rng.integers(0, 4, lead + (t,)), axis=-1), jnp.int32)
+    kv_ids = jnp.asarray(np.sort(rng.integers(0, 4, lead + (s,)), axis=-1), jnp.int32)
+    out = jfa_flax.dot_product_attention(q, k, v, is_causal=True, query_segment_ids=q_ids,
+                                         key_value_segment_ids=kv_ids)
+    assert out.shape == q.shape
+    folded = [x.reshape((6,) + x.shape[2:]) for x in (q, k, v, q_ids, kv_ids)]
+    ref = reference.attention(*folded[:3], is_causal=True, query_segment_ids=folded[3],
+                              key_value_segment_ids=folded[4])
+    assert_trees_close(out, ref.reshape(out.shape))
+    plain = jfa_flax.dot_product_attention(q, k, v, is_causal=True)
+    assert np.max(np.abs(np.asarray(out) - np.asarray(plain))) > 0.1
+    q, k, v = random_qkv(rng, lead, t, t, 4, 4, 8, jnp.float32)
+    out = jfa_flax.dot_product_attention(q, k, v, query_segment_ids=q_ids,
+                                         key_value_segment_ids=q_ids)
+    mask = nn.make_attention_mask(q_ids, q_ids, pairwise_fn=jnp.equal)  # [2, 3, 1, T, T]
+    assert_trees_close(out, nn.dot_product_attention(q, k, v, mask=mask))
 
 
 def test_function_dropout_and_custom_einsums_raise(rng):

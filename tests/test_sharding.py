@@ -286,7 +286,8 @@ def test_causal_work_is_balanced_at_run_time(monkeypatch):
 
     real = _ops.forward
 
-    def counting(q, k, v, bias, mask, q_len, kv_len, *, scale, window, switches):
+    def counting(q, k, v, bias, mask, q_len, kv_len, q_ids=None, kv_ids=None, *, scale, window,
+                 switches):
         rows = jnp.arange(q.shape[-3])[None, :]  # [1, T]
         cols = k.shape[-3] if kv_len is None else kv_len[:, None]  # per batch entry
         begin = 0 if window[0] is None else jnp.maximum(rows - window[0], 0)
@@ -296,8 +297,8 @@ def test_causal_work_is_balanced_at_run_time(monkeypatch):
             pairs = jnp.where(rows < q_len[:, None], pairs, 0)
         pairs = jnp.sum(jnp.broadcast_to(pairs, (batch, q.shape[-3])))
         jax.debug.callback(record, lax.axis_index("sp"), pairs)
-        return real(q, k, v, bias, mask, q_len, kv_len, scale=scale, window=window,
-                    switches=switches)
+        return real(q, k, v, bias, mask, q_len, kv_len, q_ids, kv_ids, scale=scale,
+                    window=window, switches=switches)
 
     rng = np.random.default_rng(0)
     q, k, v = _qkv(rng, batch, t, t, 2, 2, 16)
@@ -400,3 +401,193 @@ def test_canonical_windows():
     assert _ring.canonical((2, -1), 4, 4) == (2, -1)
     assert _ring.canonical((-4, None), 4, 4) == _ring.HIDDEN
     assert _ring.canonical((1, -2), 4, 4) == _ring.HIDDEN
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed sequences: segment ids sharded like q's and k's batch and sequence dims
+
+def _packed_ids(rng, b, length):
+    """int32 [b, length]: documents in row order, cut at random places (length-1 documents
+    among them), the last row's ids in no order."""
+    rows = []
+    for _ in range(b - 1):
+        cuts = np.sort(rng.choice(np.arange(1, length), rng.integers(1, max(2, length // 3)),
+                                  replace=False))
+        rows.append(np.searchsorted(cuts, np.arange(length), side="right"))
+    rows.append(rng.integers(0, 3, length))
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def _segment_program(**kwargs):
+    """f(q, k, v, q_ids, kv_ids, d_out) -> (out, (dq, dk, dv))."""
+    def f(q, k, v, q_ids, kv_ids, d_out):
+        out, vjp = jax.vjp(lambda q, k, v: jax_flashattn.attention(
+            q, k, v, query_segment_ids=q_ids, key_value_segment_ids=kv_ids, **kwargs), q, k, v)
+        return out, vjp(d_out)
+    return f
+
+
+def _reference_out_and_grads(q, k, v, q_ids, kv_ids, d_out, **kwargs):
+    out, vjp = jax.vjp(lambda q, k, v: reference.attention(
+        q, k, v, query_segment_ids=q_ids, key_value_segment_ids=kv_ids, **kwargs), q, k, v)
+    return out, vjp(d_out)
+
+
+def _assert_grads_near_reference(grads, want_grads):
+    """Float32 gradients against the reference's: max error <= 1e-4 * (max |want| + 1)."""
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        err, bound = np.max(np.abs(g - w)), 1e-4 * (np.max(np.abs(w)) + 1)
+        assert err <= bound, f"{name}: max error {err:.3g} exceeds {bound:.3g}"
+
+
+def _check_sharded_segments(mesh, spec_q, spec_kv, q, k, v, q_ids, kv_ids, *, expect,
+                            **kwargs):
+    """Forward and backward with q/k/v and the ids sharded (the ids like the batch and
+    sequence dims of q and of k): equal to the unsharded run, which matches the reference;
+    the compiled program's collectives as `expect` says."""
+    d_out = _normal(np.random.default_rng(1), q.shape)
+    f = _segment_program(**kwargs)
+
+    def ids_spec(spec):
+        return P(*(tuple(spec) + (None, None))[:2])
+
+    args = (jax.device_put(q, NamedSharding(mesh, spec_q)),
+            jax.device_put(k, NamedSharding(mesh, spec_kv)),
+            jax.device_put(v, NamedSharding(mesh, spec_kv)),
+            jax.device_put(q_ids, NamedSharding(mesh, ids_spec(spec_q))),
+            jax.device_put(kv_ids, NamedSharding(mesh, ids_spec(spec_kv))),
+            jax.device_put(d_out, NamedSharding(mesh, spec_q)))
+    compiled = jax.jit(f).lower(*args).compile()
+    out, grads = compiled(*args)
+    want_out, want_grads = jax.jit(f)(q, k, v, q_ids, kv_ids, d_out)
+    _assert_close(out, want_out, "out")
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+        _assert_close(g, w, name)
+    ref_out, ref_grads = _reference_out_and_grads(q, k, v, q_ids, kv_ids, d_out, **kwargs)
+    _assert_close(want_out, ref_out, "unsharded out vs reference")
+    _assert_grads_near_reference(want_grads, ref_grads)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec_q), q.ndim), out.sharding
+    plain = jax.jit(_out_and_grads(**kwargs))(q, k, v, d_out)[0]
+    assert np.max(np.abs(np.asarray(out) - np.asarray(plain))) > 0.1, "the ids changed nothing"
+    found = _collectives(compiled)
+    if expect == "none":
+        assert not found, f"expected no communication, found {found}"
+    elif expect == "ring":
+        assert "collective-permute" in found, found
+        assert not found & {"all-gather", "all-to-all"}, found
+    return compiled
+
+
+@pytest.mark.parametrize("shape,roles", [((8,), ("batch",)), ((2, 4), ("batch", "heads"))],
+                         ids=["8-batch", "2x4-batch-heads"])
+def test_segment_ids_sharded_on_batch(shape, roles):
+    """Ids sharded with the batch of q/k/v (heads split too): the unsharded result and
+    gradients, with no communication."""
+    rng = np.random.default_rng(2)
+    b, t, s = (8, 24, 40) if shape == (8,) else (2, 24, 24)
+    kv_heads = 4 if "heads" in roles else 2
+    q, k, v = _qkv(rng, b, t, s, 2 * kv_heads, kv_heads, 16)
+    names = tuple(f"a{i}" for i in range(len(shape)))
+    spec = [None] * 4
+    for name, role in zip(names, roles):
+        spec[DIM[role]] = name
+    _check_sharded_segments(_mesh(shape, names), P(*spec), P(*spec), q, k, v,
+                            _packed_ids(rng, b, t), _packed_ids(rng, b, s), expect="none",
+                            is_causal=True)
+
+
+SEQ_CASES = {
+    # name: (mesh shape, roles, T, S, attention options)
+    "4-seq-full": ((4,), ("seq",), 32, 32, dict()),
+    "4-seq-causal": ((4,), ("seq",), 32, 32, dict(is_causal=True)),
+    "8-seq-causal-cross": ((8,), ("seq",), 32, 64, dict(
+        is_causal=True, query_seq_lengths=jnp.array([29, 17]),
+        key_value_seq_lengths=jnp.array([64, 40]))),
+    "2x4-batch-seq-window": ((2, 4), ("batch", "seq"), 32, 32, dict(local_window_size=(5, 2))),
+    "2x2x2-batch-heads-seq-causal": ((2, 2, 2), ("batch", "heads", "seq"), 16, 16,
+                                     dict(is_causal=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(SEQ_CASES), ids=str)
+def test_segment_ids_sequence_sharded(case):
+    """T and S (and the ids) sharded over 4 or 8 devices run the ring: values and gradients
+    equal the unsharded ones, causal and not, with the ids' shards travelling with K/V."""
+    shape, roles, t, s, kwargs = SEQ_CASES[case]
+    rng = np.random.default_rng(3)
+    b = 2
+    q, k, v = _qkv(rng, b, t, s, 4, 2, 16)
+    if t == s:
+        q_ids = kv_ids = _packed_ids(rng, b, t)
+    else:
+        q_ids, kv_ids = _packed_ids(rng, b, t), _packed_ids(rng, b, s)
+    names = tuple(f"a{i}" for i in range(len(shape)))
+    spec = [None] * 4
+    for name, role in zip(names, roles):
+        spec[DIM[role]] = name
+    _check_sharded_segments(_mesh(shape, names), P(*spec), P(*spec), q, k, v, q_ids, kv_ids,
+                            expect="ring", **kwargs)
+
+
+@pytest.mark.parametrize("which", ["queries", "keys"])
+def test_segment_ids_one_side_sequence_sharded(which):
+    """Only the queries sequence-sharded (K/V and their ids replicated), or only the keys (a
+    sharded cache, queries replicated): the unsharded result and gradients."""
+    rng = np.random.default_rng(4)
+    t, s = (32, 24) if which == "queries" else (3, 64)
+    q, k, v = _qkv(rng, 2, t, s, 4, 2, 16)
+    sharded, replicated = P(None, "s"), P()
+    spec_q, spec_kv = (sharded, replicated) if which == "queries" else (replicated, sharded)
+    _check_sharded_segments(_mesh((8,), ("s",)), spec_q, spec_kv, q, k, v,
+                            _packed_ids(rng, 2, t), _packed_ids(rng, 2, s), expect=None,
+                            is_causal=which == "queries")
+
+
+SEGMENT_RING_CASES = [
+    # (layout, S / T, options)
+    ("contiguous", 1, dict()),
+    ("contiguous", 1, dict(is_causal=True)),  # re-laid out zig-zag inside, ids included
+    ("zigzag", 1, dict(is_causal=True)),
+    ("zigzag", 1, dict(local_window_size=(20, 3))),
+    ("zigzag", 2, dict(is_causal=True)),  # cross attention, the two sides packed differently
+]
+
+
+@pytest.mark.parametrize("layout,ratio,kwargs", SEGMENT_RING_CASES,
+                         ids=[f"{layout}-{i}" for i, (layout, _, _) in
+                              enumerate(SEGMENT_RING_CASES)])
+def test_ring_attention_segment_ids_in_shard_map(layout, ratio, kwargs):
+    """ring_attention inside shard_map with the LOCAL shards of the ids (zig-zagged with q/k/v
+    for layout="zigzag"): the reference's values and gradients."""
+    rng = np.random.default_rng(5)
+    devices, t = 4, 48
+    s = ratio * t
+    q, k, v = _qkv(rng, 2, t, s, 4, 2, 16)
+    d_out = _normal(rng, q.shape)
+    q_ids = _packed_ids(rng, 2, t)
+    if s == t:  # row 0 packed differently on each side
+        kv_ids = q_ids.at[0].set(_packed_ids(rng, 2, t)[0])
+    else:
+        kv_ids = _packed_ids(rng, 2, s)
+    kwargs = dict(kwargs, query_seq_lengths=jnp.array([t, 41]),
+                  key_value_seq_lengths=jnp.array([s - 1, 37]))
+    want_out, want_grads = _reference_out_and_grads(q, k, v, q_ids, kv_ids, d_out, **kwargs)
+    mesh = _mesh((devices,), ("sp",), AxisType.Auto)
+    prepare = ((lambda x: sharding.zigzag(x, devices)) if layout == "zigzag" else (lambda x: x))
+    restore = ((lambda x: sharding.unzigzag(x, devices)) if layout == "zigzag" else (lambda x: x))
+    spec = P(None, "sp")
+
+    def body(q, k, v, q_ids, kv_ids, d_out):
+        out, vjp = jax.vjp(lambda q, k, v: sharding.ring_attention(
+            q, k, v, axis_name="sp", layout=layout, query_segment_ids=q_ids,
+            key_value_segment_ids=kv_ids, **kwargs), q, k, v)
+        return out, vjp(d_out)
+
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 6,
+                                    out_specs=(spec, (spec,) * 3)))
+    out, grads = program(*(prepare(x) for x in (q, k, v, q_ids, kv_ids, d_out)))
+    _assert_close(restore(out), want_out, "out")
+    _assert_grads_near_reference([restore(g) for g in grads], want_grads)
+    plain = jax_flashattn.attention(q, k, v, **kwargs)
+    assert np.max(np.abs(np.asarray(restore(out)) - np.asarray(plain))) > 0.1

@@ -119,6 +119,7 @@ void key_tile_task(const AttentionParams& p, int64_t b, int64_t kv_head, int64_t
   StepTiles tiles(hp);
 
   const int64_t group = p.group_size();
+  const auto segments = variant::SegmentIds::make(p, b);
   const BroadcastStrides& db = p.dbias_strides;
   for (int64_t n = kv_head * group; n < (kv_head + 1) * group; ++n) {
     const TileLogits logits(p, window, b, n);
@@ -126,7 +127,8 @@ void key_tile_task(const AttentionParams& p, int64_t b, int64_t kv_head, int64_t
                                       : nullptr;
     for (int64_t r0 = 0; r0 < p.seqlen_q; r0 += kTileRows) {
       const int64_t rows = std::min(kTileRows, window.q_len - r0);
-      if (count <= 0 || rows <= 0 || !window.sees_any(r0, r0 + rows, s0, s0 + count))
+      if (count <= 0 || rows <= 0 || !window.sees_any(r0, r0 + rows, s0, s0 + count) ||
+          !segments.may_share(r0, r0 + rows, s0, s0 + count))
         continue;
       tiles.load_rows(p, b, n, r0, rows);
       tiles.compute(logits, r0, s0, kt.data(), vt.data());
@@ -171,10 +173,12 @@ void query_tile_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0)
     StepTiles tiles(hp);
     tiles.load_rows(p, b, n, r0, rows);
     const TileLogits logits(p, window, b, n);
+    const auto segments = variant::SegmentIds::make(p, b);
     int64_t key_begin, key_end;
     window.key_range(r0, r0 + rows, key_begin, key_end);
     for (int64_t k0 = key_begin; k0 < key_end; k0 += kTileKeys) {
       const int64_t count = std::min(kTileKeys, key_end - k0);
+      if (!segments.may_share(r0, r0 + rows, k0, k0 + count)) continue;
       if (count < kTileKeys) {  // the last tile: the previous tile's keys must not linger
         std::fill(k_rows.begin(), k_rows.end(), 0.0f);
         std::fill(kt.begin(), kt.end(), 0.0f);

@@ -56,7 +56,7 @@ inline void load_key_rows(const AttentionParams& p, const void* base, int64_t b,
 }
 
 // Base-2 logits of a tile of head n of batch element b: x = (scale q.k + bias) log2(e) for the
-// keys a row sees, -inf for the others, where x holds scale log2(e) q.k on entry (Q was scaled).
+// keys a row sees (window, lengths, mask, segment ids), -inf for the others, where x holds scale log2(e) q.k on entry (Q was scaled).
 // The policies of ffi/variant.h, applied a row at a time: the bias row is converted in one pass.
 class TileLogits {
  public:
@@ -64,6 +64,7 @@ class TileLogits {
              int64_t n)
       : window_(window),
         mask_(variant::ElementMask::make(p, b, n)),
+        segments_(variant::SegmentIds::make(p, b)),
         bias_(variant::AdditiveBias::make(p, b, n)) {}
 
   // Row t's kTileKeys logits x of keys [k0, k0 + kTileKeys); false when it sees none of them
@@ -90,12 +91,16 @@ class TileLogits {
       for (int64_t j = j0; j < j1; ++j)
         if (!row.keeps(0, j)) x[j] = kNegInf;
     }
+    if (segments_.present())
+      for (int64_t j = j0; j < j1; ++j)
+        if (!segments_.keeps(t, k0 + j)) x[j] = kNegInf;
     return true;
   }
 
  private:
   variant::KeyWindow<int64_t> window_;
   variant::ElementMask mask_;
+  variant::SegmentIds segments_;
   variant::AdditiveBias bias_;
 };
 

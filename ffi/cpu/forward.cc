@@ -50,11 +50,13 @@ void forward_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0) {
   std::vector<float> m(kTileRows, kNegInf), l(kTileRows, 0.0f), bias_row(kTileKeys);
   load_query_rows(p, p.q, b, n, r0, rows, p.scale * kLog2e, q.data(), hp);
   const TileLogits logits(p, window, b, n);
+  const auto segments = variant::SegmentIds::make(p, b);
 
   int64_t key_begin, key_end;
   window.key_range(r0, r1, key_begin, key_end);
   for (int64_t k0 = key_begin; k0 < key_end; k0 += kTileKeys) {
     const int64_t count = std::min(kTileKeys, key_end - k0);
+    if (!segments.may_share(r0, r1, k0, k0 + count)) continue;  // no pair of it is visible
     if (count < kTileKeys) {  // the last tile: the previous tile's keys must not linger
       std::fill(kt.begin(), kt.end(), 0.0f);
       std::fill(v.begin(), v.end(), 0.0f);

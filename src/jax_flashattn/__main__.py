@@ -50,6 +50,7 @@ class CheckSpec:
     bias: str | None = None   # "heads": [1, N, T, S] float32; "full": [B, N, T, S]
     mask: str | None = None   # "batch": [B, 1, T, S] random keep pattern
     lens: str | None = None   # "partial": some rows/keys padded; "empty": one batch sees no key
+    segments: bool = False    # packed sequences: random documents, query and key ids apart
     grad: bool = False
     residual: bool = False
 
@@ -66,6 +67,7 @@ def check_specs(size: str) -> list[CheckSpec]:
         CheckSpec("bf16 bias [1,N,T,S] + mask [B,1,T,S]", 2, L, L, 4, 4, 64, bias="heads",
                   mask="batch"),
         CheckSpec("bf16 seq lengths (one batch sees no key)", 2, L, L, 4, 4, 64, lens="empty"),
+        CheckSpec("bf16 segment ids causal GQA", 2, L, L, 8, 2, 64, causal=True, segments=True),
         CheckSpec("bf16 local window", 2, L, L, 4, 4, 64, window=(L // 4, L // 8)),
         CheckSpec(f"bf16 odd sizes T={odd_t} S={odd_s} causal", 2, odd_t, odd_s, 4, 2, 64,
                   causal=True),
@@ -81,6 +83,8 @@ def check_specs(size: str) -> list[CheckSpec]:
                   bias="heads", grad=True),
         CheckSpec("grad fp32 local window", 1, half, half, 2, 2, 64, "fp32",
                   window=(L // 8, L // 8), grad=True),
+        CheckSpec(f"grad bf16 segment ids odd T={odd_t} S={odd_s}", 2, odd_t, odd_s, 4, 4, 64,
+                  segments=True, grad=True),
     ]
 
 
@@ -112,6 +116,11 @@ def _inputs(spec: CheckSpec, rng: np.random.Generator):
     elif spec.lens == "empty":
         kwargs["query_seq_lengths"] = jnp.asarray([spec.t] + [spec.t // 2] * (b - 1), jnp.int32)
         kwargs["key_value_seq_lengths"] = jnp.asarray([0] + [spec.s // 3] * (b - 1), jnp.int32)
+    if spec.segments:  # ids rise by 0 or 1 per position: documents of random lengths
+        kwargs["query_segment_ids"] = jnp.asarray(
+            np.cumsum(rng.random((b, spec.t)) < 0.05, axis=1), jnp.int32)
+        kwargs["key_value_segment_ids"] = jnp.asarray(
+            np.cumsum(rng.random((b, spec.s)) < 0.05, axis=1), jnp.int32)
     return q, k, v, g, kwargs
 
 

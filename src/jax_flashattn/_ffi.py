@@ -93,8 +93,8 @@ class CallPlan(NamedTuple):
 
 
 def call_shape(query_shape, key_shape, dtype, *, scale=None, has_bias=False, has_mask=False,
-               has_q_seqlens=False, has_kv_seqlens=False, deterministic=False,
-               switches: KernelSwitches | None = None):
+               has_q_seqlens=False, has_kv_seqlens=False, has_segment_ids=False,
+               deterministic=False, switches: KernelSwitches | None = None):
     """The extension's CallShape of a call with q [..., B, T, N, H] and k [..., B, S, K, H] of
     `dtype` (any dtype: one no kernel takes plans no workspace), `scale` (default H ** -0.5),
     the optional operands it passes, and `switches` (default: the environment's now). Set by
@@ -109,7 +109,7 @@ def call_shape(query_shape, key_shape, dtype, *, scale=None, has_bias=False, has
                   seqlen_k=key_shape[-3], num_heads=n, num_kv_heads=key_shape[-2], head_dim=h,
                   scale=float(scale), has_bias=bool(has_bias), has_mask=bool(has_mask),
                   has_q_seqlens=bool(has_q_seqlens), has_kv_seqlens=bool(has_kv_seqlens),
-                  deterministic=bool(deterministic), **switches._asdict())
+                  has_segment_ids=bool(has_segment_ids), deterministic=bool(deterministic), **switches._asdict())
     for name, value in fields.items():
         setattr(shape, name, value)
     return shape
@@ -138,16 +138,20 @@ def _kernel_query(query, key, device, **options) -> CallPlan:
                 jax.devices()[0] if device is None else device)
 
 
-def forward_kernel(query, key, bias=None, mask=None, *, device=None) -> str:
+def forward_kernel(query, key, bias=None, mask=None, *, query_segment_ids=None,
+                   key_value_segment_ids=None, device=None) -> str:
     """Which forward kernel family `attention` runs for these inputs on `device` (default: the
     first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync), "decode" (split-KV
     mma.sync, for few query rows against many keys), "decode_sm90" (split-KV wgmma, Hopper, for
     decoding shapes with 32 or more query rows per kv head and head dims up to 128), "simt"
     (CUDA cores) on an NVIDIA GPU, "cpu" on the host. Reads only shapes and dtypes (arrays or
     jax.ShapeDtypeStruct) and the kernel switches in the environment now (kernel_switches);
-    assumes the default scale; contiguous inputs as XLA lays them out are assumed."""
+    assumes the default scale; contiguous inputs as XLA lays them out are assumed. Segment ids
+    count only as given or not (both are needed by `attention`; either one counts here)."""
     return _kernel_query(query, key, device, has_bias=bias is not None,
-                         has_mask=mask is not None).forward
+                         has_mask=mask is not None,
+                         has_segment_ids=_has_segment_ids(query_segment_ids,
+                                                          key_value_segment_ids)).forward
 
 
 def decode_layout(query, key, *, key_value_seq_lengths=False, device=None) -> tuple[int, str]:
@@ -165,7 +169,7 @@ def decode_layout(query, key, *, key_value_seq_lengths=False, device=None) -> tu
 
 
 def backward_kernel(query, key, bias=None, mask=None, *, deterministic=False,
-                    device=None) -> str:
+                    query_segment_ids=None, key_value_segment_ids=None, device=None) -> str:
     """Which backward kernel family the gradient of `attention` runs for these inputs on
     `device` (default: the first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync),
     "simt" (CUDA cores) on an NVIDIA GPU, "cpu" on the host. `deterministic` is attention's
@@ -173,4 +177,10 @@ def backward_kernel(query, key, bias=None, mask=None, *, deterministic=False,
     the kernel switches in the environment now; assumes the default scale; contiguous inputs as
     XLA lays them out are assumed."""
     return _kernel_query(query, key, device, has_bias=bias is not None,
-                         has_mask=mask is not None, deterministic=deterministic).backward
+                         has_mask=mask is not None, deterministic=deterministic,
+                         has_segment_ids=_has_segment_ids(query_segment_ids,
+                                                          key_value_segment_ids)).backward
+
+
+def _has_segment_ids(query_segment_ids, key_value_segment_ids) -> bool:
+    return query_segment_ids is not None or key_value_segment_ids is not None

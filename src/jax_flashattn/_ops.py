@@ -1,7 +1,7 @@
 """`jax.ffi.ffi_call` wrappers: the only place that knows the FFI targets' operands.
 
-Optional inputs (bias, mask, query and key/value lengths) are passed only when present, in that
-order, and flagged by attributes. The handlers treat every dimension before [T, N, H] as batch,
+Optional inputs (bias, mask, query and key/value lengths, query and key/value segment ids) are
+passed only when present, in that order, and flagged by attributes (one flag for both ids). The handlers treat every dimension before [T, N, H] as batch,
 so operands may carry extra leading dims (all of them the same ones, in front, as
 `vmap_method="broadcast_all"` gives a vmapped call): it stays one custom call.
 """
@@ -16,10 +16,11 @@ from jax import lax
 from jax_flashattn import _ffi
 
 
-def _optional_operands(bias, mask, q_lens, kv_lens):
-    present = [x for x in (bias, mask, q_lens, kv_lens) if x is not None]
+def _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids):
+    present = [x for x in (bias, mask, q_lens, kv_lens, q_ids, kv_ids) if x is not None]
     flags = dict(has_bias=bias is not None, has_mask=mask is not None,
-                 has_q_seqlens=q_lens is not None, has_kv_seqlens=kv_lens is not None)
+                 has_q_seqlens=q_lens is not None, has_kv_seqlens=kv_lens is not None,
+                 has_segment_ids=q_ids is not None)
     return present, {k: np.int32(v) for k, v in flags.items()}
 
 
@@ -64,8 +65,8 @@ def vary_like(outs, operands):
     return tuple(None if x is None else vary(x) for x in outs)
 
 
-def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple,
-            switches: _ffi.KernelSwitches):
+def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, scale: float,
+            window: tuple, switches: _ffi.KernelSwitches):
     """(out [..., B, T, N, H] in q's dtype, lse [..., B, N, T] float32). `switches`: the
     kernel switches the public function read (_ffi.KernelSwitches).
 
@@ -75,10 +76,11 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple
     empty when the call cannot take it). Both are dropped here: only out and lse leave.
     """
     *lead, t, n, _ = q.shape
-    optional, flags = _optional_operands(bias, mask, q_lens, kv_lens)
+    optional, flags = _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids)
     shape = _ffi.call_shape(q.shape, k.shape, q.dtype, scale=scale, has_bias=bias is not None,
                             has_mask=mask is not None, has_q_seqlens=q_lens is not None,
-                            has_kv_seqlens=kv_lens is not None, switches=switches)
+                            has_kv_seqlens=kv_lens is not None,
+                            has_segment_ids=q_ids is not None, switches=switches)
     decode_floats = _ffi.plan(shape).decode_workspace_floats
     call = jax.ffi.ffi_call(
         _ffi.FORWARD_TARGET,
@@ -88,12 +90,12 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window: tuple
          jax.ShapeDtypeStruct((decode_floats,), jnp.float32)),
         vmap_method="broadcast_all")
     out, lse, _, _ = call(q, k, v, *optional, **flags, **_attrs(scale, window, switches))
-    return vary_like((out, lse), (q, k, v, bias, mask, q_lens, kv_lens))
+    return vary_like((out, lse), (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids))
 
 
-def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: float,
-             window: tuple, switches: _ffi.KernelSwitches, deterministic: bool = False,
-             dbias: bool = False):
+def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *,
+             scale: float, window: tuple, switches: _ffi.KernelSwitches,
+             deterministic: bool = False, dbias: bool = False):
     """(dq, dk, dv, dbias) where dbias is the float32 gradient of the logits' bias, or None
     without bias or without `dbias` (its cotangent not needed: the call then has no such result
     and allocates nothing for it). The kernels sum it over the bias's broadcast dims into the
@@ -108,7 +110,7 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: fl
     """
     *lead, t, n, _ = q.shape
     s = k.shape[-3]
-    optional, flags = _optional_operands(bias, mask, q_lens, kv_lens)
+    optional, flags = _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids)
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     results.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))  # dq_accum
     results.append(jax.ShapeDtypeStruct((*lead, n, t), jnp.float32))  # delta
@@ -120,4 +122,4 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: fl
     grads = call(q, k, v, out, lse, d_out, *optional, **flags,
                  **_attrs(scale, window, switches, deterministic))
     return vary_like((*grads[:3], grads[5] if with_dbias else None),
-                     (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens))
+                     (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids, kv_ids))

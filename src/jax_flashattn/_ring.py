@@ -364,6 +364,19 @@ def _without_keys_where(visible, kv_len, cols, batch_shape):
     return jnp.where(visible, kv_len, 0)
 
 
+def _without_keys_of_other_segments(q_ids, kv_ids, kv_len, cols):
+    """kv_len, forced to 0 for the batch entries whose query and key ids share no value range
+    (the kernels then skip the call): a ring step between different documents computes nothing.
+    q_ids [..., B, rows] and kv_ids [..., B, cols] of the call; None without segment ids."""
+    if q_ids is None:
+        return kv_len
+    overlap = ((jnp.min(q_ids, axis=-1) <= jnp.max(kv_ids, axis=-1)) &
+               (jnp.min(kv_ids, axis=-1) <= jnp.max(q_ids, axis=-1)))
+    if kv_len is None:
+        kv_len = jnp.full(overlap.shape, cols, jnp.int32)
+    return jnp.where(overlap, kv_len, 0)
+
+
 def _dispatch(call: Call, p, run, hidden, operands):
     """run(window, visible) on device p: one call when the devices that compute agree on the
     window (hidden devices run it with no keys), else a switch over the distinct windows (all
@@ -380,45 +393,59 @@ def _dispatch(call: Call, p, run, hidden, operands):
 
 
 def _pass_on(xs, axes, devices):
-    """Sends each of xs to the next device of the ring."""
+    """Sends each of xs (None stays None) to the next device of the ring."""
     perm = [(p, (p + 1) % devices) for p in range(devices)]
-    return [lax.ppermute(x, axes, perm) for x in xs]
+    return [None if x is None else lax.ppermute(x, axes, perm) for x in xs]
 
 
-def seq_forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale, window: Window,
-                schedule: Schedule, axes, switches):
+def _segment_slices(q_ids, kv_ids, block):
+    """The block's query and key segment ids (None, None without them)."""
+    if q_ids is None:
+        return None, None
+    return _rows(q_ids, block.r0, block.r1, -1), _rows(kv_ids, block.c0, block.c1, -1)
+
+
+def seq_forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, scale,
+                window: Window, schedule: Schedule, axes, switches):
     """(out, lse [..., N, T_local]) of local shards under `schedule`. bias and mask must
-    broadcast over T and S (their last two dims 1); the lengths are global."""
+    broadcast over T and S (their last two dims 1); the lengths are global; the segment ids
+    [..., B, T_local] and [..., B, S_local] are the shards' own, and travel with K/V."""
     devices, ring = schedule.devices, schedule.mode == RING
     p = lax.axis_index(axes)
     if schedule.relayout:
         q = to_zigzag(q, -3, axes, devices)
+        q_ids = None if q_ids is None else to_zigzag(q_ids, -1, axes, devices)
         if ring:
             k, v = to_zigzag(k, -3, axes, devices), to_zigzag(v, -3, axes, devices)
+            kv_ids = None if kv_ids is None else to_zigzag(kv_ids, -1, axes, devices)
     batch_shape = q.shape[:-3]
     acc = jnp.zeros(q.shape, jnp.float32)
     acc_lse = jnp.full(batch_shape + (q.shape[-2], q.shape[-3]), -jnp.inf, jnp.float32)
     for step in range(len(schedule.steps)):
         if ring and step + 1 < devices:
-            k_next, v_next = _pass_on((k, v), axes, devices)  # in flight during this step
+            # In flight during this step.
+            k_next, v_next, ids_next = _pass_on((k, v, kv_ids), axes, devices)
         for block in _blocks(schedule, step):
             q_len, kv_len = _block_lengths(schedule, step, block, p, q_lens, kv_lens)
             qb = _rows(q, block.r0, block.r1)
             kb, vb = _rows(k, block.c0, block.c1), _rows(v, block.c0, block.c1)
+            qb_ids, kb_ids = _segment_slices(q_ids, kv_ids, block)
 
-            def run(window, visible, qb=qb, kb=kb, vb=vb, q_len=q_len, kv_len=kv_len):
+            def run(window, visible, qb=qb, kb=kb, vb=vb, q_len=q_len, kv_len=kv_len,
+                    qb_ids=qb_ids, kb_ids=kb_ids):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
-                return _ops.forward(qb, kb, vb, bias, mask, q_len, kv_len, scale=scale,
-                                    window=window, switches=switches)
+                kv_len = _without_keys_of_other_segments(qb_ids, kb_ids, kv_len, kb.shape[-3])
+                return _ops.forward(qb, kb, vb, bias, mask, q_len, kv_len, qb_ids, kb_ids,
+                                    scale=scale, window=window, switches=switches)
 
             out, lse = _dispatch(block.call, p, run, functools.partial(_empty_forward, qb),
-                                 (qb, kb, vb, q_len, kv_len))
+                                 (qb, kb, vb, q_len, kv_len, qb_ids, kb_ids))
             part, part_lse = merge(_rows(acc, block.r0, block.r1),
                                    _rows(acc_lse, block.r0, block.r1, -1), out, lse)
             acc = _update_rows(acc, part, block.r0)
             acc_lse = _update_rows(acc_lse, part_lse, block.r0, -1)
         if ring and step + 1 < devices:
-            k, v = k_next, v_next
+            k, v, kv_ids = k_next, v_next, ids_next
     if schedule.mode == KV_SPLIT:
         acc, acc_lse = merge_across(acc, acc_lse, axes)
     out = acc.astype(q.dtype)
@@ -434,9 +461,9 @@ def reduce_to(x, shape):
     return jnp.sum(x, axis=dims, keepdims=True) if dims else x
 
 
-def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale,
-                 window: Window, schedule: Schedule, axes, switches, deterministic=False,
-                 dbias=False):
+def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None,
+                 kv_ids=None, *, scale, window: Window, schedule: Schedule, axes, switches,
+                 deterministic=False, dbias=False):
     """(dq, dk, dv, dbias summed to bias's shape, or None without bias or `dbias`) of local
     shards under `schedule`, from the global out and lse of the forward."""
     devices, ring = schedule.devices, schedule.mode == RING
@@ -444,8 +471,10 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale
     if schedule.relayout:
         q, out, d_out = (to_zigzag(x, -3, axes, devices) for x in (q, out, d_out))
         lse = to_zigzag(lse, -1, axes, devices)
+        q_ids = None if q_ids is None else to_zigzag(q_ids, -1, axes, devices)
         if ring:
             k, v = to_zigzag(k, -3, axes, devices), to_zigzag(v, -3, axes, devices)
+            kv_ids = None if kv_ids is None else to_zigzag(kv_ids, -1, axes, devices)
     batch_shape = q.shape[:-3]
     dq = jnp.zeros(q.shape, jnp.float32)
     dk = jnp.zeros(k.shape, jnp.float32)
@@ -454,18 +483,20 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale
     dbias = jnp.zeros(bias.shape, jnp.float32) if with_dbias else None
     for step in range(len(schedule.steps)):
         if ring and step + 1 < devices:
-            k_next, v_next = _pass_on((k, v), axes, devices)
+            k_next, v_next, ids_next = _pass_on((k, v, kv_ids), axes, devices)
         for block in _blocks(schedule, step):
             q_len, kv_len = _block_lengths(schedule, step, block, p, q_lens, kv_lens)
             qb, ob, dob = (_rows(x, block.r0, block.r1) for x in (q, out, d_out))
             lb = _rows(lse, block.r0, block.r1, -1)
             kb, vb = _rows(k, block.c0, block.c1), _rows(v, block.c0, block.c1)
+            qb_ids, kb_ids = _segment_slices(q_ids, kv_ids, block)
 
             def run(window, visible, qb=qb, kb=kb, vb=vb, ob=ob, lb=lb, dob=dob, q_len=q_len,
-                    kv_len=kv_len):
+                    kv_len=kv_len, qb_ids=qb_ids, kb_ids=kb_ids):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
+                kv_len = _without_keys_of_other_segments(qb_ids, kb_ids, kv_len, kb.shape[-3])
                 grads = _ops.backward(qb, kb, vb, ob, lb, dob, bias, mask, q_len, kv_len,
-                                      scale=scale, window=window, switches=switches,
+                                      qb_ids, kb_ids, scale=scale, window=window, switches=switches,
                                       deterministic=deterministic, dbias=with_dbias)
                 return grads[:3] + ((reduce_to(grads[3], bias.shape),) if with_dbias else ())
 
@@ -473,7 +504,8 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale
                 zeros = (jnp.zeros_like(qb), jnp.zeros_like(kb), jnp.zeros_like(kb))
                 return zeros + ((jnp.zeros(bias.shape, jnp.float32),) if with_dbias else ())
 
-            grads = _dispatch(block.call, p, run, hidden, (qb, kb, vb, ob, lb, dob, q_len, kv_len))
+            grads = _dispatch(block.call, p, run, hidden,
+                              (qb, kb, vb, ob, lb, dob, q_len, kv_len, qb_ids, kb_ids))
             dq = _add_rows(dq, grads[0], block.r0)
             dk = _add_rows(dk, grads[1], block.c0)
             dv = _add_rows(dv, grads[2], block.c0)
@@ -483,7 +515,7 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale
             # dK/dV follow their K/V shard; the pass after the last step brings them home.
             dk, dv = _pass_on((dk, dv), axes, devices)
             if step + 1 < devices:
-                k, v = k_next, v_next
+                k, v, kv_ids = k_next, v_next, ids_next
     if schedule.mode == ROWS:
         dk, dv = lax.psum(dk, axes), lax.psum(dv, axes)
     elif schedule.mode == KV_SPLIT:

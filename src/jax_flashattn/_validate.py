@@ -34,6 +34,9 @@ class Normalized:
     is_causal: bool
     window: tuple[int, int] | None  # each side at most MAX_WINDOW_SIDE
     out_shape: tuple[int, ...]  # the caller's query shape: [B, T, N, H] or [T, N, H]
+    # int32 [B, T] and [B, S], both or neither: query t sees key s only where they are equal.
+    query_segment_ids: jax.Array | None = None
+    key_value_segment_ids: jax.Array | None = None
 
     @property
     def zero_size(self) -> bool:
@@ -134,6 +137,41 @@ def _seq_lengths(x, name: str, batch: int) -> jax.Array | None:
     return x.astype(jnp.int32)
 
 
+def _segment_ids(x, name: str, shape: tuple[int, ...], unbatched: bool) -> jax.Array:
+    """Segment ids as int32 `shape` ([B, T] or [B, S]); [T] / [S] when the call is unbatched."""
+    want = shape[1:] if unbatched else shape
+    if not isinstance(x, jax.Array):
+        x = _host_lengths(x, name)
+    x = _as_array(x, name)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array of shape {want}, got {_describe(x)}")
+    if tuple(x.shape) != want:
+        raise ValueError(f"{name} must have shape {want} (one id per "
+                         f"{'query' if name.startswith('query') else 'key'} position"
+                         f"{'' if unbatched else ' of each batch entry'}), got {_describe(x)}")
+    if x.dtype not in _INT32_SAFE_DTYPES:
+        raise TypeError(f"{name} must be int32 (or int8, int16, uint8, uint16, which fit it), got "
+                        f"{_describe(x)}, whose values could wrap around in int32 and cannot be "
+                        f"checked at trace time: pass int32 ids")
+    return x.astype(jnp.int32).reshape(shape)
+
+
+def segment_ids(query_segment_ids, key_value_segment_ids, *, batch: int, q_len: int,
+                kv_len: int, unbatched: bool):
+    """Both ids checked and as int32 [B, T] and [B, S], or (None, None); ValueError naming the
+    missing one when only one is given."""
+    if query_segment_ids is None and key_value_segment_ids is None:
+        return None, None
+    for name, x, other in (("query_segment_ids", query_segment_ids, "key_value_segment_ids"),
+                           ("key_value_segment_ids", key_value_segment_ids, "query_segment_ids")):
+        if x is None:
+            raise ValueError(f"{name} is missing: segment ids need both query_segment_ids and "
+                             f"key_value_segment_ids, and only {other} was given")
+    return (_segment_ids(query_segment_ids, "query_segment_ids", (batch, q_len), unbatched),
+            _segment_ids(key_value_segment_ids, "key_value_segment_ids", (batch, kv_len),
+                         unbatched))
+
+
 IMPLEMENTATIONS = (None, "cpu", "cuda", "xla", "cudnn")
 
 
@@ -199,14 +237,16 @@ def _scale(scale, head_dim: int) -> float:
 
 def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None,
-              local_window_size=None, allow_empty=False) -> Normalized:
+              local_window_size=None, allow_empty=False, query_segment_ids=None,
+              key_value_segment_ids=None) -> Normalized:
     """`allow_empty`: accept T, S, N or H = 0 (B = 0 is always accepted), for a caller that
     answers such inputs without the kernels (`attention`'s Normalized.zero_size path)."""
     query, key, value = (_as_array(x, n) for x, n in
                          ((query, "query"), (key, "key"), (value, "value")))
     _check_qkv(query, key, value)
     out_shape = tuple(query.shape)
-    if query.ndim == 3:
+    unbatched = query.ndim == 3
+    if unbatched:
         query, key, value = query[None], key[None], value[None]
     b, t, n, h = query.shape
     kb, s, kv_heads, kh = key.shape
@@ -238,10 +278,12 @@ def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         if mask.dtype != jnp.bool_:
             raise TypeError(f"mask must be a boolean array (True = keep), got {_describe(mask)}")
         mask = _broadcastable(mask, "mask", target)
+    q_ids, kv_ids = segment_ids(query_segment_ids, key_value_segment_ids, batch=b, q_len=t,
+                                kv_len=s, unbatched=unbatched)
 
     return Normalized(
         query=query, key=key, value=value, bias=bias, mask=mask,
         query_seq_lengths=_seq_lengths(query_seq_lengths, "query_seq_lengths", b),
         key_value_seq_lengths=_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b),
         scale=_scale(scale, h), is_causal=bool(is_causal), window=_window(local_window_size),
-        out_shape=out_shape)
+        out_shape=out_shape, query_segment_ids=q_ids, key_value_segment_ids=kv_ids)

@@ -37,40 +37,43 @@ def _first_order_only_jvp(kernel_call, primals, tangents):
 
 # switches: the kernel switches (_ffi.KernelSwitches), read by `attention` each time it runs or
 # is traced and passed down as static data, so that no cached trace below keeps a stale one.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _flash(q, k, v, bias, mask, q_lens, kv_lens, scale, window, deterministic, switches):
-    return sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, scale=scale, window=window,
-                            switches=switches)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
+def _flash(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, scale, window, deterministic,
+           switches):
+    return sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, scale=scale,
+                            window=window, switches=switches)
 
 
-def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, scale, window, deterministic, switches):
+def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, scale, window,
+               deterministic, switches):
     # With symbolic zeros, each array argument comes as CustomVJPPrimal(value, perturbed):
     # perturbed says whether its gradient is asked for (not under jax.grad of the other
     # arguments alone, nor behind stop_gradient).
     del deterministic  # a backward option
     dbias_needed = bias is not None and bias.perturbed
-    q, k, v, bias, mask, q_lens, kv_lens = (
-        None if x is None else x.value for x in (q, k, v, bias, mask, q_lens, kv_lens))
+    q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids = (
+        None if x is None else x.value
+        for x in (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids))
     kernel = functools.partial(sharding.forward, scale=scale, window=window, switches=switches)
-    out, lse = _first_order_only(kernel, q, k, v, bias, mask, q_lens, kv_lens)
+    out, lse = _first_order_only(kernel, q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids)
     # Only the inputs, the output and the log-sum-exp are saved: the backward recomputes P.
     # Whether dbias is needed travels as the residuals' structure (() or None, no array).
-    return (out, lse), (q, k, v, bias, mask, q_lens, kv_lens, out, lse,
+    return (out, lse), (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, out, lse,
                         () if dbias_needed else None)
 
 
 def _flash_bwd(scale, window, deterministic, switches, residuals, cotangents):
-    q, k, v, bias, mask, q_lens, kv_lens, out, lse, dbias_needed = residuals
+    q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, out, lse, dbias_needed = residuals
     d_out, _ = cotangents  # the lse output is a residual with no gradient, as in jax.nn
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):  # only lse was used
-        return None, None, None, None, None, None, None
+        return (None,) * 9
     kernel = functools.partial(sharding.backward, scale=scale, window=window, switches=switches,
                                deterministic=deterministic, dbias=dbias_needed is not None)
     dq, dk, dv, dbias = _first_order_only(kernel, q, k, v, out, lse, d_out, bias, mask, q_lens,
-                                          kv_lens)
+                                          kv_lens, q_ids, kv_ids)
     if dbias is not None:  # already summed over bias's broadcast dims by sharding.backward
         dbias = dbias.astype(bias.dtype)
-    return dq, dk, dv, dbias, None, None, None
+    return dq, dk, dv, dbias, None, None, None, None, None
 
 
 # symbolic_zeros: the backward computes (and allocates) the bias gradient only where it is
@@ -115,14 +118,15 @@ def _check_implementation(implementation) -> str:
 
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-              implementation=None, return_residual=False, deterministic_backward=False):
+              implementation=None, return_residual=False, deterministic_backward=False,
+              query_segment_ids=None, key_value_segment_ids=None):
     """Scaled dot-product attention with the signature of `jax.nn.dot_product_attention`.
 
     Layout [B, T, N, H] (or [T, N, H]); key and value [B, S, K, H] with N % K == 0 (GQA/MQA
     read the shared head, nothing is copied). `bias` (float) and `mask` (bool, True = keep)
     broadcast to [B, N, T, S]. `is_causal` lets query i see keys j <= i; `local_window_size`
     (l, r) lets it see [i - l, i + r] (a side above 2**62 acts as 2**62, which reaches every
-    key). The seq lengths are [B] padding masks: int32, or int8, int16, uint8, uint16; a numpy
+    key); positions are absolute (a packed row's documents share them). The seq lengths are [B] padding masks: int32, or int8, int16, uint8, uint16; a numpy
     or Python sequence of another integer dtype (np.array([5, 7]) is int64) is taken when its
     values fit int32. K/V rows past a length never reach a result, on any kernel: a padded
     cache may hold anything there. `scale` is a static number, finite in float32.
@@ -146,6 +150,13 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     `implementation`: None (our kernels for the default backend), "cpu", "cuda" (our kernels,
     raising if they cannot run), or "xla"/"cudnn" (delegate to jax.nn.dot_product_attention).
 
+    `query_segment_ids` [B, T] and `key_value_segment_ids` [B, S] (keyword-only, not in jax.nn;
+    [T] and [S] when unbatched; int32 or a dtype that fits it): packed sequences. Query i sees
+    key j only where their ids are equal, on top of every other option; give both or neither.
+    `segment_ids_from_lengths` and `segment_ids_from_offsets` build them from document
+    lengths or cu_seqlens-style offsets. Kernels skip the tiles whose ids cannot match.
+    With implementation="xla" or "cudnn" they become a boolean mask [B, 1, T, S] for jax.nn.
+
     `deterministic_backward` (keyword-only, not in jax.nn): on a GPU, the gradients are
     bit-identical across runs. By default the tensor-core backward sums dQ over key blocks
     with float32 atomic adds, whose order varies between runs (last-bit differences); with
@@ -164,12 +175,15 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     args = _validate.normalize(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                                query_seq_lengths=query_seq_lengths,
                                key_value_seq_lengths=key_value_seq_lengths,
-                               local_window_size=local_window_size, allow_empty=True)
+                               local_window_size=local_window_size, allow_empty=True,
+                               query_segment_ids=query_segment_ids,
+                               key_value_segment_ids=key_value_segment_ids)
     if kind != "kernels":
         # The lengths and window as checked: int32 (jax.nn takes no other dtype) and bounded
-        # (jax.nn adds a side to int32 positions).
+        # (jax.nn adds a side to int32 positions); segment ids as a mask (jax.nn has none).
         return jax.nn.dot_product_attention(
-            query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+            query, key, value, bias, _mask_with_segments(args, mask), scale=scale,
+            is_causal=is_causal,
             query_seq_lengths=args.query_seq_lengths,
             key_value_seq_lengths=args.key_value_seq_lengths,
             local_window_size=_bounded_window(args), implementation=kind,
@@ -195,7 +209,8 @@ def _call_kernels(args: _validate.Normalized, deterministic_backward: bool):
         raise TypeError(_UNSUPPORTED_DERIVATIVE)
     try:
         return _flash(args.query, args.key, args.value, args.bias, args.mask,
-                      args.query_seq_lengths, args.key_value_seq_lengths, args.scale,
+                      args.query_seq_lengths, args.key_value_seq_lengths,
+                      args.query_segment_ids, args.key_value_segment_ids, args.scale,
                       args.kernel_window, deterministic_backward, _ffi.kernel_switches())
     except TypeError as e:
         if _JAX_JVP_OF_CUSTOM_VJP not in str(e):
@@ -212,6 +227,17 @@ def _has_jvp_tangent(args: _validate.Normalized) -> bool:
         return False
     operands = (args.query, args.key, args.value, args.bias, args.mask)
     return any(isinstance(x, ad.JVPTracer) for x in operands)
+
+
+def _mask_with_segments(args: _validate.Normalized, mask):
+    """The caller's mask (as given) and the segment ids' [B, 1, T, S] equality, for jax.nn."""
+    if args.query_segment_ids is None:
+        return mask
+    same = (args.query_segment_ids[:, None, :, None] ==
+            args.key_value_segment_ids[:, None, None, :])
+    if len(args.out_shape) == 3:  # unbatched: jax.nn broadcasts a [1, T, S] mask
+        same = same[0]
+    return same if mask is None else jnp.logical_and(mask, same)
 
 
 def _bounded_window(args: _validate.Normalized) -> tuple[int, int] | None:
@@ -243,7 +269,9 @@ def _zero_size_lse(args: _validate.Normalized) -> jax.Array:
         return jnp.full((b, t, n), -jnp.inf, jnp.float32)
     keep = reference.visibility(t, s, batch=b, is_causal=args.is_causal,
                                 window=_bounded_window(args), q_lens=args.query_seq_lengths,
-                                kv_lens=args.key_value_seq_lengths, mask=args.mask)
+                                kv_lens=args.key_value_seq_lengths, mask=args.mask,
+                                q_segment_ids=args.query_segment_ids,
+                                kv_segment_ids=args.key_value_segment_ids)
     logits = jnp.zeros((), jnp.float32) if args.bias is None else args.bias.astype(jnp.float32)
     logits = jnp.broadcast_to(jnp.where(keep, logits, -jnp.inf), (b, n, t, s))
     return jnp.swapaxes(jax.nn.logsumexp(logits, axis=-1), -1, -2)

@@ -68,7 +68,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                           einsum_dot_general=None, qk_attn_weights_einsum=None,
                           attn_weights_value_einsum=None, promote_dtype=None, is_causal=False,
                           *, scale=None, local_window_size=None, implementation=None,
-                          deterministic_backward=False):
+                          deterministic_backward=False, query_segment_ids=None,
+                          key_value_segment_ids=None):
     """Flax-compatible attention through `jax_flashattn.attention` (see the module docstring).
 
     Positional and keyword arguments are those of `flax.linen.dot_product_attention` and
@@ -77,7 +78,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     (mask nonzero = keep), `is_causal` (top-left aligned), `dtype` (promote q/k/v to it),
     `promote_dtype` (NNX's promotion hook, called as `promote_dtype((q, k, v), dtype=dtype)`).
     Keyword-only extras: `scale` (default 1/sqrt(H), as in Flax), `local_window_size`,
-    `implementation` and `deterministic_backward`, passed to `jax_flashattn.attention`.
+    `implementation`, `deterministic_backward` and the packed sequences' `query_segment_ids`
+    `[batch..., T]` and `key_value_segment_ids` `[batch..., S]`, passed to
+    `jax_flashattn.attention`.
 
     Returns `[batch..., T, N, H]` in the promoted dtype.
     """
@@ -97,13 +100,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
         mask = jnp.asarray(mask)
         mask = _fold_batch(mask if mask.dtype == jnp.bool_ else mask != 0, lead, "mask")
 
+    q_ids, kv_ids = (None if ids is None else _fold_ids(ids, lead, name)
+                     for ids, name in ((query_segment_ids, "query_segment_ids"),
+                                       (key_value_segment_ids, "key_value_segment_ids")))
     out = _attention(q, k, v, bias, mask, scale=scale, is_causal=is_causal,
                      local_window_size=local_window_size, implementation=implementation,
-                     deterministic_backward=deterministic_backward)
+                     deterministic_backward=deterministic_backward, query_segment_ids=q_ids,
+                     key_value_segment_ids=kv_ids)
     if module is not None:
         weights = reference.attention_weights(q, k, bias, mask, scale=scale,
                                               is_causal=is_causal,
-                                              local_window_size=local_window_size)
+                                              local_window_size=local_window_size,
+                                              query_segment_ids=q_ids,
+                                              key_value_segment_ids=kv_ids)
         _sow(module, weights.astype(q.dtype).reshape(lead + weights.shape[1:]))
     return out.reshape(query.shape[:-1] + value.shape[-1:])
 
@@ -216,6 +225,15 @@ def _fold_batch(x, lead: tuple[int, ...], name: str):
             raise ValueError(f"jax_flashattn.flax: {name} of shape {tuple(x.shape)} is not "
                              f"broadcastable to the batch dims {lead} of the query")
     return jnp.broadcast_to(x, lead + rest).reshape((math.prod(lead),) + rest)
+
+
+def _fold_ids(ids, lead: tuple[int, ...], name: str):
+    """Segment ids [batch..., L] as [prod(batch), L] (attention checks their length)."""
+    ids = jnp.asarray(ids)
+    if tuple(ids.shape[:-1]) != lead:
+        raise ValueError(f"jax_flashattn.flax: {name} must be [batch..., length] with the "
+                         f"query's batch dims {lead}, got shape {tuple(ids.shape)}")
+    return ids.reshape((math.prod(lead),) + ids.shape[-1:])
 
 
 def _sow(module, weights):

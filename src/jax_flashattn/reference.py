@@ -16,7 +16,7 @@ from jax_flashattn import _validate
 
 
 def visibility(t_size: int, s_size: int, *, batch: int, is_causal: bool, window, q_lens,
-               kv_lens, mask) -> jax.Array:
+               kv_lens, mask, q_segment_ids=None, kv_segment_ids=None) -> jax.Array:
     """Boolean [B, N or 1, T, S]: True where query t may attend to key s."""
     t = jnp.arange(t_size)[:, None]
     s = jnp.arange(s_size)[None, :]
@@ -34,6 +34,8 @@ def visibility(t_size: int, s_size: int, *, batch: int, is_causal: bool, window,
         keep &= (jnp.arange(s_size)[None, :] < kv_lens[:, None])[:, None, None, :]
     if mask is not None:
         keep = keep & mask
+    if q_segment_ids is not None:
+        keep &= (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
     return keep
 
 
@@ -51,7 +53,8 @@ def _softmax(args: _validate.Normalized, precision_dtype):
         logits = logits + args.bias.astype(precision_dtype)
     keep = visibility(t_size, s_size, batch=b, is_causal=args.is_causal, window=args.window,
                       q_lens=args.query_seq_lengths, kv_lens=args.key_value_seq_lengths,
-                      mask=args.mask)
+                      mask=args.mask, q_segment_ids=args.query_segment_ids,
+                      kv_segment_ids=args.key_value_segment_ids)
     keep = jnp.broadcast_to(keep, logits.shape)
     masked = jnp.where(keep, logits, -jnp.inf)
     row_max = jnp.max(masked, axis=-1, keepdims=True)
@@ -63,19 +66,22 @@ def _softmax(args: _validate.Normalized, precision_dtype):
 
 
 def attention_weights(query, key, bias=None, mask=None, *, scale=None, is_causal=False,
-                      local_window_size=None) -> jax.Array:
+                      local_window_size=None, query_segment_ids=None,
+                      key_value_segment_ids=None) -> jax.Array:
     """The float32 softmax weights [B, N, T, S] of `attention` (0 on a row that sees no key),
     for `jax_flashattn.flax` to sow where Flax's attention does."""
     args = _validate.normalize(query, key, key, bias, mask, scale=scale, is_causal=is_causal,
                                query_seq_lengths=None, key_value_seq_lengths=None,
-                               local_window_size=local_window_size)
+                               local_window_size=local_window_size,
+                               query_segment_ids=query_segment_ids,
+                               key_value_segment_ids=key_value_segment_ids)
     return _softmax(args, jnp.float32)[0]
 
 
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               implementation=None, return_residual=False, precision_dtype=jnp.float32,
-              p_dtype=None):
+              p_dtype=None, query_segment_ids=None, key_value_segment_ids=None):
     """Reference attention computed in `precision_dtype` (float32 by default).
 
     `p_dtype`, when given, rounds the probabilities P to that dtype before P.V, which models
@@ -86,7 +92,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     args = _validate.normalize(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                                query_seq_lengths=query_seq_lengths,
                                key_value_seq_lengths=key_value_seq_lengths,
-                               local_window_size=local_window_size)
+                               local_window_size=local_window_size,
+                               query_segment_ids=query_segment_ids,
+                               key_value_segment_ids=key_value_segment_ids)
     p, any_visible, safe_max, denom = _softmax(args, precision_dtype)
     group = args.query.shape[2] // args.key.shape[2]
     v = jnp.repeat(args.value.astype(precision_dtype), group, axis=2)

@@ -55,26 +55,26 @@ class _RingConfig:
     switches: _ffi.KernelSwitches
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ring_call(q, k, v, q_lens, kv_lens, config):
-    return _ring.seq_forward(q, k, v, None, None, q_lens, kv_lens, scale=config.scale,
-                             window=config.window, schedule=config.schedule, axes=config.axes,
-                             switches=config.switches)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _ring_call(q, k, v, q_lens, kv_lens, q_ids, kv_ids, config):
+    return _ring.seq_forward(q, k, v, None, None, q_lens, kv_lens, q_ids, kv_ids,
+                             scale=config.scale, window=config.window, schedule=config.schedule,
+                             axes=config.axes, switches=config.switches)
 
 
-def _ring_fwd(q, k, v, q_lens, kv_lens, config):
-    out, lse = _ring_call(q, k, v, q_lens, kv_lens, config)
-    return (out, lse), (q, k, v, q_lens, kv_lens, out, lse)
+def _ring_fwd(q, k, v, q_lens, kv_lens, q_ids, kv_ids, config):
+    out, lse = _ring_call(q, k, v, q_lens, kv_lens, q_ids, kv_ids, config)
+    return (out, lse), (q, k, v, q_lens, kv_lens, q_ids, kv_ids, out, lse)
 
 
 def _ring_bwd(config, residuals, cotangents):
-    q, k, v, q_lens, kv_lens, out, lse = residuals
+    q, k, v, q_lens, kv_lens, q_ids, kv_ids, out, lse = residuals
     d_out, _ = cotangents
     dq, dk, dv, _ = _ring.seq_backward(q, k, v, out, lse, d_out, None, None, q_lens, kv_lens,
-                                       scale=config.scale, window=config.window,
+                                       q_ids, kv_ids, scale=config.scale, window=config.window,
                                        schedule=config.schedule, axes=config.axes,
                                        switches=config.switches)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 _ring_call.defvjp(_ring_fwd, _ring_bwd)
@@ -116,7 +116,8 @@ def ring_schedule(num_devices: int, q_seq_len: int, kv_seq_len: int | None = Non
 
 def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                   layout="contiguous", load_balance=True, return_residual=False):
+                   layout="contiguous", load_balance=True, return_residual=False,
+                   query_segment_ids=None, key_value_segment_ids=None):
     """Ring attention on sequence shards, for use inside `jax.shard_map`.
 
     Args:
@@ -126,6 +127,9 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
       scale, is_causal, local_window_size: as in `jax_flashattn.attention`, in GLOBAL positions.
       query_seq_lengths, key_value_seq_lengths: int [B] GLOBAL valid lengths (replicated over
         `axis_name`).
+      query_segment_ids, key_value_segment_ids: int [B, T/D] and [B, S/D], the LOCAL shards of
+        the packed sequences' ids (laid out as query and key); both or neither. The key ids
+        travel with their K/V shard, and a step whose blocks share no id computes nothing.
       layout: how the global sequence is laid out over the devices. "contiguous": device p holds
         positions [p*T/D, (p+1)*T/D) (what `NamedSharding` gives). "zigzag": the sequence is cut
         into 2D chunks and device p holds chunks p and 2D-1-p (shard `zigzag(x, D)` to get it;
@@ -142,14 +146,17 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
     args = _validate.normalize(query, key, value, None, None, scale=scale, is_causal=is_causal,
                                query_seq_lengths=query_seq_lengths,
                                key_value_seq_lengths=key_value_seq_lengths,
-                               local_window_size=local_window_size)
+                               local_window_size=local_window_size,
+                               query_segment_ids=query_segment_ids,
+                               key_value_segment_ids=key_value_segment_ids)
     t_local, s_local = args.query.shape[1], args.key.shape[1]
     schedule = ring_schedule(devices, t_local * devices, s_local * devices, is_causal=is_causal,
                              local_window_size=local_window_size, layout=layout,
                              load_balance=load_balance)
     config = _RingConfig(args.scale, args.kernel_window, schedule, axes, _ffi.kernel_switches())
     out, lse = _ring_call(args.query, args.key, args.value, args.query_seq_lengths,
-                          args.key_value_seq_lengths, config)
+                          args.key_value_seq_lengths, args.query_segment_ids,
+                          args.key_value_segment_ids, config)
     out = out.reshape(args.out_shape)
     if not return_residual:
         return out
@@ -190,28 +197,29 @@ def _present(*xs):
     return tuple(x for x in xs if x is not None)
 
 
-def _flags(bias, mask, q_lens, kv_lens):
-    return tuple(x is not None for x in (bias, mask, q_lens, kv_lens))
+def _flags(*optional):
+    return tuple(x is not None for x in optional)
 
 
-def forward(q, k, v, bias, mask, q_lens, kv_lens, *, scale: float, window,
-            switches: _ffi.KernelSwitches):
+def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, scale: float,
+            window, switches: _ffi.KernelSwitches):
     """`_ops.forward` that partitions under jit: (out, lse [..., N, T] float32)."""
-    op = _partitioned("fwd", _flags(bias, mask, q_lens, kv_lens), float(scale), tuple(window),
-                      False, switches)
-    return tuple(op(q, k, v, *_present(bias, mask, q_lens, kv_lens)))
+    optional = (bias, mask, q_lens, kv_lens, q_ids, kv_ids)
+    op = _partitioned("fwd", _flags(*optional), float(scale), tuple(window), False, switches)
+    return tuple(op(q, k, v, *_present(*optional)))
 
 
-def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, *, scale: float, window,
-             switches: _ffi.KernelSwitches, deterministic: bool = False, dbias: bool = False):
+def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *,
+             scale: float, window, switches: _ffi.KernelSwitches, deterministic: bool = False,
+             dbias: bool = False):
     """`_ops.backward` that partitions under jit: (dq, dk, dv, dbias), where dbias is float32
     already summed to bias's shape (None without bias or without `dbias`, whose cotangent is
     then not computed). `deterministic`: see _ops.backward."""
-    flags = _flags(bias, mask, q_lens, kv_lens)
+    optional = (bias, mask, q_lens, kv_lens, q_ids, kv_ids)
     with_dbias = bias is not None and bool(dbias)
-    op = _partitioned("bwd", flags, float(scale), tuple(window), bool(deterministic), switches,
-                      with_dbias)
-    grads = op(q, k, v, out, lse, d_out, *_present(bias, mask, q_lens, kv_lens))
+    op = _partitioned("bwd", _flags(*optional), float(scale), tuple(window), bool(deterministic),
+                      switches, with_dbias)
+    grads = op(q, k, v, out, lse, d_out, *_present(*optional))
     return (*grads[:3], grads[3] if with_dbias else None)
 
 
@@ -227,6 +235,8 @@ class _Operands:
     mask: object
     q_lens: object
     kv_lens: object
+    q_ids: object
+    kv_ids: object
 
 
 def _unpack(kind, flags, xs) -> _Operands:
@@ -238,8 +248,9 @@ def _unpack(kind, flags, xs) -> _Operands:
         out, lse, d_out = rest[:3]
         rest = rest[3:]
     optional = iter(rest)
-    bias, mask, q_lens, kv_lens = (next(optional) if flag else None for flag in flags)
-    return _Operands(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens)
+    bias, mask, q_lens, kv_lens, q_ids, kv_ids = (next(optional) if flag else None
+                                                  for flag in flags)
+    return _Operands(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids, kv_ids)
 
 
 def _explicit_sharding(x):
@@ -272,14 +283,14 @@ def _partitioned(kind, flags, scale, window, deterministic, switches, with_dbias
     def body(*xs):
         a = _unpack(kind, flags, xs)
         if kind == "fwd":
-            out, lse = _ops.forward(a.q, a.k, a.v, a.bias, a.mask, a.q_lens, a.kv_lens,
-                                    scale=scale, window=window, switches=switches)
+            out, lse = _ops.forward(a.q, a.k, a.v, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
+                                    a.kv_ids, scale=scale, window=window, switches=switches)
             lead = tuple(range(a.q.ndim - 3))
             return (_typed_like(out, a.q),
                     _typed_like(lse, a.q, lead + (a.q.ndim - 2, a.q.ndim - 3)))
         dq, dk, dv, dbias = _ops.backward(a.q, a.k, a.v, a.out, a.lse, a.d_out, a.bias,
-                                          a.mask, a.q_lens, a.kv_lens, scale=scale,
-                                          window=window, switches=switches,
+                                          a.mask, a.q_lens, a.kv_lens, a.q_ids, a.kv_ids,
+                                          scale=scale, window=window, switches=switches,
                                           deterministic=deterministic,
                                           dbias=with_dbias)
         grads = (_typed_like(dq, a.q), _typed_like(dk, a.k), _typed_like(dv, a.v))
@@ -352,6 +363,8 @@ def _sharding_rule(kind, flags, with_dbias, mesh, operand_types, result_types):
     if a.mask is not None:
         optional.append(broadcastable(a.mask, "mask"))
     optional += ["... b"] * ((a.q_lens is not None) + (a.kv_lens is not None))
+    if a.q_ids is not None:
+        optional += ["... b t", "... b s"]
     if kind == "fwd":
         operands, results = [q, kv, kv] + optional, [q, lse]
     else:
@@ -453,6 +466,8 @@ def _shardings(kind, flags, with_dbias, mesh, plan: _Plan, arg_shapes):
     if a.mask is not None:
         optional.append(broadcastable(a.mask.shape))
     optional += [lens] * ((a.q_lens is not None) + (a.kv_lens is not None))
+    if a.q_ids is not None:
+        optional += [named(*batch, q_seq), named(*batch, k_seq)]
     if kind == "fwd":
         return [q, kv, kv] + optional, (q, lse)
     results = [q, kv, kv] + ([optional[0]] if with_dbias else [])
@@ -533,23 +548,23 @@ def _local(kind, flags, scale, window, deterministic, switches, with_dbias, plan
     schedule = plan.schedule
     if kind == "fwd":
         if schedule is None:
-            return _ops.forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens,
-                                scale=scale, window=window, switches=switches)
-        return _ring.seq_forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, scale=scale,
-                                 window=window, schedule=schedule, axes=plan.seq_axes,
-                                 switches=switches)
+            return _ops.forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
+                                a.kv_ids, scale=scale, window=window, switches=switches)
+        return _ring.seq_forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
+                                 a.kv_ids, scale=scale, window=window, schedule=schedule,
+                                 axes=plan.seq_axes, switches=switches)
     if schedule is None:
         dq, dk, dv, dbias = _ops.backward(a.q, k, v, a.out, a.lse, a.d_out, a.bias,
-                                          a.mask, a.q_lens, a.kv_lens, scale=scale,
-                                          window=window, switches=switches,
+                                          a.mask, a.q_lens, a.kv_lens, a.q_ids, a.kv_ids,
+                                          scale=scale, window=window, switches=switches,
                                           deterministic=deterministic,
                                           dbias=with_dbias)
         if dbias is not None:
             dbias = _ring.reduce_to(dbias, a.bias.shape)
     else:
         dq, dk, dv, dbias = _ring.seq_backward(
-            a.q, k, v, a.out, a.lse, a.d_out, a.bias, a.mask, a.q_lens, a.kv_lens, scale=scale,
-            window=window, schedule=schedule, axes=plan.seq_axes, switches=switches,
+            a.q, k, v, a.out, a.lse, a.d_out, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
+            a.kv_ids, scale=scale, window=window, schedule=schedule, axes=plan.seq_axes, switches=switches,
             deterministic=deterministic, dbias=with_dbias)
     if not plan.kv_heads_split:
         dk, dv = _unselect_kv_heads(plan, dk, dv)

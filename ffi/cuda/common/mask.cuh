@@ -15,11 +15,12 @@
 namespace jax_flashattn::cuda {
 
 // Visibility for one (batch, head) in 64 bits: the KeyWindow's lengths and window (key_range,
-// query_range) and the ElementMask, with the two tests the kernels make on them, each in one
+// query_range), the ElementMask and the SegmentIds, with the two tests the kernels make on them, each in one
 // function: built from smaller calls, ptxas branched and scheduled the mma.sync and CUDA-core
 // kernels differently (their SASS changed; this form keeps it).
 struct Visibility : variant::KeyWindow<int64_t> {
   variant::ElementMask mask;
+  variant::SegmentIds segments;
 
   __device__ static Visibility make(const AttentionParams& p, int64_t b, int64_t n) {
     Visibility v;
@@ -31,11 +32,23 @@ struct Visibility : variant::KeyWindow<int64_t> {
     return v;
   }
 
+  // The same with the call's segment ids, for the CUDA-core kernels, the only CUDA kernels
+  // that take calls with them (the dispatchers' rule). make() leaves them out, and with them
+  // their tests: in the mma.sync kernels they cost calls without ids up to 2.5%, and bias and
+  // mask calls 16-24% (docs/decisions/segment-ids.md).
+  __device__ static Visibility make_with_segments(const AttentionParams& p, int64_t b,
+                                                  int64_t n) {
+    Visibility v = make(p, b, n);
+    v.segments = variant::SegmentIds::make(p, b);
+    return v;
+  }
+
   // Whether every (row, key) of the rectangle is visible without looking at elements, so the
   // per-element predicate can be skipped (the common interior tile).
   __device__ bool all_visible(int64_t row_begin, int64_t row_end, int64_t key_begin,
                               int64_t key_end) const {
-    if (mask.keep != nullptr || row_end > q_len || key_end > kv_len) return false;
+    if (mask.keep != nullptr || segments.q != nullptr || row_end > q_len || key_end > kv_len)
+      return false;
     if (window_left != kUnboundedWindow && key_begin < row_end - 1 - window_left) return false;
     if (window_right != kUnboundedWindow && key_end - 1 > row_begin + window_right) return false;
     return true;
@@ -45,6 +58,7 @@ struct Visibility : variant::KeyWindow<int64_t> {
     if (t >= q_len || s >= kv_len) return false;
     if (window_left != kUnboundedWindow && s < t - window_left) return false;
     if (window_right != kUnboundedWindow && s > t + window_right) return false;
+    if (segments.q != nullptr && segments.q[t] != segments.kv[s]) return false;
     return mask.keep == nullptr ||
            mask.keep[mask.slice.offset + t * mask.slice.row + s * mask.slice.col];
   }
@@ -55,7 +69,7 @@ struct Visibility : variant::KeyWindow<int64_t> {
 // diff_lo <= c - r <= diff_hi. Clamping every bound to [-span, span] keeps each comparison's
 // outcome and every sum small: visible() is four int32 compares, and column_bits (what the
 // forward kernels' masked tiles use) one bit per element of a thread's accumulator row.
-// Sequence lengths and windows only: an elementwise mask is read separately.
+// Sequence lengths and windows only: an elementwise mask and segment ids are read separately.
 struct TileVisibility {
   int rows, keys, diff_lo, diff_hi;
 

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   __syncwarp();
 
-  const Visibility vis = Visibility::make(p, b, n);
+  const Visibility vis = Visibility::make_with_segments(p, b, n);
   int64_t lo, hi;
   vis.key_range(t, t + 1, lo, hi);
   const float scale_log2 = p.scale * kLog2e;

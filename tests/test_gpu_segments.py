@@ -1,0 +1,130 @@
+"""Packed sequences (segment ids) on the CUDA kernels (run with `pytest -m gpu` on a GPU).
+
+Calls with segment ids take the CUDA-core kernels, forward and backward, for every dtype
+and head dim (the tensor-core kernels do not have them); the Hopper, mma.sync and split-KV
+decode kernels must not take them.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flashattn
+from helpers import check_cuda_forward, random_qkv
+from test_gpu_backward import check_grads
+
+pytestmark = pytest.mark.gpu
+
+
+def packed_ids(rng, batch, length, mean):
+    """int32 [batch, length]: rows packed with documents of random lengths (exponential with
+    the given mean, at least 1), the last one cut at the row's end."""
+    rows = []
+    for _ in range(batch):
+        lengths, total = [], 0
+        while total < length:
+            lengths.append(max(1, int(rng.exponential(mean))))
+            total += lengths[-1]
+        rows.append(np.asarray(jax_flashattn.segment_ids_from_lengths(np.array(lengths),
+                                                                      length)))
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+def ids_for(rng, b, t, s, mean):
+    """Query and key ids: the same packing when T == S, separate ones otherwise."""
+    q_ids = packed_ids(rng, b, t, mean)
+    return q_ids, q_ids if s == t else packed_ids(rng, b, s, mean)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 40])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_forward_head_dims(rng, dtype, head_dim, is_causal):
+    q, k, v = random_qkv(rng, 2, 300, 300, 4, 2, head_dim, dtype)
+    q_ids, kv_ids = ids_for(rng, 2, 300, 300, 40)
+    check_cuda_forward(q, k, v, is_causal=is_causal, query_segment_ids=q_ids,
+                       key_value_segment_ids=kv_ids)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("t,s", [(1, 1), (1, 300), (257, 513), (513, 129)])
+def test_forward_sizes(rng, dtype, t, s):
+    q, k, v = random_qkv(rng, 2, t, s, 4, 1, 128, dtype)
+    q_ids, kv_ids = ids_for(rng, 2, t, s, 50)
+    check_cuda_forward(q, k, v, query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_forward_with_every_option(rng, dtype):
+    """Segment ids with a window, lengths, GQA, a bias and a mask at once, on random ids that
+    are not sorted (ids repeat across the row, so tiles of different documents interleave)."""
+    b, t, s = 2, 200, 230
+    q, k, v = random_qkv(rng, b, t, s, 8, 2, 64, dtype)
+    q_ids = jnp.asarray(rng.integers(0, 3, (b, t)), jnp.int32)
+    kv_ids = jnp.asarray(rng.integers(0, 3, (b, s)), jnp.int32)
+    bias = jnp.asarray(rng.standard_normal((1, 8, t, s)), dtype)
+    mask = jnp.asarray(rng.random((b, 1, t, s)) > 0.2)
+    check_cuda_forward(q, k, v, bias, mask, local_window_size=(60, 10),
+                       query_seq_lengths=jnp.array([200, 77], jnp.int32),
+                       key_value_seq_lengths=jnp.array([150, 230], jnp.int32),
+                       query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
+
+
+def test_decoding_shape_keeps_the_normal_kernels(rng):
+    """A decoding shape (few query rows, many keys) with segment ids takes the CUDA-core forward,
+    not a split-KV decode kernel, and is right."""
+    q, k, v = random_qkv(rng, 2, 4, 8192, 8, 2, 128, jnp.bfloat16)
+    q_ids = jnp.full((2, 4), 1, jnp.int32)
+    kv_ids = jnp.asarray(rng.integers(0, 3, (2, 8192)), jnp.int32)
+    ids = dict(query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
+    assert jax_flashattn.forward_kernel(q, k) in ("decode", "decode_sm90")
+    assert jax_flashattn.forward_kernel(q, k, **ids) == "simt"
+    check_cuda_forward(q, k, v, **ids)
+
+
+def test_families_with_segment_ids(rng):
+    q, k, _ = random_qkv(rng, 2, 512, 512, 8, 8, 128, jnp.bfloat16)
+    ids = dict(query_segment_ids=jnp.zeros((2, 512), jnp.int32),
+               key_value_segment_ids=jnp.zeros((2, 512), jnp.int32))
+    assert jax_flashattn.forward_kernel(q, k) != "simt"
+    assert jax_flashattn.forward_kernel(q, k, **ids) == "simt"
+    assert jax_flashattn.backward_kernel(q, k, **ids) == "simt"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_backward(rng, dtype, head_dim, is_causal):
+    q, k, v = random_qkv(rng, 2, 300, 300, 4, 2, head_dim, dtype)
+    q_ids, kv_ids = ids_for(rng, 2, 300, 300, 40)
+    check_grads(rng, q, k, v, is_causal=is_causal, query_segment_ids=q_ids,
+                key_value_segment_ids=kv_ids)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_backward_with_every_option(rng, dtype):
+    """Gradients (dbias too) with T != S, different packings, GQA, a window, lengths, a bias and
+    a mask."""
+    b, t, s = 2, 190, 257
+    q, k, v = random_qkv(rng, b, t, s, 8, 2, 64, dtype)
+    q_ids, kv_ids = ids_for(rng, b, t, s, 30)
+    bias = jnp.asarray(rng.standard_normal((1, 8, t, s)), jnp.float32)
+    mask = jnp.asarray(rng.random((b, 1, t, s)) > 0.1)
+    check_grads(rng, q, k, v, bias, mask, is_causal=True, local_window_size=(90, 0),
+                query_seq_lengths=jnp.array([190, 100], jnp.int32),
+                key_value_seq_lengths=jnp.array([257, 120], jnp.int32),
+                query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
+
+
+def test_rows_of_unshared_segments_are_zero(rng):
+    """Queries whose id no key carries see nothing: out 0, lse -inf, zero gradients."""
+    q, k, v = random_qkv(rng, 1, 130, 130, 4, 4, 64, jnp.bfloat16)
+    q_ids = jnp.asarray(np.repeat([[0, 5]], 65, axis=1), jnp.int32)
+    kv_ids = jnp.zeros((1, 130), jnp.int32)
+    out, lse = jax_flashattn.attention(q, k, v, query_segment_ids=q_ids,
+                                       key_value_segment_ids=kv_ids, return_residual=True)
+    hidden = np.asarray(q_ids[0]) == 5
+    assert np.all(np.asarray(out, np.float32)[0, hidden] == 0)
+    assert np.all(np.isneginf(np.asarray(lse)[0, hidden]))
+    dq = check_grads(rng, q, k, v, query_segment_ids=q_ids, key_value_segment_ids=kv_ids)[0]
+    assert np.all(np.asarray(dq, np.float32)[0, hidden] == 0)
