@@ -22,9 +22,10 @@ before and after its cases and gives our K/V rate as a fraction of it (the decod
 0.85: docs/decisions/decode-benchmark-yardstick.md). Variants preset: bf16, B=4, T=S=4096,
 N=16, H=128, one row per option users pass: full, causal, causal sliding window
 local_window_size=(1024, 0), per-batch lengths (query and key/value lengths 4096, 3072, 2048,
-1024), GQA (16 query heads over 4 kv heads, causal), bias [1, N, T, S] and a boolean mask
-[B, 1, T, S] of packed documents (1, 2, 4, 8 per batch entry); its FLOPs count only the
-visible logits. --seqlen, --dtype, --head-dim and --hidden (N = hidden/H) override its
+1024), GQA (16 query heads over 4 kv heads, causal), bias [1, N, T, S], a boolean mask
+[B, 1, T, S] of packed documents (1, 2, 4, 8 per batch entry), and the same documents as
+segment ids, full and causal (jax.nn gets them as that mask, built inside the timed call);
+its FLOPs count only the visible logits. --seqlen, --dtype, --head-dim and --hidden (N = hidden/H) override its
 sizes; --causal and --tokens do not apply.
 Exit status 1 when one of our configs is FAIL or error.
 """
@@ -80,7 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "S=65536) instead of the standard grid; reports K/V TB/s and us")
     p.add_argument("--variants", action="store_true",
                    help="the options preset (bf16, B=4, T=S=4096, N=16, H=128; full, causal, "
-                        "window 1024, lengths, GQA 16/4, bias [1,N,T,S], mask [B,1,T,S]) "
+                        "window 1024, lengths, GQA 16/4, bias [1,N,T,S], mask [B,1,T,S], "
+                        "segment ids full and causal) "
                         "instead of the standard grid; FLOPs count visible logits only")
     p.add_argument("--mode", choices=("fwd", "fwdbwd", "both"), default="fwd",
                    help="forward, forward+backward (3.5x forward FLOPs), or both")

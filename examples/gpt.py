@@ -19,6 +19,12 @@ The data is synthetic and deterministic (see `SyntheticText`): every sequence re
 motif drawn from a sparse Markov chain, so the loss first falls to the chain's entropy and then
 towards zero once attention learns to copy the motif from context.
 
+`--packed` trains on packed rows instead: documents of random lengths (each its own motif)
+concatenated into every row, with segment ids so that a token attends within its document only,
+positions that restart at each document, and the loss masked where a target starts the next
+document. `flash`, `cudnn` and `xla` get the segment ids (`cudnn` and `xla` as the equivalent
+mask, which jax.nn needs), `flax` a combined causal and document mask.
+
 Needs jax, flax, optax and numpy; rich, when installed, draws a progress bar.
 """
 
@@ -93,6 +99,25 @@ class SyntheticText:
                                                                (vocab_size, branching))
         self.rng = np.random.default_rng(seed + 1)
 
+    def packed_batch(self, batch_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, segment ids, positions), each int32 [batch_size, seq_len + 1]: rows packed
+        with documents of random lengths (an eighth to half the row), each one `batch`'s
+        sequence cut short; positions count from 0 in each document."""
+        total = self.seq_len + 1
+        tokens = np.empty((batch_size, total), np.int32)
+        ids = np.empty((batch_size, total), np.int32)
+        positions = np.empty((batch_size, total), np.int32)
+        lo, hi = max(1, total // 8), max(2, total // 2)
+        for row in range(batch_size):
+            start, doc = 0, 0
+            while start < total:
+                length = min(int(self.rng.integers(lo, hi + 1)), total - start)
+                tokens[row, start:start + length] = self.batch(1)[0, :length]
+                ids[row, start:start + length] = doc
+                positions[row, start:start + length] = np.arange(length)
+                start, doc = start + length, doc + 1
+        return tokens, ids, positions
+
     def batch(self, batch_size: int) -> np.ndarray:
         """int32 [batch_size, seq_len + 1]: inputs are [:, :-1], targets [:, 1:]."""
         rng, (lo, hi) = self.rng, self.motif_len
@@ -115,11 +140,15 @@ class Block(nn.Module):
     attention_fn: callable
 
     @nn.compact
-    def __call__(self, x, mask):
+    def __call__(self, x, mask, segment_ids=None):
         dtype = jnp.dtype(self.config.dtype)
         h = nn.LayerNorm(dtype=dtype)(x)
+        fn = self.attention_fn
+        if segment_ids is not None:  # packed rows: each token attends within its document
+            fn = functools.partial(fn, query_segment_ids=segment_ids,
+                                   key_value_segment_ids=segment_ids)
         h = nn.MultiHeadDotProductAttention(num_heads=self.config.num_heads, dtype=dtype,
-                                            attention_fn=self.attention_fn)(h, mask=mask)
+                                            attention_fn=fn)(h, mask=mask)
         x = x + h
         h = nn.LayerNorm(dtype=dtype)(x)
         h = nn.Dense(4 * self.config.d_model, dtype=dtype)(h)
@@ -134,15 +163,24 @@ class GPT(nn.Module):
     use_mask: bool  # pass a materialised causal mask (Flax's default attention needs one)
 
     @nn.compact
-    def __call__(self, tokens):
+    def __call__(self, tokens, segment_ids=None, positions=None):
+        """Packed rows pass segment ids and positions [B, T]; otherwise position t is t."""
         cfg, dtype = self.config, jnp.dtype(self.config.dtype)
         init = nn.initializers.normal(stddev=0.02)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, dtype=dtype)
-        positions = self.param("positions", init, (cfg.seq_len, cfg.d_model))
-        x = embed(tokens) + positions[:tokens.shape[-1]].astype(dtype)
-        mask = nn.make_causal_mask(tokens) if self.use_mask else None
+        table = self.param("positions", init, (cfg.seq_len, cfg.d_model))
+        if positions is None:
+            x = embed(tokens) + table[:tokens.shape[-1]].astype(dtype)
+        else:
+            x = embed(tokens) + table[positions].astype(dtype)
+        mask = None
+        if self.use_mask:
+            mask = nn.make_causal_mask(tokens)
+            if segment_ids is not None:
+                mask = nn.combine_masks(mask, nn.make_attention_mask(segment_ids, segment_ids,
+                                                                     pairwise_fn=jnp.equal))
         for _ in range(cfg.num_layers):
-            x = Block(cfg, self.attention_fn)(x, mask)
+            x = Block(cfg, self.attention_fn)(x, mask, None if self.use_mask else segment_ids)
         x = nn.LayerNorm(dtype=dtype)(x)
         return embed.attend(x).astype(jnp.float32)  # [B, T, vocab] logits
 
@@ -172,6 +210,7 @@ class RunResult:
     step_times: list[float]  # seconds, one per step, the first ones include compilation
     warmup: int
     num_params: int
+    packed: bool = False
 
     @property
     def timed(self) -> list[float]:
@@ -183,15 +222,18 @@ class RunResult:
         return (f"summary attention={self.attention} device={jax.devices()[0].device_kind!r} "
                 f"params={self.num_params / 1e6:.1f}M layers={config.num_layers} "
                 f"d_model={config.d_model} heads={config.num_heads} batch={config.batch_size} "
-                f"seq_len={config.seq_len} dtype={config.dtype} timed_steps={len(self.timed)} "
+                f"seq_len={config.seq_len} packed={self.packed} dtype={config.dtype} "
+                f"timed_steps={len(self.timed)} "
                 f"step_ms={step * 1e3:.1f} tokens_per_s={tokens / step:.0f} "
                 f"compile_s={self.step_times[0] - step:.1f} final_loss={self.losses[-1]:.4f}")
 
 
 def train(config: Config, attention: str, *, steps: int, warmup: int = 2, seed: int = 0,
-          log_every: int = 0, progress: bool = False) -> RunResult:
+          log_every: int = 0, progress: bool = False, packed: bool = False) -> RunResult:
     """Trains from a fixed initialisation on fixed data (both from `seed`), so runs with
-    different attentions see the same numbers; returns per-step losses and times."""
+    different attentions see the same numbers; returns per-step losses and times. `packed`:
+    rows packed with documents (SyntheticText.packed_batch), the loss over the targets that
+    continue their document."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     fn, use_mask = attention_fn(attention)
@@ -207,21 +249,30 @@ def train(config: Config, attention: str, *, steps: int, warmup: int = 2, seed: 
     num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def train_step(params, opt_state, batch):
+    def train_step(params, opt_state, batch, segment_ids=None, positions=None):
         def loss_fn(params):
-            logits = model.apply({"params": params}, batch[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+            if segment_ids is None:
+                logits = model.apply({"params": params}, batch[:, :-1])
+                return optax.softmax_cross_entropy_with_integer_labels(
+                    logits, batch[:, 1:]).mean()
+            logits = model.apply({"params": params}, batch[:, :-1], segment_ids[:, :-1],
+                                 positions[:, :-1])
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:])
+            continues = segment_ids[:, :-1] == segment_ids[:, 1:]
+            return jnp.sum(jnp.where(continues, losses, 0.0)) / jnp.sum(continues)
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    result = RunResult(attention, [], [], min(warmup, steps - 1), num_params)
+    result = RunResult(attention, [], [], min(warmup, steps - 1), num_params, packed)
     tokens_per_step = config.batch_size * config.seq_len
     with _Progress(progress, f"{attention:>5}", steps) as bar:
         for step in range(steps):
-            batch = data.batch(config.batch_size)  # host-side, outside the timed region
+            # Host-side, outside the timed region.
+            batch = data.packed_batch(config.batch_size) if packed else (
+                data.batch(config.batch_size),)
             start = time.perf_counter()
-            params, opt_state, loss = train_step(params, opt_state, batch)
+            params, opt_state, loss = train_step(params, opt_state, *batch)
             loss = float(loss)  # waits for the step to finish
             result.step_times.append(time.perf_counter() - start)
             result.losses.append(loss)
@@ -286,6 +337,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, Config]:
     parser.add_argument("--log-every", type=int, default=None,
                         help="print a loss line every N steps (default: steps // 10)")
     parser.add_argument("--no-progress", action="store_true", help="no rich progress bar")
+    parser.add_argument("--packed", action="store_true",
+                        help="rows packed with documents of random lengths, segment ids")
     for field in dataclasses.fields(Config):
         parser.add_argument("--" + field.name.replace("_", "-"), dest=field.name,
                             type=str if field.name == "dtype" else type(
@@ -315,7 +368,8 @@ def main(argv=None) -> list[RunResult]:
     for kind in args.attention:
         results.append(train(config, kind, steps=args.steps, warmup=args.warmup, seed=args.seed,
                              log_every=args.log_every,
-                             progress=not args.no_progress and sys.stdout.isatty()))
+                             progress=not args.no_progress and sys.stdout.isatty(),
+                             packed=args.packed))
     for result in results:
         print(result.summary(config), flush=True)
     return results

@@ -68,7 +68,7 @@ def reference_attention(query, key, value, *args, return_residual=False, p_dtype
                                    p_dtype=p_dtype, **kwargs)
     a = _validate.normalize(query, key, value, *args, **kwargs)
 
-    def entry(x, i):  # bias and mask may broadcast over the batch
+    def entry(x, i):  # bias and mask may broadcast over the batch (the rest has entry i)
         return None if x is None else x if x.shape[0] == 1 else x[i:i + 1]
 
     parts = [reference.attention(
@@ -76,6 +76,8 @@ def reference_attention(query, key, value, *args, return_residual=False, p_dtype
         scale=a.scale, is_causal=a.is_causal, local_window_size=a.window,
         query_seq_lengths=entry(a.query_seq_lengths, i),
         key_value_seq_lengths=entry(a.key_value_seq_lengths, i),
+        query_segment_ids=entry(a.query_segment_ids, i),
+        key_value_segment_ids=entry(a.key_value_segment_ids, i),
         return_residual=True, p_dtype=p_dtype) for i in range(b)]
     out = jnp.concatenate([o for o, _ in parts]).reshape(a.out_shape)
     if not return_residual:
@@ -151,7 +153,8 @@ def gradient_nan_rows(q, k, *args, **kwargs):
             logits = logits + np.asarray(a.bias, np.float64)
     seen = np.broadcast_to(np.asarray(reference.visibility(
         t, s, batch=b, is_causal=a.is_causal, window=a.window, q_lens=a.query_seq_lengths,
-        kv_lens=a.key_value_seq_lengths, mask=a.mask)), logits.shape)
+        kv_lens=a.key_value_seq_lengths, mask=a.mask, q_segment_ids=a.query_segment_ids,
+        kv_segment_ids=a.key_value_segment_ids)), logits.shape)
     bad_row = (seen & ~(np.isfinite(logits) | np.isneginf(logits))).any(-1)  # [B, N, T]
     bad_key = (seen & bad_row[..., None]).reshape(b, kv, n // kv, t, s).any((2, 3))  # [B, K, S]
     return bad_row.transpose(0, 2, 1), bad_key.transpose(0, 2, 1)

@@ -1,8 +1,9 @@
 """Packed sequences (segment ids) on the CUDA kernels (run with `pytest -m gpu` on a GPU).
 
-Calls with segment ids take the CUDA-core kernels, forward and backward, for every dtype
-and head dim (the tensor-core kernels do not have them); the Hopper, mma.sync and split-KV
-decode kernels must not take them.
+Calls with segment ids take the mma.sync family's instantiations for them (bf16/fp16; K/V by
+TMA on Hopper, by cp.async elsewhere or with JAX_FLASHATTN_SM80_CP_ASYNC; both dQ modes) and
+the CUDA-core kernels (float32, other head dims); the Hopper and split-KV decode kernels must
+not take them.
 """
 
 import jax.numpy as jnp
@@ -48,10 +49,24 @@ def test_forward_head_dims(rng, dtype, head_dim, is_causal):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("t,s", [(1, 1), (1, 300), (257, 513), (513, 129)])
-def test_forward_sizes(rng, dtype, t, s):
+@pytest.mark.parametrize("cp_async", [False, True], ids=["default_loads", "cp_async"])
+def test_forward_sizes_and_loads(rng, monkeypatch, dtype, t, s, cp_async):
+    if cp_async:
+        monkeypatch.setenv("JAX_FLASHATTN_SM80_CP_ASYNC", "1")
     q, k, v = random_qkv(rng, 2, t, s, 4, 1, 128, dtype)
     q_ids, kv_ids = ids_for(rng, 2, t, s, 50)
     check_cuda_forward(q, k, v, query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_forward_skips_tiles_between_documents(rng, dtype, is_causal):
+    """Documents longer than a warp's rows and a key tile: most (warp, key tile) pairs share no
+    segment and are skipped; the rows straddling a document boundary are not."""
+    q, k, v = random_qkv(rng, 2, 1100, 1100, 4, 2, 128, dtype)
+    q_ids, kv_ids = ids_for(rng, 2, 1100, 1100, 250)
+    check_cuda_forward(q, k, v, is_causal=is_causal, query_segment_ids=q_ids,
+                       key_value_segment_ids=kv_ids)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -71,14 +86,14 @@ def test_forward_with_every_option(rng, dtype):
 
 
 def test_decoding_shape_keeps_the_normal_kernels(rng):
-    """A decoding shape (few query rows, many keys) with segment ids takes the CUDA-core forward,
+    """A decoding shape (few query rows, many keys) with segment ids takes the mma.sync forward,
     not a split-KV decode kernel, and is right."""
     q, k, v = random_qkv(rng, 2, 4, 8192, 8, 2, 128, jnp.bfloat16)
     q_ids = jnp.full((2, 4), 1, jnp.int32)
     kv_ids = jnp.asarray(rng.integers(0, 3, (2, 8192)), jnp.int32)
     ids = dict(query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
     assert jax_flashattn.forward_kernel(q, k) in ("decode", "decode_sm90")
-    assert jax_flashattn.forward_kernel(q, k, **ids) == "simt"
+    assert jax_flashattn.forward_kernel(q, k, **ids) == "sm80"
     check_cuda_forward(q, k, v, **ids)
 
 
@@ -86,23 +101,29 @@ def test_families_with_segment_ids(rng):
     q, k, _ = random_qkv(rng, 2, 512, 512, 8, 8, 128, jnp.bfloat16)
     ids = dict(query_segment_ids=jnp.zeros((2, 512), jnp.int32),
                key_value_segment_ids=jnp.zeros((2, 512), jnp.int32))
-    assert jax_flashattn.forward_kernel(q, k) != "simt"
-    assert jax_flashattn.forward_kernel(q, k, **ids) == "simt"
-    assert jax_flashattn.backward_kernel(q, k, **ids) == "simt"
+    assert jax_flashattn.forward_kernel(q, k, **ids) == "sm80"
+    assert jax_flashattn.backward_kernel(q, k, **ids) == "sm80"
+    assert jax_flashattn.forward_kernel(q.astype(jnp.float32), k.astype(jnp.float32),
+                                        **ids) == "simt"
+
+
+@pytest.fixture(params=[False, True], ids=["atomic", "deterministic"])
+def deterministic(request):
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_backward(rng, dtype, head_dim, is_causal):
+def test_backward(rng, dtype, head_dim, is_causal, deterministic):
     q, k, v = random_qkv(rng, 2, 300, 300, 4, 2, head_dim, dtype)
     q_ids, kv_ids = ids_for(rng, 2, 300, 300, 40)
-    check_grads(rng, q, k, v, is_causal=is_causal, query_segment_ids=q_ids,
-                key_value_segment_ids=kv_ids)
+    check_grads(rng, q, k, v, is_causal=is_causal, deterministic=deterministic,
+                query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_backward_with_every_option(rng, dtype):
+def test_backward_with_every_option(rng, dtype, deterministic):
     """Gradients (dbias too) with T != S, different packings, GQA, a window, lengths, a bias and
     a mask."""
     b, t, s = 2, 190, 257
@@ -113,7 +134,8 @@ def test_backward_with_every_option(rng, dtype):
     check_grads(rng, q, k, v, bias, mask, is_causal=True, local_window_size=(90, 0),
                 query_seq_lengths=jnp.array([190, 100], jnp.int32),
                 key_value_seq_lengths=jnp.array([257, 120], jnp.int32),
-                query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
+                deterministic=deterministic, query_segment_ids=q_ids,
+                key_value_segment_ids=kv_ids)
 
 
 def test_rows_of_unshared_segments_are_zero(rng):

@@ -273,7 +273,9 @@ def test_bench_script_variants_preset_and_exclusive_with_decode():
     bench = _load_bench_script()
     configs = bench.build_configs(bench.parse_args(["--variants"]))
     assert [c.variant for c in configs] == ["full", "causal", "window 1024", "lengths",
-                                            "GQA 16/4", "bias [1,N,T,S]", "mask [B,1,T,S]"]
+                                            "GQA 16/4", "bias [1,N,T,S]", "mask [B,1,T,S]",
+                                            "segment ids", "segment ids, causal"]
+    assert [c.causal for c in configs[-2:]] == [False, True]
     assert {(c.dtype, c.batch, c.seqlen_q, c.seqlen_k, c.num_heads, c.head_dim)
             for c in configs} == {("bf16", 4, 4096, 4096, 16, 128)}
     by_name = {c.variant: c for c in configs}
@@ -281,6 +283,7 @@ def test_bench_script_variants_preset_and_exclusive_with_decode():
     assert by_name["lengths"].kv_lens == by_name["lengths"].q_lens == (4096, 3072, 2048, 1024)
     assert by_name["GQA 16/4"].num_kv_heads == 4 and by_name["GQA 16/4"].causal
     assert by_name["bias [1,N,T,S]"].bias_shape == (1, 16, 4096, 4096)
+    assert by_name["segment ids"].segment_docs == by_name["mask [B,1,T,S]"].mask_docs
     with pytest.raises(SystemExit):
         bench.parse_args(["--variants", "--decode"])
 
@@ -289,8 +292,9 @@ def _brute_force_pairs(cfg) -> int:
     """The visible (t, s) pairs of one head, summed over the batch, from the reference's own
     visibility mask."""
     mask = None
-    if cfg.mask_docs is not None:
-        ids = np.stack([_bench.document_ids(d, cfg.mask_length) for d in cfg.mask_docs])
+    docs = cfg.mask_docs if cfg.mask_docs is not None else cfg.segment_docs
+    if docs is not None:
+        ids = np.stack([_bench.document_ids(d, cfg.mask_length) for d in docs])
         mask = jnp.asarray(ids[:, None, :cfg.seqlen_q, None] == ids[:, None, None, :cfg.seqlen_k])
     lens = [None if x is None else jnp.asarray(x, jnp.int32) for x in (cfg.q_lens, cfg.kv_lens)]
     keep = reference.visibility(cfg.seqlen_q, cfg.seqlen_k, batch=cfg.batch,
@@ -303,13 +307,16 @@ def test_variants_flops_count_the_visible_pairs():
     # The preset's restricted rows, at full size, and odd shapes (T != S, a right window,
     # lengths with causal, uneven documents), against a count over the reference's mask.
     preset = [c for c in _bench.variants_grid() if c.restricted]
-    assert [c.variant for c in preset] == ["window 1024", "lengths", "mask [B,1,T,S]"]
+    assert [c.variant for c in preset] == ["window 1024", "lengths", "mask [B,1,T,S]",
+                                           "segment ids", "segment ids, causal"]
     odd = [_bench.Config(2, 48, 80, 2, 2, 16, "bf16", True, kind="variants", window=(7, 3),
                          q_lens=(48, 20), kv_lens=(80, 33)),
            _bench.Config(2, 48, 80, 2, 2, 16, "bf16", False, kind="variants", window=(5, 9)),
            _bench.Config(3, 40, 56, 2, 2, 16, "bf16", False, kind="variants",
                          mask_docs=(1, 3, 5), q_lens=(40, 17, 3), kv_lens=(1, 56, 30)),
-           _bench.Config(2, 37, 37, 2, 2, 16, "bf16", True, kind="variants", mask_docs=(2, 7))]
+           _bench.Config(2, 37, 37, 2, 2, 16, "bf16", True, kind="variants", mask_docs=(2, 7)),
+           _bench.Config(2, 37, 50, 2, 2, 16, "bf16", True, kind="variants",
+                         segment_docs=(3, 5))]
     for cfg in preset + odd:
         pairs = _brute_force_pairs(cfg)
         assert cfg.visible_pairs() == pairs, cfg.label()
@@ -359,7 +366,7 @@ def test_variants_grid_runs_and_passes_the_gate(monkeypatch, mode):
 
 
 @pytest.mark.parametrize("dropped", ["local_window_size", "key_value_seq_lengths",
-                                     "query_seq_lengths", "bias", "mask"])
+                                     "query_seq_lengths", "bias", "mask", "segment_ids"])
 def test_variants_gate_checks_each_option(monkeypatch, dropped):
     """An implementation that ignores one of the options fails the check (query lengths: it
     leaves the padded rows nonzero, which the check covers)."""
@@ -369,12 +376,14 @@ def test_variants_gate_checks_each_option(monkeypatch, dropped):
     def ignoring(impl, causal, window=None):
         fn = real(impl, causal, None if dropped == "local_window_size" else window)
         return lambda q, k, v, **extras: fn(q, k, v, **{name: x for name, x in extras.items()
-                                                        if name != dropped})
+                                                        if not name.startswith(dropped)
+                                                        and not name.endswith(dropped)})
 
     monkeypatch.setattr(_bench.impls, "attention_fn", ignoring)
     option = {"local_window_size": "window", "key_value_seq_lengths": "lengths",
-              "query_seq_lengths": "lengths", "bias": "bias", "mask": "mask"}[dropped]
-    cfg, = [c for c in _tiny_variants() if c.variant.startswith(option)]
+              "query_seq_lengths": "lengths", "bias": "bias", "mask": "mask",
+              "segment_ids": "segment ids"}[dropped]
+    cfg = [c for c in _tiny_variants() if c.variant.startswith(option)][0]
     settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
     record, = _bench.run_benchmark([cfg], ["ours"], ["fwd"], settings, progress=False)
     assert record["status"] == "FAIL", record
@@ -390,7 +399,7 @@ def test_bench_script_variants_smoke(tmp_path, capsys):
     assert status == 0, printed
     assert "| T | variant | causal | visible | ours TFLOP/s | xla TFLOP/s |" in printed
     for label in ("full", "causal", "window 16", "lengths", "GQA 4/1", "bias [1,N,T,S]",
-                  "mask [B,1,T,S]"):
+                  "mask [B,1,T,S]", "segment ids"):
         assert f"| 64 | {label} |" in printed
     report = json.loads((out / "results.json").read_text())
     assert {r["status"] for r in report["results"]} == {"ok"}

@@ -78,9 +78,8 @@ BackwardKernel choose_backward_kernel(const AttentionParams& p, int device) {
   const int64_t max_head_dim =
       mma_sync::kBackwardHeadDims[std::size(mma_sync::kBackwardHeadDims) - 1];
   // scale > 0: the recomputed P multiplies masked (-inf) scores by the scale.
-  // Segment ids too: the tensor-core kernels do not have them (docs/decisions/segment-ids.md).
   if (!tensor_core_dtype || p.head_dim <= 0 || p.head_dim % 8 != 0 ||
-      p.head_dim > max_head_dim || !(p.scale > 0.f) || p.q_segment_ids != nullptr)
+      p.head_dim > max_head_dim || !(p.scale > 0.f))
     return BackwardKernel::kSimt;
   if (sm90_applies(p, device)) return BackwardKernel::kSm90;
   // Head dims past the 99 KiB table need the large one (mma_sync/backward_traits.h).

@@ -2,13 +2,12 @@
 // the mma.sync family for bf16/fp16 with head dims that are a multiple of 8 up to 256 (on the
 // smallest instantiated head dim that holds it), the CUDA-core kernel for everything else.
 // A scale <= 0 also takes the CUDA-core kernel: the tensor-core softmax takes the row maximum
-// before scaling and multiplies masked (-inf) scores by the scale, which needs scale > 0. So do
-// segment ids, which the tensor-core kernels do not have (docs/decisions/segment-ids.md).
+// before scaling and multiplies masked (-inf) scores by the scale, which needs scale > 0.
 // Decoding shapes (few query rows per kv head, a long key sequence; ffi/decode_plan.h) take
 // a split-KV decode kernel on every architecture, ahead of the others, when the call's
 // workspace holds its splits: on Hopper the wgmma one where it applies
-// (wgmma::decode_kernel_applies), else the mma.sync one; calls with a bias or boolean mask keep
-// the normal kernels. Why in this order: docs/decisions/kernel-family-dispatch.md.
+// (wgmma::decode_kernel_applies), else the mma.sync one; calls with a bias, boolean mask or
+// segment ids keep the normal kernels. Why in this order: docs/decisions/kernel-family-dispatch.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -124,7 +123,7 @@ ForwardKernel choose_forward_kernel(const AttentionParams& p, int device) {
   const bool tensor_core_dtype = p.dtype == ElemType::kBFloat16 || p.dtype == ElemType::kFloat16;
   const int64_t max_head_dim = mma_sync::kHeadDims[std::size(mma_sync::kHeadDims) - 1];
   if (!tensor_core_dtype || p.head_dim <= 0 || p.head_dim % 8 != 0 ||
-      p.head_dim > max_head_dim || !(p.scale > 0.f) || p.q_segment_ids != nullptr)
+      p.head_dim > max_head_dim || !(p.scale > 0.f))
     return ForwardKernel::kSimt;
   if (mma_sync::DecodePlan plan; decode_plan_for(p, device, plan))
     return wgmma::decode_kernel_applies(p, device) ? ForwardKernel::kDecodeSm90

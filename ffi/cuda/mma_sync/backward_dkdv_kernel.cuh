@@ -32,12 +32,16 @@ namespace jax_flashattn::mma_sync {
 
 // HeadTerms' per-element terms for the elements (t0 + r, s0 + c) of one thread, 0 <= r < 32,
 // 0 <= c < 16: 32-bit tile-relative visibility and per-thread base offsets, so the unrolled
-// element loops hold a few registers instead of a 64-bit index per element.
+// element loops hold a few registers instead of a 64-bit index per element. kSegments: the
+// segment ids too (HeadTerms::make<true>).
+template <bool kSegments>
 struct SubTileTerms {
   static constexpr int kSpan = 32;
   cuda::TileVisibility tile;  // lengths and window, rows r = queries, columns c = keys
   const bool* mask;           // element (r, c) at mask[r * mask_row + c * mask_col], or nullptr
   int64_t mask_row, mask_col;
+  const int32_t* q_ids = nullptr;  // kSegments: segment ids of rows r and keys c
+  const int32_t* kv_ids = nullptr;
   int64_t bias_offset;        // of element (0, 0); bias strides from p
   float* dbias;               // element (0, 0), or nullptr; strides p.dbias_strides
   int rows, keys;             // elements inside [T, S]: r < rows, c < keys
@@ -49,6 +53,10 @@ struct SubTileTerms {
                                    : nullptr;
     mask_row = head.vis.mask.slice.row;
     mask_col = head.vis.mask.slice.col;
+    if constexpr (kSegments) {
+      q_ids = head.vis.segments.q + t0;
+      kv_ids = head.vis.segments.kv + s0;
+    }
     bias_offset = head.bias_offset + t0 * p.bias_strides.row + s0 * p.bias_strides.col;
     dbias = head.dbias ? head.dbias + t0 * p.dbias_strides.row + s0 * p.dbias_strides.col
                        : nullptr;
@@ -61,7 +69,9 @@ struct SubTileTerms {
   }
 
   __device__ bool visible(int r, int c) const {
-    return tile.visible(r, c) && (mask == nullptr || mask[r * mask_row + c * mask_col]);
+    const bool seen = tile.visible(r, c) && (mask == nullptr || mask[r * mask_row + c * mask_col]);
+    if constexpr (kSegments) return seen && q_ids[r] == kv_ids[c];
+    return seen;
   }
 
   // log2(e) bias, 0 without a bias or outside [T, S].
@@ -112,7 +122,9 @@ struct SubTileTerms {
   }
 };
 
-template <typename Elem, typename Traits>
+// kSegments: the instantiation for calls with segment ids: their test in the other one would
+// cost every call (docs/decisions/segment-ids.md).
+template <typename Elem, typename Traits, bool kSegments>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     backward_dkdv_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
@@ -284,7 +296,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     const int64_t q0 = int64_t(tile) * kBlockM;
     int next_n = n, next_tile = tile + 1;
     if (next_tile == tile_end) next_n = n + 1, next_tile = tile_begin;
-    const HeadTerms head = HeadTerms::make(p, b, n);
+    const HeadTerms head = HeadTerms::make<kSegments>(p, b, n);
     const Address q_nk(sQ_stage + sdp_col0 * kSmemDim, chunks_first_row,
                        chunks_first_chunk);  // (query step, k-step)
     const Address do_nk(sdO_stage + sdp_col0 * kSmemDim, chunks_first_row,
@@ -317,7 +329,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       const int64_t sub_q0 = q0 + sub_col0;
       const bool check =
           !head.vis.all_visible(sub_q0, sub_q0 + kSubCols, warp_key0, warp_key0 + 16);
-      const SubTileTerms terms(p, head, sub_q0 + quad_col, warp_key0 + quad_row);
+      const SubTileTerms<kSegments> terms(p, head, sub_q0 + quad_col, warp_key0 + quad_row);
 #pragma unroll
       for (int mt = 0; mt < kSubTiles8; ++mt) {
         const float2 neg_lse2 =

@@ -19,7 +19,8 @@
 
 namespace jax_flashattn::mma_sync {
 
-template <typename Elem, typename Traits>
+// kSegments: as backward_dkdv_kernel's.
+template <typename Elem, typename Traits, bool kSegments>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     backward_dq_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
@@ -50,7 +51,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const Elem* v = static_cast<const Elem*>(p.v) + kv_offset;
   Elem* dq = static_cast<Elem*>(p.dq) + q_offset;
 
-  const HeadTerms head = HeadTerms::make(p, b, n);
+  const HeadTerms head = HeadTerms::make<kSegments>(p, b, n);
   int64_t key_lo, key_hi;
   head.vis.key_range(row0, row0 + kBlockM, key_lo, key_hi);
   const int64_t valid_rows = p.seqlen_q - row0 < kBlockM ? p.seqlen_q - row0 : kBlockM;

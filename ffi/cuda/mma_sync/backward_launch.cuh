@@ -12,20 +12,21 @@
 namespace jax_flashattn::cuda {
 
 // One dK/dV launch: a block per (batch x kv head, key block); key_blocks fits the grid's y.
-template <typename Elem, typename DkDv>
+template <typename Elem, typename DkDv, bool kSegments>
 cudaError_t launch_backward_dkdv(const AttentionParams& p, int64_t key_blocks,
                                  cudaStream_t stream) {
-  constexpr auto kernel = mma_sync::backward_dkdv_kernel<Elem, DkDv>;
+  constexpr auto kernel = mma_sync::backward_dkdv_kernel<Elem, DkDv, kSegments>;
   if (cudaError_t e = ensure_smem_limit<kernel>(DkDv::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid(unsigned(p.batch * p.num_kv_heads), unsigned(key_blocks));
   kernel<<<grid, DkDv::kThreads, DkDv::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
-// The dK/dV pass with the DkDv table, then in deterministic mode the dQ pass.
-template <typename Elem, typename DkDv, typename Dq>
+// The dK/dV pass with the DkDv table, then in deterministic mode the dQ pass; kSegments: the
+// kernels' instantiation for calls with segment ids.
+template <typename Elem, typename DkDv, typename Dq, bool kSegments>
 cudaError_t launch_backward_passes(const AttentionParams& p, cudaStream_t stream) {
-  constexpr auto dq_kernel = mma_sync::backward_dq_kernel<Elem, Dq>;
+  constexpr auto dq_kernel = mma_sync::backward_dq_kernel<Elem, Dq, kSegments>;
   const int64_t key_blocks = (p.seqlen_k + DkDv::kBlockN - 1) / DkDv::kBlockN;
   const int64_t query_blocks = (p.seqlen_q + Dq::kBlockM - 1) / Dq::kBlockM;
   // Grid y limits: the dK/dV pass always runs, the dQ pass only in deterministic mode.
@@ -33,7 +34,7 @@ cudaError_t launch_backward_passes(const AttentionParams& p, cudaStream_t stream
       p.batch * p.num_heads > 0x7fffffff)
     return cudaErrorInvalidConfiguration;
   if (key_blocks > 0) {
-    const cudaError_t e = launch_backward_dkdv<Elem, DkDv>(p, key_blocks, stream);
+    const cudaError_t e = launch_backward_dkdv<Elem, DkDv, kSegments>(p, key_blocks, stream);
     if (e != cudaSuccess) return e;
   }
   if (!p.deterministic) return cudaSuccess;
@@ -43,8 +44,9 @@ cudaError_t launch_backward_passes(const AttentionParams& p, cudaStream_t stream
   return cudaGetLastError();
 }
 
-template <typename Elem, int kHeadDim>
-cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream) {
+// The passes with the table the device holds (kSegments: the kernels for segment ids).
+template <typename Elem, int kHeadDim, bool kSegments>
+cudaError_t launch_backward_tables(const AttentionParams& p, cudaStream_t stream) {
   using DkDvLarge = mma_sync::DkDvConfigLarge<kHeadDim>;
   using Dq = mma_sync::DqConfig<kHeadDim>;
   int device = 0;
@@ -54,11 +56,23 @@ cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream) 
   if constexpr (kHeadDim > mma_sync::kSmallTableMaxHeadDim) {
     // Only the large table: choose_backward_kernel sends these head dims here only where it fits.
     if (!large) return cudaErrorInvalidConfiguration;
-    return launch_backward_passes<Elem, DkDvLarge, Dq>(p, stream);
+    return launch_backward_passes<Elem, DkDvLarge, Dq, kSegments>(p, stream);
   } else {
-    return large ? launch_backward_passes<Elem, DkDvLarge, Dq>(p, stream)
-                 : launch_backward_passes<Elem, mma_sync::DkDvConfig<kHeadDim>, Dq>(p, stream);
+    using DkDvSmall = mma_sync::DkDvConfig<kHeadDim>;
+    return large ? launch_backward_passes<Elem, DkDvLarge, Dq, kSegments>(p, stream)
+                 : launch_backward_passes<Elem, DkDvSmall, Dq, kSegments>(p, stream);
   }
+}
+
+// Calls with segment ids: defined in backward_segments_launch.cuh and instantiated in
+// translation units of their own, as the forward's (forward_launch.cuh says why).
+template <typename Elem, int kHeadDim>
+cudaError_t launch_backward_sm80_segments(const AttentionParams& p, cudaStream_t stream);
+
+template <typename Elem, int kHeadDim>
+cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream) {
+  if (p.q_segment_ids != nullptr) return launch_backward_sm80_segments<Elem, kHeadDim>(p, stream);
+  return launch_backward_tables<Elem, kHeadDim, false>(p, stream);
 }
 
 }  // namespace jax_flashattn::cuda

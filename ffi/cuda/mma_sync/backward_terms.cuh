@@ -22,9 +22,12 @@ struct HeadTerms {
   float* dbias;        // element (t = 0, s = 0) of dbias (strides in p), or nullptr
   int64_t bias_offset;
 
+  // kSegments: with the call's segment ids (the kernels' instantiation for them).
+  template <bool kSegments = false>
   __device__ static HeadTerms make(const AttentionParams& p, int64_t b, int64_t n) {
     HeadTerms h;
-    h.vis = cuda::Visibility::make(p, b, n);
+    h.vis = kSegments ? cuda::Visibility::make_with_segments(p, b, n)
+                      : cuda::Visibility::make(p, b, n);
     const int64_t row_stats = (b * p.num_heads + n) * p.seqlen_q;
     h.lse = p.lse + row_stats;
     h.delta = p.delta + row_stats;

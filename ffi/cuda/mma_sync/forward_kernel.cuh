@@ -28,6 +28,8 @@
 namespace jax_flashattn::mma_sync {
 
 // kElementwise: the call has a bias or a boolean mask, read element by element on every tile.
+// kSegments (with kElementwise): also segment ids, in an instantiation of their own: as a test of
+// the bias and mask instantiation they cost its rows 16-24% (docs/decisions/segment-ids.md).
 // Without one, only tiles that straddle a length or window boundary are masked, with int32
 // tile-relative compares; keeping the 64-bit bias/mask indexing out of that instantiation
 // keeps its registers for the accumulators.
@@ -37,8 +39,9 @@ namespace jax_flashattn::mma_sync {
 // barrier, says they landed. No block barrier says that a stage is free either: each warp
 // counts itself done with it, and the last one refills it, so a warp waits only for data, never
 // for the other warps (docs/decisions/mma-sync-tma-kv-loads-on-hopper.md).
-template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV>
+template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV, bool kSegments>
 __device__ __forceinline__ void forward_block(const AttentionParams& p, const wgmma::KVMaps& maps) {
+  static_assert(kElementwise || !kSegments, "segment ids are an elementwise term");
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kSlabs = Traits::kSlabs, kSmemDim = Traits::kSmemDim;
   constexpr int kKSteps = Traits::kHeadDim / 16;  // QK^T reduction steps
@@ -176,6 +179,20 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
     for (int m = 0; m < kSlabs; ++m) ptx::ldmatrix_x4(q_frag[m][slot], q_address(m, ks));
   };
 
+  // kSegments: the range of the segment ids of this warp's rows below the query length (empty,
+  // lo > hi, where it has none).
+  [[maybe_unused]] int32_t warp_id_lo = 0, warp_id_hi = -1;
+  if constexpr (kSegments) {
+    const auto ids = variant::SegmentIds::make(p, b);
+    int32_t lo = INT32_MAX, hi = INT32_MIN;
+    for (int i = lane; i < kSlabs * 16; i += 32) {
+      const int64_t row = row0 + warp_row0 + i;
+      if (row < vis.q_len) lo = min(lo, ids.q[row]), hi = max(hi, ids.q[row]);
+    }
+    warp_id_lo = __reduce_min_sync(0xffffffffu, lo);
+    warp_id_hi = __reduce_max_sync(0xffffffffu, hi);
+  }
+
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     const int stage = int((tile - tile_begin) % Traits::kStages);
     const KVAddress k_address(sK + stage * kBlockN * kSmemDim, (ld_matrix >> 1) * 8 + ld_row,
@@ -257,6 +274,15 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
               bias_base = has_bias ? p.bias_strides.offset(b, p.batch_inner, n, row0 + r, key0) : 0;
               mask_base = vis.mask.slice.at(row0 + r, key0);
             }
+            // Row r's segment id (none past the query length, where nothing is visible) and
+            // the tile's key ids.
+            [[maybe_unused]] int32_t row_id = 0;
+            [[maybe_unused]] const int32_t* key_ids = nullptr;
+            if constexpr (kSegments) {
+              const auto ids = variant::SegmentIds::make(p, b);
+              row_id = row0 + r < vis.q_len ? ids.q[row0 + r] : 0;
+              key_ids = ids.kv + key0;
+            }
 #pragma unroll
             for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -274,6 +300,8 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
                                                     bias_base + c * p.bias_strides.col));
                   if (keep && vis.mask.present())
                     keep = vis.mask.keep[mask_base + c * vis.mask.slice.col];
+                  if constexpr (kSegments)
+                    if (keep) keep = key_ids[c] == row_id;
                 }
                 if (!keep) score = -INFINITY;
               }
@@ -289,35 +317,52 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
     // The elementwise instantiation keeps the full update on every tile: the second copy of
     // its scores (with the bias and mask reads) spills heavily
     // (docs/decisions/settled-row-maxima.md).
-    compute_scores();
-    if (kElementwise || !settled ||
-        !softmax.exponentiate_against_settled_max(s_acc, softmax_scale)) {
-      if (!kElementwise && settled) compute_scores();
-      softmax.update(s_acc, o_acc, softmax_scale);
-      if constexpr (!kElementwise) {
-        bool rows_settled = true;
-#pragma unroll
-        for (int m = 0; m < kSlabs; ++m)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            rows_settled = rows_settled && (softmax.row_max[m][h] > -INFINITY ||
-                                            row0 + warp_row0 + m * 16 + quad_row + h * 8 >= vis.q_len);
-        settled = __all_sync(0xffffffff, rows_settled);
+    // kSegments: a warp none of whose rows shares a segment id range with the tile's keys
+    // computes nothing on it (it still counts itself done with the stage below).
+    bool warp_computes = true;
+    if constexpr (kSegments) {
+      const auto ids = variant::SegmentIds::make(p, b);
+      int32_t lo = INT32_MAX, hi = INT32_MIN;
+      for (int i = lane; i < kBlockN; i += 32) {
+        const int64_t key = tile * kBlockN + i;
+        if (key < vis.kv_len) lo = min(lo, ids.kv[key]), hi = max(hi, ids.kv[key]);
       }
+      lo = __reduce_min_sync(0xffffffffu, lo);
+      hi = __reduce_max_sync(0xffffffffu, hi);
+      warp_computes = lo <= warp_id_hi && warp_id_lo <= hi;
     }
+    if (warp_computes) {
+      compute_scores();
+      if (kElementwise || !settled ||
+          !softmax.exponentiate_against_settled_max(s_acc, softmax_scale)) {
+        if (!kElementwise && settled) compute_scores();
+        softmax.update(s_acc, o_acc, softmax_scale);
+        if constexpr (!kElementwise) {
+          bool rows_settled = true;
+#pragma unroll
+          for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              rows_settled =
+                  rows_settled && (softmax.row_max[m][h] > -INFINITY ||
+                                   row0 + warp_row0 + m * 16 + quad_row + h * 8 >= vis.q_len);
+          settled = __all_sync(0xffffffff, rows_settled);
+        }
+      }
 
-    // O += P V: the S accumulators of key tiles 2kk, 2kk+1 are exactly the A operand layout.
+      // O += P V: the S accumulators of key tiles 2kk, 2kk+1 are exactly the A operand layout.
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      uint32_t p_frag[kSlabs][4];
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        uint32_t p_frag[kSlabs][4];
 #pragma unroll
-      for (int m = 0; m < kSlabs; ++m) pack_a<Elem>(p_frag[m], s_acc[m], kk);
+        for (int m = 0; m < kSlabs; ++m) pack_a<Elem>(p_frag[m], s_acc[m], kk);
 #pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        uint32_t v_frag[4];
-        ptx::ldmatrix_x4_trans(v_frag, v_address(kk, dp));
+        for (int dp = 0; dp < kDTiles / 2; ++dp) {
+          uint32_t v_frag[4];
+          ptx::ldmatrix_x4_trans(v_frag, v_address(kk, dp));
 #pragma unroll
-        for (int m = 0; m < kSlabs; ++m) mma_pair<Elem>(o_acc[m], dp, p_frag[m], v_frag);
+          for (int m = 0; m < kSlabs; ++m) mma_pair<Elem>(o_acc[m], dp, p_frag[m], v_frag);
+        }
       }
     }
 
@@ -367,16 +412,16 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
 
 // kTmaKV bodies exist only in the sm_90a image (TMA, mbarrier try_wait); the launcher picks them
 // only on compute capability 9.0 (wgmma::tma_loads_apply).
-template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV>
+template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV, bool kSegments>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     forward_kernel(const __grid_constant__ AttentionParams p,
                    const __grid_constant__ wgmma::KVMaps maps) {
   if constexpr (kTmaKV) {
 #ifdef JAX_FLASHATTN_SM90_BODY
-    forward_block<Elem, Traits, kElementwise, true>(p, maps);
+    forward_block<Elem, Traits, kElementwise, true, kSegments>(p, maps);
 #endif
   } else {
-    forward_block<Elem, Traits, kElementwise, false>(p, maps);
+    forward_block<Elem, Traits, kElementwise, false, kSegments>(p, maps);
   }
 }
 

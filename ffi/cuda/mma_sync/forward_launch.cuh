@@ -9,9 +9,9 @@
 
 namespace jax_flashattn::cuda {
 
-template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV>
+template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV, bool kSegments>
 cudaError_t launch_forward_sm80_kernel(const AttentionParams& p, cudaStream_t stream) {
-  constexpr auto kernel = mma_sync::forward_kernel<Elem, Traits, kElementwise, kTmaKV>;
+  constexpr auto kernel = mma_sync::forward_kernel<Elem, Traits, kElementwise, kTmaKV, kSegments>;
   constexpr int kSmemBytes = kTmaKV ? Traits::kTmaSmemBytes : Traits::kSmemBytes;
   if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
   const int64_t m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
@@ -27,20 +27,31 @@ cudaError_t launch_forward_sm80_kernel(const AttentionParams& p, cudaStream_t st
   return cudaGetLastError();
 }
 
-// The mask kind picks the instantiation (with a bias or boolean mask, or with neither), and
-// tma_kv (wgmma::tma_loads_apply) how K and V tiles load.
-template <typename Elem, typename Traits, bool kElementwise>
+// The mask kind picks the instantiation (with segment ids; with a bias or boolean mask; with
+// none of them), and tma_kv (wgmma::tma_loads_apply) how K and V tiles load.
+template <typename Elem, typename Traits, bool kElementwise, bool kSegments>
 cudaError_t launch_forward_sm80_loads(const AttentionParams& p, bool tma_kv, cudaStream_t stream) {
-  if (tma_kv) return launch_forward_sm80_kernel<Elem, Traits, kElementwise, true>(p, stream);
-  return launch_forward_sm80_kernel<Elem, Traits, kElementwise, false>(p, stream);
+  if (tma_kv)
+    return launch_forward_sm80_kernel<Elem, Traits, kElementwise, true, kSegments>(p, stream);
+  return launch_forward_sm80_kernel<Elem, Traits, kElementwise, false, kSegments>(p, stream);
 }
+
+// Calls with segment ids: defined in forward_segments_launch.cuh and instantiated in
+// translation units of their own (cuda/instantiations/forward_mma_sync_segments.cu.in). Beside
+// the other kernels they moved those kernels' code: the compiler's choices for the code they
+// share depend on every kernel of the unit.
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_sm80_segments(const AttentionParams& p, bool tma_kv,
+                                         cudaStream_t stream);
 
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm80(const AttentionParams& p, bool tma_kv, cudaStream_t stream) {
   using Traits = mma_sync::ForwardConfig<kHeadDim>;
+  if (p.q_segment_ids != nullptr)
+    return launch_forward_sm80_segments<Elem, kHeadDim>(p, tma_kv, stream);
   if (p.bias != nullptr || p.mask != nullptr)
-    return launch_forward_sm80_loads<Elem, Traits, true>(p, tma_kv, stream);
-  return launch_forward_sm80_loads<Elem, Traits, false>(p, tma_kv, stream);
+    return launch_forward_sm80_loads<Elem, Traits, true, false>(p, tma_kv, stream);
+  return launch_forward_sm80_loads<Elem, Traits, false, false>(p, tma_kv, stream);
 }
 
 }  // namespace jax_flashattn::cuda

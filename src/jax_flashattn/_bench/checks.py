@@ -114,6 +114,8 @@ class ReferenceSlice:
         for name, x in extras.items():
             if name in ("bias", "mask"):
                 sliced[name] = _take_logits_shaped(x, self.batch_index, self.rows, heads=heads)
+            elif name == "query_segment_ids":  # every row: _row_visibility picks the rows'
+                sliced[name] = x[self.batch_index]
             else:
                 sliced[name] = x[self.batch_index]
         return sliced
@@ -149,12 +151,14 @@ def _slice_plan(cfg: Config, budget: int, max_rows: int | None):
     return batch_index, rows.astype(np.int32) if rows is not None else None, kv_heads
 
 
-def _row_visibility(rows, seqlen_k, *, causal, window, q_lens, kv_lens, mask):
+def _row_visibility(rows, seqlen_k, *, causal, window, q_lens, kv_lens, mask, q_ids=None,
+                    kv_ids=None):
     """bool [b or 1, 1 or n, r, S] (None where nothing is hidden): which keys query rows
-    `rows` (their true positions) see, by `reference.visibility`'s rules; q_lens, kv_lens and
-    mask are already sliced to the checked batch entries (and the mask to the rows)."""
+    `rows` (their true positions) see, by `reference.visibility`'s rules; q_lens, kv_lens,
+    mask and the segment ids are already sliced to the checked batch entries (and the mask to
+    the rows)."""
     if not (causal or window is not None or q_lens is not None or kv_lens is not None
-            or mask is not None):
+            or mask is not None or q_ids is not None):
         return None
     t = rows[:, None]
     s = jnp.arange(seqlen_k)[None, :]
@@ -171,18 +175,22 @@ def _row_visibility(rows, seqlen_k, *, causal, window, q_lens, kv_lens, mask):
         keep = keep & (jnp.arange(seqlen_k)[None, :] < kv_lens[:, None])[:, None, None, :]
     if mask is not None:
         keep = keep & mask
+    if q_ids is not None:
+        keep = keep & (q_ids[:, rows, None] == kv_ids[:, None, :])[:, None]
     return keep
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "window", "dtype"))
 def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype):
-    """Exact and P-rounded reference outputs for query rows `rows` (causal, window, lengths
-    and mask mask by the rows' true positions, as the full problem would; `extras` are sliced
+    """Exact and P-rounded reference outputs for query rows `rows` (causal, window, lengths,
+    mask and segment ids mask by the rows' true positions, as the full problem would; `extras` are sliced
     by `ReferenceSlice.take_extras`)."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     mask = _row_visibility(rows, k.shape[1], causal=causal, window=window,
                            q_lens=extras.get("query_seq_lengths"),
-                           kv_lens=extras.get("key_value_seq_lengths"), mask=extras.get("mask"))
+                           kv_lens=extras.get("key_value_seq_lengths"), mask=extras.get("mask"),
+                           q_ids=extras.get("query_segment_ids"),
+                           kv_ids=extras.get("key_value_segment_ids"))
     f = functools.partial(reference.attention, bias=extras.get("bias"), mask=mask)
     exact = f(q, k, v)
     rounded = f(q, k, v, p_dtype=DTYPES[dtype])

@@ -61,6 +61,8 @@ class Config:
     # A boolean mask [B, 1, T, S] of packed documents: batch entry b holds mask_docs[b]
     # documents of (nearly) equal length, and a position sees its own document only.
     mask_docs: tuple[int, ...] | None = None
+    # The same packing given as segment ids ([B, T] and [B, S] int32) instead of a mask.
+    segment_docs: tuple[int, ...] | None = None
 
     @property
     def q_shape(self):
@@ -80,9 +82,10 @@ class Config:
 
     @property
     def restricted(self) -> bool:
-        """Whether an option beyond `causal` hides logits (window, lengths, mask)."""
+        """Whether an option beyond `causal` hides logits (window, lengths, mask, segment
+        ids)."""
         return any(x is not None for x in (self.window, self.q_lens, self.kv_lens,
-                                           self.mask_docs))
+                                           self.mask_docs, self.segment_docs))
 
     def visible_pairs(self) -> float:
         """The (t, s) pairs whose logits a call computes, summed over the batch, per query
@@ -102,8 +105,9 @@ class Config:
                 left, right = self.window
                 lo = np.maximum(lo, rows - left)
                 hi = np.minimum(hi, rows + right + 1)
-            if self.mask_docs is not None:
-                starts, ends = _document_bounds(self.mask_docs[b], self.mask_length, rows)
+            docs = self.mask_docs if self.mask_docs is not None else self.segment_docs
+            if docs is not None:
+                starts, ends = _document_bounds(docs[b], self.mask_length, rows)
                 lo, hi = np.maximum(lo, starts), np.minimum(hi, ends)
             total += int(np.maximum(hi - lo, 0).sum())
         return float(total)
@@ -125,12 +129,14 @@ class Config:
         return 2 * math.prod(self.kv_shape) * jnp.dtype(self.jnp_dtype).itemsize
 
     def extra_bytes(self) -> int:
-        """Bytes of the bias and mask a call reads."""
+        """Bytes of the bias, mask and segment ids a call reads."""
         total = 0
         if self.bias_shape is not None:
             total += math.prod(self.bias_shape) * jnp.dtype(self.jnp_dtype).itemsize
         if self.mask_docs is not None:
             total += self.batch * self.seqlen_q * self.seqlen_k
+        if self.segment_docs is not None:
+            total += 4 * self.batch * (self.seqlen_q + self.seqlen_k)
         return total
 
     def io_bytes(self, mode: str = "fwd") -> int:
@@ -197,7 +203,9 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
     hidden / H: full, causal, a causal sliding window (`window`, default min(1024, T/4),
     right side 0), per-batch lengths (queries and keys alike: T·(B-i)/B for entry i, so
     4096, 3072, 2048, 1024), GQA (N over N/kv_group kv heads, causal), a bias [1, N, T, S]
-    (full) and a boolean document mask [B, 1, T, S] (entry i packs 2**i documents, full)."""
+    (full), a boolean document mask [B, 1, T, S] (entry i packs 2**i documents, full), and
+    the same documents as segment ids, full and causal (other implementations than ours get
+    them as that mask, built from the ids inside the timed call, as a jax.nn user would)."""
     configs = []
     for dtype in dtypes:
         for h in head_dims:
@@ -212,6 +220,7 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
                               variant="full")
                 side = window or max(1, min(VARIANTS_SHAPE["window"], t // 4))
                 lens = tuple(max(1, t * (batch - i) // batch) for i in range(batch))
+                docs = tuple(min(2 ** i, t) for i in range(batch))
                 configs += [
                     base,
                     dataclasses.replace(base, causal=True, variant="causal"),
@@ -221,8 +230,9 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
                     dataclasses.replace(base, causal=True, num_kv_heads=kv,
                                         variant=f"GQA {n}/{kv}"),
                     dataclasses.replace(base, bias_shape=(1, n, t, t), variant="bias [1,N,T,S]"),
-                    dataclasses.replace(base, mask_docs=tuple(min(2 ** i, t) for i in
-                                                              range(batch)),
-                                        variant="mask [B,1,T,S]"),
+                    dataclasses.replace(base, mask_docs=docs, variant="mask [B,1,T,S]"),
+                    dataclasses.replace(base, segment_docs=docs, variant="segment ids"),
+                    dataclasses.replace(base, causal=True, segment_docs=docs,
+                                        variant="segment ids, causal"),
                 ]
     return configs

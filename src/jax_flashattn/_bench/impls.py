@@ -43,7 +43,16 @@ def attention_fn(impl: str, causal: bool, window: tuple[int, int] | None = None)
         import jax_flashattn
         return functools.partial(jax_flashattn.attention, implementation=ours_implementation(),
                                  **options)
-    return functools.partial(jax.nn.dot_product_attention, implementation=impl, **options)
+    return functools.partial(_jax_nn, implementation=impl, **options)
+
+
+def _jax_nn(q, k, v, *, query_segment_ids=None, key_value_segment_ids=None, **kwargs):
+    """jax.nn.dot_product_attention; segment ids, which it does not take, as the boolean mask
+    [B, 1, T, S] they stand for, built inside the call."""
+    if query_segment_ids is not None:
+        kwargs["mask"] = (query_segment_ids[:, None, :, None] ==
+                          key_value_segment_ids[:, None, None, :])
+    return jax.nn.dot_product_attention(q, k, v, **kwargs)
 
 
 def config_attention_fn(impl: str, cfg: Config) -> Callable:
@@ -97,7 +106,8 @@ class Inputs:
 
     def _draw_extras(self) -> dict:
         """The config's extra arguments, by `attention`'s keyword: bias (standard normal, the
-        input dtype), mask, query_seq_lengths and key_value_seq_lengths (int32). One copy for
+        input dtype), mask, query/key_value_segment_ids, query_seq_lengths and
+        key_value_seq_lengths (int32). One copy for
         every set; never donated."""
         cfg, extras = self.cfg, {}
         if cfg.bias_shape is not None:
@@ -106,6 +116,11 @@ class Inputs:
         if cfg.mask_docs is not None:
             ids = np.stack([document_ids(d, cfg.mask_length) for d in cfg.mask_docs])
             extras["mask"] = _document_mask(jnp.asarray(ids), cfg.seqlen_q, cfg.seqlen_k)
+        if cfg.segment_docs is not None:
+            ids = jnp.asarray(np.stack([document_ids(d, cfg.mask_length)
+                                        for d in cfg.segment_docs]))
+            extras["query_segment_ids"] = ids[:, :cfg.seqlen_q]
+            extras["key_value_segment_ids"] = ids[:, :cfg.seqlen_k]
         if cfg.q_lens is not None:
             extras["query_seq_lengths"] = jnp.asarray(cfg.q_lens, jnp.int32)
         if cfg.kv_lens is not None:
