@@ -191,3 +191,37 @@ def hopper():
     # Architectures as the build was given them: "90a", or with a suffix such as "90a-real".
     archs = {arch.split("-")[0] for arch in jax_flashattn.cuda_architectures()}
     return device.compute_capability == "9.0" and "90a" in archs
+
+
+# Gradients against the float32 reference (the CPU tests' rules).
+
+def grads(fn, q, k, v, bias, d_out, *args, **kwargs):
+    """(out, dq, dk, dv, dbias) of fn(q, k, v, bias, *args, **kwargs) for cotangent d_out."""
+    if bias is None:
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, None, *args, **kwargs), q, k, v)
+        return (out, *vjp(d_out), None)
+    out, vjp = jax.vjp(lambda q, k, v, b: fn(q, k, v, b, *args, **kwargs), q, k, v, bias)
+    return (out, *vjp(d_out))
+
+
+def reference_grads(q, k, v, bias, d_out, *args, **kwargs):
+    """Float32 reference gradients (inputs upcast), cast back to the inputs' dtypes."""
+    f32 = [None if x is None else jnp.asarray(x, jnp.float32) for x in (q, k, v, bias, d_out)]
+    # One jitted computation (the extra arguments become constants): much faster than eager.
+    return jax.jit(lambda *a: grads(reference.attention, *a, *args, **kwargs))(*f32)
+
+
+def assert_grads_close(got, want, *, normwise=None, name=""):
+    """float32: max error <= 1e-4 * (max |want| + 1). Low precision: normwise relative error."""
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    want = np.asarray(want, np.float64)
+    assert np.isfinite(got).all(), f"{name}: non-finite gradient"
+    if normwise is None:
+        err = np.max(np.abs(got - want), initial=0.0)
+        bound = 1e-4 * (np.max(np.abs(want), initial=0.0) + 1)
+        assert err <= bound, f"{name}: max error {err:.3g} exceeds {bound:.3g}"
+    else:
+        err = np.linalg.norm(got - want)
+        bound = normwise * np.linalg.norm(want) + 1e-6
+        assert err <= bound, f"{name}: normwise error {err:.3g} exceeds {bound:.3g}"

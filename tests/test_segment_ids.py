@@ -9,7 +9,8 @@ import pytest
 
 import jax_flashattn
 from jax_flashattn import reference
-from helpers import assert_attention_close, assert_lse_close, random_qkv
+from helpers import (assert_attention_close, assert_grads_close, assert_lse_close, grads,
+                     random_qkv, reference_grads)
 
 DTYPES = [jnp.float32, jnp.bfloat16]
 DTYPE_IDS = ["f32", "bf16"]
@@ -78,37 +79,6 @@ def check_forward(q, k, v, *args, **kwargs):
     ref_lse = assert_attention_close(out, q, k, v, *args, **kwargs)
     assert_lse_close(lse, ref_lse)
     return out, ref_lse
-
-
-def grads(fn, q, k, v, bias, d_out, *args, **kwargs):
-    """(out, dq, dk, dv, dbias) of fn(q, k, v, bias, *args, **kwargs) for cotangent d_out."""
-    if bias is None:
-        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, None, *args, **kwargs), q, k, v)
-        return (out, *vjp(d_out), None)
-    out, vjp = jax.vjp(lambda q, k, v, b: fn(q, k, v, b, *args, **kwargs), q, k, v, bias)
-    return (out, *vjp(d_out))
-
-
-def reference_grads(q, k, v, bias, d_out, *args, **kwargs):
-    """Float32 reference gradients (inputs upcast), in one jitted computation."""
-    f32 = [None if x is None else jnp.asarray(x, jnp.float32) for x in (q, k, v, bias, d_out)]
-    return jax.jit(lambda *a: grads(reference.attention, *a, *args, **kwargs))(*f32)
-
-
-def assert_grads_close(got, want, *, normwise=None, name=""):
-    """float32: max error <= 1e-4 * (max |want| + 1). Low precision: normwise relative error."""
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
-    want = np.asarray(want, np.float64)
-    assert np.isfinite(got).all(), f"{name}: non-finite gradient"
-    if normwise is None:
-        err = np.max(np.abs(got - want), initial=0.0)
-        bound = 1e-4 * (np.max(np.abs(want), initial=0.0) + 1)
-        assert err <= bound, f"{name}: max error {err:.3g} exceeds {bound:.3g}"
-    else:
-        err = np.linalg.norm(got - want)
-        bound = normwise * np.linalg.norm(want) + 1e-6
-        assert err <= bound, f"{name}: normwise error {err:.3g} exceeds {bound:.3g}"
 
 
 def check_grads(rng, q, k, v, bias=None, *args, **kwargs):

@@ -35,6 +35,17 @@ def _collectives(compiled) -> set:
     return set(COLLECTIVE.findall(compiled.as_text()))
 
 
+def _assert_communication(compiled, expect: str):
+    """expect "none": no collective at all; "ring": collective-permutes, never an all-gather
+    or all-to-all; anything else: not checked."""
+    found = _collectives(compiled)
+    if expect == "none":
+        assert not found, f"expected no communication, found {found}"
+    elif expect == "ring":
+        assert "collective-permute" in found, found
+        assert not found & {"all-gather", "all-to-all"}, found
+
+
 def _normal(rng, shape):
     return jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
 
@@ -77,12 +88,7 @@ def _check_sharded(mesh, spec_q, spec_kv, q, k, v, *, expect, **kwargs):
         _assert_close(g, w, name)
     _assert_close(want_out, reference.attention(q, k, v, **kwargs), "unsharded out vs reference")
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec_q), q.ndim), out.sharding
-    found = _collectives(compiled)
-    if expect == "none":
-        assert not found, f"expected no communication, found {found}"
-    elif expect == "ring":
-        assert "collective-permute" in found, found
-        assert not found & {"all-gather", "all-to-all"}, found
+    _assert_communication(compiled, expect)
     return compiled
 
 
@@ -470,12 +476,7 @@ def _check_sharded_segments(mesh, spec_q, spec_kv, q, k, v, q_ids, kv_ids, *, ex
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec_q), q.ndim), out.sharding
     plain = jax.jit(_out_and_grads(**kwargs))(q, k, v, d_out)[0]
     assert np.max(np.abs(np.asarray(out) - np.asarray(plain))) > 0.1, "the ids changed nothing"
-    found = _collectives(compiled)
-    if expect == "none":
-        assert not found, f"expected no communication, found {found}"
-    elif expect == "ring":
-        assert "collective-permute" in found, found
-        assert not found & {"all-gather", "all-to-all"}, found
+    _assert_communication(compiled, expect)
     return compiled
 
 
