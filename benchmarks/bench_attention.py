@@ -25,8 +25,8 @@ local_window_size=(1024, 0), per-batch lengths (query and key/value lengths 4096
 1024), GQA (16 query heads over 4 kv heads, causal), bias [1, N, T, S], a boolean mask
 [B, 1, T, S] of packed documents (1, 2, 4, 8 per batch entry), and the same documents as
 segment ids, full and causal (jax.nn gets them as that mask, built inside the timed call);
-its FLOPs count only the visible logits. --seqlen, --dtype, --head-dim and --hidden (N = hidden/H) override its
-sizes; --causal and --tokens do not apply.
+its FLOPs count only the visible logits. --seqlen, --dtype, --head-dim and --hidden
+(N = hidden/H) override its sizes; --causal and --tokens do not apply.
 Exit status 1 when one of our configs is FAIL or error.
 """
 

@@ -583,15 +583,22 @@ def test_ids_helpers_feed_attention(rng):
 @pytest.mark.parametrize("call", [
     lambda: jax_flashattn.segment_ids_from_lengths(jnp.asarray([1.0, 2.0]), 4),
     lambda: jax_flashattn.segment_ids_from_lengths(jnp.asarray(3), 4),
-    lambda: jax_flashattn.segment_ids_from_lengths(jnp.asarray([1, 2]), -1),
     lambda: jax_flashattn.segment_ids_from_lengths(jnp.asarray([1, 2]), 4.0),
     lambda: jax_flashattn.segment_ids_from_offsets(jnp.asarray([0.0, 2.0]), 4),
     lambda: jax_flashattn.segment_ids_from_offsets(jnp.zeros((2, 0), jnp.int32), 4),
     lambda: jax_flashattn.segment_ids_from_offsets(jnp.asarray([0, 2]), True),
-], ids=["float_lengths", "scalar_lengths", "negative_total", "float_total", "float_offsets",
-        "empty_offsets", "bool_total"])
+], ids=["float_lengths", "scalar_lengths", "float_total", "float_offsets", "empty_offsets",
+        "bool_total"])
 def test_ids_helpers_reject_bad_input(call):
-    """Non-integer or scalar lengths/offsets and a total that is not a non-negative int raise
+    """Non-integer or scalar lengths/offsets and a total that is not an integer raise
     TypeError."""
     with pytest.raises(TypeError, match="lengths|offsets|total"):
         call()
+
+
+def test_ids_helpers_total():
+    """A negative total is a ValueError; a numpy integer total is taken."""
+    with pytest.raises(ValueError, match="total"):
+        jax_flashattn.segment_ids_from_lengths(jnp.asarray([1, 2]), -1)
+    np.testing.assert_array_equal(
+        jax_flashattn.segment_ids_from_lengths(jnp.asarray([1, 2]), np.int64(4)), [0, 1, 1, 2])

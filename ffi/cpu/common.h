@@ -56,7 +56,8 @@ inline void load_key_rows(const AttentionParams& p, const void* base, int64_t b,
 }
 
 // Base-2 logits of a tile of head n of batch element b: x = (scale q.k + bias) log2(e) for the
-// keys a row sees (window, lengths, mask, segment ids), -inf for the others, where x holds scale log2(e) q.k on entry (Q was scaled).
+// keys a row sees (window, lengths, mask, segment ids), -inf for the others, where x holds
+// scale log2(e) q.k on entry (Q was scaled).
 // The policies of ffi/variant.h, applied a row at a time: the bias row is converted in one pass.
 class TileLogits {
  public:

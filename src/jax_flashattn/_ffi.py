@@ -109,7 +109,8 @@ def call_shape(query_shape, key_shape, dtype, *, scale=None, has_bias=False, has
                   seqlen_k=key_shape[-3], num_heads=n, num_kv_heads=key_shape[-2], head_dim=h,
                   scale=float(scale), has_bias=bool(has_bias), has_mask=bool(has_mask),
                   has_q_seqlens=bool(has_q_seqlens), has_kv_seqlens=bool(has_kv_seqlens),
-                  has_segment_ids=bool(has_segment_ids), deterministic=bool(deterministic), **switches._asdict())
+                  has_segment_ids=bool(has_segment_ids), deterministic=bool(deterministic),
+                  **switches._asdict())
     for name, value in fields.items():
         setattr(shape, name, value)
     return shape

@@ -1,9 +1,10 @@
 """`jax.ffi.ffi_call` wrappers: the only place that knows the FFI targets' operands.
 
 Optional inputs (bias, mask, query and key/value lengths, query and key/value segment ids) are
-passed only when present, in that order, and flagged by attributes (one flag for both ids). The handlers treat every dimension before [T, N, H] as batch,
-so operands may carry extra leading dims (all of them the same ones, in front, as
-`vmap_method="broadcast_all"` gives a vmapped call): it stays one custom call.
+passed only when present, in that order, and flagged by attributes (one flag for both ids). The
+handlers treat every dimension before [T, N, H] as batch, so operands may carry extra leading
+dims (all of them the same ones, in front, as `vmap_method="broadcast_all"` gives a vmapped
+call): it stays one custom call.
 """
 
 from __future__ import annotations

@@ -106,9 +106,10 @@ _INT32_SAFE_DTYPES = tuple(np.dtype(d) for d in (np.int8, np.int16, np.int32, np
 _INT32 = np.iinfo(np.int32)
 
 
-def _host_lengths(x, name: str) -> np.ndarray:
-    """Host (numpy or Python) lengths as int32, their values checked to fit: np.array([5, 7]) is
-    int64, and its values are known here, so no wider dtype is refused for its width alone."""
+def host_integers(x, name: str) -> np.ndarray:
+    """Host (numpy or Python) integers (lengths, segment ids) as int32, their values checked to
+    fit: np.array([5, 7]) is int64, and its values are known here, so no wider dtype is refused
+    for its width alone."""
     x = np.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         return x  # refused by the dtype check that follows, with the other non-integer inputs
@@ -122,7 +123,7 @@ def _seq_lengths(x, name: str, batch: int) -> jax.Array | None:
     if x is None:
         return None
     if not isinstance(x, jax.Array):
-        x = _host_lengths(x, name)
+        x = host_integers(x, name)
     x = _as_array(x, name)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array of shape ({batch},), got {_describe(x)}")
@@ -141,7 +142,7 @@ def _segment_ids(x, name: str, shape: tuple[int, ...], unbatched: bool) -> jax.A
     """Segment ids as int32 `shape` ([B, T] or [B, S]); [T] / [S] when the call is unbatched."""
     want = shape[1:] if unbatched else shape
     if not isinstance(x, jax.Array):
-        x = _host_lengths(x, name)
+        x = host_integers(x, name)
     x = _as_array(x, name)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array of shape {want}, got {_describe(x)}")

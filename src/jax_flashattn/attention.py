@@ -126,10 +126,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     read the shared head, nothing is copied). `bias` (float) and `mask` (bool, True = keep)
     broadcast to [B, N, T, S]. `is_causal` lets query i see keys j <= i; `local_window_size`
     (l, r) lets it see [i - l, i + r] (a side above 2**62 acts as 2**62, which reaches every
-    key); positions are absolute (a packed row's documents share them). The seq lengths are [B] padding masks: int32, or int8, int16, uint8, uint16; a numpy
-    or Python sequence of another integer dtype (np.array([5, 7]) is int64) is taken when its
-    values fit int32. K/V rows past a length never reach a result, on any kernel: a padded
-    cache may hold anything there. `scale` is a static number, finite in float32.
+    key); positions are absolute (a packed row's documents share them). The seq lengths are
+    [B] padding masks: int32, or int8, int16, uint8, uint16; a numpy or Python sequence of
+    another integer dtype (np.array([5, 7]) is int64) is taken when its values fit int32.
+    K/V rows past a length never reach a result, on any kernel: a padded cache may hold
+    anything there. `scale` is a static number, finite in float32.
 
     NaN and Inf: a NaN or +inf logit that a row sees makes that row's output, lse and dq NaN,
     and the dk, dv of the keys it sees, as in jax.nn (whose gradients are NaN in more places
@@ -154,7 +155,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     [T] and [S] when unbatched; int32 or a dtype that fits it): packed sequences. Query i sees
     key j only where their ids are equal, on top of every other option; give both or neither.
     `segment_ids_from_lengths` and `segment_ids_from_offsets` build them from document
-    lengths or cu_seqlens-style offsets. Kernels skip the tiles whose ids cannot match.
+    lengths or cu_seqlens-style offsets. The CPU kernels skip the tiles whose ids cannot
+    match, the GPU forward their products, ring attention the steps between documents.
     With implementation="xla" or "cudnn" they become a boolean mask [B, 1, T, S] for jax.nn.
 
     `deterministic_backward` (keyword-only, not in jax.nn): on a GPU, the gradients are

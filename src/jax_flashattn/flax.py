@@ -228,7 +228,10 @@ def _fold_batch(x, lead: tuple[int, ...], name: str):
 
 
 def _fold_ids(ids, lead: tuple[int, ...], name: str):
-    """Segment ids [batch..., L] as [prod(batch), L] (attention checks their length)."""
+    """Segment ids [batch..., L] as [prod(batch), L] (attention checks their length and
+    dtype; host ids have their values checked to fit int32 first, as attention does)."""
+    if not isinstance(ids, jax.Array):
+        ids = _validate.host_integers(ids, name)
     ids = jnp.asarray(ids)
     if tuple(ids.shape[:-1]) != lead:
         raise ValueError(f"jax_flashattn.flax: {name} must be [batch..., length] with the "

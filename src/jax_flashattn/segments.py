@@ -8,8 +8,11 @@ keys. Documents are numbered 0, 1, ... in row order; the positions after the las
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def segment_ids_from_lengths(lengths, total: int) -> jax.Array:
@@ -37,10 +40,12 @@ def segment_ids_from_offsets(offsets, total: int) -> jax.Array:
 
 
 def _total(total) -> int:
-    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
-        raise TypeError(f"total must be a non-negative Python int (the packed row length), got "
-                        f"{total!r}")
-    return total
+    """The packed row length, a static integer >= 0."""
+    if isinstance(total, (bool, np.bool_)) or not isinstance(total, numbers.Integral):
+        raise TypeError(f"total must be an integer (the packed row length), got {total!r}")
+    if total < 0:
+        raise ValueError(f"total must be >= 0, got {total}")
+    return int(total)
 
 
 def _ids_from_ends(ends, total: int) -> jax.Array:

@@ -564,8 +564,8 @@ def _local(kind, flags, scale, window, deterministic, switches, with_dbias, plan
     else:
         dq, dk, dv, dbias = _ring.seq_backward(
             a.q, k, v, a.out, a.lse, a.d_out, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
-            a.kv_ids, scale=scale, window=window, schedule=schedule, axes=plan.seq_axes, switches=switches,
-            deterministic=deterministic, dbias=with_dbias)
+            a.kv_ids, scale=scale, window=window, schedule=schedule, axes=plan.seq_axes,
+            switches=switches, deterministic=deterministic, dbias=with_dbias)
     if not plan.kv_heads_split:
         dk, dv = _unselect_kv_heads(plan, dk, dv)
     if dbias is None:

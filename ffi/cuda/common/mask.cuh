@@ -15,9 +15,9 @@
 namespace jax_flashattn::cuda {
 
 // Visibility for one (batch, head) in 64 bits: the KeyWindow's lengths and window (key_range,
-// query_range), the ElementMask and the SegmentIds, with the two tests the kernels make on them, each in one
-// function: built from smaller calls, ptxas branched and scheduled the mma.sync and CUDA-core
-// kernels differently (their SASS changed; this form keeps it).
+// query_range), the ElementMask and the SegmentIds, with the two tests the kernels make on
+// them, each in one function: built from smaller calls, ptxas branched and scheduled the
+// mma.sync and CUDA-core kernels differently (their SASS changed; this form keeps it).
 struct Visibility : variant::KeyWindow<int64_t> {
   variant::ElementMask mask;
   variant::SegmentIds segments;
@@ -32,10 +32,10 @@ struct Visibility : variant::KeyWindow<int64_t> {
     return v;
   }
 
-  // The same with the call's segment ids, for the CUDA-core kernels, the only CUDA kernels
-  // that take calls with them (the dispatchers' rule). make() leaves them out, and with them
-  // their tests: in the mma.sync kernels they cost calls without ids up to 2.5%, and bias and
-  // mask calls 16-24% (docs/decisions/segment-ids.md).
+  // The same with the call's segment ids, for the kernels that take calls with them: the
+  // CUDA-core kernels and the mma.sync instantiations for ids. make() leaves them out, and
+  // with them their tests: in the other mma.sync kernels they cost calls without ids up to
+  // 2.5%, and bias and mask calls 16-24% (docs/decisions/segment-ids.md).
   __device__ static Visibility make_with_segments(const AttentionParams& p, int64_t b,
                                                   int64_t n) {
     Visibility v = make(p, b, n);

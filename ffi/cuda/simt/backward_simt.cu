@@ -27,7 +27,8 @@ struct HeadView {
   int64_t bias_offset;
   Visibility vis;
 
-  __device__ HeadView(const AttentionParams& p, int64_t b, int64_t n) : vis(Visibility::make_with_segments(p, b, n)) {
+  __device__ HeadView(const AttentionParams& p, int64_t b, int64_t n)
+      : vis(Visibility::make_with_segments(p, b, n)) {
     const int64_t kv_head = n / p.group_size();
     const int64_t q_offset = b * p.q_batch_stride + n * p.q_head_stride;
     const int64_t kv_offset = b * p.kv_batch_stride + kv_head * p.kv_head_stride;

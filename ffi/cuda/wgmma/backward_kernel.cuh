@@ -318,7 +318,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     ptx::fence_proxy_async_shared();
 
     // dV += P^T dO and dK += dS^T Q over this warpgroup's keys x its kDkvCols head-dim columns,
-    // reducing over the tile's queries; they run while the consumers meet at the barrier.
+    // reducing over the tile's queries; they run while the consumers meet at the barrier (with
+    // the head dim split they are waited for before it: see dQ below).
     const uint32_t dkv_offset = dkv_span0 * kBlockM * kRowBytes;
     fence(dv_acc);
     fence(dk_acc);

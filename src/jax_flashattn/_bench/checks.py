@@ -107,15 +107,13 @@ class ReferenceSlice:
 
     def take_extras(self, cfg: "Config", extras: dict) -> dict:
         """The extras (`Inputs.extras`) of the slice: bias and mask [B or 1, N or 1, T, S] at
-        the checked batch entries, heads and query rows (every key), lengths at the batch
-        entries."""
+        the checked batch entries, heads and query rows (every key), lengths and segment ids
+        at the batch entries (every position: _row_visibility picks the rows' ids)."""
         heads = self.kv_heads * cfg.group
         sliced = {}
         for name, x in extras.items():
             if name in ("bias", "mask"):
                 sliced[name] = _take_logits_shaped(x, self.batch_index, self.rows, heads=heads)
-            elif name == "query_segment_ids":  # every row: _row_visibility picks the rows'
-                sliced[name] = x[self.batch_index]
             else:
                 sliced[name] = x[self.batch_index]
         return sliced
@@ -183,8 +181,8 @@ def _row_visibility(rows, seqlen_k, *, causal, window, q_lens, kv_lens, mask, q_
 @functools.partial(jax.jit, static_argnames=("causal", "window", "dtype"))
 def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype):
     """Exact and P-rounded reference outputs for query rows `rows` (causal, window, lengths,
-    mask and segment ids mask by the rows' true positions, as the full problem would; `extras` are sliced
-    by `ReferenceSlice.take_extras`)."""
+    mask and segment ids mask by the rows' true positions, as the full problem would; `extras`
+    are sliced by `ReferenceSlice.take_extras`)."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     mask = _row_visibility(rows, k.shape[1], causal=causal, window=window,
                            q_lens=extras.get("query_seq_lengths"),
