@@ -28,11 +28,11 @@
 namespace jax_flashattn::mma_sync {
 
 // kElementwise: the call has a bias or a boolean mask, read element by element on every tile.
-// kSegments (with kElementwise): also segment ids, in an instantiation of their own: as a test of
-// the bias and mask instantiation they cost its rows 16-24% (docs/decisions/segment-ids.md).
 // Without one, only tiles that straddle a length or window boundary are masked, with int32
 // tile-relative compares; keeping the 64-bit bias/mask indexing out of that instantiation
 // keeps its registers for the accumulators.
+// kSegments (with kElementwise): also segment ids, in an instantiation of their own: as a test of
+// the bias and mask instantiation they cost its rows 16-24% (docs/decisions/segment-ids.md).
 // kTmaKV (Hopper): K and V tiles come by TMA (maps.k, maps.v, boxes of kBlockN rows) in TMA's
 // 128-byte-swizzled span layout: one thread issues two to eight loads per tile instead of every
 // thread's cp.async with its 64-bit address arithmetic, and the stage's mbarrier, not a block
