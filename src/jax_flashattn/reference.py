@@ -57,7 +57,10 @@ def _softmax(args: _validate.Normalized, precision_dtype):
                       kv_segment_ids=args.key_value_segment_ids)
     keep = jnp.broadcast_to(keep, logits.shape)
     masked = jnp.where(keep, logits, -jnp.inf)
-    row_max = jnp.max(masked, axis=-1, keepdims=True)
+    # NaN made explicit: XLA's CPU max reduction over a row of NaN logits returned -inf (its
+    # initial value), which would read as a row that sees no key.
+    row_max = jnp.where(jnp.isnan(masked).any(axis=-1, keepdims=True), jnp.nan,
+                        jnp.max(masked, axis=-1, keepdims=True))
     any_visible = row_max != -jnp.inf
     safe_max = jnp.where(any_visible, row_max, 0)
     p = jnp.where(keep, jnp.exp(masked - safe_max), 0)
