@@ -228,6 +228,13 @@ template <int N, typename Elem>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], uint64_t a_desc, uint64_t b_desc,
                                          bool accumulate);
 
+// D (+)= A B, A and B from shared memory, both MN-major (M resp. N contiguous: the transposed
+// forms; wgmma transposes only 16-bit operands, which these are). The backward's dQ = dS K reads
+// dS^T, stored [key][query] as its accumulator lies, and K [key][head dim] this way.
+template <int N, typename Elem>
+__device__ __forceinline__ void wgmma_ss_mn_major(float (&d)[N / 8][4], uint64_t a_desc,
+                                                  uint64_t b_desc, bool accumulate);
+
 // D (+)= A B, A from registers, B from shared memory MN-major (N contiguous: the transposed
 // form).
 template <int N, typename Elem>
@@ -241,6 +248,8 @@ __device__ __forceinline__ void wgmma_rs_k_major(float (&d)[N / 8][4], const uin
                                                  uint64_t b_desc, bool accumulate);
 
 // Accumulator operand lists: the register template and the "+f" bindings of d[N / 8][4].
+#define JAX_FLASHATTN_WGMMA_D32_REGS \
+  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" "}"
 #define JAX_FLASHATTN_WGMMA_D64_REGS \
   "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" "}"
@@ -249,11 +258,13 @@ __device__ __forceinline__ void wgmma_rs_k_major(float (&d)[N / 8][4], const uin
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" "}"
-#define JAX_FLASHATTN_WGMMA_D64_OPERANDS(d) \
+#define JAX_FLASHATTN_WGMMA_D32_OPERANDS(d) \
   "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+#define JAX_FLASHATTN_WGMMA_D64_OPERANDS(d) \
+  JAX_FLASHATTN_WGMMA_D32_OPERANDS(d), \
   "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
@@ -314,16 +325,22 @@ __device__ __forceinline__ void wgmma_rs_k_major(float (&d)[N / 8][4], const uin
 
 // One specialisation of each wrapper per (N, element type). A and B descriptors, the scale-d
 // flag and the register A operand follow the N / 2 accumulators, hence their operand numbers.
-#define JAX_FLASHATTN_WGMMA_SS(N, ELEM, TYPE, REGS, OPERANDS, A, B, SCALE_D)                    \
+// The shared-memory forms, one function per major-ness of both operands (TRANS: imm-trans-a and
+// imm-trans-b, 1 for MN-major), for both element types at once.
+#define JAX_FLASHATTN_WGMMA_SS_ONE(NAME, TRANS, N, ELEM, TYPE, REGS, OPERANDS, A, B, SCALE_D)   \
   template <>                                                                                \
-  __device__ __forceinline__ void wgmma_ss<N, ELEM>(float(&d)[N / 8][4], uint64_t a_desc,     \
-                                                    uint64_t b_desc, bool accumulate) {       \
+  __device__ __forceinline__ void NAME<N, ELEM>(float(&d)[N / 8][4], uint64_t a_desc,         \
+                                                uint64_t b_desc, bool accumulate) {           \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SCALE_D ", 0;\n"                      \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS    \
-                 ", %" #A ", %" #B ", p, 1, 1, 0, 0;\n}\n"                                   \
+                 ", %" #A ", %" #B ", p, 1, 1, " #TRANS ", " #TRANS ";\n}\n"                 \
                  : OPERANDS(d)                                                               \
                  : "l"(a_desc), "l"(b_desc), "r"(int(accumulate)));                          \
   }
+#define JAX_FLASHATTN_WGMMA_SS(NAME, TRANS, N, REGS, OPERANDS, A, B, SCALE_D)                   \
+  JAX_FLASHATTN_WGMMA_SS_ONE(NAME, TRANS, N, __nv_bfloat16, "bf16", REGS, OPERANDS, A, B,      \
+                             SCALE_D)                                                        \
+  JAX_FLASHATTN_WGMMA_SS_ONE(NAME, TRANS, N, __half, "f16", REGS, OPERANDS, A, B, SCALE_D)
 
 // The register-A forms, one function per B major-ness (TRANS_B: imm-trans-b, 1 for MN-major),
 // for both element types at once.
@@ -346,13 +363,17 @@ __device__ __forceinline__ void wgmma_rs_k_major(float (&d)[N / 8][4], const uin
   JAX_FLASHATTN_WGMMA_RS_ONE(NAME, TRANS_B, N, __half, "f16", REGS, OPERANDS, A0, A1, A2, A3,  \
                              B, SCALE_D)
 
-JAX_FLASHATTN_WGMMA_SS(64, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D64_REGS,
+JAX_FLASHATTN_WGMMA_SS(wgmma_ss, 0, 64, JAX_FLASHATTN_WGMMA_D64_REGS,
                        JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34)
-JAX_FLASHATTN_WGMMA_SS(64, __half, "f16", JAX_FLASHATTN_WGMMA_D64_REGS,
-                       JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34)
-JAX_FLASHATTN_WGMMA_SS(128, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D128_REGS,
+JAX_FLASHATTN_WGMMA_SS(wgmma_ss, 0, 128, JAX_FLASHATTN_WGMMA_D128_REGS,
                        JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66)
-JAX_FLASHATTN_WGMMA_SS(128, __half, "f16", JAX_FLASHATTN_WGMMA_D128_REGS,
+JAX_FLASHATTN_WGMMA_SS(wgmma_ss, 0, 160, JAX_FLASHATTN_WGMMA_D160_REGS,
+                       JAX_FLASHATTN_WGMMA_D160_OPERANDS, 80, 81, 82)
+JAX_FLASHATTN_WGMMA_SS(wgmma_ss_mn_major, 1, 32, JAX_FLASHATTN_WGMMA_D32_REGS,
+                       JAX_FLASHATTN_WGMMA_D32_OPERANDS, 16, 17, 18)
+JAX_FLASHATTN_WGMMA_SS(wgmma_ss_mn_major, 1, 64, JAX_FLASHATTN_WGMMA_D64_REGS,
+                       JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34)
+JAX_FLASHATTN_WGMMA_SS(wgmma_ss_mn_major, 1, 128, JAX_FLASHATTN_WGMMA_D128_REGS,
                        JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66)
 JAX_FLASHATTN_WGMMA_RS(wgmma_rs, 1, 64, JAX_FLASHATTN_WGMMA_D64_REGS,
                        JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34, 35, 36, 37)
@@ -362,69 +383,24 @@ JAX_FLASHATTN_WGMMA_RS(wgmma_rs_k_major, 0, 64, JAX_FLASHATTN_WGMMA_D64_REGS,
                        JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34, 35, 36, 37)
 JAX_FLASHATTN_WGMMA_RS(wgmma_rs_k_major, 0, 128, JAX_FLASHATTN_WGMMA_D128_REGS,
                        JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66, 67, 68, 69)
-
-JAX_FLASHATTN_WGMMA_SS(160, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D160_REGS,
-                       JAX_FLASHATTN_WGMMA_D160_OPERANDS, 80, 81, 82)
-JAX_FLASHATTN_WGMMA_SS(160, __half, "f16", JAX_FLASHATTN_WGMMA_D160_REGS,
-                       JAX_FLASHATTN_WGMMA_D160_OPERANDS, 80, 81, 82)
 JAX_FLASHATTN_WGMMA_RS(wgmma_rs, 1, 256, JAX_FLASHATTN_WGMMA_D256_REGS,
                        JAX_FLASHATTN_WGMMA_D256_OPERANDS, 128, 129, 130, 131, 132, 133)
 #undef JAX_FLASHATTN_WGMMA_SS
+#undef JAX_FLASHATTN_WGMMA_SS_ONE
 #undef JAX_FLASHATTN_WGMMA_RS
 #undef JAX_FLASHATTN_WGMMA_RS_ONE
-#undef JAX_FLASHATTN_WGMMA_D160_REGS
-#undef JAX_FLASHATTN_WGMMA_D256_REGS
-#undef JAX_FLASHATTN_WGMMA_D160_OPERANDS
-#undef JAX_FLASHATTN_WGMMA_D256_OPERANDS
-
-// ---- wgmma with both operands MN-major (the backward's dQ = dS K), and vector reductions.
-
-// D (+)= A B, A and B from shared memory, both MN-major (M resp. N contiguous: the transposed
-// forms; wgmma transposes only 16-bit operands, which these are). The backward's dQ = dS K reads
-// dS^T, stored [key][query] as its accumulator lies, and K [key][head dim] this way.
-template <int N, typename Elem>
-__device__ __forceinline__ void wgmma_ss_mn_major(float (&d)[N / 8][4], uint64_t a_desc,
-                                                  uint64_t b_desc, bool accumulate);
-
-#define JAX_FLASHATTN_WGMMA_D32_REGS \
-  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" "}"
-#define JAX_FLASHATTN_WGMMA_D32_OPERANDS(d) \
-  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
-  "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
-  "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-
-// As JAX_FLASHATTN_WGMMA_SS with imm-trans-a = imm-trans-b = 1.
-#define JAX_FLASHATTN_WGMMA_SS_MN(N, ELEM, TYPE, REGS, OPERANDS, A, B, SCALE_D)                 \
-  template <>                                                                                \
-  __device__ __forceinline__ void wgmma_ss_mn_major<N, ELEM>(                                 \
-      float(&d)[N / 8][4], uint64_t a_desc, uint64_t b_desc, bool accumulate) {               \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SCALE_D ", 0;\n"                      \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " REGS    \
-                 ", %" #A ", %" #B ", p, 1, 1, 1, 1;\n}\n"                                   \
-                 : OPERANDS(d)                                                               \
-                 : "l"(a_desc), "l"(b_desc), "r"(int(accumulate)));                          \
-  }
-
-JAX_FLASHATTN_WGMMA_SS_MN(32, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D32_REGS,
-                          JAX_FLASHATTN_WGMMA_D32_OPERANDS, 16, 17, 18)
-JAX_FLASHATTN_WGMMA_SS_MN(32, __half, "f16", JAX_FLASHATTN_WGMMA_D32_REGS,
-                          JAX_FLASHATTN_WGMMA_D32_OPERANDS, 16, 17, 18)
-JAX_FLASHATTN_WGMMA_SS_MN(64, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D64_REGS,
-                          JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34)
-JAX_FLASHATTN_WGMMA_SS_MN(64, __half, "f16", JAX_FLASHATTN_WGMMA_D64_REGS,
-                          JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34)
-JAX_FLASHATTN_WGMMA_SS_MN(128, __nv_bfloat16, "bf16", JAX_FLASHATTN_WGMMA_D128_REGS,
-                          JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66)
-JAX_FLASHATTN_WGMMA_SS_MN(128, __half, "f16", JAX_FLASHATTN_WGMMA_D128_REGS,
-                          JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66)
-#undef JAX_FLASHATTN_WGMMA_SS_MN
 #undef JAX_FLASHATTN_WGMMA_D32_REGS
 #undef JAX_FLASHATTN_WGMMA_D64_REGS
 #undef JAX_FLASHATTN_WGMMA_D128_REGS
+#undef JAX_FLASHATTN_WGMMA_D160_REGS
+#undef JAX_FLASHATTN_WGMMA_D256_REGS
 #undef JAX_FLASHATTN_WGMMA_D32_OPERANDS
 #undef JAX_FLASHATTN_WGMMA_D64_OPERANDS
 #undef JAX_FLASHATTN_WGMMA_D128_OPERANDS
+#undef JAX_FLASHATTN_WGMMA_D160_OPERANDS
+#undef JAX_FLASHATTN_WGMMA_D256_OPERANDS
+
+// ---- Vector reductions.
 
 // Adds two consecutive floats (8-byte aligned) to global memory without a return value: the
 // vector form of red.add (sm_90+), half as many reductions as two scalar ones.
