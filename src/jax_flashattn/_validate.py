@@ -119,42 +119,36 @@ def host_integers(x, name: str) -> np.ndarray:
     return x.astype(np.int32)
 
 
-def _seq_lengths(x, name: str, batch: int) -> jax.Array | None:
-    if x is None:
-        return None
+def _int32_array(x, name: str, shape: tuple[int, ...], meaning: str, noun: str) -> jax.Array:
+    """An integer operand (lengths, segment ids) of `shape` as int32; TypeError or ValueError
+    naming it otherwise. `meaning` says what its shape holds, `noun` what its values are."""
     if not isinstance(x, jax.Array):
         x = host_integers(x, name)
     x = _as_array(x, name)
     if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array of shape ({batch},), got {_describe(x)}")
-    if x.shape != (batch,):
-        raise ValueError(f"{name} must have shape ({batch},) (one length per batch entry), got "
-                         f"{_describe(x)}")
+        raise TypeError(f"{name} must be an integer array of shape {shape}, got {_describe(x)}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} ({meaning}), got {_describe(x)}")
     if x.dtype not in _INT32_SAFE_DTYPES:
         # A JAX array's values are unknown at trace time, and casting wraps them around.
         raise TypeError(f"{name} must be int32 (or int8, int16, uint8, uint16, which fit it), got "
                         f"{_describe(x)}, whose values could wrap around in int32 and cannot be "
-                        f"checked at trace time: pass int32 lengths")
+                        f"checked at trace time: pass int32 {noun}")
     return x.astype(jnp.int32)
+
+
+def _seq_lengths(x, name: str, batch: int) -> jax.Array | None:
+    if x is None:
+        return None
+    return _int32_array(x, name, (batch,), "one length per batch entry", "lengths")
 
 
 def _segment_ids(x, name: str, shape: tuple[int, ...], unbatched: bool) -> jax.Array:
     """Segment ids as int32 `shape` ([B, T] or [B, S]); [T] / [S] when the call is unbatched."""
-    want = shape[1:] if unbatched else shape
-    if not isinstance(x, jax.Array):
-        x = host_integers(x, name)
-    x = _as_array(x, name)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(f"{name} must be an integer array of shape {want}, got {_describe(x)}")
-    if tuple(x.shape) != want:
-        raise ValueError(f"{name} must have shape {want} (one id per "
-                         f"{'query' if name.startswith('query') else 'key'} position"
-                         f"{'' if unbatched else ' of each batch entry'}), got {_describe(x)}")
-    if x.dtype not in _INT32_SAFE_DTYPES:
-        raise TypeError(f"{name} must be int32 (or int8, int16, uint8, uint16, which fit it), got "
-                        f"{_describe(x)}, whose values could wrap around in int32 and cannot be "
-                        f"checked at trace time: pass int32 ids")
-    return x.astype(jnp.int32).reshape(shape)
+    position = "query" if name.startswith("query") else "key"
+    meaning = f"one id per {position} position{'' if unbatched else ' of each batch entry'}"
+    given = shape[1:] if unbatched else shape
+    return _int32_array(x, name, given, meaning, "ids").reshape(shape)
 
 
 def segment_ids(query_segment_ids, key_value_segment_ids, *, batch: int, q_len: int,
