@@ -356,7 +356,8 @@ def _block_lengths(schedule, step, block, p, q_lens, kv_lens):
 
 
 def _without_keys_where(visible, kv_len, cols, batch_shape):
-    """kv_len, forced to 0 on the devices where the call is hidden (the kernels then skip it)."""
+    """kv_len, forced to 0 where `visible` (this device's call, or each batch entry of it) is
+    False: the kernels then skip the call. None: nothing hidden."""
     if visible is None:
         return kv_len
     if kv_len is None:
@@ -364,17 +365,14 @@ def _without_keys_where(visible, kv_len, cols, batch_shape):
     return jnp.where(visible, kv_len, 0)
 
 
-def _without_keys_of_other_segments(q_ids, kv_ids, kv_len, cols):
-    """kv_len, forced to 0 for the batch entries whose query and key ids share no value range
-    (the kernels then skip the call): a ring step between different documents computes nothing.
-    q_ids [..., B, rows] and kv_ids [..., B, cols] of the call; None without segment ids."""
+def _segments_meet(q_ids, kv_ids):
+    """bool [..., B]: whether a batch entry's query and key ids of the call (q_ids [..., B, rows],
+    kv_ids [..., B, cols]) share a value range; None without segment ids. Where they do not,
+    the call computes nothing: a ring step between different documents."""
     if q_ids is None:
-        return kv_len
-    overlap = ((jnp.min(q_ids, axis=-1) <= jnp.max(kv_ids, axis=-1)) &
-               (jnp.min(kv_ids, axis=-1) <= jnp.max(q_ids, axis=-1)))
-    if kv_len is None:
-        kv_len = jnp.full(overlap.shape, cols, jnp.int32)
-    return jnp.where(overlap, kv_len, 0)
+        return None
+    return ((jnp.min(q_ids, axis=-1) <= jnp.max(kv_ids, axis=-1)) &
+            (jnp.min(kv_ids, axis=-1) <= jnp.max(q_ids, axis=-1)))
 
 
 def _dispatch(call: Call, p, run, hidden, operands):
@@ -434,7 +432,8 @@ def seq_forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *
             def run(window, visible, qb=qb, kb=kb, vb=vb, q_len=q_len, kv_len=kv_len,
                     qb_ids=qb_ids, kb_ids=kb_ids):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
-                kv_len = _without_keys_of_other_segments(qb_ids, kb_ids, kv_len, kb.shape[-3])
+                kv_len = _without_keys_where(_segments_meet(qb_ids, kb_ids), kv_len,
+                                             kb.shape[-3], batch_shape)
                 return _ops.forward(qb, kb, vb, bias, mask, q_len, kv_len, qb_ids, kb_ids,
                                     scale=scale, window=window, switches=switches)
 
@@ -494,7 +493,8 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=No
             def run(window, visible, qb=qb, kb=kb, vb=vb, ob=ob, lb=lb, dob=dob, q_len=q_len,
                     kv_len=kv_len, qb_ids=qb_ids, kb_ids=kb_ids):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
-                kv_len = _without_keys_of_other_segments(qb_ids, kb_ids, kv_len, kb.shape[-3])
+                kv_len = _without_keys_where(_segments_meet(qb_ids, kb_ids), kv_len,
+                                             kb.shape[-3], batch_shape)
                 grads = _ops.backward(qb, kb, vb, ob, lb, dob, bias, mask, q_len, kv_len,
                                       qb_ids, kb_ids, scale=scale, window=window, switches=switches,
                                       deterministic=deterministic, dbias=with_dbias)
