@@ -20,7 +20,9 @@ struct CallAttrs {
   int32_t has_mask;
   int32_t has_q_seqlens;
   int32_t has_kv_seqlens;
-  int32_t has_segment_ids;  // both q_segment_ids and kv_segment_ids, after the lengths
+  // q_segment_ids, kv_segment_ids and their spans q_key_spans, kv_query_spans, after the
+  // lengths
+  int32_t has_segment_ids;
   // Backward only (the forward passes 0): dQ without atomics, bit-identical across runs.
   int32_t deterministic;
   // The kernel switches (AttentionParams::disable_sm90, sm80_cp_async).
@@ -30,8 +32,8 @@ struct CallAttrs {
 
 // Fills every field of p for a forward call: inputs, the optional inputs (which follow the fixed
 // operands in `optional`, in the order bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
-// kv_segment_ids, each only when flagged), out, lse and the workspaces. Returns
-// InvalidArgument naming the operand when a shape is wrong.
+// kv_segment_ids, q_key_spans, kv_query_spans, each only when flagged), out, lse and the
+// workspaces. Returns InvalidArgument naming the operand when a shape is wrong.
 ffi::Error DecodeForward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                          const ffi::AnyBuffer& v, const ffi::RemainingArgs& optional,
                          ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& lse,
@@ -59,7 +61,8 @@ auto BindForward(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // k [..., B, S, K, H]
       .template Arg<ffi::AnyBuffer>()  // v [..., B, S, K, H]
       .RemainingArgs()                 // bias?, mask?, q_seqlens?, kv_seqlens?,
-                                       // q_segment_ids?, kv_segment_ids?
+                                       // q_segment_ids?, kv_segment_ids?,
+                                       // q_key_spans?, kv_query_spans?
       .template Ret<ffi::AnyBuffer>()  // out [..., B, T, N, H]
       .template Ret<ffi::AnyBuffer>()  // lse float32 [..., B, N, T]
       .template Ret<ffi::AnyBuffer>()  // workspace: int32 [..., 1], the Hopper tile counter
@@ -78,7 +81,8 @@ auto BindBackward(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // lse (forward result)
       .template Arg<ffi::AnyBuffer>()  // d_out, like out
       .RemainingArgs()                 // bias?, mask?, q_seqlens?, kv_seqlens?,
-                                       // q_segment_ids?, kv_segment_ids?
+                                       // q_segment_ids?, kv_segment_ids?,
+                                       // q_key_spans?, kv_query_spans?
       .template Ret<ffi::AnyBuffer>()  // dq, like q
       .template Ret<ffi::AnyBuffer>()  // dk, like k
       .template Ret<ffi::AnyBuffer>()  // dv, like v

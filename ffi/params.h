@@ -40,6 +40,10 @@ struct BroadcastStrides {
 // a real bound: ring attention's blocks see shifted windows such as s <= t - 1.
 inline constexpr int64_t kUnboundedWindow = std::numeric_limits<int64_t>::min();
 
+// Positions per entry of the segment-id spans (AttentionParams::q_key_spans): a multiple of
+// every kernel's tile would do no better, and 16 divides them all. segments.py's GRANULE.
+inline constexpr int64_t kSegmentGranule = 16;
+
 struct AttentionParams {
   ElemType dtype = ElemType::kFloat32;
 
@@ -82,6 +86,13 @@ struct AttentionParams {
   // entry b sees key s only where q_segment_ids[b T + t] == kv_segment_ids[b S + s].
   const int32_t* q_segment_ids = nullptr;
   const int32_t* kv_segment_ids = nullptr;
+  // With the ids, their spans (src/jax_flashattn/segments.py computes them), pairs [lo, hi) of
+  // int32, lo >= hi where empty: for each granule of kSegmentGranule query rows, the keys
+  // whose ids may equal one of the granule's rows' ([batch, ceil(T / granule), 2]), and for
+  // each granule of keys the query rows likewise ([batch, ceil(S / granule), 2]). A kernel
+  // narrows the tiles it visits to them; the element test still decides each pair.
+  const int32_t* q_key_spans = nullptr;
+  const int32_t* kv_query_spans = nullptr;
 
   float scale = 1.0f;  // logits = scale * q.k + bias
   // Query t sees key s iff t - window_left <= s <= t + window_right (each side unbounded when

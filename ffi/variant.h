@@ -7,6 +7,7 @@
 //   ElementMask       the boolean mask: keeps(t, s)
 //   AdditiveBias      the bias operand, added to scale q.k
 //   SegmentIds        packed sequences: keeps(t, s), may_share() for tiles to skip
+//   SegmentSpans      the positions a block may see through the ids: narrow() a tile range
 //
 // Callers: the CPU kernels (ffi/cpu/common.h) and, through cuda::Visibility and its
 // tile-relative form (ffi/cuda/common/mask.cuh), every CUDA family: KeyWindow<int> in the
@@ -15,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "ffi/params.h"
@@ -237,6 +239,53 @@ struct SegmentIds {
       kv_hi = max_of(kv_hi, kv[s]);
     }
     return q_lo <= kv_hi && kv_lo <= q_hi;
+  }
+};
+
+// One batch entry's segment-id spans on one side (query rows or keys; params.h's q_key_spans,
+// kv_query_spans): the positions of the other side that a block of this side's positions may
+// see lie in the union of the spans of the granules the block touches. Empty (spans ==
+// nullptr) without segment ids: nothing is narrowed.
+struct SegmentSpans {
+  const int32_t* spans = nullptr;  // [granules][2]
+  int64_t granules = 0;
+
+  // The keys query rows may see, and the query rows that may see keys.
+  JAX_FLASHATTN_HOST_DEVICE static SegmentSpans keys_of_rows(const AttentionParams& p,
+                                                             int64_t b) {
+    return of(p.q_key_spans, p.seqlen_q, b);
+  }
+  JAX_FLASHATTN_HOST_DEVICE static SegmentSpans rows_of_keys(const AttentionParams& p,
+                                                             int64_t b) {
+    return of(p.kv_query_spans, p.seqlen_k, b);
+  }
+  // [lo, hi) of the other side narrowed to what [begin, end) of this side may see (lo >= hi
+  // when nothing). Index int where the caller's bounds are 32-bit (the Hopper forward's
+  // producer thread, whose few registers a 64-bit loop spills).
+  template <typename Index>
+  JAX_FLASHATTN_HOST_DEVICE void narrow(Index begin, Index end, Index& lo, Index& hi) const {
+    if (spans == nullptr) return;
+    const Index g_end = min_of(Index((end + kSegmentGranule - 1) / kSegmentGranule),
+                               Index(granules));
+    // An empty span is (the other side's length, 0), which moves neither bound of the union.
+    Index first = std::numeric_limits<Index>::max(), last = 0;
+    for (Index g = begin / Index(kSegmentGranule); g < g_end; ++g) {
+      first = min_of(first, Index(spans[2 * g]));
+      last = max_of(last, Index(spans[2 * g + 1]));
+    }
+    lo = max_of(lo, first);
+    hi = min_of(hi, last);
+  }
+
+ private:
+  JAX_FLASHATTN_HOST_DEVICE static SegmentSpans of(const int32_t* all, int64_t length,
+                                                   int64_t b) {
+    SegmentSpans s;
+    if (all != nullptr) {
+      s.granules = (length + kSegmentGranule - 1) / kSegmentGranule;
+      s.spans = all + 2 * b * s.granules;
+    }
+    return s;
   }
 };
 

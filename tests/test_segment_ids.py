@@ -602,3 +602,32 @@ def test_ids_helpers_total():
         jax_flashattn.segment_ids_from_lengths(jnp.asarray([1, 2]), -1)
     np.testing.assert_array_equal(
         jax_flashattn.segment_ids_from_lengths(jnp.asarray([1, 2]), np.int64(4)), [0, 1, 1, 2])
+
+
+@pytest.mark.parametrize("kinds", [("random", "whole", "singles"), ("scattered", "extreme")])
+@pytest.mark.parametrize("t,s", [(37, 37), (64, 100), (129, 16), (1, 33)])
+def test_spans_hold_every_visible_pair(rng, kinds, t, s):
+    """segments.spans, which the kernels narrow their tiles to: each granule's span holds every
+    position of the other side that one of its positions sees, and where the ids do not
+    decrease ("random", "whole", "singles": each granule's ids a run of integers) it is the
+    visible positions' extent rounded out to granules, empty where there are none."""
+    from jax_flashattn import segments
+    q_ids, kv_ids = packed_ids(rng, kinds, t, s)
+    key_spans, query_spans = (np.asarray(x) for x in segments.spans(q_ids, kv_ids))
+    g = segments.GRANULE
+    assert key_spans.shape == (len(kinds), -(-t // g), 2)
+    assert query_spans.shape == (len(kinds), -(-s // g), 2)
+    sees = q_ids[:, :, None] == kv_ids[:, None, :]
+    for spans, visible, length in ((key_spans, sees, s),
+                                   (query_spans, sees.transpose(0, 2, 1), t)):
+        for b, kind in enumerate(kinds):
+            for i, (lo, hi) in enumerate(spans[b]):
+                seen = np.flatnonzero(visible[b, i * g:(i + 1) * g].any(axis=0))
+                if seen.size == 0:
+                    if kind in ("random", "whole", "singles"):
+                        assert lo >= hi, (b, i, lo, hi)
+                    continue
+                assert lo <= seen[0] and seen[-1] < hi, (b, i, lo, hi, seen)
+                if kind in ("random", "whole", "singles"):  # each granule's ids: a run
+                    assert lo == seen[0] - seen[0] % g, (b, i, lo, seen[0])
+                    assert hi == min(length, seen[-1] - seen[-1] % g + g), (b, i, hi, seen[-1])

@@ -120,12 +120,16 @@ void key_tile_task(const AttentionParams& p, int64_t b, int64_t kv_head, int64_t
 
   const int64_t group = p.group_size();
   const auto segments = variant::SegmentIds::make(p, b);
+  // The rows that may see a key of the tile through the ids, from the tile-aligned start.
+  int64_t rows_begin = 0, rows_end = p.seqlen_q;
+  variant::SegmentSpans::rows_of_keys(p, b).narrow(s0, s_end, rows_begin, rows_end);
+  rows_begin -= rows_begin % kTileRows;
   const BroadcastStrides& db = p.dbias_strides;
   for (int64_t n = kv_head * group; n < (kv_head + 1) * group; ++n) {
     const TileLogits logits(p, window, b, n);
     float* dbias = p.dbias != nullptr ? p.dbias + db.offset(b, p.batch_inner, n, 0, s0)
                                       : nullptr;
-    for (int64_t r0 = 0; r0 < p.seqlen_q; r0 += kTileRows) {
+    for (int64_t r0 = rows_begin; r0 < rows_end; r0 += kTileRows) {
       const int64_t rows = std::min(kTileRows, window.q_len - r0);
       if (count <= 0 || rows <= 0 || !window.sees_any(r0, r0 + rows, s0, s0 + count) ||
           !segments.may_share(r0, r0 + rows, s0, s0 + count))
@@ -176,6 +180,7 @@ void query_tile_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0)
     const auto segments = variant::SegmentIds::make(p, b);
     int64_t key_begin, key_end;
     window.key_range(r0, r0 + rows, key_begin, key_end);
+    variant::SegmentSpans::keys_of_rows(p, b).narrow(r0, r0 + rows, key_begin, key_end);
     for (int64_t k0 = key_begin; k0 < key_end; k0 += kTileKeys) {
       const int64_t count = std::min(kTileKeys, key_end - k0);
       if (!segments.may_share(r0, r0 + rows, k0, k0 + count)) continue;

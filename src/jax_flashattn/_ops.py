@@ -1,7 +1,8 @@
 """`jax.ffi.ffi_call` wrappers: the only place that knows the FFI targets' operands.
 
-Optional inputs (bias, mask, query and key/value lengths, query and key/value segment ids) are
-passed only when present, in that order, and flagged by attributes (one flag for both ids). The
+Optional inputs (bias, mask, query and key/value lengths, query and key/value segment ids with
+the spans the kernels narrow their tiles to, segments.spans) are passed only when present, in
+that order, and flagged by attributes (one flag for the ids and their spans). The
 handlers treat every dimension before [T, N, H] as batch, so operands may carry extra leading
 dims (all of them the same ones, in front, as `vmap_method="broadcast_all"` gives a vmapped
 call): it stays one custom call.
@@ -14,11 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_flashattn import _ffi
+from jax_flashattn import _ffi, segments
 
 
 def _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids):
     present = [x for x in (bias, mask, q_lens, kv_lens, q_ids, kv_ids) if x is not None]
+    if q_ids is not None:
+        present.extend(segments.spans(q_ids, kv_ids))
     flags = dict(has_bias=bias is not None, has_mask=mask is not None,
                  has_q_seqlens=q_lens is not None, has_kv_seqlens=kv_lens is not None,
                  has_segment_ids=q_ids is not None)

@@ -52,3 +52,49 @@ def _ids_from_ends(ends, total: int) -> jax.Array:
     """Position i's id: how many document ends are <= i (ends non-decreasing)."""
     positions = jnp.arange(total, dtype=jnp.int32)
     return jnp.sum(ends[..., None, :] <= positions[:, None], axis=-1, dtype=jnp.int32)
+
+
+# Positions per span entry: ffi/params.h's kSegmentGranule.
+GRANULE = 16
+
+
+def spans(q_ids, kv_ids):
+    """The spans the kernels narrow their tiles to (ffi/params.h q_key_spans, kv_query_spans):
+    for q_ids [..., T] and kv_ids [..., S], int32 [..., ceil(T / GRANULE), 2] giving, for each
+    GRANULE query rows, [lo, hi) holding every key whose id lies in the range of the rows' ids,
+    and int32 [..., ceil(S / GRANULE), 2] the same for each GRANULE keys over the query rows;
+    lo >= hi where there is none. Exact on granule bounds where the ids do not decrease along
+    a row (packed documents): then a block's keys are the documents its rows are in, and a
+    causal packed row costs about the sum of its documents' causal work. Otherwise wider,
+    never narrower (the kernels test each pair on the ids themselves). O(T S / GRANULE^2)."""
+    q_lo, q_hi = _granule_ranges(q_ids)
+    kv_lo, kv_hi = _granule_ranges(kv_ids)
+    return (_overlapping(q_lo, q_hi, kv_lo, kv_hi, kv_ids.shape[-1]),
+            _overlapping(kv_lo, kv_hi, q_lo, q_hi, q_ids.shape[-1]))
+
+
+def _granule_ranges(ids):
+    """Per GRANULE positions, the least and greatest id ([..., G] each; a last partial granule
+    is padded with its last id, which widens nothing)."""
+    length = ids.shape[-1]
+    granules = -(-length // GRANULE)
+    if granules == 0:
+        return ids, ids
+    pad = [(0, 0)] * (ids.ndim - 1) + [(0, granules * GRANULE - length)]
+    grouped = jnp.pad(ids, pad, mode="edge").reshape(*ids.shape[:-1], granules, GRANULE)
+    return grouped.min(axis=-1), grouped.max(axis=-1)
+
+
+def _overlapping(lo, hi, other_lo, other_hi, other_length):
+    """For each granule of one side, [first, last + 1) in positions of the granules of the
+    other side whose id range meets its own, clipped to other_length; (other_length, 0) when
+    none does."""
+    meets = ((lo[..., :, None] <= other_hi[..., None, :]) &
+             (other_lo[..., None, :] <= hi[..., :, None]))
+    index = jnp.arange(other_lo.shape[-1], dtype=jnp.int32)
+    count = np.int32(other_lo.shape[-1])
+    first = jnp.min(jnp.where(meets, index, count), axis=-1, initial=count)
+    last = jnp.max(jnp.where(meets, index, -1), axis=-1, initial=-1)
+    begin = jnp.minimum(first * GRANULE, other_length)
+    end = jnp.minimum((last + 1) * GRANULE, other_length)
+    return jnp.stack([begin, end], axis=-1).astype(jnp.int32)

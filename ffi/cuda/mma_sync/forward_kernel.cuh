@@ -89,6 +89,10 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
   const cuda::Visibility vis = cuda::Visibility::make(p, b, n);
   int64_t key_lo, key_hi;
   vis.key_range(row0, row0 + kBlockM, key_lo, key_hi);
+  // kSegments: only the keys of the documents the block's rows are in (a causal packed row
+  // then costs about its documents' causal work, not the row's).
+  if constexpr (kSegments)
+    variant::SegmentSpans::keys_of_rows(p, b).narrow(row0, row0 + kBlockM, key_lo, key_hi);
   const int64_t valid_rows = p.seqlen_q - row0 < kBlockM ? p.seqlen_q - row0 : kBlockM;
 
   if (key_hi <= key_lo) {  // no row of this tile sees a key: O = 0, lse = -inf
@@ -181,9 +185,11 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
 
   // kSegments: the range of the segment ids of this warp's rows below the query length (empty,
   // lo > hi, where it has none).
+  // Made once: a copy per use cost instructions, and ptxas spilled more.
+  [[maybe_unused]] const auto ids =
+      kSegments ? variant::SegmentIds::make(p, b) : variant::SegmentIds{};
   [[maybe_unused]] int32_t warp_id_lo = 0, warp_id_hi = -1;
   if constexpr (kSegments) {
-    const auto ids = variant::SegmentIds::make(p, b);
     int32_t lo = INT32_MAX, hi = INT32_MIN;
     for (int i = lane; i < kSlabs * 16; i += 32) {
       const int64_t row = row0 + warp_row0 + i;
@@ -279,7 +285,6 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
             [[maybe_unused]] int32_t row_id = 0;
             [[maybe_unused]] const int32_t* key_ids = nullptr;
             if constexpr (kSegments) {
-              const auto ids = variant::SegmentIds::make(p, b);
               row_id = row0 + r < vis.q_len ? ids.q[row0 + r] : 0;
               key_ids = ids.kv + key0;
             }
@@ -321,7 +326,6 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
     // computes nothing on it (it still counts itself done with the stage below).
     bool warp_computes = true;
     if constexpr (kSegments) {
-      const auto ids = variant::SegmentIds::make(p, b);
       int32_t lo = INT32_MAX, hi = INT32_MIN;
       for (int i = lane; i < kBlockN; i += 32) {
         const int64_t key = tile * kBlockN + i;
