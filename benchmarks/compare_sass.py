@@ -36,6 +36,7 @@ FAMILIES = {
     "forward_mma_sync": ("ffi/cuda/mma_sync/traits.h", "kHeadDims"),
     "forward_mma_sync_segments": ("ffi/cuda/mma_sync/traits.h", "kHeadDims"),
     "forward_wgmma": ("ffi/cuda/wgmma/traits.h", "kHeadDims"),
+    "forward_wgmma_segments": ("ffi/cuda/wgmma/traits.h", "kHeadDims"),
     "decode_mma_sync": ("ffi/cuda/decode/mma_sync_traits.h", "kDecodeHeadDims"),
     "decode_wgmma": ("ffi/cuda/decode/wgmma_traits.h", "kDecodeHeadDims"),
     "backward_mma_sync": ("ffi/cuda/mma_sync/backward_traits.h", "kBackwardHeadDims"),

@@ -130,8 +130,9 @@ struct AttentionParams {
   bool sm80_cp_async = false;  // JAX_FLASHATTN_SM80_CP_ASYNC: mma.sync K/V by cp.async on Hopper
 
   JAX_FLASHATTN_HOST_DEVICE int64_t group_size() const { return num_heads / num_kv_heads; }
-  // A bias, a boolean mask or segment ids: terms read element by element, which the Hopper
-  // and decode kernels do not have (the mma.sync forward has an instantiation for them).
+  // A bias, a boolean mask or segment ids: terms read element by element, which the decode
+  // kernels do not have (the mma.sync family has instantiations for them, the Hopper forward
+  // one for segment ids).
   JAX_FLASHATTN_HOST_DEVICE bool has_elementwise_terms() const {
     return bias != nullptr || mask != nullptr || q_segment_ids != nullptr;
   }

@@ -52,7 +52,8 @@ def main():
         # 192, the deterministic dQ pass's 16-key tiles.
         (jnp.float16, 136, dict(is_causal=True, key_value_seq_lengths=lens,
                                 deterministic_backward=True)),
-        # Segment ids (the mma.sync forward's elementwise kernels, the mma.sync backward).
+        # Segment ids (on Hopper the Hopper forward's kernel for them, elsewhere the mma.sync
+        # forward's; the mma.sync backward's).
         (jnp.bfloat16, 128, dict(is_causal=True, key_value_seq_lengths=lens,
                                  query_segment_ids=np.arange(2 * 77).reshape(2, 77) // 20,
                                  key_value_segment_ids=np.arange(2 * 93).reshape(2, 93) // 25)),
@@ -114,6 +115,15 @@ def main():
     with switch("JAX_FLASHATTN_DISABLE_SM90"):
         forward_case(rng, "lengths inside a key tile, mma.sync", (2, 300, 700, 4, 2, 128),
                      **lengths_case)
+    # Segment ids, causal, with key lengths: 64-row halves of query blocks whose documents no
+    # key carries (idle warpgroups), key tiles narrowed to each block's documents, tiles inside
+    # one document and tiles across a boundary.
+    ids_case = dict(is_causal=True, key_value_seq_lengths=jnp.array([700, 333], jnp.int32),
+                    query_segment_ids=np.broadcast_to(np.arange(300) // 64, (2, 300)),
+                    key_value_segment_ids=np.broadcast_to(np.arange(700) // 96 * 2, (2, 700)))
+    forward_case(rng, "segment ids", (2, 300, 700, 4, 2, 128), **ids_case)
+    with switch("JAX_FLASHATTN_DISABLE_SM90"):
+        forward_case(rng, "segment ids, mma.sync", (2, 300, 700, 4, 2, 128), **ids_case)
 
 
 @contextlib.contextmanager

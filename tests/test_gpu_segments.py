@@ -1,9 +1,11 @@
 """Packed sequences (segment ids) on the CUDA kernels (run with `pytest -m gpu` on a GPU).
 
-Calls with segment ids take the mma.sync family's instantiations for them (bf16/fp16; K/V by
-TMA on Hopper, by cp.async elsewhere or with JAX_FLASHATTN_SM80_CP_ASYNC; both dQ modes) and
-the CUDA-core kernels (float32, other head dims); the Hopper and split-KV decode kernels must
-not take them.
+Calls with segment ids take the Hopper forward's instantiation for them on an H100/H200
+(without a bias or mask), the mma.sync family's (bf16/fp16; K/V by TMA on Hopper, by cp.async
+elsewhere or with JAX_FLASHATTN_SM80_CP_ASYNC; both dQ modes; every backward) and the CUDA-core
+kernels (float32, other head dims); the split-KV decode kernels must not take them. The forward
+tests run each case on the Hopper kernel and, with JAX_FLASHATTN_DISABLE_SM90, on the mma.sync
+family.
 """
 
 import jax.numpy as jnp
@@ -11,10 +13,32 @@ import numpy as np
 import pytest
 
 import jax_flashattn
-from helpers import check_cuda_forward, random_qkv
+from helpers import check_cuda_forward, hopper, random_qkv
 from test_gpu_backward import check_grads
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(params=["sm90", "sm80_tma", "sm80_cp_async"])
+def family(request, monkeypatch):
+    """The forward family a case runs on: the Hopper kernel (skipped off Hopper), or the
+    mma.sync one with K/V by TMA (cp.async off Hopper) or by cp.async."""
+    if request.param == "sm90":
+        if not hopper():
+            pytest.skip("the Hopper kernels need an sm_90a build on an H100/H200")
+    else:
+        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    if request.param == "sm80_cp_async":
+        monkeypatch.setenv("JAX_FLASHATTN_SM80_CP_ASYNC", "1")
+    return request.param.split("_")[0]
+
+
+def check_forward_on(family, q, k, v, *args, **kwargs):
+    """check_cuda_forward, after asserting that a bf16/fp16 call takes `family`."""
+    if q.dtype != jnp.float32 and q.shape[-1] % 8 == 0:
+        ids = {name: kwargs[name] for name in ("query_segment_ids", "key_value_segment_ids")}
+        assert jax_flashattn.forward_kernel(q, k, *args[:2], **ids) == family
+    check_cuda_forward(q, k, v, *args, **kwargs)
 
 
 def packed_ids(rng, batch, length, mean):
@@ -37,36 +61,68 @@ def ids_for(rng, b, t, s, mean):
     return q_ids, q_ids if s == t else packed_ids(rng, b, s, mean)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 40])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_forward_head_dims(rng, dtype, head_dim, is_causal):
+def test_forward_head_dims(rng, family, dtype, head_dim, is_causal):
     q, k, v = random_qkv(rng, 2, 300, 300, 4, 2, head_dim, dtype)
     q_ids, kv_ids = ids_for(rng, 2, 300, 300, 40)
-    check_cuda_forward(q, k, v, is_causal=is_causal, query_segment_ids=q_ids,
+    check_forward_on(family, q, k, v, is_causal=is_causal, query_segment_ids=q_ids,
+                     key_value_segment_ids=kv_ids)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_forward_float32(rng, head_dim):
+    q, k, v = random_qkv(rng, 2, 300, 300, 4, 2, head_dim, jnp.float32)
+    q_ids, kv_ids = ids_for(rng, 2, 300, 300, 40)
+    check_cuda_forward(q, k, v, is_causal=True, query_segment_ids=q_ids,
                        key_value_segment_ids=kv_ids)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("t,s", [(1, 1), (1, 300), (257, 513), (513, 129)])
-@pytest.mark.parametrize("cp_async", [False, True], ids=["default_loads", "cp_async"])
-def test_forward_sizes_and_loads(rng, monkeypatch, dtype, t, s, cp_async):
-    if cp_async:
-        monkeypatch.setenv("JAX_FLASHATTN_SM80_CP_ASYNC", "1")
+def test_forward_sizes_and_loads(rng, family, dtype, t, s):
     q, k, v = random_qkv(rng, 2, t, s, 4, 1, 128, dtype)
     q_ids, kv_ids = ids_for(rng, 2, t, s, 50)
-    check_cuda_forward(q, k, v, query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
+    check_forward_on(family, q, k, v, query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_forward_skips_tiles_between_documents(rng, dtype, is_causal):
-    """Documents longer than a warp's rows and a key tile: most (warp, key tile) pairs share no
-    segment and are skipped; the rows straddling a document boundary are not."""
-    q, k, v = random_qkv(rng, 2, 1100, 1100, 4, 2, 128, dtype)
+def test_forward_skips_tiles_between_documents(rng, family, dtype, head_dim, is_causal):
+    """Documents longer than a warp's rows and a key tile: each block visits only its
+    documents' key tiles, tiles inside one document take no element test (and the settled
+    row maxima), the tiles straddling a document boundary do."""
+    q, k, v = random_qkv(rng, 2, 1100, 1100, 4, 2, head_dim, dtype)
     q_ids, kv_ids = ids_for(rng, 2, 1100, 1100, 250)
-    check_cuda_forward(q, k, v, is_causal=is_causal, query_segment_ids=q_ids,
-                       key_value_segment_ids=kv_ids)
+    check_forward_on(family, q, k, v, is_causal=is_causal, query_segment_ids=q_ids,
+                     key_value_segment_ids=kv_ids)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", ["window_lengths_gqa", "unsorted", "idle_warpgroups"])
+def test_forward_with_other_options(rng, family, head_dim, case):
+    """Ids with a causal window, per-batch lengths and GQA, T != S packed apart; ids in no
+    order (tiles of every document interleave); and query blocks half of whose rows are in a
+    document no key of the block's range carries (whole warpgroups see no key)."""
+    b, t, s = 2, 700, 900
+    q, k, v = random_qkv(rng, b, t, s, 8, 2, head_dim, jnp.bfloat16)
+    kwargs = {}
+    if case == "window_lengths_gqa":
+        q_ids, kv_ids = ids_for(rng, b, t, s, 120)
+        kwargs = dict(is_causal=True, local_window_size=(200, 0),
+                      query_seq_lengths=jnp.array([700, 333], jnp.int32),
+                      key_value_seq_lengths=jnp.array([900, 401], jnp.int32))
+    elif case == "unsorted":
+        q_ids = jnp.asarray(rng.integers(0, 4, (b, t)), jnp.int32)
+        kv_ids = jnp.asarray(rng.integers(0, 4, (b, s)), jnp.int32)
+    else:  # each 64 rows an id of their own; the keys, 96 to an id, carry only the even ones
+        q_ids = jnp.asarray(np.broadcast_to(np.arange(t) // 64, (b, t)), jnp.int32)
+        kv_ids = jnp.asarray(np.broadcast_to(np.arange(s) // 96 * 2, (b, s)), jnp.int32)
+        kwargs = dict(is_causal=True)
+    check_forward_on(family, q, k, v, query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
+                     **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -93,7 +149,7 @@ def test_decoding_shape_keeps_the_normal_kernels(rng):
     kv_ids = jnp.asarray(rng.integers(0, 3, (2, 8192)), jnp.int32)
     ids = dict(query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
     assert jax_flashattn.forward_kernel(q, k) in ("decode", "decode_sm90")
-    assert jax_flashattn.forward_kernel(q, k, **ids) == "sm80"
+    assert jax_flashattn.forward_kernel(q, k, **ids) == ("sm90" if hopper() else "sm80")
     check_cuda_forward(q, k, v, **ids)
 
 
@@ -101,8 +157,10 @@ def test_families_with_segment_ids(rng):
     q, k, _ = random_qkv(rng, 2, 512, 512, 8, 8, 128, jnp.bfloat16)
     ids = dict(query_segment_ids=jnp.zeros((2, 512), jnp.int32),
                key_value_segment_ids=jnp.zeros((2, 512), jnp.int32))
-    assert jax_flashattn.forward_kernel(q, k, **ids) == "sm80"
+    assert jax_flashattn.forward_kernel(q, k, **ids) == ("sm90" if hopper() else "sm80")
     assert jax_flashattn.backward_kernel(q, k, **ids) == "sm80"
+    bias = jnp.zeros((1, 8, 512, 512), jnp.bfloat16)
+    assert jax_flashattn.forward_kernel(q, k, bias, **ids) == "sm80"
     assert jax_flashattn.forward_kernel(q.astype(jnp.float32), k.astype(jnp.float32),
                                         **ids) == "simt"
 

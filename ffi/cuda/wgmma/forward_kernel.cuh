@@ -120,7 +120,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (tid != 0) return;
     // Made here, not once above: a value live across the split spills within the producer's
     // 24 registers (the default budget; docs/decisions/hopper-kernels-without-spills.md).
-    const auto scheduler = TileScheduler<kBlockM, kBlockN>::make(p);
+    const auto scheduler = TileScheduler<kBlockM, kBlockN, Traits::kSegments>::make(p);
     // Each load goes into the next buffer of its ring once the consumers have released it.
     // Tiles without keys take no buffer (the consumers write their zeros and -inf lse).
     const auto load_q = [&](const ForwardTile& t, RingPosition<kQStages>& q_ring) {
@@ -358,8 +358,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // and releases as the computing path below, in the same order, so every barrier phase sees
     // the same arrivals. The test goes through a warp vote for ptxas's sake: as a plain compare
     // it moves the tile loop's values out of uniform registers, and three consumers spill
-    // (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
-    if (__all_sync(0xffffffff, t.row0 + wg_row0 >= t.vis.q_len)) {
+    // (docs/decisions/idle-warpgroups-and-warpgroup-tails.md). kSegments: also a warpgroup
+    // whose rows see no key of the block through their documents' spans.
+    [[maybe_unused]] bool sees_nothing = false;
+    if constexpr (Traits::kSegments) {
+      int key_lo, key_hi;
+      t.vis.key_range(t.row0 + wg_row0, t.row0 + wg_row0 + 64, key_lo, key_hi);
+      variant::SegmentSpans::keys_of_rows(p, t.b).narrow(t.row0 + wg_row0,
+                                                         t.row0 + wg_row0 + 64, key_lo, key_hi);
+      sees_nothing = key_hi <= key_lo;
+    }
+    if (__all_sync(0xffffffff, t.row0 + wg_row0 >= t.vis.q_len || sees_nothing)) {
       store_pending();
       write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
       // Turn r issues S_r (r < n) and P_{r-1} V_{r-1} (r > 0) on the computing path of a
@@ -414,6 +423,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     t.vis.all_visible_tiles<kBlockN>(t.row0 + warp_row0, t.row0 + warp_row0 + 16, t.tile_begin,
                                      interior_lo, interior_hi);
     const uint32_t q_tile = smem.q(q_stage) + wg_row0 * kRowBytes;
+    // kSegments: whether one document holds all of this warp's rows and all of key tile j's
+    // keys, so that the ids need no element test there. Asked only of interior tiles (below),
+    // where every row and key is inside its length.
+    [[maybe_unused]] const auto one_document = [&](int j) {
+      const auto ids = variant::SegmentIds::make(p, t.b);
+      int32_t lo = ids.q[t.row0 + warp_row0 + lane % 16], hi = lo;
+#pragma unroll
+      for (int i = lane; i < kBlockN; i += 32) {
+        const int32_t id = ids.kv[(t.tile_begin + j) * kBlockN + i];
+        lo = min(lo, id);
+        hi = max(hi, id);
+      }
+      return __reduce_min_sync(0xffffffff, lo) == __reduce_max_sync(0xffffffff, hi);
+    };
     // The full update of tile j over its first kUsed 8-column tiles: where a boundary crosses
     // the tile for this warp's rows (not interior), the scores it hides set to -inf first.
     const auto mask_and_exponentiate = [&](auto used, int j, bool interior,
@@ -431,12 +454,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int h = 0; h < 2; ++h) {
           uint32_t bits[(2 * kUsed + 31) / 32];  // this thread's visible elements of the row
           tile_vis.column_bits<kUsed>(warp_row0 + quad_row + 8 * h, quad_col, bits);
+          // kSegments: the row's id and the ids of this thread's keys, read only where the
+          // window says visible (inside the lengths).
+          [[maybe_unused]] int32_t row_id = 0;
+          [[maybe_unused]] const int32_t* key_ids = nullptr;
+          if constexpr (Traits::kSegments) {
+            const auto ids = variant::SegmentIds::make(p, t.b);
+            const int row = t.row0 + warp_row0 + quad_row + 8 * h;
+            row_id = row < vis.q_len ? ids.q[row] : 0;
+            key_ids = ids.kv + (t.tile_begin + j) * kBlockN + quad_col;
+          }
 #pragma unroll
           for (int c = 0; c < kUsed; ++c)
 #pragma unroll
-            for (int e = 0; e < 2; ++e)
-              if (!cuda::TileVisibility::column_visible(bits, 2 * c + e))
-                s_acc[0][c][2 * h + e] = -INFINITY;
+            for (int e = 0; e < 2; ++e) {
+              bool visible = cuda::TileVisibility::column_visible(bits, 2 * c + e);
+              if constexpr (Traits::kSegments)
+                if (visible) visible = key_ids[8 * c + e] == row_id;
+              if (!visible) s_acc[0][c][2 * h + e] = -INFINITY;
+            }
         }
       }
       softmax.exponentiate_first<kUsed>(s_acc, scale_log2, correction);
@@ -450,7 +486,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // it). K_j is released once nothing reads it (docs/decisions/settled-row-maxima.md).
     const auto softmax_step = [&](int j, float (&correction)[1][2]) {
       const int stage = kv_ring.stage();
-      const bool interior = j >= interior_lo && j < interior_hi;
+      bool interior = j >= interior_lo && j < interior_hi;
+      if constexpr (Traits::kSegments) interior = interior && one_document(j);
       const bool settled = j > 0 && interior &&
                            __all_sync(0xffffffff, softmax.row_max[0][0] > -INFINITY &&
                                                       softmax.row_max[0][1] > -INFINITY);

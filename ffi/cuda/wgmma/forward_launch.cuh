@@ -36,8 +36,15 @@ cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stre
   return cudaGetLastError();
 }
 
+// Calls with segment ids: defined in forward_segments_launch.cuh and instantiated in
+// translation units of their own (cuda/instantiations/forward_wgmma_segments.cu.in), so that
+// their kernels leave the others' code as it is.
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_sm90_segments(const AttentionParams& p, cudaStream_t stream);
+
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
+  if (p.q_segment_ids != nullptr) return launch_forward_sm90_segments<Elem, kHeadDim>(p, stream);
   if constexpr (wgmma::kHasWideConfig<kHeadDim>) {
     if (wgmma::wide_config_pays<kHeadDim>(p))
       return launch_forward_sm90_with<Elem, wgmma::ForwardConfig<kHeadDim, true>>(p, stream);

@@ -34,6 +34,8 @@ struct ForwardTraits {
   // Whether calls with causal or window bounds run on this configuration (if not, the kernel
   // drops each warpgroup's own key range: every row then sees the same keys).
   static constexpr bool kWindowed = true;
+  // Segment ids (WithSegmentIds below).
+  static constexpr bool kSegments = false;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
   // setmaxnreg budgets (a configuration may trade some, register_budgets_fit() below):
@@ -135,6 +137,19 @@ template <>
 struct ForwardConfig<256> : ForwardTraits<256, 64, 2, 1, true> {
   static constexpr int kProducerRegisters = 32;
   static constexpr int kConsumerRegisters = 232;
+};
+
+// A configuration's tiles for calls with segment ids: the block's key tiles narrowed to the
+// documents its rows are in, and the ids' element test on the tiles where a warp's rows and
+// the tile's keys are not all of one document. Instantiated in translation units of their own
+// (cuda/instantiations/forward_wgmma_segments.cu.in), so the other kernels' code stays as it
+// is.
+// The producer narrows each tile's key range by the spans: 8 more registers, or at head dim
+// 64 (holding two tiles) ptxas spills it (128 x 40 + 256 x 232 = 64512 fits the 168 x 384).
+template <typename Config>
+struct WithSegmentIds : Config {
+  static constexpr bool kSegments = true;
+  static constexpr int kProducerRegisters = Config::kProducerRegisters + 8;
 };
 
 // setmaxnreg only moves registers within what the block was launched with: 168 per thread
