@@ -131,8 +131,8 @@ struct AttentionParams {
 
   JAX_FLASHATTN_HOST_DEVICE int64_t group_size() const { return num_heads / num_kv_heads; }
   // A bias, a boolean mask or segment ids: terms read element by element, which the decode
-  // kernels do not have (the mma.sync family has instantiations for them, the Hopper forward
-  // one for segment ids).
+  // kernels do not have (the mma.sync family has instantiations for them, the Hopper kernels
+  // for segment ids).
   JAX_FLASHATTN_HOST_DEVICE bool has_elementwise_terms() const {
     return bias != nullptr || mask != nullptr || q_segment_ids != nullptr;
   }

@@ -1,11 +1,11 @@
 """Packed sequences (segment ids) on the CUDA kernels (run with `pytest -m gpu` on a GPU).
 
-Calls with segment ids take the Hopper forward's instantiation for them on an H100/H200
-(without a bias or mask), the mma.sync family's (bf16/fp16; K/V by TMA on Hopper, by cp.async
-elsewhere or with JAX_FLASHATTN_SM80_CP_ASYNC; both dQ modes; every backward) and the CUDA-core
-kernels (float32, other head dims); the split-KV decode kernels must not take them. The forward
-tests run each case on the Hopper kernel and, with JAX_FLASHATTN_DISABLE_SM90, on the mma.sync
-family.
+Calls with segment ids take the Hopper kernels' instantiations for them on an H100/H200
+(without a bias or mask; the backward with dQ by atomics), the mma.sync family's (bf16/fp16; K/V
+by TMA on Hopper, by cp.async elsewhere or with JAX_FLASHATTN_SM80_CP_ASYNC; both dQ modes) and
+the CUDA-core kernels (float32, other head dims); the split-KV decode kernels must not take
+them. The tests run each case on the Hopper kernels and, with JAX_FLASHATTN_DISABLE_SM90, on the
+mma.sync family.
 """
 
 import jax.numpy as jnp
@@ -158,9 +158,11 @@ def test_families_with_segment_ids(rng):
     ids = dict(query_segment_ids=jnp.zeros((2, 512), jnp.int32),
                key_value_segment_ids=jnp.zeros((2, 512), jnp.int32))
     assert jax_flashattn.forward_kernel(q, k, **ids) == ("sm90" if hopper() else "sm80")
-    assert jax_flashattn.backward_kernel(q, k, **ids) == "sm80"
+    assert jax_flashattn.backward_kernel(q, k, **ids) == ("sm90" if hopper() else "sm80")
+    assert jax_flashattn.backward_kernel(q, k, deterministic=True, **ids) == "sm80"
     bias = jnp.zeros((1, 8, 512, 512), jnp.bfloat16)
     assert jax_flashattn.forward_kernel(q, k, bias, **ids) == "sm80"
+    assert jax_flashattn.backward_kernel(q, k, bias, **ids) == "sm80"
     assert jax_flashattn.forward_kernel(q.astype(jnp.float32), k.astype(jnp.float32),
                                         **ids) == "simt"
 
@@ -170,14 +172,64 @@ def deterministic(request):
     return request.param
 
 
+@pytest.fixture(params=["sm90", "sm80_atomic", "sm80_deterministic"])
+def backward_family(request, monkeypatch):
+    """(family, deterministic): the Hopper backward (skipped off Hopper), or the mma.sync one
+    with dQ by atomics or by its own pass."""
+    if request.param == "sm90":
+        if not hopper():
+            pytest.skip("the Hopper kernels need an sm_90a build on an H100/H200")
+    else:
+        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    return request.param.split("_")[0], request.param.endswith("deterministic")
+
+
+def check_grads_on(backward_family, rng, q, k, v, **kwargs):
+    """check_grads on the backward family, asserted."""
+    family, deterministic = backward_family
+    ids = {name: kwargs[name] for name in ("query_segment_ids", "key_value_segment_ids")}
+    assert jax_flashattn.backward_kernel(q, k, deterministic=deterministic,
+                                         **ids) == family
+    return check_grads(rng, q, k, v, deterministic=deterministic, **kwargs)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_backward(rng, dtype, head_dim, is_causal, deterministic):
+def test_backward(rng, backward_family, dtype, head_dim, is_causal):
     q, k, v = random_qkv(rng, 2, 300, 300, 4, 2, head_dim, dtype)
     q_ids, kv_ids = ids_for(rng, 2, 300, 300, 40)
-    check_grads(rng, q, k, v, is_causal=is_causal, deterministic=deterministic,
-                query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
+    check_grads_on(backward_family, rng, q, k, v, is_causal=is_causal, query_segment_ids=q_ids,
+                   key_value_segment_ids=kv_ids)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", ["long_documents", "window_lengths_gqa", "unsorted",
+                                  "keyless_rows"])
+def test_backward_cases(rng, backward_family, head_dim, case):
+    """Documents longer than the tiles (steps inside one document take no element test); a
+    causal window, per-batch lengths and GQA with T != S packed apart; ids in no order; rows in
+    documents no key carries (zero gradients) and key blocks whose documents no query has."""
+    b, t, s = 2, 700, 900
+    q, k, v = random_qkv(rng, b, t, s, 8, 2, head_dim, jnp.bfloat16)
+    kwargs = dict(is_causal=True)
+    if case == "long_documents":
+        q_ids, kv_ids = ids_for(rng, b, t, s, 300)
+        kwargs = {}
+    elif case == "window_lengths_gqa":
+        q_ids, kv_ids = ids_for(rng, b, t, s, 120)
+        kwargs = dict(is_causal=True, local_window_size=(200, 0),
+                      query_seq_lengths=jnp.array([700, 333], jnp.int32),
+                      key_value_seq_lengths=jnp.array([900, 401], jnp.int32))
+    elif case == "unsorted":
+        q_ids = jnp.asarray(rng.integers(0, 4, (b, t)), jnp.int32)
+        kv_ids = jnp.asarray(rng.integers(0, 4, (b, s)), jnp.int32)
+        kwargs = {}
+    else:  # each 64 rows an id of their own; the keys, 96 to an id, carry the even ones only
+        q_ids = jnp.asarray(np.broadcast_to(np.arange(t) // 64, (b, t)), jnp.int32)
+        kv_ids = jnp.asarray(np.broadcast_to(np.arange(s) // 96 * 2, (b, s)), jnp.int32)
+    check_grads_on(backward_family, rng, q, k, v, query_segment_ids=q_ids,
+                   key_value_segment_ids=kv_ids, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

@@ -62,13 +62,12 @@ cudaError_t launch_tensor_core(const AttentionParams& p, BackwardKernel kernel,
 }
 
 // The Hopper kernel sums dQ with atomics only (deterministic mode keeps the mma.sync family's
-// dQ pass), has no segment ids, and its grid is one-dimensional: one block per (key block, kv
-// head, batch).
+// dQ pass), and its grid is one-dimensional: one block per (key block, kv head, batch).
 bool sm90_applies(const AttentionParams& p, int device) {
   const int64_t max_head_dim = wgmma::kBackwardHeadDims[std::size(wgmma::kBackwardHeadDims) - 1];
   constexpr int64_t kBlockN = wgmma::kBackwardMinBlockN;
   const int64_t blocks = (p.seqlen_k + kBlockN - 1) / kBlockN * p.batch * p.num_kv_heads;
-  return !p.deterministic && p.q_segment_ids == nullptr && p.head_dim <= max_head_dim && blocks <= 0x7fffffff &&
+  return !p.deterministic && p.head_dim <= max_head_dim && blocks <= 0x7fffffff &&
          wgmma::backward_tma_compatible(p) && wgmma::hopper_kernels_apply(p, device);
 }
 

@@ -220,6 +220,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const float* lse = stats + stage * 2 * kStatsStride + box_shift;
     const float* delta = lse + kStatsStride;
     ptx::mbarrier_wait(bar(bars.q_full[stage]), phase(step));
+    // kSegments: whether one document holds the tile's queries and this warp's keys, read here,
+    // before the products: under them the loads' registers spill at head dim 128. Indices are
+    // clamped inside [T] and [S]; the answer counts only where every pair is inside the
+    // lengths.
+    bool one_document = true;
+    if constexpr (Traits::kSegments) {
+      const auto ids = variant::SegmentIds::make(p, block.b);
+      const int last_q = int(p.seqlen_q) - 1, last_key = int(p.seqlen_k) - 1;
+      int32_t lo = ids.kv[min(block.key0 + warp_key0 + lane % 16, last_key)], hi = lo;
+#pragma unroll
+      for (int i = lane; i < kBlockM; i += 32) {
+        const int32_t id = ids.q[min(q0 + i, last_q)];
+        lo = min(lo, id);
+        hi = max(hi, id);
+      }
+      one_document = __reduce_min_sync(0xffffffff, lo) == __reduce_max_sync(0xffffffff, hi);
+    }
 
     // S^T = K_wg Q^T and dP^T = V_wg dO^T (64 keys x 64 queries each), as two commit groups, so
     // that P^T is computed while dP^T is still running.
@@ -254,7 +271,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     {
       const cuda::Visibility vis = block_visibility(p, block.b);
       const int key0 = block.key0 + warp_key0;
-      if (!vis.all_visible(q0, q0 + kBlockM, key0, key0 + 16)) {
+      // kSegments: and one document holds the tile's queries and the warp's keys; else each
+      // visible element tests its ids.
+      if (!vis.all_visible(q0, q0 + kBlockM, key0, key0 + 16) || !one_document) {
         const cuda::TileVisibility tile_vis =
             cuda::TileVisibility::make(vis, q0 + quad_col, key0 + quad_row, kBlockM + 16);
 #pragma unroll
@@ -262,6 +281,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
             if (!tile_vis.visible(8 * j + e % 2, 8 * (e / 2))) hidden |= 1u << (4 * j + e);
+        if constexpr (Traits::kSegments) {
+          // The ids of the elements left visible (inside the lengths). One 8-query tile at a
+          // time: unrolled, the loads in flight together spill at head dim 128.
+          const auto ids = variant::SegmentIds::make(p, block.b);
+          const int32_t* q_ids = ids.q + q0 + quad_col;
+          int32_t key_id[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            key_id[h] = key0 + quad_row + 8 * h < vis.kv_len ? ids.kv[key0 + quad_row + 8 * h] : 0;
+#pragma unroll 1
+          for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const uint32_t bit = 1u << (4 * j + e);
+              if (!(hidden & bit) && q_ids[8 * j + e % 2] != key_id[e / 2]) hidden |= bit;
+            }
+        }
       }
     }
 #pragma unroll

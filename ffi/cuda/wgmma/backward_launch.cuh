@@ -12,9 +12,8 @@
 
 namespace jax_flashattn::cuda {
 
-template <typename Elem, int kHeadDim>
-cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
-  using Traits = wgmma::BackwardConfig<kHeadDim>;
+template <typename Elem, typename Traits>
+cudaError_t launch_backward_sm90_with(const AttentionParams& p, cudaStream_t stream) {
   constexpr auto kernel = wgmma::backward_kernel<Elem, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   if (!wgmma::indices_fit_32_bits(p) || p.deterministic) return cudaErrorInvalidConfiguration;
@@ -30,6 +29,18 @@ cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) 
     return e;
   kernel<<<unsigned(blocks), Traits::kThreads, Traits::kSmemBytes, stream>>>(p, maps);
   return cudaGetLastError();
+}
+
+// Calls with segment ids: defined in backward_segments_launch.cuh and instantiated in
+// translation units of their own (cuda/instantiations/backward_wgmma_segments.cu.in), so that
+// their kernels leave the others' code as it is.
+template <typename Elem, int kHeadDim>
+cudaError_t launch_backward_sm90_segments(const AttentionParams& p, cudaStream_t stream);
+
+template <typename Elem, int kHeadDim>
+cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
+  if (p.q_segment_ids != nullptr) return launch_backward_sm90_segments<Elem, kHeadDim>(p, stream);
+  return launch_backward_sm90_with<Elem, wgmma::BackwardConfig<kHeadDim>>(p, stream);
 }
 
 }  // namespace jax_flashattn::cuda

@@ -25,8 +25,8 @@ __device__ __forceinline__ cuda::Visibility block_visibility(const AttentionPara
   return vis;
 }
 
-// The work of one block: its keys and the (query head, Q tile) steps that can see them, heads
-// outermost (head0 + step / tiles, tile_begin + step % tiles), the same for producer and
+// The work of one block: its keys and the (query head, Q tile) steps that can see them (with
+// segment ids, only the tiles of their documents), heads outermost (head0 + step / tiles, tile_begin + step % tiles), the same for producer and
 // consumers. 32-bit indices: the dispatcher checks indices_fit_32_bits.
 template <typename Traits>
 struct BackwardBlock {
@@ -46,6 +46,10 @@ struct BackwardBlock {
     w.head0 = w.kv_head * int(p.group_size());
     int64_t t_lo, t_hi;
     block_visibility(p, w.b).query_range(w.key0, int64_t(w.key0) + Traits::kBlockN, t_lo, t_hi);
+    if constexpr (Traits::kSegments)  // only the rows of the documents of the block's keys
+      variant::SegmentSpans::rows_of_keys(p, w.b).narrow(int64_t(w.key0),
+                                                         int64_t(w.key0) + Traits::kBlockN,
+                                                         t_lo, t_hi);
     w.tile_begin = int(t_lo / Traits::kBlockM);
     w.tiles = t_hi > t_lo ? int((t_hi + Traits::kBlockM - 1) / Traits::kBlockM) - w.tile_begin : 0;
     w.steps = w.tiles * int(p.group_size());

@@ -42,6 +42,7 @@ struct BackwardTraits {
   static constexpr int kDsBuffers = 2;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
+  static constexpr bool kSegments = false;  // segment ids (BackwardWithSegmentIds below)
   // setmaxnreg budgets, as in the forward: 128 x 24 + 256 x 240 = 64512, all that the block
   // is launched with (register_budgets_fit in traits.h).
   static constexpr int kProducerRegisters = 24;
@@ -114,6 +115,16 @@ struct BackwardConfig<128> : BackwardTraits<128, false> {};
 // wgmma (its warning C7512), 6-10% slower on an H200.
 template <>
 struct BackwardConfig<256> : BackwardTraits<256, true> {};
+
+// A configuration's tiles for calls with segment ids: each key block's query tiles narrowed to
+// the documents of its keys, and the ids' element test on the steps where a warp's keys and the
+// tile's queries are not all of one document. Instantiated in translation units of their own
+// (cuda/instantiations/backward_wgmma_segments.cu.in), so the other kernels' code stays as it
+// is.
+template <typename Config>
+struct BackwardWithSegmentIds : Config {
+  static constexpr bool kSegments = true;
+};
 
 // The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one
 // that is at least as large (TMA zero-fills the columns past it and clips them from stores).
