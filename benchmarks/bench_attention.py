@@ -1,4 +1,5 @@
-"""Attention TFLOP/s: jax_flashattn against jax.nn.dot_product_attention (cuDNN and XLA).
+"""Attention TFLOP/s: jax_flashattn against jax.nn.dot_product_attention (cuDNN and XLA) and,
+on packed sequences, cuDNN's own packed-sequence path.
 
 Every implementation runs in this one process on the same inputs. Each (config, implementation,
 mode) is first checked against the float32 reference (reported FAIL, and not timed, when it is
@@ -11,6 +12,7 @@ src/jax_flashattn/_bench/__init__.py.
     python benchmarks/bench_attention.py --mode fwdbwd --head-dim 128   # ~4 min
     python benchmarks/bench_attention.py --decode                 # decode preset, K/V TB/s
     python benchmarks/bench_attention.py --variants --mode both   # options preset, ~3 min (H100)
+    python benchmarks/bench_attention.py --packed --mode both     # packed rows, ~3 min (H200)
 
 Most of the time goes to compiling (the XLA baseline above all) and to the correctness
 references, not to the timed runs; --mode both on the whole grid takes ~15 min.
@@ -26,7 +28,17 @@ local_window_size=(1024, 0), per-batch lengths (query and key/value lengths 4096
 [B, 1, T, S] of packed documents (1, 2, 4, 8 per batch entry), and the same documents as
 segment ids, full and causal (jax.nn gets them as that mask, built inside the timed call);
 its FLOPs count only the visible logits. --seqlen, --dtype, --head-dim and --hidden
-(N = hidden/H) override its sizes; --causal and --tokens do not apply.
+(N = hidden/H) override its sizes; --causal and --tokens do not apply. Packed preset: bf16,
+N=16, H=128, causal, T in {8192, 32768} at 32768 tokens per batch (B = 32768/T), rows packed
+with documents whose lengths are drawn (fixed seed, each row its own draw) from a log-normal
+of mean 1024, and of mean 4096 (sigma 1 of the logarithm), the last one cut at T; FLOPs count
+each document's causal pairs. Each mean first gets a dense causal row at T = the mean (our
+yardstick for the packed rows: the ours/dense column; cudnn-packed sees one document per row
+there). Implementations: ours (segment ids), cudnn (jax.nn with the boolean mask [B, 1, T, T]
+of the documents) and cudnn-packed (cuDNN's packed path through
+jax._src.cudnn.fused_attention_stablehlo: per-document lengths and offsets, PADDING_CAUSAL;
+"unavailable" where this JAX lacks it). --seqlen, --tokens, --dtype, --head-dim and --hidden
+override its sizes; --causal does not apply.
 Exit status 1 when one of our configs is FAIL or error.
 """
 
@@ -47,6 +59,10 @@ from jax_flashattn import _bench  # noqa: E402
 QUICK = dict(dtype=["bf16"], head_dim=[128], seqlen=[1024, 4096, 16384], causal="both")
 VARIANTS = dict(dtype=["bf16"], head_dim=[_bench.VARIANTS_SHAPE["head_dim"]],
                 seqlen=list(_bench.VARIANTS_SEQLENS))
+PACKED = dict(dtype=["bf16"], head_dim=[_bench.PACKED_SHAPE["head_dim"]],
+              seqlen=list(_bench.PACKED_SEQLENS), tokens=_bench.PACKED_TOKENS,
+              hidden=_bench.PACKED_SHAPE["hidden"], impls=["ours", "cudnn", "cudnn-packed"])
+PRESETS = ("decode", "variants", "packed")
 
 
 def _ints(text: str) -> list[int]:
@@ -84,6 +100,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "window 1024, lengths, GQA 16/4, bias [1,N,T,S], mask [B,1,T,S], "
                         "segment ids full and causal) "
                         "instead of the standard grid; FLOPs count visible logits only")
+    p.add_argument("--packed", action="store_true",
+                   help="the packed-sequence preset (bf16, N=16, H=128, causal, T in {8192, "
+                        "32768}, 32768 tokens, documents of log-normal lengths of mean 1024 and "
+                        "4096; implementations ours,cudnn,cudnn-packed by default) instead of "
+                        "the standard grid; FLOPs count visible pairs only")
     p.add_argument("--mode", choices=("fwd", "fwdbwd", "both"), default="fwd",
                    help="forward, forward+backward (3.5x forward FLOPs), or both")
     p.add_argument("--dtype", type=_names(("bf16", "fp16", "fp32")), default=None,
@@ -91,15 +112,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=_ints, default=None, help="comma list (default 64,128,256)")
     p.add_argument("--seqlen", type=_ints, default=None,
                    help="comma list of T (default 512,...,16384; decode: 1,8,16; "
-                        "variants: 4096)")
+                        "variants: 4096; packed: 8192,32768)")
     p.add_argument("--causal", choices=("both", "true", "false"), default=None,
                    help="causal, full or both (default both)")
-    p.add_argument("--impls", type=_names(_bench.IMPLS), default=list(_bench.IMPLS),
-                   help="comma list of ours,cudnn,xla (cudnn is dropped off a GPU)")
-    p.add_argument("--tokens", type=int, default=_bench.STANDARD_TOKENS,
-                   help="tokens per batch: B = tokens / T (default %(default)s)")
-    p.add_argument("--hidden", type=int, default=_bench.STANDARD_HIDDEN,
-                   help="N = hidden / H (default %(default)s)")
+    p.add_argument("--impls", type=_names(_bench.ALL_IMPLS), default=None,
+                   help="comma list of ours,cudnn,xla (default), cudnn-packed (packed rows "
+                        "only; the packed preset's default is ours,cudnn,cudnn-packed); cudnn "
+                        "and cudnn-packed are dropped off a GPU")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per batch: B = tokens / T (default %d; packed: %d)"
+                        % (_bench.STANDARD_TOKENS, _bench.PACKED_TOKENS))
+    p.add_argument("--hidden", type=int, default=None,
+                   help="N = hidden / H (default %d)" % _bench.STANDARD_HIDDEN)
     p.add_argument("--kv-len", type=int, default=None,
                    help="decode only: S (default %d)" % _bench.DECODE_SHAPE["kv_len"])
     p.add_argument("--copy-bytes", type=_positive, default=2 << 30,
@@ -116,18 +140,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="directory for results.md, results.json and PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress output on stderr")
     args = p.parse_args(argv)
-    if args.variants and args.decode:
-        p.error("--variants and --decode are two presets: pick one")
-    if args.variants:
-        for key, value in VARIANTS.items():
-            if getattr(args, key) is None:
-                setattr(args, key, value)
+    chosen = [name for name in PRESETS if getattr(args, name)]
+    if len(chosen) > 1:
+        p.error(" and ".join(f"--{name}" for name in chosen) + " are presets: pick one")
+    for name, preset in (("variants", VARIANTS), ("packed", PACKED)):
+        if getattr(args, name):
+            for key, value in preset.items():
+                if getattr(args, key) is None:
+                    setattr(args, key, value)
     if args.quick:
         for key, value in QUICK.items():
             if getattr(args, key) is None and not (args.decode and key in ("head_dim", "seqlen")):
                 setattr(args, key, value)
     args.dtype = args.dtype or ["bf16", "fp16"]
     args.causal = args.causal or "both"
+    args.impls = args.impls or list(_bench.IMPLS)
+    args.tokens = args.tokens or _bench.STANDARD_TOKENS
+    args.hidden = args.hidden or _bench.STANDARD_HIDDEN
     return args
 
 
@@ -136,6 +165,9 @@ def build_configs(args) -> list[_bench.Config]:
         return _bench.decode_grid(args.dtype, args.seqlen or _bench.DECODE_SEQLENS, args.kv_len)
     if args.variants:
         return _bench.variants_grid(args.dtype, args.seqlen, args.head_dim, hidden=args.hidden)
+    if args.packed:
+        return _bench.packed_grid(args.dtype, args.seqlen, args.head_dim, args.tokens,
+                                  args.hidden)
     causal = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
     return _bench.standard_grid(args.dtype, args.head_dim or _bench.STANDARD_HEAD_DIMS,
                                 args.seqlen or _bench.STANDARD_SEQLENS, causal, args.tokens,
@@ -144,7 +176,7 @@ def build_configs(args) -> list[_bench.Config]:
 
 def plot(records, impls, out_dir: str, device: str = "") -> list[str]:
     """One PNG per (kind, dtype, mode): TFLOP/s (decode: K/V TB/s) against T, one panel per
-    (H, causal), one line per implementation; the variants preset: bars per option
+    (H, causal), one line per implementation; the variants and packed presets: bars per row
     (`_plot_variants`). Points that failed are left out."""
     try:
         import matplotlib
@@ -158,8 +190,8 @@ def plot(records, impls, out_dir: str, device: str = "") -> list[str]:
     for r in records:
         groups.setdefault((r["kind"], r["dtype"], r["mode"]), []).append(r)
     for (kind, dtype, mode), rs in groups.items():
-        if kind == "variants":
-            paths.append(_plot_variants(plt, rs, impls, out_dir, device, dtype, mode))
+        if kind in ("variants", "packed"):
+            paths.append(_plot_variants(plt, rs, impls, out_dir, device, dtype, mode, kind))
             continue
         key = "kv_tbps" if kind == "decode" else "tflops"
         panels = sorted({(r["head_dim"], r["causal"]) for r in rs})
@@ -194,9 +226,10 @@ def plot(records, impls, out_dir: str, device: str = "") -> list[str]:
     return paths
 
 
-def _plot_variants(plt, rs, impls, out_dir: str, device: str, dtype: str, mode: str) -> str:
-    """The variants preset: TFLOP/s (visible logits) per option, one bar per implementation.
-    Points that failed are left out."""
+def _plot_variants(plt, rs, impls, out_dir: str, device: str, dtype: str, mode: str,
+                   kind: str = "variants") -> str:
+    """The variants (or packed) preset: TFLOP/s (visible logits) per option (or row), one bar
+    per implementation. Points that failed are left out."""
     seqlens = sorted({r["seqlen_q"] for r in rs})
     names = []  # (T, variant) in first-seen order
     for r in rs:
@@ -220,11 +253,13 @@ def _plot_variants(plt, rs, impls, out_dir: str, device: str, dtype: str, mode: 
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend()
     first = rs[0]
-    ax.set_title(f"{device}: {dtype} {_bench.MODE_TITLES[mode]}, B={first['batch']}, "
-                 f"N={first['num_heads']}, H={first['head_dim']}"
+    batches = sorted({r["batch"] for r in rs})
+    ax.set_title(f"{device}: {dtype} {_bench.MODE_TITLES[mode]}, "
+                 + (f"B={batches[0]}, " if len(batches) == 1 else "")
+                 + f"N={first['num_heads']}, H={first['head_dim']}"
                  + (f", T=S={seqlens[0]}" if len(seqlens) == 1 else ""))
     fig.tight_layout()
-    path = os.path.join(out_dir, f"variants_{dtype}_{mode}.png")
+    path = os.path.join(out_dir, f"{kind}_{dtype}_{mode}.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -244,9 +279,9 @@ def main(argv=None) -> int:
     settings = _bench.TimingSettings.for_backend(**overrides)
 
     header = _bench.environment_lines(env)
+    dropped = [i for i in args.impls if i not in impls]
     header.append(f"implementations: {', '.join(impls)}"
-                  + ("" if "cudnn" in impls or "cudnn" not in args.impls
-                     else " (cudnn needs a GPU)"))
+                  + (f" ({', '.join(dropped)}: needs a GPU)" if dropped else ""))
     header.append(f"timing: median of {min(settings.min_repeats, settings.repeats)}-"
                   f"{settings.repeats} runs of a "
                   f"jitted loop over {settings.n_sets} input sets, ~"
@@ -255,7 +290,17 @@ def main(argv=None) -> int:
                   "round; "
                   "FLOPs 4*B*N*T*S*H forward (/2 causal), 3.5x for forward+backward"
                   + ("; options: 4*N*H per visible (t, s) pair, counted exactly"
-                     if args.variants else ""))
+                     if args.variants else "")
+                  + ("; packed rows: 4*N*H per visible (t, s) pair, each document's causal "
+                     "pairs" if args.packed else ""))
+    if args.packed:
+        header.append(f"packed rows: document lengths log-normal (sigma "
+                      f"{_bench.PACKED_SIGMA:g} of the logarithm, fixed seed), at least 1, "
+                      "each row its own draw, the last document cut at T; ours/dense divides "
+                      "by our dense causal row at T = the mean; cudnn-packed gets each row's "
+                      "document lengths (unused slots 0) and starts (unused slots: T, then "
+                      "one -1), computed outside the timed call, and on the dense rows one "
+                      "document per row")
     if "ours" in impls:
         header.append("our forward kernel: " + _bench.forward_kernel_summary(configs))
     for line in header:
@@ -286,14 +331,16 @@ def main(argv=None) -> int:
              f"{'causal' if r['causal'] else 'full'}"
              f"{' ' + r['variant'] if r.get('variant') not in (None, 'full', 'causal') else ''}"
              f" {r['mode']} {r['impl']}: {r['status']}: "
-             f"{r.get('message', '')}" for r in records if r["status"] in ("FAIL", "error")]
+             f"{r.get('message', '')}" for r in records
+             if r["status"] in ("FAIL", "error", "unavailable")]
     report = "\n".join(["# Attention benchmark", ""] + [f"- {line}" for line in header]
                        + [f"- elapsed: {elapsed:.0f} s", "", body])
     if notes:
-        report += "\n\nFailures and errors:\n\n" + "\n".join(f"- {n}" for n in notes)
+        report += ("\n\nFailures, errors and unavailable implementations:\n\n"
+                   + "\n".join(f"- {n}" for n in notes))
     print(body)
     if notes:
-        print("\nFailures and errors:")
+        print("\nFailures, errors and unavailable implementations:")
         for n in notes:
             print(f"- {n}")
     print(f"\nelapsed: {elapsed:.0f} s")

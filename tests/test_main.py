@@ -262,6 +262,11 @@ def test_copy_bandwidth_on_the_device():
     ([], dict(dtype=["bf16", "fp16"], causal="both", mode="fwd")),
     (["--variants"], dict(variants=True, dtype=["bf16"], head_dim=[128], seqlen=[4096])),
     (["--variants", "--seqlen", "256", "--mode", "both"], dict(seqlen=[256], mode="both")),
+    ([], dict(tokens=16384, hidden=2048, impls=["ours", "cudnn", "xla"])),
+    (["--packed"], dict(packed=True, dtype=["bf16"], head_dim=[128], seqlen=[8192, 32768],
+                        tokens=32768, hidden=2048, impls=["ours", "cudnn", "cudnn-packed"])),
+    (["--packed", "--seqlen", "256", "--tokens", "512", "--impls", "ours"],
+     dict(seqlen=[256], tokens=512, impls=["ours"])),
 ])
 def test_bench_script_arguments(argv, expected):
     args = _load_bench_script().parse_args(argv)
@@ -407,3 +412,181 @@ def test_bench_script_variants_smoke(tmp_path, capsys):
     assert "window 16" in (out / "results.md").read_text()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "variants_bf16_fwd.png").stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------- packed preset
+
+
+def test_bench_script_packed_preset_and_exclusive_with_the_others():
+    bench = _load_bench_script()
+    configs = bench.build_configs(bench.parse_args(["--packed"]))
+    assert [(c.variant, c.seqlen_q, c.batch) for c in configs] == [
+        ("dense causal", 1024, 32), ("packed, mean 1024", 8192, 4),
+        ("packed, mean 1024", 32768, 1), ("dense causal", 4096, 8),
+        ("packed, mean 4096", 8192, 4), ("packed, mean 4096", 32768, 1)]
+    assert {(c.kind, c.dtype, c.num_heads, c.num_kv_heads, c.head_dim, c.causal)
+            for c in configs} == {("packed", "bf16", 16, 16, 128, True)}
+    for cfg in configs:
+        assert cfg.seqlen_k == cfg.seqlen_q
+        if cfg.variant == "dense causal":
+            assert cfg.segment_docs is None and not cfg.restricted
+            continue
+        assert len(cfg.segment_docs) == cfg.batch
+        for row in cfg.segment_docs:
+            assert sum(row) == cfg.seqlen_q and min(row) >= 1
+        if cfg.batch > 1:  # each row its own draw
+            assert len(set(cfg.segment_docs)) == cfg.batch
+    # A fixed seed: the same documents every time.
+    assert bench.build_configs(bench.parse_args(["--packed"])) == configs
+    for other in ("--variants", "--decode"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--packed", other])
+
+
+def test_packed_documents_are_log_normal_draws_of_their_mean():
+    # Long rows, so that few documents are cut: the drawn lengths average about the mean.
+    rows = _bench.draw_documents(4, 1 << 20, 1024)
+    lengths = np.concatenate([row[:-1] for row in rows])  # the last of a row is cut
+    assert abs(lengths.mean() / 1024 - 1) < 0.05
+    assert abs(np.log(lengths).std() - _bench.PACKED_SIGMA) < 0.05
+    assert rows == _bench.draw_documents(4, 1 << 20, 1024)
+    assert rows != _bench.draw_documents(4, 1 << 20, 1024, seed=1)
+
+
+def _tiny_packed(**overrides):
+    # T = 64 at 128 tokens (B = 2), N = 2, H = 16; documents of mean 8 and 32, and dense
+    # causal rows at T = 8 (B = 16) and T = 32 (B = 4).
+    options = dict(seqlens=(64,), head_dims=(16,), tokens=128, hidden=32, means=(8, 32))
+    return _bench.packed_grid(**dict(options, **overrides))
+
+
+def test_packed_flops_count_each_documents_causal_pairs():
+    for cfg in _tiny_packed() + _bench.packed_grid():
+        if cfg.segment_docs is None:  # the dense rows keep the standard grid's count
+            assert cfg.flops() == _bench.attention_flops(cfg.batch, cfg.num_heads, cfg.seqlen_q,
+                                                         cfg.seqlen_k, cfg.head_dim, True)
+            continue
+        pairs = sum(n * (n + 1) // 2 for row in cfg.segment_docs for n in row)
+        assert cfg.visible_pairs() == pairs, cfg.label()
+        if cfg.seqlen_q <= 64:
+            assert _brute_force_pairs(cfg) == pairs
+        forward = 4 * cfg.num_heads * cfg.head_dim * pairs
+        assert cfg.flops("fwd") == forward and cfg.flops("fwdbwd") == 3.5 * forward
+
+
+def test_cudnn_packed_arrays_pad_lengths_with_0_and_offsets_with_the_end_then_minus_1():
+    rows = ((3, 5), (8,), (1, 2, 4, 1))
+    lengths, offsets = _bench.cudnn_packed_arrays(rows, 8)
+    assert lengths.dtype == offsets.dtype == np.int32
+    np.testing.assert_array_equal(lengths, [[3, 5, 0, 0], [8, 0, 0, 0], [1, 2, 4, 1]])
+    np.testing.assert_array_equal(offsets, [[0, 3, 8, 8, -1], [0, 8, 8, 8, -1],
+                                            [0, 1, 3, 7, -1]])
+    # A count of equal documents, as the variants preset gives them, works too.
+    lengths, offsets = _bench.cudnn_packed_arrays((2, 1), 6)
+    np.testing.assert_array_equal(lengths, [[3, 3], [6, 0]])
+    np.testing.assert_array_equal(offsets, [[0, 3, -1], [0, 6, -1]])
+    # One document per row (the dense rows): still two slots, for jax's packed path.
+    lengths, offsets = _bench.cudnn_packed_arrays((1, 1), 4)
+    np.testing.assert_array_equal(lengths, [[4, 0], [4, 0]])
+    np.testing.assert_array_equal(offsets, [[0, 4, -1], [0, 4, -1]])
+
+
+def test_cudnn_packed_arrays_survive_jaxs_own_rearrangement():
+    """What cuDNN sees: jax's packed path flattens lengths and offsets and moves their
+    non-negative entries to the front (`_fix_seqlen_offsets`); document i must then be
+    (lengths[i], offsets[i]) = (its length, b * T + its start), the unused slots empty."""
+    module = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    fix = getattr(module, "_fix_seqlen_offsets", None)
+    if fix is None:
+        pytest.skip("this JAX rearranges the packed arrays elsewhere")
+    _bench.cudnn_packed_api()  # the arguments the benchmark passes exist in this JAX
+    n, h = 2, 4
+    for cfg in _tiny_packed(means=(8,)):  # a dense row (one document per row), a packed one
+        rows = _bench.packed.packed_rows(cfg)
+        t = cfg.seqlen_q
+        lengths, offsets = (jnp.asarray(x) for x in _bench.cudnn_packed_arrays(rows, t))
+        q = jnp.zeros((cfg.batch, t, n, h), jnp.bfloat16)
+        seen_lengths, _, seen_offsets, _ = fix(lengths, lengths, offsets, offsets, q, q)
+        seen = [(int(length), int(offset) // (n * h)) for length, offset in
+                zip(np.ravel(seen_lengths), np.ravel(seen_offsets)) if length > 0]
+        bounds = [_bench.document_bounds(row, t) for row in rows]
+        expected = [(int(end - start), b * t + int(start)) for b, row in enumerate(bounds)
+                    for start, end in zip(row[:-1], row[1:])]
+        assert seen == expected
+        assert int(np.ravel(seen_offsets)[lengths.size]) // (n * h) == cfg.batch * t
+    # The packed row's documents (the loop's last case) with each row's end after its starts,
+    # then -1, and the lengths padded with 0 or -1: from the second row on, documents get
+    # other documents' offsets (wrong rows on an H200, and no error).
+    for pad in (0, -1):
+        ends = np.full(offsets.shape, -1, np.int32)
+        for b, row in enumerate(bounds):
+            ends[b, :len(row)] = row
+        padded = jnp.where(lengths > 0, lengths, pad)
+        seen_lengths, _, seen_offsets, _ = fix(padded, padded, jnp.asarray(ends),
+                                               jnp.asarray(ends), q, q)
+        seen = [(int(length), int(offset) // (n * h)) for length, offset in
+                zip(np.ravel(seen_lengths), np.ravel(seen_offsets)) if length > 0]
+        assert seen[:len(bounds[0]) - 1] == expected[:len(bounds[0]) - 1]
+        assert seen != expected
+
+
+def test_cudnn_packed_is_unavailable_off_the_packed_rows():
+    cfg = _bench.Config(1, 32, 32, 2, 2, 32, "bf16", True)
+    with pytest.raises(_bench.Unavailable, match="packed preset"):
+        _bench.impls.config_attention_fn("cudnn-packed", cfg)
+    settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
+    ours, packed = _bench.run_benchmark([cfg], ["ours", "cudnn-packed"], ["fwd"], settings,
+                                        progress=False)
+    assert ours["status"] == "ok"
+    assert packed["status"] == "unavailable" and "packed preset" in packed["message"]
+    assert not _bench.failures([ours, packed])
+    assert _bench.available_impls(["ours", "cudnn-packed"]) == (
+        ["ours", "cudnn-packed"] if _bench.on_gpu() else ["ours"])
+
+
+def test_packed_grid_runs_and_passes_the_gate(monkeypatch):
+    monkeypatch.setattr(_bench.checks, "FORWARD_CHECK_ROWS", 16)
+    configs = _tiny_packed()
+    settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
+    records = _bench.run_benchmark(configs, ["ours", "xla"], ["fwd", "fwdbwd"], settings,
+                                   progress=False)
+    bad = [f"{r['variant']} {r['mode']} {r['impl']}: {r['status']} {r.get('message', '')}"
+           for r in records if r["status"] != "ok"]
+    assert not bad, "\n".join(bad)
+    for r in records:
+        assert r["kind"] == "packed"
+        assert r["doc_mean"] == (None if r["variant"] == "dense causal"
+                                 else int(r["variant"].rsplit(" ", 1)[1]))
+    tables = _bench.markdown_tables(records, ["ours", "xla"])
+    assert [title.split(" TFLOP/s")[0] for title, _ in tables] == ["bf16 forward",
+                                                                   "bf16 forward+backward"]
+    lines = tables[0][1].splitlines()
+    assert lines[0] == ("| T | B | documents | docs per row | visible | ours TFLOP/s | xla TFLOP/s "
+                        "| ours ms | xla ms | ours/xla | ours/dense at T=mean |")
+    assert [line.split(" | ")[2] for line in lines[2:]] == [c.variant for c in configs]
+    dense, packed = lines[2].split(" | "), lines[3].split(" | ")
+    assert dense[0] == "| 8" and dense[-1] == "- |"
+    ours = {(r["variant"], r["seqlen_q"]): r["tflops"] for r in records
+            if r["mode"] == "fwd" and r["impl"] == "ours"}
+    ratio = ours[("packed, mean 8", 64)] / ours[("dense causal", 8)]
+    assert packed[-1] == f"{ratio:.2f} |"
+
+
+def test_bench_script_packed_smoke(tmp_path, capsys):
+    bench = _load_bench_script()
+    out = tmp_path / "packed"
+    status = bench.main(["--packed", "--seqlen", "256", "--tokens", "512", "--impls", "ours",
+                         "--out", str(out), "--no-progress", "--repeats", "1",
+                         "--target-ms", "0.1"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "| T | B | documents | docs per row | visible | ours TFLOP/s | ours ms |" in printed
+    assert "| 256 | 2 | packed, mean 1024 |" in printed
+    assert "| 256 | 2 | packed, mean 4096 |" in printed
+    assert "log-normal (sigma 1 of the logarithm" in printed
+    report = json.loads((out / "results.json").read_text())
+    assert {r["status"] for r in report["results"]} == {"ok"}
+    assert {(r["kind"], r["batch"], r["num_heads"], r["head_dim"], r["causal"])
+            for r in report["results"]} == {("packed", 2, 16, 128, True)}
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "packed_bf16_fwd.png").stat().st_size > 0

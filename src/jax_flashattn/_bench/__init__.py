@@ -1,9 +1,10 @@
 """Benchmark machinery shared by `benchmarks/bench_attention.py` and `python -m jax_flashattn`.
 
-Modules, in import order: `configs` (cases, FLOP counts, grids), `impls` (the implementations
-and their inputs), `checks` (the float32 reference slice and verdicts), `timing` (the timed
-loop, interleaved rounds, copy bandwidth), `driver` (`run_benchmark`), `report` (environment,
-markdown tables, failures). This package re-exports what the scripts and the main job use.
+Modules, in import order: `configs` (cases, FLOP counts, grids), `packed` (the packed preset's
+documents and cuDNN's packed path), `impls` (the implementations and their inputs), `checks`
+(the float32 reference slice and verdicts), `timing` (the timed loop, interleaved rounds, copy
+bandwidth), `driver` (`run_benchmark`), `report` (environment, markdown tables, failures).
+This package re-exports what the scripts and the main job use.
 
 What is measured
 ----------------
@@ -16,11 +17,13 @@ What is measured
   batch entry's lengths and, for the document mask, its document). Rows without such a
   restriction keep the counts above (causal: T·S/2, the convention, where the exact count is
   T(T+1)/2 for T = S, 0.01% more at T = 4096), so the preset's baselines match the standard
-  grid. The bias row counts as full; GQA counts query heads, as everywhere. Decode configs
-  also report the bytes of K and V
-  read, and the benchmark script sets that rate against the device's copy bandwidth
-  (`copy_bandwidth`: cudaMemcpy device to device, bytes read plus written), measured before and
-  after the cases (why that yardstick: docs/decisions/decode-benchmark-yardstick.md).
+  grid. The bias row counts as full; GQA counts query heads, as everywhere. The packed preset
+  (`packed_grid`) counts the same way: each document's causal pairs, L(L+1)/2 for a document
+  of L positions; its dense causal rows have no restriction and keep T·S/2. Decode configs
+  also report the bytes of K and V read, and the benchmark script sets that rate against the
+  device's copy bandwidth (`copy_bandwidth`: cudaMemcpy device to device, bytes read plus
+  written), measured before and after the cases (why that yardstick:
+  docs/decisions/decode-benchmark-yardstick.md).
 * "fwdbwd" is one `jax.vjp` of attention with a fixed random cotangent g: the forward, then
   dq, dk, dv. That is `jax.value_and_grad` of the scalar loss sum(out * g) minus the loss's own
   reduction, which would add the same memory pass to every implementation.
@@ -99,7 +102,9 @@ that is being measured.
   logits ([B or 1, N or 1, T, S]: the checked batch entries, heads and query rows), the lengths
   like the batch, and the forward check's causal, window, length and mask bounds are applied
   at the rows' true positions (`_row_visibility`); the forward+backward reference takes them
-  as `reference.attention`'s own arguments. Query rows past a query length are checked too:
+  as `reference.attention`'s own arguments. The packed rows' documents reach the reference as
+  their segment ids, whatever form an implementation takes them in (cuDNN's lengths and
+  offsets for "cudnn-packed"). Query rows past a query length are checked too:
   jax.nn's "xla" and our kernels both return 0 there (and pass no gradient through them), and
   so did cuDNN (H100, JAX 0.11.2).
 """
@@ -108,11 +113,14 @@ from __future__ import annotations
 
 from jax_flashattn._bench.checks import Verdict, forward_verdict, grad_verdict
 from jax_flashattn._bench.configs import (
-    DECODE_SEQLENS, DECODE_SHAPE, DTYPES, IMPLS, MODE_TITLES, MODES, RUNNER_UNROLL,
+    ALL_IMPLS, DECODE_SEQLENS, DECODE_SHAPE, DTYPES, IMPLS, MODE_TITLES, MODES, RUNNER_UNROLL,
     STANDARD_HEAD_DIMS, STANDARD_HIDDEN, STANDARD_SEQLENS, STANDARD_TOKENS, VARIANTS_SEQLENS,
-    VARIANTS_SHAPE, Config, attention_flops, decode_grid, document_ids, standard_grid,
-    variants_grid)
+    VARIANTS_SHAPE, Config, attention_flops, decode_grid, document_bounds, document_ids,
+    standard_grid, variants_grid)
 from jax_flashattn._bench.driver import config_record, run_benchmark
+from jax_flashattn._bench.packed import (
+    CUDNN_PACKED_EXTRA, PACKED_MEANS, PACKED_SEQLENS, PACKED_SHAPE, PACKED_SIGMA, PACKED_TOKENS,
+    Unavailable, cudnn_packed_api, cudnn_packed_arrays, draw_documents, packed_grid)
 from jax_flashattn._bench.impls import (
     Inputs, attention_fn, available_impls, on_gpu, ours_implementation)
 from jax_flashattn._bench.report import (
@@ -120,6 +128,8 @@ from jax_flashattn._bench.report import (
 from jax_flashattn._bench.timing import TimingSettings, build_runner, copy_bandwidth
 
 __all__ = [
+    "ALL_IMPLS",
+    "CUDNN_PACKED_EXTRA",
     "Config",
     "DECODE_SEQLENS",
     "DECODE_SHAPE",
@@ -128,12 +138,18 @@ __all__ = [
     "Inputs",
     "MODES",
     "MODE_TITLES",
+    "PACKED_MEANS",
+    "PACKED_SEQLENS",
+    "PACKED_SHAPE",
+    "PACKED_SIGMA",
+    "PACKED_TOKENS",
     "RUNNER_UNROLL",
     "STANDARD_HEAD_DIMS",
     "STANDARD_HIDDEN",
     "STANDARD_SEQLENS",
     "STANDARD_TOKENS",
     "TimingSettings",
+    "Unavailable",
     "VARIANTS_SEQLENS",
     "VARIANTS_SHAPE",
     "Verdict",
@@ -143,8 +159,12 @@ __all__ = [
     "build_runner",
     "config_record",
     "copy_bandwidth",
+    "cudnn_packed_api",
+    "cudnn_packed_arrays",
     "decode_grid",
+    "document_bounds",
     "document_ids",
+    "draw_documents",
     "environment",
     "environment_lines",
     "failures",
@@ -154,6 +174,7 @@ __all__ = [
     "markdown_tables",
     "on_gpu",
     "ours_implementation",
+    "packed_grid",
     "run_benchmark",
     "standard_grid",
     "variants_grid",

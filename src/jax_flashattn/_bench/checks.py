@@ -13,6 +13,7 @@ import numpy as np
 from jax_flashattn import reference
 from jax_flashattn._bench.configs import Config, DTYPES
 from jax_flashattn._bench.impls import Inputs
+from jax_flashattn._bench.packed import CUDNN_PACKED_EXTRA
 
 
 # Gradient tolerances (normwise relative error against the float32 reference).
@@ -108,10 +109,13 @@ class ReferenceSlice:
     def take_extras(self, cfg: "Config", extras: dict) -> dict:
         """The extras (`Inputs.extras`) of the slice: bias and mask [B or 1, N or 1, T, S] at
         the checked batch entries, heads and query rows (every key), lengths and segment ids
-        at the batch entries (every position: _row_visibility picks the rows' ids)."""
+        at the batch entries (every position: _row_visibility picks the rows' ids). cuDNN's
+        lengths and offsets of the packed rows restate the segment ids and are left out."""
         heads = self.kv_heads * cfg.group
         sliced = {}
         for name, x in extras.items():
+            if name == CUDNN_PACKED_EXTRA:
+                continue
             if name in ("bias", "mask"):
                 sliced[name] = _take_logits_shaped(x, self.batch_index, self.rows, heads=heads)
             else:

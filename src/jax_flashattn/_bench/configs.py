@@ -11,7 +11,9 @@ import numpy as np
 
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
-IMPLS = ("ours", "cudnn", "xla")
+IMPLS = ("ours", "cudnn", "xla")  # the implementations every case takes
+# And those of some cases only: cuDNN's packed-sequence path (the packed preset's rows).
+ALL_IMPLS = IMPLS + ("cudnn-packed",)
 MODES = ("fwd", "fwdbwd")
 MODE_TITLES = {"fwd": "forward", "fwdbwd": "forward+backward"}
 BACKWARD_FLOP_FACTOR = 2.5  # backward FLOPs / forward FLOPs
@@ -51,7 +53,7 @@ class Config:
     head_dim: int
     dtype: str
     causal: bool
-    kind: str = "standard"  # "standard", "decode" or "variants": picks its table
+    kind: str = "standard"  # "standard", "decode", "variants" or "packed": picks its table
     # The variants preset's options (`variants_grid`), each None where unused:
     variant: str = ""  # the row's name in the table ("window 1024", "GQA 16/4", ...)
     window: tuple[int, int] | None = None  # local_window_size (left, right)
@@ -61,8 +63,9 @@ class Config:
     # A boolean mask [B, 1, T, S] of packed documents: batch entry b holds mask_docs[b]
     # documents of (nearly) equal length, and a position sees its own document only.
     mask_docs: tuple[int, ...] | None = None
-    # The same packing given as segment ids ([B, T] and [B, S] int32) instead of a mask.
-    segment_docs: tuple[int, ...] | None = None
+    # The same packing given as segment ids ([B, T] and [B, S] int32) instead of a mask; an
+    # entry may also be the lengths of its documents (a tuple summing to T: the packed preset).
+    segment_docs: tuple[int | tuple[int, ...], ...] | None = None
 
     @property
     def q_shape(self):
@@ -155,17 +158,28 @@ class Config:
                 f"{variant}")
 
 
-def _document_bounds(docs: int, length: int, positions):
-    """[start, end) of the document holding each position, for `docs` documents splitting
-    `length` positions as evenly as integers allow."""
-    bounds = (np.arange(docs + 1, dtype=np.int64) * length) // docs
+def document_bounds(docs: int | tuple[int, ...], length: int) -> np.ndarray:
+    """The document boundaries [0, ..., length] of one batch entry: `docs` documents splitting
+    `length` positions as evenly as integers allow (an int), or documents of the given lengths
+    (a tuple, summing to `length`)."""
+    if isinstance(docs, (int, np.integer)):
+        return (np.arange(docs + 1, dtype=np.int64) * length) // docs
+    bounds = np.concatenate([[0], np.cumsum(docs, dtype=np.int64)])
+    if bounds[-1] != length or np.any(np.diff(bounds) < 1):
+        raise ValueError(f"document lengths {docs} are not positive lengths summing to {length}")
+    return bounds
+
+
+def _document_bounds(docs, length: int, positions):
+    """[start, end) of the document holding each position (`document_bounds`' split)."""
+    bounds = document_bounds(docs, length)
     index = np.searchsorted(bounds, positions, side="right") - 1
     return bounds[index], bounds[index + 1]
 
 
-def document_ids(docs: int, length: int) -> np.ndarray:
-    """The document index of each of `length` positions (`_document_bounds`' split)."""
-    bounds = (np.arange(docs + 1, dtype=np.int64) * length) // docs
+def document_ids(docs, length: int) -> np.ndarray:
+    """The document index of each of `length` positions (`document_bounds`' split)."""
+    bounds = document_bounds(docs, length)
     return (np.searchsorted(bounds, np.arange(length), side="right") - 1).astype(np.int32)
 
 

@@ -13,6 +13,7 @@ import jax
 from jax_flashattn._bench.checks import reference_slice
 from jax_flashattn._bench.configs import Config
 from jax_flashattn._bench.impls import Inputs
+from jax_flashattn._bench.packed import packed_record
 from jax_flashattn._bench.timing import (TimingSettings, is_oom, prepare, short_message,
     time_interleaved)
 
@@ -92,6 +93,8 @@ def config_record(cfg: Config) -> dict:
                       kv_lens=cfg.kv_lens, bias_shape=cfg.bias_shape, mask_docs=cfg.mask_docs,
                       segment_docs=cfg.segment_docs,
                       visible=cfg.visible_pairs() / (cfg.batch * cfg.seqlen_q * cfg.seqlen_k))
+    elif cfg.kind == "packed":
+        record.update(packed_record(cfg))
     return record
 
 

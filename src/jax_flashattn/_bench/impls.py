@@ -1,5 +1,5 @@
-"""The implementations a case times (ours, cuDNN, XLA through jax.nn) and the inputs it
-draws. (Method: the package docstring.)"""
+"""The implementations a case times (ours, cuDNN, XLA through jax.nn; cuDNN's packed path on
+the packed rows) and the inputs it draws. (Method: the package docstring.)"""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashattn._bench.configs import Config, IMPLS, document_ids
+from jax_flashattn._bench.configs import ALL_IMPLS, Config, document_ids
+from jax_flashattn._bench.packed import (
+    CUDNN_PACKED_EXTRA, cudnn_packed_arrays, cudnn_packed_attention, packed_rows,
+    without_extra)
+
+_GPU_ONLY = ("cudnn", "cudnn-packed")
 
 
 def on_gpu() -> bool:
@@ -27,10 +32,10 @@ def ours_implementation() -> str:
 
 def available_impls(requested: Sequence[str]) -> list[str]:
     """The requested implementations that can run here (cuDNN needs a GPU)."""
-    unknown = [i for i in requested if i not in IMPLS]
+    unknown = [i for i in requested if i not in ALL_IMPLS]
     if unknown:
-        raise ValueError(f"unknown implementation(s) {unknown}; choose from {IMPLS}")
-    return [i for i in requested if i != "cudnn" or on_gpu()]
+        raise ValueError(f"unknown implementation(s) {unknown}; choose from {ALL_IMPLS}")
+    return [i for i in requested if i not in _GPU_ONLY or on_gpu()]
 
 
 def attention_fn(impl: str, causal: bool, window: tuple[int, int] | None = None) -> Callable:
@@ -56,10 +61,16 @@ def _jax_nn(q, k, v, *, query_segment_ids=None, key_value_segment_ids=None, **kw
 
 
 def config_attention_fn(impl: str, cfg: Config) -> Callable:
-    """`attention_fn` with the config's static options."""
+    """`attention_fn` with the config's static options; "cudnn-packed" for the packed rows
+    (`packed.cudnn_packed_attention`, which raises `Unavailable` elsewhere), whose extra
+    argument the other implementations do not see."""
+    if impl == "cudnn-packed":
+        return cudnn_packed_attention(cfg)
     if cfg.window is None:
-        return attention_fn(impl, cfg.causal)
-    return attention_fn(impl, cfg.causal, cfg.window)
+        fn = attention_fn(impl, cfg.causal)
+    else:
+        fn = attention_fn(impl, cfg.causal, cfg.window)
+    return without_extra(fn) if cfg.kind == "packed" else fn
 
 
 def call_once(fn, mode, q, k, v, g, extras=None):
@@ -107,8 +118,9 @@ class Inputs:
     def _draw_extras(self) -> dict:
         """The config's extra arguments, by `attention`'s keyword: bias (standard normal, the
         input dtype), mask, query/key_value_segment_ids, query_seq_lengths and
-        key_value_seq_lengths (int32). One copy for
-        every set; never donated."""
+        key_value_seq_lengths (int32), and on the packed rows cuDNN's lengths and offsets
+        (CUDNN_PACKED_EXTRA, for "cudnn-packed" only). One copy for every set; never
+        donated."""
         cfg, extras = self.cfg, {}
         if cfg.bias_shape is not None:
             key = jax.random.fold_in(jax.random.key(self.seed), 1 << 20)
@@ -121,6 +133,9 @@ class Inputs:
                                         for d in cfg.segment_docs]))
             extras["query_segment_ids"] = ids[:, :cfg.seqlen_q]
             extras["key_value_segment_ids"] = ids[:, :cfg.seqlen_k]
+        if cfg.kind == "packed":
+            extras[CUDNN_PACKED_EXTRA] = tuple(
+                jnp.asarray(x) for x in cudnn_packed_arrays(packed_rows(cfg), cfg.mask_length))
         if cfg.q_lens is not None:
             extras["query_seq_lengths"] = jnp.asarray(cfg.q_lens, jnp.int32)
         if cfg.kv_lens is not None:

@@ -146,6 +146,9 @@ def markdown_tables(records: Sequence[dict], impls: Sequence[str],
                 if with_ratio:
                     row.append(_ratio(by_impl.get("ours"), by_impl.get(base), "tflops"))
                 rows.append(row)
+        elif kind == "packed":
+            title, header, rows = _packed_table(dtype, mode, rows_by_config, impls, base,
+                                                records)
         else:
             tokens = first["batch"] * first["seqlen_q"]
             title = (f"{dtype} {MODE_TITLES[mode]} TFLOP/s: {tokens} tokens per batch "
@@ -164,6 +167,42 @@ def markdown_tables(records: Sequence[dict], impls: Sequence[str],
                 rows.append(row)
         tables.append((title, _markdown(header, rows)))
     return tables
+
+
+def _packed_table(dtype, mode, rows_by_config, impls, base, records):
+    """The packed preset's table: TFLOP/s of visible pairs and ms per implementation, ours
+    over cudnn-packed and over `base`, and ours over our own dense causal row at T = the mean
+    document length (where the records hold one)."""
+    first = next(iter(next(iter(rows_by_config.values())).values()))
+    tokens = first["batch"] * first["seqlen_q"]
+    title = (f"{dtype} {MODE_TITLES[mode]} TFLOP/s, packed documents: {tokens} tokens per "
+             f"batch (B = {tokens}/T), N={first['num_heads']}, H={first['head_dim']}, causal; "
+             f"FLOPs count the visible pairs only (each document's causal pairs; visible: "
+             f"their share of B*T*T)")
+    bases = ([b for b in ("cudnn-packed", base) if b in impls and b != "ours"]
+             if "ours" in impls else [])
+    dense = {r["seqlen_q"]: r for r in records
+             if r["kind"] == "packed" and r["mode"] == mode and r["dtype"] == dtype
+             and r["impl"] == "ours" and r.get("doc_mean") is None}
+    with_dense = "ours" in impls and any(r["doc_mean"] in dense
+                                         for by_impl in rows_by_config.values()
+                                         for r in by_impl.values() if r.get("doc_mean"))
+    header = (["T", "B", "documents", "docs per row", "visible"] + [f"{i} TFLOP/s" for i in impls]
+              + [f"{i} ms" for i in impls] + [f"ours/{b}" for b in bases]
+              + (["ours/dense at T=mean"] if with_dense else []))
+    rows = []
+    for by_impl in rows_by_config.values():
+        r = next(iter(by_impl.values()))
+        mean = r.get("doc_mean")
+        row = [str(r["seqlen_q"]), str(r["batch"]), r["variant"],
+               f"{r['docs_per_row']:.1f}" if mean else "-", f"{r['visible']:.3f}"]
+        row += [_cell(by_impl.get(i), "tflops") for i in impls]
+        row += [_cell(by_impl.get(i), "seconds", 1e3) for i in impls]
+        row += [_ratio(by_impl.get("ours"), by_impl.get(b), "tflops") for b in bases]
+        if with_dense:
+            row.append(_ratio(by_impl.get("ours"), dense.get(mean), "tflops") if mean else "-")
+        rows.append(row)
+    return title, header, rows
 
 
 def failures(records: Sequence[dict], impl: str = "ours") -> list[dict]:

@@ -19,6 +19,7 @@ from jax import lax
 from jax_flashattn._bench.checks import DEFAULT_CHECK_BUDGET, ReferenceSlice, check_outputs
 from jax_flashattn._bench.configs import Config, RUNNER_UNROLL
 from jax_flashattn._bench.impls import Inputs, call_once, config_attention_fn, on_gpu
+from jax_flashattn._bench.packed import Unavailable
 
 
 @dataclasses.dataclass
@@ -128,8 +129,9 @@ def _fail(record: dict, e: BaseException, inputs: Inputs) -> dict:
 def prepare(cfg: Config, impl: str, mode: str, inputs: Inputs, ref: ReferenceSlice | None,
             settings: TimingSettings) -> tuple[dict, _Timed | None]:
     """Compiles, warms up and checks one (config, implementation, mode). Never raises:
-    failures come back as status "FAIL" (wrong result), "OOM" or "error", with a message, and
-    no timer."""
+    failures come back as status "FAIL" (wrong result), "OOM" or "error", and an
+    implementation that cannot run the case here as "unavailable", with a message, and no
+    timer."""
     record = dict(impl=impl, mode=mode, status="error", message="")
     try:
         fn = config_attention_fn(impl, cfg)
@@ -161,6 +163,9 @@ def prepare(cfg: Config, impl: str, mode: str, inputs: Inputs, ref: ReferenceSli
             record.update(status="FAIL", message=verdict.detail)
             return record, None
         return record, _Timed(record, compiled, results, calls)
+    except Unavailable as e:  # raised before anything ran: the inputs are intact
+        record.update(status="unavailable", message=str(e))
+        return record, None
     except Exception as e:  # noqa: BLE001 - one config must never end the run
         return _fail(record, e, inputs), None
 
