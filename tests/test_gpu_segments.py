@@ -100,27 +100,39 @@ def test_forward_skips_tiles_between_documents(rng, family, dtype, head_dim, is_
                      key_value_segment_ids=kv_ids)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("case", ["window_lengths_gqa", "unsorted", "idle_warpgroups"])
-def test_forward_with_other_options(rng, family, head_dim, case):
-    """Ids with a causal window, per-batch lengths and GQA, T != S packed apart; ids in no
-    order (tiles of every document interleave); and query blocks half of whose rows are in a
-    document no key of the block's range carries (whole warpgroups see no key)."""
-    b, t, s = 2, 700, 900
-    q, k, v = random_qkv(rng, b, t, s, 8, 2, head_dim, jnp.bfloat16)
-    kwargs = {}
+def option_case(rng, case, b, t, s):
+    """(query ids, key ids, attention options) of a named case, for T, S >= 401:
+    "long_documents" (longer than the tiles: tiles inside one document take no element test);
+    "window_lengths_gqa" (a causal window and per-batch lengths, T != S packed apart);
+    "unsorted" (ids in no order: tiles of every document interleave); "keyless_rows" (causal;
+    each 64 rows an id of their own, the keys, 96 to an id, carry only the even ones: whole
+    warpgroups of the forward see no key, rows get zero gradients, key blocks meet no
+    query)."""
+    if case == "long_documents":
+        return (*ids_for(rng, b, t, s, 300), {})
     if case == "window_lengths_gqa":
-        q_ids, kv_ids = ids_for(rng, b, t, s, 120)
-        kwargs = dict(is_causal=True, local_window_size=(200, 0),
-                      query_seq_lengths=jnp.array([700, 333], jnp.int32),
-                      key_value_seq_lengths=jnp.array([900, 401], jnp.int32))
-    elif case == "unsorted":
-        q_ids = jnp.asarray(rng.integers(0, 4, (b, t)), jnp.int32)
-        kv_ids = jnp.asarray(rng.integers(0, 4, (b, s)), jnp.int32)
-    else:  # each 64 rows an id of their own; the keys, 96 to an id, carry only the even ones
-        q_ids = jnp.asarray(np.broadcast_to(np.arange(t) // 64, (b, t)), jnp.int32)
-        kv_ids = jnp.asarray(np.broadcast_to(np.arange(s) // 96 * 2, (b, s)), jnp.int32)
-        kwargs = dict(is_causal=True)
+        lengths = dict(query_seq_lengths=jnp.array([t, 333], jnp.int32),
+                       key_value_seq_lengths=jnp.array([s, 401], jnp.int32))
+        return (*ids_for(rng, b, t, s, 120),
+                dict(is_causal=True, local_window_size=(200, 0), **lengths))
+    if case == "unsorted":
+        return (jnp.asarray(rng.integers(0, 4, (b, t)), jnp.int32),
+                jnp.asarray(rng.integers(0, 4, (b, s)), jnp.int32), {})
+    assert case == "keyless_rows", case
+    return (jnp.asarray(np.broadcast_to(np.arange(t) // 64, (b, t)), jnp.int32),
+            jnp.asarray(np.broadcast_to(np.arange(s) // 96 * 2, (b, s)), jnp.int32),
+            dict(is_causal=True))
+
+
+OPTION_CASES = ["long_documents", "window_lengths_gqa", "unsorted", "keyless_rows"]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", OPTION_CASES)
+def test_forward_with_other_options(rng, family, head_dim, case):
+    """option_case's cases with GQA, T = 700 against S = 900."""
+    q, k, v = random_qkv(rng, 2, 700, 900, 8, 2, head_dim, jnp.bfloat16)
+    q_ids, kv_ids, kwargs = option_case(rng, case, 2, 700, 900)
     check_forward_on(family, q, k, v, query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
                      **kwargs)
 
@@ -204,30 +216,11 @@ def test_backward(rng, backward_family, dtype, head_dim, is_causal):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("case", ["long_documents", "window_lengths_gqa", "unsorted",
-                                  "keyless_rows"])
+@pytest.mark.parametrize("case", OPTION_CASES)
 def test_backward_cases(rng, backward_family, head_dim, case):
-    """Documents longer than the tiles (steps inside one document take no element test); a
-    causal window, per-batch lengths and GQA with T != S packed apart; ids in no order; rows in
-    documents no key carries (zero gradients) and key blocks whose documents no query has."""
-    b, t, s = 2, 700, 900
-    q, k, v = random_qkv(rng, b, t, s, 8, 2, head_dim, jnp.bfloat16)
-    kwargs = dict(is_causal=True)
-    if case == "long_documents":
-        q_ids, kv_ids = ids_for(rng, b, t, s, 300)
-        kwargs = {}
-    elif case == "window_lengths_gqa":
-        q_ids, kv_ids = ids_for(rng, b, t, s, 120)
-        kwargs = dict(is_causal=True, local_window_size=(200, 0),
-                      query_seq_lengths=jnp.array([700, 333], jnp.int32),
-                      key_value_seq_lengths=jnp.array([900, 401], jnp.int32))
-    elif case == "unsorted":
-        q_ids = jnp.asarray(rng.integers(0, 4, (b, t)), jnp.int32)
-        kv_ids = jnp.asarray(rng.integers(0, 4, (b, s)), jnp.int32)
-        kwargs = {}
-    else:  # each 64 rows an id of their own; the keys, 96 to an id, carry the even ones only
-        q_ids = jnp.asarray(np.broadcast_to(np.arange(t) // 64, (b, t)), jnp.int32)
-        kv_ids = jnp.asarray(np.broadcast_to(np.arange(s) // 96 * 2, (b, s)), jnp.int32)
+    """option_case's cases with GQA, T = 700 against S = 900."""
+    q, k, v = random_qkv(rng, 2, 700, 900, 8, 2, head_dim, jnp.bfloat16)
+    q_ids, kv_ids, kwargs = option_case(rng, case, 2, 700, 900)
     check_grads_on(backward_family, rng, q, k, v, query_segment_ids=q_ids,
                    key_value_segment_ids=kv_ids, **kwargs)
 

@@ -183,6 +183,13 @@ def document_ids(docs, length: int) -> np.ndarray:
     return (np.searchsorted(bounds, np.arange(length), side="right") - 1).astype(np.int32)
 
 
+def heads(hidden: int, head_dim: int) -> int:
+    """N = hidden / H, which must divide."""
+    if hidden % head_dim:
+        raise ValueError(f"hidden {hidden} is not a multiple of head dim {head_dim}")
+    return hidden // head_dim
+
+
 def standard_grid(dtypes=("bf16", "fp16"), head_dims=STANDARD_HEAD_DIMS,
                   seqlens=STANDARD_SEQLENS, causal=(False, True), tokens=STANDARD_TOKENS,
                   hidden=STANDARD_HIDDEN) -> list[Config]:
@@ -190,14 +197,12 @@ def standard_grid(dtypes=("bf16", "fp16"), head_dims=STANDARD_HEAD_DIMS,
     configs = []
     for dtype in dtypes:
         for h in head_dims:
-            if hidden % h:
-                raise ValueError(f"hidden {hidden} is not a multiple of head dim {h}")
+            n = heads(hidden, h)
             for t in seqlens:
                 if tokens % t:
                     raise ValueError(f"tokens {tokens} is not a multiple of seqlen {t}")
                 for is_causal in causal:
-                    configs.append(Config(tokens // t, t, t, hidden // h, hidden // h, h, dtype,
-                                          bool(is_causal)))
+                    configs.append(Config(tokens // t, t, t, n, n, h, dtype, bool(is_causal)))
     return configs
 
 
@@ -223,9 +228,7 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
     configs = []
     for dtype in dtypes:
         for h in head_dims:
-            if hidden % h:
-                raise ValueError(f"hidden {hidden} is not a multiple of head dim {h}")
-            n = hidden // h
+            n = heads(hidden, h)
             kv = max(1, n // kv_group)
             if n % kv:
                 raise ValueError(f"{n} heads do not split into groups of {kv_group}")

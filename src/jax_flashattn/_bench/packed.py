@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from jax_flashattn._bench.configs import Config, document_bounds
+from jax_flashattn._bench.configs import Config, document_bounds, heads
 
 # bf16, H = 128, N = 16 (hidden 2048), causal, T in {8192, 32768} at 32768 tokens per batch.
 PACKED_SEQLENS = (8192, 32768)
@@ -76,9 +76,7 @@ def packed_grid(dtypes=("bf16",), seqlens=PACKED_SEQLENS, head_dims=(PACKED_SHAP
     configs = []
     for dtype in dtypes:
         for h in head_dims:
-            if hidden % h:
-                raise ValueError(f"hidden {hidden} is not a multiple of head dim {h}")
-            n = hidden // h
+            n = heads(hidden, h)
             for mean in means:
                 if dense and mean <= max(seqlens) and tokens % mean == 0:
                     configs.append(Config(tokens // mean, mean, mean, n, n, h, dtype, True,
