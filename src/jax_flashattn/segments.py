@@ -13,6 +13,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 def segment_ids_from_lengths(lengths, total: int) -> jax.Array:
@@ -75,14 +76,17 @@ def spans(q_ids, kv_ids):
 
 def _granule_ranges(ids):
     """Per GRANULE positions, the least and greatest id ([..., G] each; a last partial granule
-    is padded with its last id, which widens nothing)."""
+    is padded with the identities of min and max, which widen nothing)."""
     length = ids.shape[-1]
     granules = -(-length // GRANULE)
     if granules == 0:
         return ids, ids
-    pad = [(0, 0)] * (ids.ndim - 1) + [(0, granules * GRANULE - length)]
-    grouped = jnp.pad(ids, pad, mode="edge").reshape(*ids.shape[:-1], granules, GRANULE)
-    return grouped.min(axis=-1), grouped.max(axis=-1)
+    window = (1,) * (ids.ndim - 1) + (GRANULE,)
+    padding = [(0, 0)] * (ids.ndim - 1) + [(0, granules * GRANULE - length)]
+    info = np.iinfo(np.int32)
+    lo = lax.reduce_window(ids, np.int32(info.max), lax.min, window, window, padding)
+    hi = lax.reduce_window(ids, np.int32(info.min), lax.max, window, window, padding)
+    return lo, hi
 
 
 def _overlapping(lo, hi, other_lo, other_hi, other_length):

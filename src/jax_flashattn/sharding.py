@@ -264,6 +264,16 @@ def _explicit_sharding(x):
     return sharding
 
 
+def _replicated(x):
+    """x (or None) typed replicated under Explicit mesh axes: the segment ids' spans group the
+    position dim, which has no sharding rule where it is split. Only the partitioner's trace of
+    the global call sees such types; each shard's call sees its own unsharded ids."""
+    sharding = None if x is None else _explicit_sharding(x)
+    if sharding is None:
+        return x
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, P()))
+
+
 def _typed_like(x, like, dims=None):
     """Under Explicit mesh axes, types x with the sharding of `like` (dims: which of like's
     dims x's dims are): the kernels' results are otherwise typed replicated."""
@@ -283,13 +293,15 @@ def _partitioned(kind, flags, scale, window, deterministic, switches, with_dbias
     def body(*xs):
         a = _unpack(kind, flags, xs)
         if kind == "fwd":
-            out, lse = _ops.forward(a.q, a.k, a.v, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
-                                    a.kv_ids, scale=scale, window=window, switches=switches)
+            out, lse = _ops.forward(a.q, a.k, a.v, a.bias, a.mask, a.q_lens, a.kv_lens,
+                                    _replicated(a.q_ids), _replicated(a.kv_ids), scale=scale,
+                                    window=window, switches=switches)
             lead = tuple(range(a.q.ndim - 3))
             return (_typed_like(out, a.q),
                     _typed_like(lse, a.q, lead + (a.q.ndim - 2, a.q.ndim - 3)))
         dq, dk, dv, dbias = _ops.backward(a.q, a.k, a.v, a.out, a.lse, a.d_out, a.bias,
-                                          a.mask, a.q_lens, a.kv_lens, a.q_ids, a.kv_ids,
+                                          a.mask, a.q_lens, a.kv_lens, _replicated(a.q_ids),
+                                          _replicated(a.kv_ids),
                                           scale=scale, window=window, switches=switches,
                                           deterministic=deterministic,
                                           dbias=with_dbias)
