@@ -7,6 +7,7 @@ import importlib.util
 import pathlib
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -225,3 +226,14 @@ def assert_grads_close(got, want, *, normwise=None, name=""):
         err = np.linalg.norm(got - want)
         bound = normwise * np.linalg.norm(want) + 1e-6
         assert err <= bound, f"{name}: normwise error {err:.3g} exceeds {bound:.3g}"
+
+
+def jaxpr_sizes(jaxpr):
+    """(elements of its largest output, primitive name) of every equation of a jaxpr and of the
+    jaxprs inside them."""
+    for eqn in jaxpr.eqns:
+        yield (max((int(np.prod(var.aval.shape)) for var in eqn.outvars), default=0),
+               str(eqn.primitive))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from jaxpr_sizes(sub)
+

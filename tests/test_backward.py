@@ -1,7 +1,6 @@
 """Gradients of `attention` against `jax.grad` of the float32 reference."""
 
 import jax
-import jax.extend.core
 import jax.test_util
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +8,8 @@ import pytest
 
 import jax_flashattn
 from jax_flashattn import reference
-from helpers import assert_grads_close, fill_past_lengths, grads, random_qkv, reference_grads
+from helpers import (assert_grads_close, fill_past_lengths, grads, jaxpr_sizes, random_qkv,
+                     reference_grads)
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 DTYPE_IDS = ["f32", "bf16", "f16"]
@@ -245,14 +245,7 @@ def test_residuals_have_no_t_by_s_tensor(rng):
     # Nothing in the whole gradient computation is [T, S]-sized either.
     jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2)))(q, kk, v)
 
-    def sizes(jaxpr):
-        for eqn in jaxpr.eqns:
-            size = max((int(np.prod(var.aval.shape)) for var in eqn.outvars), default=0)
-            yield size, str(eqn.primitive)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                yield from sizes(sub)
-
-    found = list(sizes(jaxpr.jaxpr))
+    found = list(jaxpr_sizes(jaxpr.jaxpr))
     assert sum(prim == "ffi_call" for _, prim in found) == 2, "expected the fwd and bwd calls"
     big = [(size, prim) for size, prim in found if size >= t * s]
     assert not big, f"[T, S]-sized intermediates: {big}"

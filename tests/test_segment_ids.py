@@ -10,7 +10,7 @@ import pytest
 import jax_flashattn
 from jax_flashattn import reference
 from helpers import (assert_attention_close, assert_grads_close, assert_lse_close, grads,
-                     random_qkv, reference_grads)
+                     jaxpr_sizes, random_qkv, reference_grads)
 
 DTYPES = [jnp.float32, jnp.bfloat16]
 DTYPE_IDS = ["f32", "bf16"]
@@ -631,3 +631,25 @@ def test_spans_hold_every_visible_pair(rng, kinds, t, s):
                 if kind in ("random", "whole", "singles"):  # each granule's ids: a run
                     assert lo == seen[0] - seen[0] % g, (b, i, lo, seen[0])
                     assert hi == min(length, seen[-1] - seen[-1] % g + g), (b, i, hi, seen[-1])
+
+
+def test_no_t_by_s_tensor(rng):
+    """Packed rows cost no [B, T, S] mask: nothing in the gradient computation with segment ids
+    is as large as T S / 16 (the ids' spans are [T / 16, S / 16] per row), and the compiled
+    gradient's temporary memory stays below one byte per (t, s) pair."""
+    b, t, s, n, h = 1, 512, 640, 2, 8
+    q, k, v = random_qkv(rng, b, t, s, n, n, h, jnp.float32)
+    q_ids, kv_ids = packed_ids(rng, ["random"], t, s)
+
+    def loss(q, k, v):
+        out = jax_flashattn.attention(q, k, v, is_causal=True, query_segment_ids=q_ids,
+                                      key_value_segment_ids=kv_ids)
+        return jnp.sum(out ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    jaxpr = jax.make_jaxpr(grad)(q, k, v)
+
+    big = [(size, prim) for size, prim in jaxpr_sizes(jaxpr.jaxpr) if size >= b * t * s // 16]
+    assert not big, f"[T, S]-sized intermediates: {big}"
+    temp = jax.jit(grad).lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+    assert temp < b * t * s, temp
