@@ -64,10 +64,11 @@ def spans(q_ids, kv_ids):
     for q_ids [..., T] and kv_ids [..., S], int32 [..., ceil(T / GRANULE), 2] giving, for each
     GRANULE query rows, [lo, hi) holding every key whose id lies in the range of the rows' ids,
     and int32 [..., ceil(S / GRANULE), 2] the same for each GRANULE keys over the query rows;
-    lo >= hi where there is none. Exact on granule bounds where the ids do not decrease along
-    a row (packed documents): then a block's keys are the documents its rows are in, and a
-    causal packed row costs about the sum of its documents' causal work. Otherwise wider,
-    never narrower (the kernels test each pair on the ids themselves). O(T S / GRANULE^2)."""
+    lo >= hi where there is none. Exact on granule bounds where each granule's ids are a run of
+    integers that both sides number alike (rows packed with documents 0, 1, ...): then a
+    block's keys are the documents its rows are in, and a causal packed row costs about the sum
+    of its documents' causal work. Otherwise wider, never narrower (the kernels test each pair
+    on the ids themselves). O(T S / GRANULE^2)."""
     q_lo, q_hi = _granule_ranges(q_ids)
     kv_lo, kv_hi = _granule_ranges(kv_ids)
     return (_overlapping(q_lo, q_hi, kv_lo, kv_hi, kv_ids.shape[-1]),

@@ -361,13 +361,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // (docs/decisions/idle-warpgroups-and-warpgroup-tails.md). kSegments: also a warpgroup
     // whose rows see no key of the block through their documents' spans.
     [[maybe_unused]] bool sees_nothing = false;
-    if constexpr (Traits::kSegments) {
-      int key_lo, key_hi;
-      t.vis.key_range(t.row0 + wg_row0, t.row0 + wg_row0 + 64, key_lo, key_hi);
-      variant::SegmentSpans::keys_of_rows(p, t.b).narrow(t.row0 + wg_row0,
-                                                         t.row0 + wg_row0 + 64, key_lo, key_hi);
-      sees_nothing = key_hi <= key_lo;
-    }
+    if constexpr (Traits::kSegments)
+      sees_nothing = sees_no_keys_of_its_documents(p, t.vis, t, wg_row0);
     if (__all_sync(0xffffffff, t.row0 + wg_row0 >= t.vis.q_len || sees_nothing)) {
       store_pending();
       write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
@@ -562,8 +557,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     release(bars.q_empty[q_stage]);
     pack_p();
     ptx::mbarrier_wait(bar(bars.v_full[kv_ring.stage()]), kv_ring.phase());
-    if (const int first_row = first_v_row_to_zero<kBlockN, Traits::kWindowed>(p, t, consumer,
-                                                                              wg_tiles);
+    if (const int first_row = first_v_row_to_zero<kBlockN, Traits::kWindowed, Traits::kSegments>(
+            p, t, consumer, wg_tiles);
         first_row < kBlockN) {
       zero_v_rows(smem, kv_ring.stage(), first_row, tid % 128, 128);
       ptx::fence_proxy_async_shared();  // generic stores that wgmma (async proxy) reads

@@ -43,28 +43,41 @@ __device__ __forceinline__ int windowed_warpgroup_tiles(const variant::KeyWindow
   return last + 1 < t.num_kv_tiles ? last + 1 : t.num_kv_tiles;
 }
 
+// Segment ids: whether no row of a warpgroup (rows [row0 + wg_row0, +64) of tile t) sees a key
+// through the window and the ids' spans. Such a warpgroup computes nothing (the kernel's idle
+// path), so it neither reads V nor zeroes it.
+__device__ __forceinline__ bool sees_no_keys_of_its_documents(const AttentionParams& p,
+                                                             const variant::KeyWindow<int>& vis,
+                                                             const ForwardTile& t, int wg_row0) {
+  int key_lo, key_hi;
+  vis.key_range(t.row0 + wg_row0, t.row0 + wg_row0 + 64, key_lo, key_hi);
+  variant::SegmentSpans::keys_of_rows(p, t.b).narrow(t.row0 + wg_row0, t.row0 + wg_row0 + 64,
+                                                     key_lo, key_hi);
+  return key_hi <= key_lo;
+}
+
 // The first row of the V tile that computing consumer `consumer` must zero before its last
 // O += P V, or kBlockN for none. The tensor maps span S, so the key tile that holds a batch
 // entry's key length brings the cache's rows past it, which may hold NaN or Inf, and a masked P
 // of 0 times NaN is NaN. That tile is the last one of every warpgroup that reads it, and the
-// first of them in turn order (the lowest consumer: the consumers below a computing one compute
-// too) zeroes it before its turn: the turns (named barriers, round robin) order its stores
-// before every later reader's product, and no two warpgroups write the buffer. Without a window
-// every computing warpgroup reads every tile, so consumer 0 zeroes. Rebuilt from the
-// parameters (one load of the length) rather than kept through the tile loop
+// first of them in turn order (the lowest computing consumer: below a computing one, a consumer
+// is idle only through the segment ids' spans, kSegments) zeroes it before its turn: the turns
+// (named barriers, round robin) order its stores before every later reader's product, and no
+// two warpgroups write the buffer. Without a window every computing warpgroup reads every
+// tile, so the lowest computing one zeroes. Rebuilt from the parameters (one load of the
+// length) rather than kept through the tile loop
 // (docs/decisions/keys-past-the-length-never-read.md).
-template <int kBlockN, bool kWindowed>
+template <int kBlockN, bool kWindowed, bool kSegments = false>
 __device__ __forceinline__ int first_v_row_to_zero(const AttentionParams& p, const ForwardTile& t,
                                                    int consumer, int wg_tiles) {
   if (p.kv_seqlens == nullptr) return kBlockN;  // rows past S load as zeros
   const auto vis = variant::KeyWindow<int>::make(p, int(ptx::opaque(uint32_t(t.b))));
   const int last_key0 = (t.tile_begin + wg_tiles - 1) * kBlockN;
   if (vis.kv_len >= p.seqlen_k || vis.kv_len - last_key0 >= kBlockN) return kBlockN;
-  if constexpr (kWindowed) {
-    for (int below = 0; below < consumer; ++below)
-      if (windowed_warpgroup_tiles<kBlockN>(vis, t, below * 64) >= wg_tiles) return kBlockN;
-  } else {
-    if (consumer > 0) return kBlockN;
+  for (int below = 0; below < consumer; ++below) {
+    if (kSegments && sees_no_keys_of_its_documents(p, vis, t, below * 64)) continue;
+    if (!kWindowed || windowed_warpgroup_tiles<kBlockN>(vis, t, below * 64) >= wg_tiles)
+      return kBlockN;
   }
   return vis.kv_len - last_key0;
 }
