@@ -183,9 +183,9 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
     for (int m = 0; m < kSlabs; ++m) ptx::ldmatrix_x4(q_frag[m][slot], q_address(m, ks));
   };
 
-  // kSegments: the range of the segment ids of this warp's rows below the query length (empty,
-  // lo > hi, where it has none).
-  // Made once: a copy per use cost instructions, and ptxas spilled more.
+  // kSegments: the block's ids, made once (a copy per use cost instructions, and ptxas spilled
+  // more), and the range of the ids of this warp's rows below the query length (empty, lo > hi,
+  // where it has none).
   [[maybe_unused]] const auto ids =
       kSegments ? variant::SegmentIds::make(p, b) : variant::SegmentIds{};
   [[maybe_unused]] int32_t warp_id_lo = 0, warp_id_hi = -1;

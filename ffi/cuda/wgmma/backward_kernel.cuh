@@ -227,15 +227,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     bool one_document = true;
     if constexpr (Traits::kSegments) {
       const auto ids = variant::SegmentIds::make(p, block.b);
-      const int last_q = int(p.seqlen_q) - 1, last_key = int(p.seqlen_k) - 1;
-      int32_t lo = ids.kv[min(block.key0 + warp_key0 + lane % 16, last_key)], hi = lo;
-#pragma unroll
-      for (int i = lane; i < kBlockM; i += 32) {
-        const int32_t id = ids.q[min(q0 + i, last_q)];
-        lo = min(lo, id);
-        hi = max(hi, id);
-      }
-      one_document = __reduce_min_sync(0xffffffff, lo) == __reduce_max_sync(0xffffffff, hi);
+      one_document = cuda::one_segment<kBlockM>(ids.kv, block.key0 + warp_key0,
+                                                int(p.seqlen_k) - 1, ids.q, q0,
+                                                int(p.seqlen_q) - 1, lane);
     }
 
     // S^T = K_wg Q^T and dP^T = V_wg dO^T (64 keys x 64 queries each), as two commit groups, so

@@ -26,8 +26,9 @@ __device__ __forceinline__ cuda::Visibility block_visibility(const AttentionPara
 }
 
 // The work of one block: its keys and the (query head, Q tile) steps that can see them (with
-// segment ids, only the tiles of their documents), heads outermost (head0 + step / tiles, tile_begin + step % tiles), the same for producer and
-// consumers. 32-bit indices: the dispatcher checks indices_fit_32_bits.
+// segment ids, only the tiles of their documents), heads outermost (head0 + step / tiles,
+// tile_begin + step % tiles), the same for producer and consumers. 32-bit indices: the
+// dispatcher checks indices_fit_32_bits.
 template <typename Traits>
 struct BackwardBlock {
   int b, kv_head, key0;

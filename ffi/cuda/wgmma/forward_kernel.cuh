@@ -423,14 +423,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // where every row and key is inside its length.
     [[maybe_unused]] const auto one_document = [&](int j) {
       const auto ids = variant::SegmentIds::make(p, t.b);
-      int32_t lo = ids.q[t.row0 + warp_row0 + lane % 16], hi = lo;
-#pragma unroll
-      for (int i = lane; i < kBlockN; i += 32) {
-        const int32_t id = ids.kv[(t.tile_begin + j) * kBlockN + i];
-        lo = min(lo, id);
-        hi = max(hi, id);
-      }
-      return __reduce_min_sync(0xffffffff, lo) == __reduce_max_sync(0xffffffff, hi);
+      return cuda::one_segment<kBlockN>(ids.q, t.row0 + warp_row0, INT32_MAX, ids.kv,
+                                        (t.tile_begin + j) * kBlockN, INT32_MAX, lane);
     };
     // The full update of tile j over its first kUsed 8-column tiles: where a boundary crosses
     // the tile for this warp's rows (not interior), the scores it hides set to -inf first.
