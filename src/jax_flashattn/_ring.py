@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_flashattn import _ops
+from jax_flashattn import _ops, segments
 
 Window = tuple  # (left, right): ints, or None for an unbounded side
 HIDDEN = "hidden"  # a block in which no query sees any key
@@ -371,8 +371,8 @@ def _segments_meet(q_ids, kv_ids):
     the call computes nothing: a ring step between different documents."""
     if q_ids is None:
         return None
-    return ((jnp.min(q_ids, axis=-1) <= jnp.max(kv_ids, axis=-1)) &
-            (jnp.min(kv_ids, axis=-1) <= jnp.max(q_ids, axis=-1)))
+    return segments.ranges_meet(jnp.min(q_ids, axis=-1), jnp.max(q_ids, axis=-1),
+                                jnp.min(kv_ids, axis=-1), jnp.max(kv_ids, axis=-1))
 
 
 def _dispatch(call: Call, p, run, hidden, operands):

@@ -90,12 +90,18 @@ def _granule_ranges(ids):
     return lo, hi
 
 
+def ranges_meet(lo, hi, other_lo, other_hi):
+    """Whether the id ranges [lo, hi] and [other_lo, other_hi] share a value (elementwise): where
+    they do not, no position of the one sees a position of the other."""
+    return (lo <= other_hi) & (other_lo <= hi)
+
+
 def _overlapping(lo, hi, other_lo, other_hi, other_length):
     """For each granule of one side, [first, last + 1) in positions of the granules of the
     other side whose id range meets its own, clipped to other_length; (other_length, 0) when
     none does."""
-    meets = ((lo[..., :, None] <= other_hi[..., None, :]) &
-             (other_lo[..., None, :] <= hi[..., :, None]))
+    meets = ranges_meet(lo[..., :, None], hi[..., :, None], other_lo[..., None, :],
+                        other_hi[..., None, :])
     index = jnp.arange(other_lo.shape[-1], dtype=jnp.int32)
     count = np.int32(other_lo.shape[-1])
     first = jnp.min(jnp.where(meets, index, count), axis=-1, initial=count)
