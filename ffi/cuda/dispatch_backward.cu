@@ -68,7 +68,8 @@ bool sm90_applies(const AttentionParams& p, int device) {
   constexpr int64_t kBlockN = wgmma::kBackwardMinBlockN;
   const int64_t blocks = (p.seqlen_k + kBlockN - 1) / kBlockN * p.batch * p.num_kv_heads;
   return !p.deterministic && p.head_dim <= max_head_dim && blocks <= 0x7fffffff &&
-         wgmma::backward_tma_compatible(p) && wgmma::hopper_kernels_apply(p, device);
+         wgmma::backward_tma_compatible(p) &&
+         wgmma::segment_ids_tma_compatible(p) && wgmma::hopper_kernels_apply(p, device);
 }
 
 }  // namespace

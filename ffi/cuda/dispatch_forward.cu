@@ -114,7 +114,7 @@ bool decode_plan_with_merge(const AttentionParams& p, int device, ForwardKernel 
 bool sm90_applies(const AttentionParams& p, int device) {
   const int64_t max_head_dim = wgmma::kHeadDims[std::size(wgmma::kHeadDims) - 1];
   return p.tile_counter != nullptr && p.head_dim <= max_head_dim && wgmma::tma_compatible(p) &&
-         wgmma::hopper_kernels_apply(p, device);
+         wgmma::segment_ids_tma_compatible(p) && wgmma::hopper_kernels_apply(p, device);
 }
 
 }  // namespace

@@ -139,22 +139,17 @@ struct TileVisibility {
   }
 };
 
-// Segment ids: whether one id holds a warp's 16 positions of one side (lane l reads
-// sixteen[min(first + l % 16, last)]) and kRun positions of the other (run[min(run_first + i,
-// run_last)], i by lane stride): a warp min/max, the same answer in every lane. The clamps keep
-// reads inside T and S where the positions may run past them; INT32_MAX where they cannot.
+// Segment ids: whether one id holds a warp's 16 positions of one side (lane l holds the id of
+// position l % 16 in own_id) and kRun positions of the other, whose ids lie in shared memory
+// from address `run` on: a warp vote, the same answer in every lane.
 template <int kRun>
-__device__ __forceinline__ bool one_segment(const int32_t* sixteen, int first, int last,
-                                            const int32_t* run, int run_first, int run_last,
-                                            int lane) {
-  int32_t lo = sixteen[min(first + lane % 16, last)], hi = lo;
+__device__ __forceinline__ bool one_segment(int32_t own_id, uint32_t run, int lane) {
+  const int32_t id = __shfl_sync(0xffffffff, own_id, 0);
+  bool same = own_id == id;
 #pragma unroll
-  for (int i = lane; i < kRun; i += 32) {
-    const int32_t id = run[min(run_first + i, run_last)];
-    lo = min(lo, id);
-    hi = max(hi, id);
-  }
-  return __reduce_min_sync(0xffffffff, lo) == __reduce_max_sync(0xffffffff, hi);
+  for (int i = lane; i < kRun; i += 32)
+    same &= int32_t(ptx::ld_shared_b32(run + uint32_t(i) * 4)) == id;
+  return __all_sync(0xffffffff, same);
 }
 
 }  // namespace jax_flashattn::cuda

@@ -13,6 +13,12 @@ __device__ __forceinline__ uint32_t smem_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }
 
+__device__ __forceinline__ uint32_t ld_shared_b32(uint32_t address) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(address) : "memory");
+  return v;
+}
+
 // cp.async.cg: 16 bytes global -> shared, bypassing L1. With valid == false it reads nothing
 // and zero-fills the destination, which is how tile edges (rows past T or S, head dims past H)
 // become zeros in shared memory without branches around the copy.

@@ -54,8 +54,10 @@ cudaError_t encode(CUtensorMap& map, CUtensorMapDataType type, int64_t elem_byte
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-// A float32 array of `elements` as one flat row, read in boxes of `box` elements without swizzle.
-cudaError_t encode_flat_f32(CUtensorMap& map, const float* base, int64_t elements, int box) {
+// An array of `elements` 4-byte elements of `type` as one flat row, read in boxes of `box`
+// elements without swizzle.
+cudaError_t encode_flat_4byte(CUtensorMap& map, CUtensorMapDataType type, const void* base,
+                              int64_t elements, int box) {
   const EncodeTiled encode_function = encode_tiled();
   if (encode_function == nullptr) return cudaErrorInvalidValue;
   const cuuint64_t dims[1] = {cuuint64_t(elements)};
@@ -64,10 +66,14 @@ cudaError_t encode_flat_f32(CUtensorMap& map, const float* base, int64_t element
   const cuuint32_t box_dims[1] = {cuuint32_t(box)};
   const cuuint32_t element_strides[1] = {1};
   const CUresult result = encode_function(
-      &map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, const_cast<float*>(base), dims, strides, box_dims,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-      CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      &map, type, 1, const_cast<void*>(base), dims, strides, box_dims, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+cudaError_t encode_flat_f32(CUtensorMap& map, const float* base, int64_t elements, int box) {
+  return encode_flat_4byte(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, base, elements, box);
 }
 
 CUtensorMapDataType elem_type(const AttentionParams& p) {
@@ -115,6 +121,26 @@ cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_row
   for (cudaError_t e : errors)
     if (e != cudaSuccess) return e;
   return cudaSuccess;
+}
+
+// The box of a last tile starts below batch x T (S), and is at most 256 ids long.
+bool segment_ids_tma_compatible(const AttentionParams& p) {
+  constexpr int64_t kLimit = 0x7fffffff - 256;
+  return p.q_segment_ids == nullptr ||
+         (aligned16(p.q_segment_ids) && aligned16(p.kv_segment_ids) &&
+          p.batch * p.seqlen_q <= kLimit && p.batch * p.seqlen_k <= kLimit);
+}
+
+cudaError_t encode_key_ids_map(const AttentionParams& p, int box_ids, CUtensorMap& map) {
+  if (p.kv_segment_ids == nullptr || !segment_ids_tma_compatible(p)) return cudaErrorInvalidValue;
+  return encode_flat_4byte(map, CU_TENSOR_MAP_DATA_TYPE_INT32, p.kv_segment_ids,
+                           p.batch * p.seqlen_k, box_ids);
+}
+
+cudaError_t encode_query_ids_map(const AttentionParams& p, int box_ids, CUtensorMap& map) {
+  if (p.q_segment_ids == nullptr || !segment_ids_tma_compatible(p)) return cudaErrorInvalidValue;
+  return encode_flat_4byte(map, CU_TENSOR_MAP_DATA_TYPE_INT32, p.q_segment_ids,
+                           p.batch * p.seqlen_q, box_ids);
 }
 
 cudaError_t encode_kv_maps(const AttentionParams& p, int kv_rows, KVMaps& maps) {

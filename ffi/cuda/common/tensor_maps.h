@@ -5,6 +5,8 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "ffi/params.h"
 
 namespace jax_flashattn::wgmma {
@@ -15,6 +17,26 @@ namespace jax_flashattn::wgmma {
 struct ForwardMaps {
   CUtensorMap q, k, v, out;
 };
+
+// Calls with segment ids: also the key ids (int32 [batch, S]) as one flat row of batch x S ids
+// (a row stride of S ids is not 16-byte aligned for every S), read in boxes of box_ids ids that
+// start at a 16-byte boundary (a flat box's rule, kFlatAlignElems below). The Hopper forward
+// loads each key tile's ids beside its K, so that its consumers test them in shared memory.
+struct ForwardMapsWithIds : ForwardMaps {
+  CUtensorMap kv_ids;
+};
+
+template <bool kSegmentIds>
+using ForwardMapsFor = std::conditional_t<kSegmentIds, ForwardMapsWithIds, ForwardMaps>;
+
+// Whether TMA can address the call's segment ids (none: true): 16-byte aligned bases, and
+// batch x T and batch x S ids addressable by int32 box coordinates.
+bool segment_ids_tma_compatible(const AttentionParams& p);
+
+// The key ids' (the query ids') map in boxes of box_ids ids. Fail like encode_forward_maps,
+// and where segment_ids_tma_compatible does not hold.
+cudaError_t encode_key_ids_map(const AttentionParams& p, int box_ids, CUtensorMap& map);
+cudaError_t encode_query_ids_map(const AttentionParams& p, int box_ids, CUtensorMap& map);
 
 // Whether TMA can address the call's tensors: 16-byte aligned base addresses and strides.
 bool tma_compatible(const AttentionParams& p);
@@ -51,6 +73,15 @@ inline constexpr int kFlatAlignElems = 4;  // 16 bytes of float32
 struct BackwardMaps {
   CUtensorMap q, d_out, k, v, dk, dv, lse, delta, dq_accum;
 };
+
+// Calls with segment ids: also the query ids, flat as ForwardMapsWithIds's key ids, which the
+// backward loads beside each Q tile.
+struct BackwardMapsWithIds : BackwardMaps {
+  CUtensorMap q_ids;
+};
+
+template <bool kSegmentIds>
+using BackwardMapsFor = std::conditional_t<kSegmentIds, BackwardMapsWithIds, BackwardMaps>;
 
 // Whether TMA can address the backward's tensors (q, d_out, k, v, dk, dv, lse, delta and the
 // float32 dQ accumulator): 16-byte aligned base addresses and strides, and lse's batch x N x T

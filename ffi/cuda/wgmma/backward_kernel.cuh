@@ -49,7 +49,7 @@ namespace jax_flashattn::wgmma {
 template <typename Elem, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     backward_kernel(const __grid_constant__ AttentionParams p,
-                    const __grid_constant__ BackwardMaps maps) {
+                    const __grid_constant__ BackwardMapsFor<Traits::kSegments> maps) {
 #ifdef JAX_FLASHATTN_SM90_BODY
   static_assert(register_budgets_fit<Traits>(), "setmaxnreg would wait forever");
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
@@ -79,6 +79,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kStatsStride = Traits::kStatsStride;
   const uint32_t sStats = base + Layout::kStatsOffset;
   const float* stats = reinterpret_cast<const float*>(smem + Layout::kStatsOffset);
+  const auto sQIds = [&](int stage) {
+    return base + Layout::kQIdsOffset + stage * Traits::kQIdStageBytes;
+  };
   auto& bars = *reinterpret_cast<BackwardBarriers<Traits>*>(smem + Layout::kBarrierOffset);
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
 
@@ -121,7 +124,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (step >= kStages) ptx::mbarrier_wait(bar(bars.q_empty[stage]), phase(step) ^ 1);
         const uint32_t full = bar(bars.q_full[stage]);
         ptx::mbarrier_arrive_expect_tx(full, 2 * Traits::kQBytes +
-                                                 2 * Traits::kStatsBox * sizeof(float));
+                                                 2 * Traits::kStatsBox * sizeof(float) +
+                                                 Traits::kQIdBoxBytes);
         for (int span = 0; span < kSpans; ++span) {
           ptx::tma_load_4d(sQ(stage) + span * kBlockM * kRowBytes, &maps.q, full,
                            span * kSpanElems, n, tile * kBlockM, block.b);
@@ -132,6 +136,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const uint32_t stage_stats = sStats + stage * Traits::kStatsStageBytes;
         ptx::tma_load_1d(stage_stats, &maps.lse, full, box0);
         ptx::tma_load_1d(stage_stats + kStatsStride * sizeof(float), &maps.delta, full, box0);
+        if constexpr (Traits::kSegments)
+          ptx::tma_load_1d(sQIds(stage), &maps.q_ids, full,
+                           (block.b * int(p.seqlen_q) + tile * kBlockM) & -kFlatAlignElems);
         if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
       }
     }
@@ -179,6 +186,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
   const float scale_log2 = p.scale * cuda::kLog2e;
+  // kSegments: the id of this warp's key lane % 16 (the last key's past S), read once per
+  // block: the tests below take the keys' ids from it by shuffles, and the queries' from the
+  // ids that land with each Q tile, (b T) % kFlatAlignElems ids into their box.
+  [[maybe_unused]] int32_t lane_key_id = 0;
+  [[maybe_unused]] uint32_t q_ids_skip = 0;
+  if constexpr (Traits::kSegments) {
+    lane_key_id = p.kv_segment_ids[int64_t(block.b) * p.seqlen_k +
+                                   min(block.key0 + warp_key0 + lane % 16, int(p.seqlen_k) - 1)];
+    q_ids_skip = uint32_t(block.b * int(p.seqlen_q)) % kFlatAlignElems * 4;
+  }
 
   if (block.steps > 0) {
     ptx::mbarrier_wait(bar(bars.kv_full), 0);
@@ -221,16 +238,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const float* delta = lse + kStatsStride;
     ptx::mbarrier_wait(bar(bars.q_full[stage]), phase(step));
     // kSegments: whether one document holds the tile's queries and this warp's keys, read here,
-    // before the products: under them the loads' registers spill at head dim 128. Indices are
-    // clamped inside [T] and [S]; the answer counts only where every pair is inside the
-    // lengths.
+    // before the products: under them the reads' registers spill at head dim 128. The answer
+    // counts only where every pair is inside the lengths.
     bool one_document = true;
-    if constexpr (Traits::kSegments) {
-      const auto ids = variant::SegmentIds::make(p, block.b);
-      one_document = cuda::one_segment<kBlockM>(ids.kv, block.key0 + warp_key0,
-                                                int(p.seqlen_k) - 1, ids.q, q0,
-                                                int(p.seqlen_q) - 1, lane);
-    }
+    if constexpr (Traits::kSegments)
+      one_document = cuda::one_segment<kBlockM>(lane_key_id, sQIds(stage) + q_ids_skip, lane);
 
     // S^T = K_wg Q^T and dP^T = V_wg dO^T (64 keys x 64 queries each), as two commit groups, so
     // that P^T is computed while dP^T is still running.
@@ -276,21 +288,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           for (int e = 0; e < 4; ++e)
             if (!tile_vis.visible(8 * j + e % 2, 8 * (e / 2))) hidden |= 1u << (4 * j + e);
         if constexpr (Traits::kSegments) {
-          // The ids of the elements left visible (inside the lengths). One 8-query tile at a
-          // time: unrolled, the loads in flight together spill at head dim 128.
-          const auto ids = variant::SegmentIds::make(p, block.b);
-          const int32_t* q_ids = ids.q + q0 + quad_col;
+          // The ids of every element (what the lengths hide stays hidden). One 8-query tile at
+          // a time: unrolled, the reads in flight together spill at head dim 128.
+          const uint32_t q_ids = sQIds(stage) + q_ids_skip + uint32_t(quad_col) * 4;
           int32_t key_id[2];
 #pragma unroll
           for (int h = 0; h < 2; ++h)
-            key_id[h] = key0 + quad_row + 8 * h < vis.kv_len ? ids.kv[key0 + quad_row + 8 * h] : 0;
+            key_id[h] = __shfl_sync(0xffffffff, lane_key_id, quad_row + 8 * h);
 #pragma unroll 1
-          for (int j = 0; j < kQTiles; ++j)
+          for (int j = 0; j < kQTiles; ++j) {
+            const int32_t query_id[2] = {int32_t(ptx::ld_shared_b32(q_ids + 32 * j)),
+                                         int32_t(ptx::ld_shared_b32(q_ids + 32 * j + 4))};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const uint32_t bit = 1u << (4 * j + e);
-              if (!(hidden & bit) && q_ids[8 * j + e % 2] != key_id[e / 2]) hidden |= bit;
-            }
+            for (int e = 0; e < 4; ++e)
+              if (query_id[e % 2] != key_id[e / 2]) hidden |= 1u << (4 * j + e);
+          }
         }
       }
     }

@@ -22,11 +22,16 @@ cudaError_t launch_backward_sm90_with(const AttentionParams& p, cudaStream_t str
   const int64_t key_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const int64_t blocks = key_blocks * p.batch * p.num_kv_heads;
   if (blocks == 0) return cudaSuccess;
-  wgmma::BackwardMaps maps;
+  wgmma::BackwardMapsFor<Traits::kSegments> maps;
   // dK and dV are stored by each consumer warpgroup's 64 keys on their own.
   if (cudaError_t e = wgmma::encode_backward_maps(p, Traits::kBlockM, Traits::kBlockN, 64, maps);
       e != cudaSuccess)
     return e;
+  if constexpr (Traits::kSegments) {
+    if (cudaError_t e = wgmma::encode_query_ids_map(p, Traits::kQIdBox, maps.q_ids);
+        e != cudaSuccess)
+      return e;
+  }
   kernel<<<unsigned(blocks), Traits::kThreads, Traits::kSmemBytes, stream>>>(p, maps);
   return cudaGetLastError();
 }

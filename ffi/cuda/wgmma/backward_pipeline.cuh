@@ -62,7 +62,8 @@ struct BackwardBlock {
 // period) from the aligned start: K, V, Q stages, dO stages, dS^T buffers, the consumers' dQ
 // staging tiles, then lse / D
 // ([stage][0][row]: lse; [stage][1][row]: D, from the tile's first row rounded down to
-// kFlatAlignElems: BackwardMaps) and the barriers (BackwardBarriers).
+// kFlatAlignElems: BackwardMaps), the query ids of each stage (segment ids) and the barriers
+// (BackwardBarriers).
 template <typename Traits>
 struct BackwardSmemLayout {
   static constexpr uint32_t kQOffset = 2 * Traits::kKVBytes;
@@ -70,7 +71,9 @@ struct BackwardSmemLayout {
   static constexpr uint32_t kDsOffset = kDoOffset + Traits::kStages * Traits::kQBytes;
   static constexpr uint32_t kDqOffset = kDsOffset + Traits::kDsBuffers * Traits::kDsBytes;
   static constexpr uint32_t kStatsOffset = kDqOffset + Traits::kConsumers * Traits::kDqBytes;
-  static constexpr uint32_t kBarrierOffset = kStatsOffset + Traits::kStatsBytes;
+  static constexpr uint32_t kQIdsOffset = kStatsOffset + Traits::kStatsBytes;
+  static constexpr uint32_t kBarrierOffset =
+      kQIdsOffset + Traits::kStages * Traits::kQIdStageBytes;
 };
 
 }  // namespace jax_flashattn::wgmma

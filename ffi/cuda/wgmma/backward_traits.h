@@ -64,6 +64,10 @@ struct BackwardTraits {
   static constexpr int kStatsStageBytes = 2 * kStatsStride * 4;  // [lse, D][row]
   static constexpr int kStatsBytes = kStages * kStatsStageBytes;
   static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);   // kv_full, q_full[], q_empty[]
+  // Query ids per Q stage (BackwardWithSegmentIds below): the bytes TMA writes and the bytes
+  // each stage takes; none here.
+  static constexpr int kQIdBoxBytes = 0;
+  static constexpr int kQIdStageBytes = 0;
   // A consumer's dQ of a tile in float32, staged for the TMA reduction into dq_accum: boxes of
   // 32 columns (128 bytes, swizzled as the tiles) x kBlockM rows, kDqBoxes of them. With
   // kSplitHeadDim the staging (64 KiB at head dim 256) does not fit beside the K, V, Q and dO
@@ -121,9 +125,20 @@ struct BackwardConfig<256> : BackwardTraits<256, true> {};
 // tile's queries are not all of one document. Instantiated in translation units of their own
 // (cuda/instantiations/backward_wgmma_segments.cu.in), so the other kernels' code stays as it
 // is.
+// Each Q tile lands with its queries' ids (a box of kQIdBox ids from the 16-byte boundary at
+// or below the tile's first query: BackwardMapsWithIds), which the consumers test in shared
+// memory; each warp reads its keys' ids once per block. Read from global memory before each
+// tile's products, their latency stalled every step.
 template <typename Config>
 struct BackwardWithSegmentIds : Config {
   static constexpr bool kSegments = true;
+  static constexpr int kQIdBox = Config::kBlockM + kFlatAlignElems;
+  static constexpr int kQIdBoxBytes = kQIdBox * 4;
+  // A TMA box's destination is 128-byte aligned.
+  static constexpr int kQIdStageBytes = (kQIdBoxBytes + 127) / 128 * 128;
+  static constexpr int kSmemBytes = Config::kSmemBytes + Config::kStages * kQIdStageBytes;
+  static_assert(kQIdBox <= 256 && kQIdBoxBytes % 16 == 0, "one TMA box of 16-byte units");
+  static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
 
 // The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one

@@ -60,7 +60,7 @@ namespace jax_flashattn::wgmma {
 template <typename Elem, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     forward_kernel(const __grid_constant__ AttentionParams p,
-                   const __grid_constant__ ForwardMaps maps) {
+                   const __grid_constant__ ForwardMapsFor<Traits::kSegments> maps) {
 #ifdef JAX_FLASHATTN_SM90_BODY
   static_assert(register_budgets_fit<Traits>(), "setmaxnreg would wait forever");
   static_assert(sizeof(ForwardBarriers<Traits>) <= Traits::kBarrierBytes, "barriers fit");
@@ -140,10 +140,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const int key0 = (t.tile_begin + j) * kBlockN;
         if (kv_ring.refill())
           ptx::mbarrier_wait(bar(bars.k_empty[stage]), kv_ring.previous_phase());
-        ptx::mbarrier_arrive_expect_tx(bar(bars.k_full[stage]), Traits::kKVBytes);
+        ptx::mbarrier_arrive_expect_tx(bar(bars.k_full[stage]),
+                                       Traits::kKVBytes + Traits::kKeyIdBoxBytes);
         for (int span = 0; span < kSpans; ++span)
           ptx::tma_load_4d(smem.k(stage) + span * kBlockN * kRowBytes, &maps.k,
                            bar(bars.k_full[stage]), span * kSpanElems, t.kv_head, key0, t.b);
+        if constexpr (Traits::kSegments)
+          ptx::tma_load_1d(smem.key_ids(stage), &maps.kv_ids, bar(bars.k_full[stage]),
+                           key_id_box_start<Traits>(p, t.b, key0));
         if (kv_ring.refill())
           ptx::mbarrier_wait(bar(bars.v_empty[stage]), kv_ring.previous_phase());
         ptx::mbarrier_arrive_expect_tx(bar(bars.v_full[stage]), Traits::kKVBytes);
@@ -390,6 +394,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       more = read_tile(t);
       continue;
     }
+    // kSegments: the id of this warp's row lane % 16 (the last query's past T), loaded before
+    // the tile's first product so that the product hides its latency: the tests below take
+    // the rows' ids from it by shuffles.
+    [[maybe_unused]] int32_t lane_row_id = 0;
+    if constexpr (Traits::kSegments)
+      lane_row_id = p.q_segment_ids[int64_t(t.b) * p.seqlen_q +
+                                    min(t.row0 + warp_row0 + lane % 16, int(p.seqlen_q) - 1)];
     // The key tiles this warpgroup's rows see: the block's, up to the one that holds the last
     // key its last row sees (fewer where the block's other rows see further: the lower
     // warpgroups on a causal diagonal); the last one may be seen on its first half only. The
@@ -418,17 +429,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     t.vis.all_visible_tiles<kBlockN>(t.row0 + warp_row0, t.row0 + warp_row0 + 16, t.tile_begin,
                                      interior_lo, interior_hi);
     const uint32_t q_tile = smem.q(q_stage) + wg_row0 * kRowBytes;
-    // kSegments: whether one document holds all of this warp's rows and all of key tile j's
-    // keys, so that the ids need no element test there. Asked only of interior tiles (below),
-    // where every row and key is inside its length.
-    [[maybe_unused]] const auto one_document = [&](int j) {
-      const auto ids = variant::SegmentIds::make(p, t.b);
-      return cuda::one_segment<kBlockN>(ids.q, t.row0 + warp_row0, INT32_MAX, ids.kv,
-                                        (t.tile_begin + j) * kBlockN, INT32_MAX, lane);
+    // kSegments: whether one document holds all of this warp's rows and all the keys of the
+    // tile in K stage `stage`, so that the ids need no element test there. Asked only of
+    // interior tiles (below), where every row and key is inside its length.
+    [[maybe_unused]] const auto one_document = [&](int stage) {
+      return cuda::one_segment<kBlockN>(
+          lane_row_id, KeyIdsInSmem<Traits>::make(smem, stage, p, t.b).first, lane);
     };
     // The full update of tile j over its first kUsed 8-column tiles: where a boundary crosses
     // the tile for this warp's rows (not interior), the scores it hides set to -inf first.
-    const auto mask_and_exponentiate = [&](auto used, int j, bool interior,
+    const auto mask_and_exponentiate = [&](auto used, int j, int stage, bool interior,
                                            float (&correction)[1][2]) {
       constexpr int kUsed = decltype(used)::value;
       if (!interior) {
@@ -443,15 +453,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int h = 0; h < 2; ++h) {
           uint32_t bits[(2 * kUsed + 31) / 32];  // this thread's visible elements of the row
           tile_vis.column_bits<kUsed>(warp_row0 + quad_row + 8 * h, quad_col, bits);
-          // kSegments: the row's id and the ids of this thread's keys, read only where the
-          // window says visible (inside the lengths).
+          // kSegments: the row's id and the ids of this thread's keys (from the K stage, whose
+          // box covers the tile: every read is in bounds).
           [[maybe_unused]] int32_t row_id = 0;
-          [[maybe_unused]] const int32_t* key_ids = nullptr;
+          [[maybe_unused]] KeyIdsInSmem<Traits> key_ids{};
           if constexpr (Traits::kSegments) {
-            const auto ids = variant::SegmentIds::make(p, t.b);
-            const int row = t.row0 + warp_row0 + quad_row + 8 * h;
-            row_id = row < vis.q_len ? ids.q[row] : 0;
-            key_ids = ids.kv + (t.tile_begin + j) * kBlockN + quad_col;
+            row_id = __shfl_sync(0xffffffff, lane_row_id, quad_row + 8 * h);
+            key_ids = KeyIdsInSmem<Traits>::make(smem, stage, p, t.b);
+            key_ids.first += uint32_t(quad_col) * 4;
           }
 #pragma unroll
           for (int c = 0; c < kUsed; ++c)
@@ -459,7 +468,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             for (int e = 0; e < 2; ++e) {
               bool visible = cuda::TileVisibility::column_visible(bits, 2 * c + e);
               if constexpr (Traits::kSegments)
-                if (visible) visible = key_ids[8 * c + e] == row_id;
+                visible = (key_ids[8 * c + e] == row_id) & visible;
               if (!visible) s_acc[0][c][2 * h + e] = -INFINITY;
             }
         }
@@ -476,7 +485,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const auto softmax_step = [&](int j, float (&correction)[1][2]) {
       const int stage = kv_ring.stage();
       bool interior = j >= interior_lo && j < interior_hi;
-      if constexpr (Traits::kSegments) interior = interior && one_document(j);
+      if constexpr (Traits::kSegments) interior = interior && one_document(stage);
       const bool settled = j > 0 && interior &&
                            __all_sync(0xffffffff, softmax.row_max[0][0] > -INFINITY &&
                                                       softmax.row_max[0][1] > -INFINITY);
@@ -491,10 +500,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // half of P. On a causal diagonal with 128-key tiles and 128-row blocks, that is
         // warpgroup 0's last tile in every block (docs/decisions/half-seen-last-key-tile.md).
         if (half_last && j == wg_tiles - 1)
-          mask_and_exponentiate(std::integral_constant<int, kNTiles / 2>{}, j, interior,
+          mask_and_exponentiate(std::integral_constant<int, kNTiles / 2>{}, j, stage, interior,
                                 correction);
         else
-          mask_and_exponentiate(std::integral_constant<int, kNTiles>{}, j, interior, correction);
+          mask_and_exponentiate(std::integral_constant<int, kNTiles>{}, j, stage, interior,
+                                correction);
       }
       // One release site after both paths: releasing K_j before the full update where no
       // recompute can follow spills (docs/decisions/hopper-kernels-without-spills.md).

@@ -21,11 +21,16 @@ cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stre
   if (cudaError_t e = multiprocessor_count(sms); e != cudaSuccess) return e;
   const int64_t m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t tiles = m_blocks * p.batch * p.num_heads;
-  wgmma::ForwardMaps maps;
+  wgmma::ForwardMapsFor<Traits::kSegments> maps;
   // The epilogue stores each consumer warpgroup's 64 rows on their own.
   if (cudaError_t e = wgmma::encode_forward_maps(p, Traits::kBlockM, Traits::kBlockN, 64, maps);
       e != cudaSuccess)
     return e;
+  if constexpr (Traits::kSegments) {
+    if (cudaError_t e = wgmma::encode_key_ids_map(p, Traits::kKeyIdBox, maps.kv_ids);
+        e != cudaSuccess)
+      return e;
+  }
   // Persistent: one block per SM (fewer when there are fewer tiles), claiming tiles past the
   // first from the counter.
   if (p.tile_counter == nullptr) return cudaErrorInvalidValue;

@@ -48,13 +48,16 @@ struct RingPosition {
 };
 
 // The dynamic shared memory, with tiles at 1024-byte boundaries (the 128-byte swizzle's
-// period): Q stages, O (unless staged in the K/V ring), K stages, V stages, then the barriers
-// (ForwardBarriers at start + kBarrierOffset). Addresses are 32-bit shared addresses.
+// period): Q stages, O (unless staged in the K/V ring), K stages, V stages, the key ids of each
+// K stage (segment ids; 128-byte aligned, as TMA writes them), then the barriers (ForwardBarriers at start +
+// kBarrierOffset). Addresses are 32-bit shared addresses.
 template <typename Traits>
 struct ForwardSmem {
   static constexpr uint32_t kOOffset = Traits::kQStages * Traits::kQBytes;
   static constexpr uint32_t kKVOffset = kOOffset + Traits::kOBytes;
-  static constexpr uint32_t kBarrierOffset = kKVOffset + 2 * Traits::kStages * Traits::kKVBytes;
+  static constexpr uint32_t kKeyIdsOffset = kKVOffset + 2 * Traits::kStages * Traits::kKVBytes;
+  static constexpr uint32_t kBarrierOffset =
+      kKeyIdsOffset + Traits::kStages * Traits::kKeyIdStageBytes;
 
   uint32_t base;          // the aligned start
   unsigned char* start;   // the same, as a generic pointer
@@ -71,6 +74,9 @@ struct ForwardSmem {
   __device__ uint32_t k(int stage) const { return base + kKVOffset + stage * Traits::kKVBytes; }
   __device__ uint32_t v(int stage) const {
     return base + kKVOffset + (Traits::kStages + stage) * Traits::kKVBytes;
+  }
+  __device__ uint32_t key_ids(int stage) const {
+    return base + kKeyIdsOffset + stage * Traits::kKeyIdStageBytes;
   }
 };
 

@@ -57,6 +57,11 @@ struct ForwardTraits {
   // Q and K/V full and empty barriers, the tile slot's full and empty barriers, then the slot
   // (32 bytes at the next 16-byte boundary).
   static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages + 2) + 8 + 32;
+  // Key ids per K stage (WithSegmentIds below): the bytes TMA writes and the bytes each stage
+  // takes; none here. A box of them starts at a 16-byte boundary: kKeyIdAlign ids.
+  static constexpr int kKeyIdBoxBytes = 0;
+  static constexpr int kKeyIdStageBytes = 0;
+  static constexpr int kKeyIdAlign = 4;
   static constexpr int kSmemBytes =
       kQStages * kQBytes + kOBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
 
@@ -146,10 +151,23 @@ struct ForwardConfig<256> : ForwardTraits<256, 64, 2, 1, true> {
 // is.
 // The producer narrows each tile's key range by the spans: 8 more registers, or at head dim
 // 64 (holding two tiles) ptxas spills it (128 x 40 + 256 x 232 = 64512 fits the 168 x 384).
+// Each K tile lands with its keys' ids (a TMA box of kKeyIdBox ids from the 16-byte boundary
+// at or below the tile's first key: ForwardMapsWithIds), which the consumers test in shared
+// memory: read from global memory on the consumers' path between a tile's scores and its
+// softmax, their latency cost the packed rows of the benchmark 30% (mean document 1024,
+// T = 8192, H200). Head dim 128's configuration has 1.8 KiB of shared memory left for them
+// (2 x 640 bytes).
 template <typename Config>
 struct WithSegmentIds : Config {
   static constexpr bool kSegments = true;
   static constexpr int kProducerRegisters = Config::kProducerRegisters + 8;
+  static constexpr int kKeyIdBox = Config::kBlockN + Config::kKeyIdAlign;
+  static constexpr int kKeyIdBoxBytes = kKeyIdBox * 4;
+  // A TMA box's destination is 128-byte aligned.
+  static constexpr int kKeyIdStageBytes = (kKeyIdBoxBytes + 127) / 128 * 128;
+  static constexpr int kSmemBytes = Config::kSmemBytes + Config::kStages * kKeyIdStageBytes;
+  static_assert(kKeyIdBox <= 256 && kKeyIdBoxBytes % 16 == 0, "one TMA box of 16-byte units");
+  static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
 
 // setmaxnreg only moves registers within what the block was launched with: 168 per thread
