@@ -100,6 +100,23 @@ def test_forward_skips_tiles_between_documents(rng, family, dtype, head_dim, is_
                      key_value_segment_ids=kv_ids)
 
 
+# T = S = 1101 over four batch entries: entry b's ids start (b * 1101) % 4 = b ids past the
+# 16-byte boundary that the Hopper kernels' id boxes start at (each K or Q tile's ids land in
+# shared memory from there), so every offset into a box is read.
+OFFSETS_B, OFFSETS_T = 4, 1101
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_forward_reads_ids_at_every_offset_into_their_boxes(rng, family, head_dim, is_causal):
+    """Documents longer than a tile (the one-document vote) and boundaries inside tiles (the
+    element test), at each of the four offsets."""
+    q, k, v = random_qkv(rng, OFFSETS_B, OFFSETS_T, OFFSETS_T, 4, 2, head_dim, jnp.bfloat16)
+    ids = packed_ids(rng, OFFSETS_B, OFFSETS_T, 300)
+    check_forward_on(family, q, k, v, is_causal=is_causal, query_segment_ids=ids,
+                     key_value_segment_ids=ids)
+
+
 def option_case(rng, case, b, t, s):
     """(query ids, key ids, attention options) of a named case, for T, S >= 401:
     "long_documents" (longer than the tiles: tiles inside one document take no element test);
@@ -213,6 +230,18 @@ def test_backward(rng, backward_family, dtype, head_dim, is_causal):
     q_ids, kv_ids = ids_for(rng, 2, 300, 300, 40)
     check_grads_on(backward_family, rng, q, k, v, is_causal=is_causal, query_segment_ids=q_ids,
                    key_value_segment_ids=kv_ids)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_backward_reads_ids_at_every_offset_into_their_boxes(rng, backward_family, head_dim,
+                                                             is_causal):
+    """test_forward_reads_ids_at_every_offset_into_their_boxes's calls, differentiated: the
+    Hopper backward's query ids land beside each Q tile."""
+    q, k, v = random_qkv(rng, OFFSETS_B, OFFSETS_T, OFFSETS_T, 4, 2, head_dim, jnp.bfloat16)
+    ids = packed_ids(rng, OFFSETS_B, OFFSETS_T, 300)
+    check_grads_on(backward_family, rng, q, k, v, is_causal=is_causal, query_segment_ids=ids,
+                   key_value_segment_ids=ids)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
