@@ -147,9 +147,10 @@ OPTION_CASES = ["long_documents", "window_lengths_gqa", "unsorted", "keyless_row
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("case", OPTION_CASES)
 def test_forward_with_other_options(rng, family, head_dim, case):
-    """option_case's cases with GQA, T = 700 against S = 900."""
-    q, k, v = random_qkv(rng, 2, 700, 900, 8, 2, head_dim, jnp.bfloat16)
-    q_ids, kv_ids, kwargs = option_case(rng, case, 2, 700, 900)
+    """option_case's cases with GQA, T = 701 against S = 903 (the second entry's ids 1 and 3
+    past a 16-byte boundary)."""
+    q, k, v = random_qkv(rng, 2, 701, 903, 8, 2, head_dim, jnp.bfloat16)
+    q_ids, kv_ids, kwargs = option_case(rng, case, 2, 701, 903)
     check_forward_on(family, q, k, v, query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
                      **kwargs)
 
@@ -247,9 +248,10 @@ def test_backward_reads_ids_at_every_offset_into_their_boxes(rng, backward_famil
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("case", OPTION_CASES)
 def test_backward_cases(rng, backward_family, head_dim, case):
-    """option_case's cases with GQA, T = 700 against S = 900."""
-    q, k, v = random_qkv(rng, 2, 700, 900, 8, 2, head_dim, jnp.bfloat16)
-    q_ids, kv_ids, kwargs = option_case(rng, case, 2, 700, 900)
+    """option_case's cases with GQA, T = 701 against S = 903 (the second entry's ids 1 and 3
+    past a 16-byte boundary)."""
+    q, k, v = random_qkv(rng, 2, 701, 903, 8, 2, head_dim, jnp.bfloat16)
+    q_ids, kv_ids, kwargs = option_case(rng, case, 2, 701, 903)
     check_grads_on(backward_family, rng, q, k, v, query_segment_ids=q_ids,
                    key_value_segment_ids=kv_ids, **kwargs)
 

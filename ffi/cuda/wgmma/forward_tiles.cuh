@@ -58,7 +58,7 @@ __device__ __forceinline__ bool sees_no_keys_of_its_documents(const AttentionPar
 
 // Segment ids: where the key ids box of batch entry b's key tile at key0 starts in the flat
 // [batch x S] ids (ForwardMapsWithIds): the 16-byte boundary at or below the tile's first key
-// (int32: key_ids_tma_compatible).
+// (int32: segment_ids_tma_compatible).
 template <typename Traits>
 __device__ __forceinline__ int key_id_box_start(const AttentionParams& p, int b, int key0) {
   return (b * int(p.seqlen_k) + key0) & ~(Traits::kKeyIdAlign - 1);
