@@ -9,9 +9,12 @@ every head dim its traits header lists (the list CMake instantiates), with nvcc 
 from a `git worktree` of BEFORE_REV and once from the working tree; the CUDA-core kernels too.
 Each pair of cubins is disassembled with nvdisasm and compared as text, with the hash of
 anonymous namespaces (which follows the file's contents, not the code) removed. Text-identical
-SASS cannot change speed, so such a refactor needs no timing; a file that differs is reported
-with how many instruction lines changed (opcodes only, registers and addresses ignored), and
-needs the performance guard (compare_results.py). Exit status 1 when any file differs.
+SASS cannot change speed, so such a refactor needs no timing. Nor can a file whose
+instructions are all the same, operands included, while the names of the functions they lie
+in differ (a kernel parameter whose type was renamed): reported as "same instructions". A file
+that differs otherwise is reported with how many instruction lines changed (opcodes only,
+registers and addresses ignored), and needs the performance guard (compare_results.py). Exit
+status 1 when any file differs.
 
 Needs nvcc, and nvdisasm on PATH or given by --nvdisasm (it ships with the CUDA toolkit and
 as the `nvidia-cuda-nvdisasm` wheel: `pip download nvidia-cuda-nvdisasm`, then unzip it).
@@ -81,6 +84,21 @@ def opcodes(sass: str) -> list[str]:
             words = words[1:]
         if words:
             out.append(words[0].rstrip(";"))
+    return out
+
+
+def instructions(sass: str) -> list[str]:
+    """Every instruction with its operands and guard, spacing and addresses dropped: the code
+    without the names of the functions it lies in (an instruction that names its own function,
+    as a return does, names it "FUNCTION"; other functions' names stay)."""
+    out, function = [], None
+    for line in _ADDRESS_COMMENT.sub("", normalized(sass)).splitlines():
+        text = line.strip()
+        if text.startswith(".text.") and text.endswith(":"):
+            function = text[len(".text."):-1]
+        elif text and (text[0].isupper() or text[0] == "@"):
+            text = " ".join(text.split())
+            out.append(text.replace(function, "FUNCTION") if function else text)
     return out
 
 
@@ -176,6 +194,8 @@ def main(argv=None) -> int:
                 after = normalized(disassemble(args.nvdisasm, cubins["after"][name]))
                 if before == after:
                     print(f"{name}: identical")
+                elif instructions(before) == instructions(after):
+                    print(f"{name}: same instructions (only function names differ)")
                 else:
                     differing += 1
                     print(f"{name}: DIFFERS ({changed_opcodes(before, after)} instruction "

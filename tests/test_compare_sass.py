@@ -9,15 +9,17 @@ from helpers import load_benchmark_script
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-SASS = """
+KERNEL = "_ZN13jax_flashattn4cuda49_GLOBAL__N__5545d00e_16_backward_simt_cu_ce2388bf18kernelEv"
+SASS = f"""
 \t.headerflags\t@"EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
-.text._ZN13jax_flashattn4cuda49_GLOBAL__N__5545d00e_16_backward_simt_cu_ce2388bf18kernelEv:
+.text.{KERNEL}:
         /*0000*/                   LDC R1, c[0x0][0x28] ;
         /*0010*/                   ISETP.GE.AND P0, PT, R0, UR4, PT ;
         /*0020*/               @P0 EXIT ;
 .L_x_0:
         /*0030*/                   IMAD.MOV.U32 R2, RZ, RZ, 0x4 ;
         /*0040*/                   EXIT ;
+        /*0050*/                   RET.REL.NODEC R2 `({KERNEL}) ;
 """
 
 
@@ -51,7 +53,7 @@ def test_anonymous_namespace_hashes_are_not_a_difference():
 def test_opcodes_drop_operands_predicates_and_addresses():
     sass = _load()
     ops = sass.opcodes(SASS)
-    assert ops[1:] == ["LDC", "ISETP.GE.AND", "EXIT", "IMAD.MOV.U32", "EXIT"]
+    assert ops[1:] == ["LDC", "ISETP.GE.AND", "EXIT", "IMAD.MOV.U32", "EXIT", "RET.REL.NODEC"]
     assert ops[0].startswith(".text.") and "ANON" in ops[0]
     renamed = SASS.replace("R2, RZ", "R7, RZ").replace("/*0030*/", "/*0040*/")
     assert sass.changed_opcodes(SASS, renamed) == 0
@@ -62,3 +64,16 @@ def test_a_changed_instruction_is_counted():
     sass = _load()
     changed = SASS.replace("IMAD.MOV.U32 R2, RZ, RZ, 0x4 ;", "MOV R2, 0x4 ;\n        NOP ;")
     assert sass.changed_opcodes(SASS, changed) == 3
+
+
+def test_renamed_kernels_with_the_same_instructions_are_told_apart():
+    """A kernel whose mangled name changed (a parameter type renamed) with the same code, its
+    return naming it: the same instructions; a changed operand is not."""
+    sass = _load()
+    renamed = SASS.replace("18kernelEv", "18kernelENS_4MapsE")
+    assert sass.normalized(renamed) != sass.normalized(SASS)
+    assert sass.instructions(renamed) == sass.instructions(SASS)
+    assert sass.instructions(SASS)[-3:] == ["IMAD.MOV.U32 R2, RZ, RZ, 0x4 ;", "EXIT ;",
+                                           "RET.REL.NODEC R2 `(FUNCTION) ;"]
+    other_register = SASS.replace("R2, RZ", "R7, RZ")
+    assert sass.instructions(other_register) != sass.instructions(SASS)
