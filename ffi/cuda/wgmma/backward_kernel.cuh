@@ -237,9 +237,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const float* lse = stats + stage * 2 * kStatsStride + box_shift;
     const float* delta = lse + kStatsStride;
     ptx::mbarrier_wait(bar(bars.q_full[stage]), phase(step));
-    // kSegments: whether one document holds the tile's queries and this warp's keys, read here,
-    // before the products: under them the reads' registers spill at head dim 128. The answer
-    // counts only where every pair is inside the lengths.
+    // kSegments: whether one document holds the tile's queries and this warp's keys, asked
+    // here, before the products, which then hold none of its registers (asked under them with
+    // the ids in global memory, it spilled at head dim 128). The answer counts only where every
+    // pair is inside the lengths.
     bool one_document = true;
     if constexpr (Traits::kSegments)
       one_document = cuda::one_segment<kBlockM>(lane_key_id, sQIds(stage) + q_ids_skip, lane);
