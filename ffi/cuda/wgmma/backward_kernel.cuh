@@ -32,6 +32,7 @@
 
 #include "ffi/cuda/common/fragments.cuh"  // pack_a
 #include "ffi/cuda/common/hopper_ptx.cuh"
+#include "ffi/cuda/common/id_box.cuh"
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/softmax.cuh"  // kLog2e
@@ -138,7 +139,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         ptx::tma_load_1d(stage_stats + kStatsStride * sizeof(float), &maps.delta, full, box0);
         if constexpr (Traits::kSegments)
           ptx::tma_load_1d(sQIds(stage), &maps.q_ids, full,
-                           (block.b * int(p.seqlen_q) + tile * kBlockM) & -kFlatAlignElems);
+                           cuda::id_box_start(block.b, int(p.seqlen_q), tile * kBlockM));
         if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
       }
     }
@@ -188,13 +189,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const float scale_log2 = p.scale * cuda::kLog2e;
   // kSegments: the id of this warp's key lane % 16 (the last key's past S), read once per
   // block: the tests below take the keys' ids from it by shuffles, and the queries' from the
-  // ids that land with each Q tile, (b T) % kFlatAlignElems ids into their box.
+  // ids that land with each Q tile (cuda::id_box_start's box).
   [[maybe_unused]] int32_t lane_key_id = 0;
   [[maybe_unused]] uint32_t q_ids_skip = 0;
   if constexpr (Traits::kSegments) {
     lane_key_id = p.kv_segment_ids[int64_t(block.b) * p.seqlen_k +
                                    min(block.key0 + warp_key0 + lane % 16, int(p.seqlen_k) - 1)];
-    q_ids_skip = uint32_t(block.b * int(p.seqlen_q)) % kFlatAlignElems * 4;
+    q_ids_skip = cuda::id_box_skip_bytes(block.b, int(p.seqlen_q));
   }
 
   if (block.steps > 0) {

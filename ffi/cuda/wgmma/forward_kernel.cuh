@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                            bar(bars.k_full[stage]), span * kSpanElems, t.kv_head, key0, t.b);
         if constexpr (Traits::kSegments)
           ptx::tma_load_1d(smem.key_ids(stage), &maps.kv_ids, bar(bars.k_full[stage]),
-                           key_id_box_start<Traits>(p, t.b, key0));
+                           cuda::id_box_start(t.b, int(p.seqlen_k), key0));
         if (kv_ring.refill())
           ptx::mbarrier_wait(bar(bars.v_empty[stage]), kv_ring.previous_phase());
         ptx::mbarrier_arrive_expect_tx(bar(bars.v_full[stage]), Traits::kKVBytes);

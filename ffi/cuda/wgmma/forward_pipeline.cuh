@@ -49,8 +49,8 @@ struct RingPosition {
 
 // The dynamic shared memory, with tiles at 1024-byte boundaries (the 128-byte swizzle's
 // period): Q stages, O (unless staged in the K/V ring), K stages, V stages, the key ids of each
-// K stage (segment ids; 128-byte aligned, as TMA writes them), then the barriers (ForwardBarriers at start +
-// kBarrierOffset). Addresses are 32-bit shared addresses.
+// K stage (segment ids; 128-byte aligned, as TMA writes them), then the barriers
+// (ForwardBarriers at start + kBarrierOffset). Addresses are 32-bit shared addresses.
 template <typename Traits>
 struct ForwardSmem {
   static constexpr uint32_t kOOffset = Traits::kQStages * Traits::kQBytes;

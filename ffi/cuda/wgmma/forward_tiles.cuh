@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "ffi/cuda/common/hopper_ptx.cuh"
+#include "ffi/cuda/common/id_box.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/cuda/wgmma/forward_pipeline.cuh"
@@ -56,25 +57,15 @@ __device__ __forceinline__ bool sees_no_keys_of_its_documents(const AttentionPar
   return key_hi <= key_lo;
 }
 
-// Segment ids: where the key ids box of batch entry b's key tile at key0 starts in the flat
-// [batch x S] ids (ForwardMapsWithIds): the 16-byte boundary at or below the tile's first key
-// (int32: segment_ids_tma_compatible).
-template <typename Traits>
-__device__ __forceinline__ int key_id_box_start(const AttentionParams& p, int b, int key0) {
-  return (b * int(p.seqlen_k) + key0) & ~(Traits::kKeyIdAlign - 1);
-}
-
-// Segment ids: the ids of a key tile as its K stage holds them, indexed from the tile's first
-// key. Tiles start at multiples of 16 keys, so the box starts (b S) % kKeyIdAlign ids before
-// that key.
+// Segment ids: the ids of a key tile as its K stage holds them (cuda::id_box_start's box),
+// indexed from the tile's first key.
 template <typename Traits>
 struct KeyIdsInSmem {
   uint32_t first;  // shared address of the tile's first key's id
 
   __device__ static KeyIdsInSmem make(const ForwardSmem<Traits>& smem, int stage,
                                       const AttentionParams& p, int b) {
-    const int skip = (b * int(p.seqlen_k)) & (Traits::kKeyIdAlign - 1);
-    return {smem.key_ids(stage) + uint32_t(skip) * 4};
+    return {smem.key_ids(stage) + cuda::id_box_skip_bytes(b, int(p.seqlen_k))};
   }
   __device__ int32_t operator[](int key) const {
     return int32_t(ptx::ld_shared_b32(first + uint32_t(key) * 4));

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "ffi/cuda/common/tensor_maps.h"  // kFlatAlignElems
 #include "ffi/params.h"
 
 namespace jax_flashattn::wgmma {
@@ -58,10 +59,9 @@ struct ForwardTraits {
   // (32 bytes at the next 16-byte boundary).
   static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages + 2) + 8 + 32;
   // Key ids per K stage (WithSegmentIds below): the bytes TMA writes and the bytes each stage
-  // takes; none here. A box of them starts at a 16-byte boundary: kKeyIdAlign ids.
+  // takes; none here.
   static constexpr int kKeyIdBoxBytes = 0;
   static constexpr int kKeyIdStageBytes = 0;
-  static constexpr int kKeyIdAlign = 4;
   static constexpr int kSmemBytes =
       kQStages * kQBytes + kOBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
 
@@ -161,7 +161,7 @@ template <typename Config>
 struct WithSegmentIds : Config {
   static constexpr bool kSegments = true;
   static constexpr int kProducerRegisters = Config::kProducerRegisters + 8;
-  static constexpr int kKeyIdBox = Config::kBlockN + Config::kKeyIdAlign;
+  static constexpr int kKeyIdBox = Config::kBlockN + kFlatAlignElems;
   static constexpr int kKeyIdBoxBytes = kKeyIdBox * 4;
   // A TMA box's destination is 128-byte aligned.
   static constexpr int kKeyIdStageBytes = (kKeyIdBoxBytes + 127) / 128 * 128;
