@@ -68,18 +68,27 @@ def normalized(sass: str) -> str:
     return _ANONYMOUS.sub("ANON", sass)
 
 
+def _code_lines(sass: str):
+    """(function, words) per instruction, function the name of the one it lies in, and
+    (function, None) where a function starts; addresses dropped."""
+    function = None
+    for line in _ADDRESS_COMMENT.sub("", normalized(sass)).splitlines():
+        text = line.strip()
+        if text.startswith(".text.") and text.endswith(":"):
+            function = text[len(".text."):-1]
+            yield function, None
+        elif text and (text[0].isupper() or text[0] == "@"):
+            yield function, text.split()
+
+
 def opcodes(sass: str) -> list[str]:
     """One line per instruction: its opcode (with its guard predicate dropped), or the function
     it starts; registers, operands and addresses are left out."""
     out = []
-    for line in _ADDRESS_COMMENT.sub("", normalized(sass)).splitlines():
-        text = line.strip()
-        if text.startswith(".text.") and text.endswith(":"):
-            out.append(text)
+    for function, words in _code_lines(sass):
+        if words is None:
+            out.append(f".text.{function}:")
             continue
-        if not text or not (text[0].isupper() or text[0] == "@"):
-            continue
-        words = text.split()
         if words[0].startswith("@"):
             words = words[1:]
         if words:
@@ -91,13 +100,10 @@ def instructions(sass: str) -> list[str]:
     """Every instruction with its operands and guard, spacing and addresses dropped: the code
     without the names of the functions it lies in (an instruction that names its own function,
     as a return does, names it "FUNCTION"; other functions' names stay)."""
-    out, function = [], None
-    for line in _ADDRESS_COMMENT.sub("", normalized(sass)).splitlines():
-        text = line.strip()
-        if text.startswith(".text.") and text.endswith(":"):
-            function = text[len(".text."):-1]
-        elif text and (text[0].isupper() or text[0] == "@"):
-            text = " ".join(text.split())
+    out = []
+    for function, words in _code_lines(sass):
+        if words is not None:
+            text = " ".join(words)
             out.append(text.replace(function, "FUNCTION") if function else text)
     return out
 
