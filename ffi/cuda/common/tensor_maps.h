@@ -70,6 +70,17 @@ cudaError_t encode_kv_maps(const AttentionParams& p, int kv_rows, KVMaps& maps);
 // swizzle.
 inline constexpr int kFlatAlignElems = 4;  // 16 bytes of float32
 
+// A tile's segment ids as one flat box (ForwardMapsWithIds, BackwardMapsWithIds): kTileIds ids
+// and the kFlatAlignElems before them at most; the bytes TMA writes, and the bytes a
+// shared-memory stage takes for them (a TMA destination is 128-byte aligned).
+template <int kTileIds>
+struct FlatIdBox {
+  static constexpr int kIds = kTileIds + kFlatAlignElems;
+  static constexpr int kBytes = kIds * 4;
+  static constexpr int kStageBytes = (kBytes + 127) / 128 * 128;
+  static_assert(kIds <= 256 && kBytes % 16 == 0, "one TMA box of 16-byte units");
+};
+
 struct BackwardMaps {
   CUtensorMap q, d_out, k, v, dk, dv, lse, delta, dq_accum;
 };

@@ -132,12 +132,11 @@ struct BackwardConfig<256> : BackwardTraits<256, true> {};
 template <typename Config>
 struct BackwardWithSegmentIds : Config {
   static constexpr bool kSegments = true;
-  static constexpr int kQIdBox = Config::kBlockM + kFlatAlignElems;
-  static constexpr int kQIdBoxBytes = kQIdBox * 4;
-  // A TMA box's destination is 128-byte aligned.
-  static constexpr int kQIdStageBytes = (kQIdBoxBytes + 127) / 128 * 128;
+  using QIdBox = FlatIdBox<Config::kBlockM>;
+  static constexpr int kQIdBox = QIdBox::kIds;
+  static constexpr int kQIdBoxBytes = QIdBox::kBytes;
+  static constexpr int kQIdStageBytes = QIdBox::kStageBytes;
   static constexpr int kSmemBytes = Config::kSmemBytes + Config::kStages * kQIdStageBytes;
-  static_assert(kQIdBox <= 256 && kQIdBoxBytes % 16 == 0, "one TMA box of 16-byte units");
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
 

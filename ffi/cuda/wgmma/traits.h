@@ -161,12 +161,11 @@ template <typename Config>
 struct WithSegmentIds : Config {
   static constexpr bool kSegments = true;
   static constexpr int kProducerRegisters = Config::kProducerRegisters + 8;
-  static constexpr int kKeyIdBox = Config::kBlockN + kFlatAlignElems;
-  static constexpr int kKeyIdBoxBytes = kKeyIdBox * 4;
-  // A TMA box's destination is 128-byte aligned.
-  static constexpr int kKeyIdStageBytes = (kKeyIdBoxBytes + 127) / 128 * 128;
+  using KeyIdBox = FlatIdBox<Config::kBlockN>;
+  static constexpr int kKeyIdBox = KeyIdBox::kIds;
+  static constexpr int kKeyIdBoxBytes = KeyIdBox::kBytes;
+  static constexpr int kKeyIdStageBytes = KeyIdBox::kStageBytes;
   static constexpr int kSmemBytes = Config::kSmemBytes + Config::kStages * kKeyIdStageBytes;
-  static_assert(kKeyIdBox <= 256 && kKeyIdBoxBytes % 16 == 0, "one TMA box of 16-byte units");
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
 
