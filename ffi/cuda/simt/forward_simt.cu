@@ -42,6 +42,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const Visibility vis = Visibility::make_with_segments(p, b, n);
   int64_t lo, hi;
   vis.key_range(t, t + 1, lo, hi);
+  variant::SegmentSpans::keys_of_rows(p, b).narrow(t, t + 1, lo, hi);  // segment ids: its documents
   const float scale_log2 = p.scale * kLog2e;
   const int64_t bias_row =
       p.bias ? p.bias_strides.offset(b, p.batch_inner, n, t, 0) : 0;
