@@ -159,7 +159,7 @@ bool backward_tma_compatible(const AttentionParams& p) {
 }
 
 cudaError_t encode_backward_maps(const AttentionParams& p, int q_rows, int kv_rows, int dkv_rows,
-                                 BackwardMaps& maps) {
+                                 int dq_rows, BackwardMaps& maps) {
   const int64_t rows = p.batch * p.num_heads * p.seqlen_q;
   const cudaError_t errors[9] = {encode_query_like(maps.q, p, p.q, q_rows),
                                  encode_query_like(maps.d_out, p, p.d_out, q_rows),
@@ -174,7 +174,7 @@ cudaError_t encode_backward_maps(const AttentionParams& p, int q_rows, int kv_ro
                                  encode(maps.dq_accum, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4,
                                         p.dq_accum, p.head_dim, p.num_heads, p.seqlen_q,
                                         p.batch, p.q_head_stride, p.q_row_stride,
-                                        p.q_batch_stride, q_rows)};
+                                        p.q_batch_stride, dq_rows)};
   for (cudaError_t e : errors)
     if (e != cudaSuccess) return e;
   return cudaSuccess;

@@ -99,9 +99,9 @@ using BackwardMapsFor = std::conditional_t<kSegmentIds, BackwardMapsWithIds, Bac
 // elements addressable by int32 box coordinates.
 bool backward_tma_compatible(const AttentionParams& p);
 
-// Box rows per map: q_rows for q, d_out and dq_accum (q_rows + kFlatAlignElems for lse and
-// delta), kv_rows for k and v, dkv_rows for dk and dv.
+// Box rows per map: q_rows for q and d_out (q_rows + kFlatAlignElems for lse and delta),
+// kv_rows for k and v, dkv_rows for dk and dv, dq_rows for dq_accum.
 cudaError_t encode_backward_maps(const AttentionParams& p, int q_rows, int kv_rows, int dkv_rows,
-                                 BackwardMaps& maps);
+                                 int dq_rows, BackwardMaps& maps);
 
 }  // namespace jax_flashattn::wgmma

@@ -2,11 +2,11 @@
 // specialisation (FlashAttention-3's structure).
 //
 // One block per (128-key block, kv head, batch). Warpgroup 0 is the producer: one thread loads K
-// and V of the block once, then for every query head of the GQA group and every 64-query tile
-// that can see the block the Q and dO tiles, into a ring of kStages buffers guarded by a full
-// barrier (the loads landed) and an empty barrier (every consumer warp is done with them),
-// with the tile's lse and D beside them. Warpgroups 1 and 2 are consumers of 64 keys each; per
-// tile they compute
+// and V of the block once, then for every query head of the GQA group and every query tile
+// (kBlockM queries: backward_traits.h) that can see the block the Q and dO tiles, into a ring of
+// kStages buffers guarded by a full barrier (the loads landed) and an empty barrier (every
+// consumer warp is done with them), with the tile's lse and D beside them. Warpgroups 1 and 2
+// are consumers of 64 keys each; per tile they compute
 //   S^T  = K_wg Q^T                 wgmma, both operands K-major in shared memory
 //   dP^T = V_wg dO^T                the same, in a second commit group
 //   P^T  = exp2(S^T scale log2(e) - lse log2(e))     0 where hidden; while dP^T computes
@@ -14,9 +14,10 @@
 //   dV  += P^T dO,  dK += dS^T Q   wgmma, P^T / dS^T from registers, dO / Q read MN-major
 //   dQ  += dS K                     wgmma from shared memory: dS^T of both consumers (A, read
 //                                   MN-major) times K (B, MN-major), each consumer taking half
-//                                   of the head-dim columns over all 128 keys; staged in shared
-//                                   memory and added into the float32 accumulator (which other
-//                                   key blocks add to as well) by a TMA reduction
+//                                   of the head-dim columns (of a 128-query tile, half of the
+//                                   queries) over all 128 keys; staged in shared memory and
+//                                   added into the float32 accumulator (which other key
+//                                   blocks add to as well) by a TMA reduction
 // Keys on the rows of S^T make P^T and dS^T the A operands of dV and dK as they are computed;
 // dQ needs them transposed, which the MN-major descriptor does for free, so dS^T is stored as it
 // lies. One named barrier per tile publishes both consumers' dS^T (double-buffered, so the same
@@ -29,6 +30,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "ffi/cuda/common/fragments.cuh"  // pack_a
 #include "ffi/cuda/common/hopper_ptx.cuh"
@@ -153,7 +155,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int wg_key0 = kSplit ? 0 : consumer * 64;  // this warpgroup's keys of the block
   const int warp_key0 = wg_key0 + warp * 16;       // this warp's 16 keys (its accumulator rows)
   const int quad_row = lane / 4, quad_col = 2 * (lane % 4);
-  const int dq_col0 = consumer * Traits::kDqCols;  // this warpgroup's dQ columns
+  // This warpgroup's dQ: its first query of the tile and its first column.
+  const int dq_row0 = Traits::kDqSplitRows ? consumer * Traits::kDqRows : 0;
+  const int dq_col0 = Traits::kDqSplitRows ? 0 : consumer * Traits::kDqCols;
   // The first span of this warpgroup's dK / dV columns (the head dim split between consumers).
   const int dkv_span0 = kSplit ? consumer * (Traits::kDkvCols / kSpanElems) : 0;
 
@@ -272,8 +276,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // a hidden element's P is set to 0 after exp2, as its row's lse may be NaN (a row that saw a
     // NaN logit, or in the last query tile of a head the slot of a row past T, which holds the
     // next head's row: the stats box is flat), and NaN must not reach the keys it hides.
-    static_assert(kQTiles * 4 <= 32, "one bit per element of a thread's S^T");
-    uint32_t hidden = 0;  // bit 4 j + e: element [j][e] is hidden
+    static_assert(kQTiles * 4 <= 64, "one bit per element of a thread's S^T");
+    using HiddenBits = std::conditional_t<kQTiles * 4 <= 32, uint32_t, uint64_t>;
+    HiddenBits hidden = 0;  // bit 4 j + e: element [j][e] is hidden
     ptx::wgmma_wait<1>();
     fence(s_acc);
     {
@@ -288,7 +293,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int j = 0; j < kQTiles; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            if (!tile_vis.visible(8 * j + e % 2, 8 * (e / 2))) hidden |= 1u << (4 * j + e);
+            if (!tile_vis.visible(8 * j + e % 2, 8 * (e / 2)))
+              hidden |= HiddenBits(1) << (4 * j + e);
         if constexpr (Traits::kSegments) {
           // The ids of every element (what the lengths hide stays hidden). One 8-query tile at
           // a time: unrolled, the reads in flight together spill at head dim 128.
@@ -303,7 +309,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                          int32_t(ptx::ld_shared_b32(q_ids + 32 * j + 4))};
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-              if (query_id[e % 2] != key_id[e / 2]) hidden |= 1u << (4 * j + e);
+              if (query_id[e % 2] != key_id[e / 2]) hidden |= HiddenBits(1) << (4 * j + e);
           }
         }
       }
@@ -338,24 +344,33 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     // P^T and dS^T rounded to Elem: the A operands of dV and dK (the S^T accumulators of 8-query
     // tiles 2 kk, 2 kk + 1 are k-step kk), and dS^T into shared memory for dQ, [key][query]
-    // rows with chunk c of row r at chunk c ^ (r % 8) (the 128-byte swizzle).
+    // rows in spans of 64 queries with chunk c of row r at chunk c ^ (r % 8) (the 128-byte
+    // swizzle).
     uint32_t p_frag[kQSteps][4], ds_frag[kQSteps][4];
 #pragma unroll
     for (int kk = 0; kk < kQSteps; ++kk) {
       mma_sync::pack_a<Elem>(p_frag[kk], s_acc, kk);
       mma_sync::pack_a<Elem>(ds_frag[kk], dp_acc, kk);
     }
+    // The offset of 8-query tile j in a dS^T row: chunk j % 8 of span j / 8; 64-query tiles
+    // keep the one-span form (the general one makes ptxas reorder their code).
+    const auto ds_chunk = [](uint32_t row_offset, int j) -> uint32_t {
+      if constexpr (kQTiles > 8)
+        return (j / 8) * kBlockN * kRowBytes + (row_offset ^ ((j % 8) << 4));
+      else
+        return row_offset ^ (j << 4);
+    };
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       // Register (j % 2) * 2 + h of k-step j / 2 holds key row quad_row + 8 h, queries
-      // 8 j + quad_col, +1 (pack_a's order). Chunk c of a swizzled row sits at
-      // ((c ^ row % 8) << 4): with the row's bits above bit 6 and quad_col * 2 below bit 4, that
-      // is this row's chunk-0 offset XOR (c << 4).
+      // 8 j + quad_col, +1 (pack_a's order): chunk j % 8 of the row in span j / 8. Chunk c of a
+      // swizzled row sits at ((c ^ row % 8) << 4): with the row's bits above bit 6 and
+      // quad_col * 2 below bit 4, that is this row's chunk-0 offset XOR (c << 4).
       const int row = warp_key0 + quad_row + 8 * h;
       const uint32_t row_offset = (row * kRowBytes + ((row & 7) << 4)) | (quad_col * 2);
 #pragma unroll
       for (int j = 0; j < kQTiles; ++j)
-        ptx::st_shared_b32(sdS(ds_buffer) + (row_offset ^ (j << 4)),
+        ptx::st_shared_b32(sdS(ds_buffer) + ds_chunk(row_offset, j),
                            ds_frag[j / 2][(j % 2) * 2 + h]);
     }
     // The stores above are generic-proxy writes that wgmma (async proxy) reads.
@@ -377,7 +392,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     ptx::wgmma_commit_group();
 
-    // dQ = dS K over the tile's 64 queries x this warpgroup's kDqCols columns, reducing over
+    // dQ = dS K over this warpgroup's 64 queries x kDqCols columns of the tile, reducing over
     // the block's keys: once both consumers have stored their dS^T, or with the head dim split
     // once this one's warps have. The thread that issues this warpgroup's dQ reductions waits
     // for the last one to have read its staging tile before the barrier, after which the
@@ -399,11 +414,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     float dq_acc[kDqTiles][4];
     const uint32_t k_dq_tile = ptx::opaque(sK + k_dq_offset);
+    const uint32_t ds_rows = sdS(ds_buffer) + (dq_row0 / kSpanElems) * kBlockN * kRowBytes;
     fence(dq_acc);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kKeySteps; ++kk)
-      ptx::wgmma_ss_mn_major<Traits::kDqCols, Elem>(dq_acc, Desc::ds(sdS(ds_buffer), kk),
+      ptx::wgmma_ss_mn_major<Traits::kDqCols, Elem>(dq_acc, Desc::ds(ds_rows, kk),
                                                     Desc::k_for_dq(k_dq_tile, kk), kk > 0);
     ptx::wgmma_commit_group();
 
@@ -431,7 +447,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                     ((quad_col % 4) * 4);
 #pragma unroll
         for (int j = 0; j < kDqTiles; ++j) {
-          const uint32_t offset = (j / 4) * kBlockM * kRowBytes + (row_offset ^ ((j % 4) << 5));
+          const uint32_t offset =
+              (j / 4) * Traits::kDqRows * kRowBytes + (row_offset ^ ((j % 4) << 5));
           ptx::st_shared_v2_f32(sDq(consumer) + offset, dq_acc[j][2 * h], dq_acc[j][2 * h + 1]);
         }
       }
@@ -440,15 +457,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ptx::named_barrier_sync(kWarpgroupBarrier + consumer, 128);
       if (tid % 128 == 0) {
         for (int box = 0; box < Traits::kDqBoxes; ++box)
-          ptx::tma_reduce_add_4d(&maps.dq_accum, sDq(consumer) + box * kBlockM * kRowBytes,
-                                 dq_col0 + box * Traits::kDqBoxCols, n, q0, block.b);
+          ptx::tma_reduce_add_4d(&maps.dq_accum,
+                                 sDq(consumer) + box * Traits::kDqRows * kRowBytes,
+                                 dq_col0 + box * Traits::kDqBoxCols, n, q0 + dq_row0, block.b);
         ptx::bulk_commit_group();
       }
     } else {
       // This thread's dQ rows q0 + 16 warp + quad_row + 8 h, columns dq_col0 + 8 j + quad_col,
       // +1, added with red.global.add: rows past the query length have dS = 0 and columns past
       // H do not exist, so neither is added.
-      const int t0 = q0 + warp * 16 + quad_row;
+      const int t0 = q0 + dq_row0 + warp * 16 + quad_row;
       const int col0 = dq_col0 + quad_col;
       float* dq = p.dq_accum + int64_t(block.b) * p.q_batch_stride + n * p.q_head_stride +
                   t0 * p.q_row_stride + col0;

@@ -24,7 +24,8 @@ cudaError_t launch_backward_sm90_with(const AttentionParams& p, cudaStream_t str
   if (blocks == 0) return cudaSuccess;
   wgmma::BackwardMapsFor<Traits::kSegments> maps;
   // dK and dV are stored by each consumer warpgroup's 64 keys on their own.
-  if (cudaError_t e = wgmma::encode_backward_maps(p, Traits::kBlockM, Traits::kBlockN, 64, maps);
+  if (cudaError_t e = wgmma::encode_backward_maps(p, Traits::kBlockM, Traits::kBlockN, 64,
+                                                  Traits::kDqRows, maps);
       e != cudaSuccess)
     return e;
   if constexpr (Traits::kSegments) {

@@ -12,9 +12,9 @@ namespace jax_flashattn::wgmma {
 // k-step ks lies in span ks / 4, 32 bytes per step into each 128-byte row, as the forward's
 // Q K^T. MN-major B operands of dV += P^T dO and dK += dS^T Q (head dim contiguous, queries
 // along the reduction), as the forward's V: k-step kk is 16 rows down, spans kBlockM rows apart
-// (LBO). dQ = dS K reads dS^T [key][query] as an MN-major A (the 64 queries are one span, so no
-// LBO) and K [key][head dim] as an MN-major B from this warpgroup's first column: k-step kk is
-// 16 keys down both.
+// (LBO). dQ = dS K reads dS^T [key][query] as an MN-major A (a consumer's 64 queries are one
+// span, so no LBO) and K [key][head dim] as an MN-major B from this warpgroup's first column:
+// k-step kk is 16 keys down both.
 template <typename Traits>
 struct BackwardDescriptors {
   // K or V (rows = kBlockN) as A, Q or dO (rows = kBlockM) as B of S^T or dP^T.
@@ -31,7 +31,7 @@ struct BackwardDescriptors {
     return ptx::smem_descriptor_sw128(k_dq_tile + mn_major_step_bytes(kk),
                                       Traits::kBlockN * kRowBytes, kGroupBytes);
   }
-  // dS^T buffer ds_tile as A of dQ.
+  // The span of a dS^T buffer that holds this warpgroup's dQ queries, as A of dQ.
   __device__ static uint64_t ds(uint32_t ds_tile, int kk) {
     return ptx::smem_descriptor_sw128(ds_tile + mn_major_step_bytes(kk), Traits::kDsBytes,
                                       kGroupBytes);

@@ -9,10 +9,11 @@
 // queries each, with their lse and D) stream through a ring of kStages buffers guarded by
 // full/empty mbarriers. Every tile TMA writes is stored with the 128-byte swizzle exactly as the
 // forward's (traits.h): the head dim in 64-element spans, each span a [rows][64] array of
-// 128-byte rows, spans one after another. dS^T [keys][64 queries] is one such span; with 64
-// keys per consumer it is double-buffered so that one barrier per tile both publishes a tile's
-// dS^T to the other warpgroup's dQ product and retires the buffer of the tile before; with
-// kSplitHeadDim each consumer has the whole dS^T and keeps its own buffer.
+// 128-byte rows, spans one after another. dS^T [keys][queries] is laid out the same way, its
+// queries in spans of 64; with 64 keys per consumer it is double-buffered so that one barrier
+// per tile both publishes a tile's dS^T to the other warpgroup's dQ product and retires the
+// buffer of the tile before; with kSplitHeadDim each consumer has the whole dS^T and keeps its
+// own buffer.
 #pragma once
 
 #include <cstdint>
@@ -26,7 +27,7 @@ namespace jax_flashattn::wgmma {
 inline constexpr int kBackwardConsumers = 2;
 inline constexpr int kBackwardMinBlockN = 64;
 
-template <int kHeadDim_, bool kSplitHeadDim_>
+template <int kHeadDim_, bool kSplitHeadDim_, int kBlockM_>
 struct BackwardTraits {
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim: a whole number of spans
   static constexpr bool kSplitHeadDim = kSplitHeadDim_;
@@ -34,9 +35,9 @@ struct BackwardTraits {
   static constexpr int kBlockN = kSplitHeadDim ? 64 : 64 * kConsumers;
   // A consumer's dK / dV columns.
   static constexpr int kDkvCols = kSplitHeadDim ? kHeadDim / kConsumers : kHeadDim;
-  // Queries per streamed Q/dO tile: the N of S^T = K Q^T and the K of dV += P^T dO. 64 keeps
-  // S^T and dP^T at 32 floats per thread each beside dK and dV.
-  static constexpr int kBlockM = 64;
+  // Queries per streamed Q/dO tile: the N of S^T = K Q^T and the K of dV += P^T dO; S^T and
+  // dP^T hold kBlockM / 2 floats per thread each beside dK and dV (BackwardConfig).
+  static constexpr int kBlockM = kBlockM_;
   static constexpr int kStages = 2;  // Q/dO tiles in flight
   // dS^T buffers: tile i + 1's lands while tile i's is read, or one per consumer.
   static constexpr int kDsBuffers = 2;
@@ -50,10 +51,13 @@ struct BackwardTraits {
 
   static constexpr int kSpanElems = 64;                 // 128 bytes of 2-byte elements
   static constexpr int kSpans = kHeadDim / kSpanElems;  // TMA boxes per tile
-  // dQ = dS K: each consumer computes every query of the tile for kDqCols head-dim columns,
-  // reducing over all kBlockN keys (splitting the keys instead doubles the bytes added into
-  // dq_accum: docs/decisions/backward-kernels.md).
-  static constexpr int kDqCols = kHeadDim / kConsumers;
+  // dQ = dS K, reducing over all kBlockN keys (splitting the keys instead doubles the bytes
+  // added into dq_accum: docs/decisions/backward-kernels.md), is one wgmma M of 64 queries per
+  // consumer: of a 64-query tile each consumer computes kHeadDim / 2 of the columns, of a
+  // 128-query tile (kDqSplitRows) half of the queries, every column.
+  static constexpr bool kDqSplitRows = kBlockM == 64 * kConsumers;
+  static constexpr int kDqRows = kDqSplitRows ? kBlockM / kConsumers : kBlockM;
+  static constexpr int kDqCols = kDqSplitRows ? kHeadDim : kHeadDim / kConsumers;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or one dO tile
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V (later dK or dV staged)
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer
@@ -69,13 +73,13 @@ struct BackwardTraits {
   static constexpr int kQIdBoxBytes = 0;
   static constexpr int kQIdStageBytes = 0;
   // A consumer's dQ of a tile in float32, staged for the TMA reduction into dq_accum: boxes of
-  // 32 columns (128 bytes, swizzled as the tiles) x kBlockM rows, kDqBoxes of them. With
+  // 32 columns (128 bytes, swizzled as the tiles) x kDqRows rows, kDqBoxes of them. With
   // kSplitHeadDim the staging (64 KiB at head dim 256) does not fit beside the K, V, Q and dO
   // tiles: there each thread adds its dQ with red.global.add instead.
   static constexpr bool kDqStaged = !kSplitHeadDim;
   static constexpr int kDqBoxCols = 32;
   static constexpr int kDqBoxes = kDqCols / kDqBoxCols;
-  static constexpr int kDqBytes = kDqStaged ? kBlockM * kDqCols * 4 : 0;
+  static constexpr int kDqBytes = kDqStaged ? kDqRows * kDqCols * 4 : 0;
   // K, V, kStages Q and dO tiles, kDsBuffers dS^T buffers, the consumers' dQ staging tiles
   // (1024-byte aligned each: the swizzle repeats every 8 rows of 128 bytes), lse / D, barriers;
   // plus 1024 bytes to align the start.
@@ -84,7 +88,9 @@ struct BackwardTraits {
                                     kBarrierBytes + 1024;
 
   static_assert(kHeadDim % kSpanElems == 0, "tiles are whole 128-byte swizzle spans");
-  static_assert(kBlockM == kSpanElems, "a dS^T row (kBlockM queries) is one 128-byte span");
+  static_assert(kBlockM % kSpanElems == 0, "a dS^T row (kBlockM queries) is whole spans");
+  static_assert(kDqRows == 64, "a consumer's dQ is one wgmma M");
+  static_assert(!(kSplitHeadDim && kDqSplitRows), "dQ is split by columns or by rows");
   static_assert(kDqCols % kDqBoxCols == 0 && kDkvCols % kSpanElems == 0,
                 "a consumer's dQ columns are whole boxes, its dK / dV columns whole spans");
   static_assert(kDqCols <= 256 && kDkvCols <= 256, "a wgmma N is at most 256");
@@ -94,31 +100,33 @@ struct BackwardTraits {
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
 
-// Registers per consumer thread: dK + dV kDkvCols floats, S^T + dP^T 32 + 32, then P^T and dS^T
-// as A fragments (16 + 16) and dQ kDqCols / 2. The peak is during P^T: dK, dV, S^T and dP^T
-// (192 at head dims 128 and 256), which leaves 48 of the 240 for everything else; holding the
-// block's 64-bit visibility bounds or the loop-invariant descriptors through the tile loop, or
-// masking with per-element branches, spills (see backward_kernel.cuh;
+// Registers per consumer thread: dK + dV kDkvCols floats, S^T + dP^T kBlockM / 2 each, then P^T
+// and dS^T as A fragments (kBlockM / 4 each) and dQ kDqCols / 2. The peak is during P^T: dK, dV,
+// S^T and dP^T (192 at every head dim), which leaves 48 of the 240 for everything else; holding
+// the block's 64-bit visibility bounds or the loop-invariant descriptors through the tile loop,
+// or masking with per-element branches, spills (see backward_kernel.cuh;
 // docs/decisions/hopper-kernels-without-spills.md, backward-kernels.md).
 // ptxas (CUDA 13.0, sm_90a, bf16 and fp16 alike): 168 registers at launch (setmaxnreg moves
 // them), no spills, at every head dim.
 template <int kHeadDim>
 struct BackwardConfig;
-// dK+dV 64, S+dP 64, dQ 16; smem 2 x 16 + 4 x 8 + 2 x 16 + 2 x 8 (dQ) KiB + 1.5 KiB stats +
-// 1 KiB alignment = 114.5 KiB.
+// 128-query tiles, each consumer half the queries of dQ: per tile twice the work of 64-query
+// tiles for the same barriers, waits and stats loads, and S^T and dP^T of N = 128. dK+dV 64,
+// S+dP 128, dQ 32; smem 2 x 16 + 4 x 16 + 2 x 32 + 2 x 16 (dQ) KiB + 2.5 KiB stats + 1 KiB
+// alignment = 195.5 KiB.
 template <>
-struct BackwardConfig<64> : BackwardTraits<64, false> {};
+struct BackwardConfig<64> : BackwardTraits<64, false, 128> {};
 // dK+dV 128, S+dP 64, dQ 32; smem 2 x 32 + 4 x 16 + 2 x 16 + 2 x 16 (dQ) KiB + 1.5 KiB stats +
 // 1 KiB alignment = 194.5 KiB.
 template <>
-struct BackwardConfig<128> : BackwardTraits<128, false> {};
+struct BackwardConfig<128> : BackwardTraits<128, false, 64> {};
 // 64 keys, both consumers on them, half the columns each. dK+dV 128, S+dP 64, dQ 64 (added by
 // red.global.add); smem 2 x 32 + 4 x 32 + 2 x 8 KiB + 1.5 KiB stats + 1 KiB alignment =
 // 210.5 KiB. dQ is issued once dV and dK have landed: in flight together (their
 // accumulators, dQ's and the P^T / dS^T fragments: 224 registers) ptxas serialized every
 // wgmma (its warning C7512), 6-10% slower on an H200.
 template <>
-struct BackwardConfig<256> : BackwardTraits<256, true> {};
+struct BackwardConfig<256> : BackwardTraits<256, true, 64> {};
 
 // A configuration's tiles for calls with segment ids: each key block's query tiles narrowed to
 // the documents of its keys, and the ids' element test on the steps where a warp's keys and the
