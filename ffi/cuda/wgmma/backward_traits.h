@@ -5,8 +5,8 @@
 // holds dK and dV of its keys for every head-dim column; above it (kSplitHeadDim) those would
 // not fit a consumer's registers, so the block has 64 keys that both consumers take, each
 // computing S^T and dP^T (the two products run twice) and half the columns of dK, dV and dQ.
-// K and V of the block load once; the Q and dO tiles of every query head of the GQA group (64
-// queries each, with their lse and D) stream through a ring of kStages buffers guarded by
+// K and V of the block load once; the Q and dO tiles of every query head of the GQA group
+// (kBlockM queries each, with their lse and D) stream through a ring of kStages buffers guarded by
 // full/empty mbarriers. Every tile TMA writes is stored with the 128-byte swizzle exactly as the
 // forward's (traits.h): the head dim in 64-element spans, each span a [rows][64] array of
 // 128-byte rows, spans one after another. dS^T [keys][queries] is laid out the same way, its
