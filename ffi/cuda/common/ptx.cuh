@@ -57,6 +57,14 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
+// %nsmid: how many SM identifiers the device has, at least its number of SMs (the identifiers
+// need not be contiguous).
+__device__ __forceinline__ uint32_t sm_id_count() {
+  uint32_t count;
+  asm("mov.u32 %0, %%nsmid;" : "=r"(count));
+  return count;
+}
+
 // Synchronises the `threads` threads (a multiple of 32) that use named barrier `id`.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "ffi/cuda/common/mask.cuh"
+#include "ffi/cuda/common/ptx.cuh"
 #include "ffi/params.h"
 
 namespace jax_flashattn::wgmma {
@@ -36,12 +37,19 @@ struct BackwardBlock {
 
   __device__ static BackwardBlock make(const AttentionParams& p) {
     BackwardBlock w;
-    // Key blocks of one (batch, kv head) are consecutive, so the blocks running together stream
-    // the same Q and dO tiles through L2; under causal masking the lowest key block sees the
-    // most queries, so each head's blocks start longest first and a wave ends on short ones.
+    // The key blocks of one (batch, kv head) are consecutive, so the blocks running together
+    // stream the same Q and dO tiles through L2. Under a causal mask or a window the blocks'
+    // work differs (the lowest key block sees the most queries), and in a grid of a few waves
+    // (at most 4 blocks per SM) the last (batch, kv head)'s longest blocks would start late and
+    // run alone at the end: there the key block is outermost, so every (batch, kv head)'s
+    // longest blocks run first and the grid ends on short ones. With more waves that tail is
+    // small and the L2 reuse worth more (docs/decisions/backward-kernels.md).
     const int key_blocks = int((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
-    const int index = int(blockIdx.x), bh = index / key_blocks;
-    w.key0 = (index % key_blocks) * Traits::kBlockN;
+    const int groups = int(p.batch * p.num_kv_heads), index = int(blockIdx.x);
+    const bool key_block_outer =
+        !p.unwindowed() && gridDim.x <= 4 * ptx::sm_id_count();
+    const int bh = key_block_outer ? index % groups : index / key_blocks;
+    w.key0 = (key_block_outer ? index / groups : index % key_blocks) * Traits::kBlockN;
     w.b = bh / int(p.num_kv_heads);
     w.kv_head = bh % int(p.num_kv_heads);
     w.head0 = w.kv_head * int(p.group_size());
