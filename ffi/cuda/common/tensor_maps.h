@@ -1,5 +1,5 @@
-// TMA tensor maps of a forward or backward call, encoded on the host for each launch (a few microseconds,
-// no device memory: they travel as __grid_constant__ kernel parameters).
+// TMA tensor maps of a forward or backward call, encoded on the host for each launch (a few
+// microseconds, no device memory: they travel as __grid_constant__ kernel parameters).
 #pragma once
 
 #include <cuda.h>
@@ -66,7 +66,7 @@ cudaError_t encode_kv_maps(const AttentionParams& p, int kv_rows, KVMaps& maps);
 // the tile's rows (the rows before, the next head's first rows, zeros past the whole tensor)
 // belongs to queries the kernel's masks give P = 0 (docs/decisions/backward-kernels.md).
 // dq_accum, the float32 dQ accumulator in q's layout, takes reductions (adds) of boxes of 32
-// head-dim elements (128 bytes) x 1 head x q_rows rows x 1 batch entry, with the 128-byte
+// head-dim elements (128 bytes) x 1 head x dq_rows rows x 1 batch entry, with the 128-byte
 // swizzle.
 inline constexpr int kFlatAlignElems = 4;  // 16 bytes of float32
 

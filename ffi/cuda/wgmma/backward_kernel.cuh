@@ -250,8 +250,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (Traits::kSegments)
       one_document = cuda::one_segment<kBlockM>(lane_key_id, sQIds(stage) + q_ids_skip, lane);
 
-    // S^T = K_wg Q^T and dP^T = V_wg dO^T (64 keys x 64 queries each), as two commit groups, so
-    // that P^T is computed while dP^T is still running.
+    // S^T = K_wg Q^T and dP^T = V_wg dO^T (64 keys x kBlockM queries each), as two commit
+    // groups, so that P^T is computed while dP^T is still running.
     float s_acc[kQTiles][4], dp_acc[kQTiles][4];
     const uint32_t k_tile = ptx::opaque(sK + wg_key0 * kRowBytes);
     const uint32_t v_tile = ptx::opaque(sV + wg_key0 * kRowBytes);
@@ -463,9 +463,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         ptx::bulk_commit_group();
       }
     } else {
-      // This thread's dQ rows q0 + 16 warp + quad_row + 8 h, columns dq_col0 + 8 j + quad_col,
-      // +1, added with red.global.add: rows past the query length have dS = 0 and columns past
-      // H do not exist, so neither is added.
+      // This thread's dQ rows q0 + dq_row0 + 16 warp + quad_row + 8 h, columns
+      // dq_col0 + 8 j + quad_col, +1, added with red.global.add: rows past the query length
+      // have dS = 0 and columns past H do not exist, so neither is added.
       const int t0 = q0 + dq_row0 + warp * 16 + quad_row;
       const int col0 = dq_col0 + quad_col;
       float* dq = p.dq_accum + int64_t(block.b) * p.q_batch_stride + n * p.q_head_stride +

@@ -17,7 +17,7 @@ cudaError_t launch_backward_sm90_with(const AttentionParams& p, cudaStream_t str
   constexpr auto kernel = wgmma::backward_kernel<Elem, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   if (!wgmma::indices_fit_32_bits(p) || p.deterministic) return cudaErrorInvalidConfiguration;
-  // One block per (key block, kv head, batch), key blocks innermost (BackwardBlock); the
+  // One block per (key block, kv head, batch), in BackwardBlock's order; the
   // dispatcher sends only grids below 2^31 blocks here (sm90_applies).
   const int64_t key_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
   const int64_t blocks = key_blocks * p.batch * p.num_kv_heads;

@@ -97,6 +97,7 @@ struct BackwardTraits {
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kDsBytes % 1024 == 0 &&
                     kDqBytes % 1024 == 0,
                 "tiles stay 1024-byte aligned");
+  static_assert(kStatsBox <= 256, "a TMA box spans at most 256 elements");
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
 
