@@ -81,6 +81,11 @@ struct FlatIdBox {
   static_assert(kIds <= 256 && kBytes % 16 == 0, "one TMA box of 16-byte units");
 };
 
+// The box of calls without segment ids: no ids, no bytes.
+struct NoIdBox {
+  static constexpr int kIds = 0, kBytes = 0, kStageBytes = 0;
+};
+
 struct BackwardMaps {
   CUtensorMap q, d_out, k, v, dk, dv, lse, delta, dq_accum;
 };

@@ -83,7 +83,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint32_t sStats = base + Layout::kStatsOffset;
   const float* stats = reinterpret_cast<const float*>(smem + Layout::kStatsOffset);
   const auto sQIds = [&](int stage) {
-    return base + Layout::kQIdsOffset + stage * Traits::kQIdStageBytes;
+    return base + Layout::kQIdsOffset + stage * Traits::QIdBox::kStageBytes;
   };
   auto& bars = *reinterpret_cast<BackwardBarriers<Traits>*>(smem + Layout::kBarrierOffset);
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const uint32_t full = bar(bars.q_full[stage]);
         ptx::mbarrier_arrive_expect_tx(full, 2 * Traits::kQBytes +
                                                  2 * Traits::kStatsBox * sizeof(float) +
-                                                 Traits::kQIdBoxBytes);
+                                                 Traits::QIdBox::kBytes);
         for (int span = 0; span < kSpans; ++span) {
           ptx::tma_load_4d(sQ(stage) + span * kBlockM * kRowBytes, &maps.q, full,
                            span * kSpanElems, n, tile * kBlockM, block.b);

@@ -29,7 +29,7 @@ cudaError_t launch_backward_sm90_with(const AttentionParams& p, cudaStream_t str
       e != cudaSuccess)
     return e;
   if constexpr (Traits::kSegments) {
-    if (cudaError_t e = wgmma::encode_query_ids_map(p, Traits::kQIdBox, maps.q_ids);
+    if (cudaError_t e = wgmma::encode_query_ids_map(p, Traits::QIdBox::kIds, maps.q_ids);
         e != cudaSuccess)
       return e;
   }

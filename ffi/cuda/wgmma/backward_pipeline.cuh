@@ -81,7 +81,7 @@ struct BackwardSmemLayout {
   static constexpr uint32_t kStatsOffset = kDqOffset + Traits::kConsumers * Traits::kDqBytes;
   static constexpr uint32_t kQIdsOffset = kStatsOffset + Traits::kStatsBytes;
   static constexpr uint32_t kBarrierOffset =
-      kQIdsOffset + Traits::kStages * Traits::kQIdStageBytes;
+      kQIdsOffset + Traits::kStages * Traits::QIdBox::kStageBytes;
 };
 
 }  // namespace jax_flashattn::wgmma

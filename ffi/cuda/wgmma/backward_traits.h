@@ -68,10 +68,8 @@ struct BackwardTraits {
   static constexpr int kStatsStageBytes = 2 * kStatsStride * 4;  // [lse, D][row]
   static constexpr int kStatsBytes = kStages * kStatsStageBytes;
   static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);   // kv_full, q_full[], q_empty[]
-  // Query ids per Q stage (BackwardWithSegmentIds below): the bytes TMA writes and the bytes
-  // each stage takes; none here.
-  static constexpr int kQIdBoxBytes = 0;
-  static constexpr int kQIdStageBytes = 0;
+  // Query ids per Q stage (BackwardWithSegmentIds below); none here.
+  using QIdBox = NoIdBox;
   // A consumer's dQ of a tile in float32, staged for the TMA reduction into dq_accum: boxes of
   // 32 columns (128 bytes, swizzled as the tiles) x kDqRows rows, kDqBoxes of them. With
   // kSplitHeadDim the staging (64 KiB at head dim 256) does not fit beside the K, V, Q and dO
@@ -134,7 +132,7 @@ struct BackwardConfig<256> : BackwardTraits<256, true, 64> {};
 // tile's queries are not all of one document. Instantiated in translation units of their own
 // (cuda/instantiations/backward_wgmma_segments.cu.in), so the other kernels' code stays as it
 // is.
-// Each Q tile lands with its queries' ids (a box of kQIdBox ids from the 16-byte boundary at
+// Each Q tile lands with its queries' ids (a box of QIdBox::kIds ids from the 16-byte boundary at
 // or below the tile's first query: BackwardMapsWithIds), which the consumers test in shared
 // memory; each warp reads its keys' ids once per block. Read from global memory before each
 // tile's products, their latency stalled every step.
@@ -142,10 +140,7 @@ template <typename Config>
 struct BackwardWithSegmentIds : Config {
   static constexpr bool kSegments = true;
   using QIdBox = FlatIdBox<Config::kBlockM>;
-  static constexpr int kQIdBox = QIdBox::kIds;
-  static constexpr int kQIdBoxBytes = QIdBox::kBytes;
-  static constexpr int kQIdStageBytes = QIdBox::kStageBytes;
-  static constexpr int kSmemBytes = Config::kSmemBytes + Config::kStages * kQIdStageBytes;
+  static constexpr int kSmemBytes = Config::kSmemBytes + Config::kStages * QIdBox::kStageBytes;
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
 

@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (kv_ring.refill())
           ptx::mbarrier_wait(bar(bars.k_empty[stage]), kv_ring.previous_phase());
         ptx::mbarrier_arrive_expect_tx(bar(bars.k_full[stage]),
-                                       Traits::kKVBytes + Traits::kKeyIdBoxBytes);
+                                       Traits::kKVBytes + Traits::KeyIdBox::kBytes);
         for (int span = 0; span < kSpans; ++span)
           ptx::tma_load_4d(smem.k(stage) + span * kBlockN * kRowBytes, &maps.k,
                            bar(bars.k_full[stage]), span * kSpanElems, t.kv_head, key0, t.b);

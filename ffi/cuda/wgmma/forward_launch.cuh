@@ -27,7 +27,7 @@ cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stre
       e != cudaSuccess)
     return e;
   if constexpr (Traits::kSegments) {
-    if (cudaError_t e = wgmma::encode_key_ids_map(p, Traits::kKeyIdBox, maps.kv_ids);
+    if (cudaError_t e = wgmma::encode_key_ids_map(p, Traits::KeyIdBox::kIds, maps.kv_ids);
         e != cudaSuccess)
       return e;
   }

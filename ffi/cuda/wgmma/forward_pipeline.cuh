@@ -57,7 +57,7 @@ struct ForwardSmem {
   static constexpr uint32_t kKVOffset = kOOffset + Traits::kOBytes;
   static constexpr uint32_t kKeyIdsOffset = kKVOffset + 2 * Traits::kStages * Traits::kKVBytes;
   static constexpr uint32_t kBarrierOffset =
-      kKeyIdsOffset + Traits::kStages * Traits::kKeyIdStageBytes;
+      kKeyIdsOffset + Traits::kStages * Traits::KeyIdBox::kStageBytes;
 
   uint32_t base;          // the aligned start
   unsigned char* start;   // the same, as a generic pointer
@@ -76,7 +76,7 @@ struct ForwardSmem {
     return base + kKVOffset + (Traits::kStages + stage) * Traits::kKVBytes;
   }
   __device__ uint32_t key_ids(int stage) const {
-    return base + kKeyIdsOffset + stage * Traits::kKeyIdStageBytes;
+    return base + kKeyIdsOffset + stage * Traits::KeyIdBox::kStageBytes;
   }
 };
 

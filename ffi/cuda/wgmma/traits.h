@@ -58,10 +58,8 @@ struct ForwardTraits {
   // Q and K/V full and empty barriers, the tile slot's full and empty barriers, then the slot
   // (32 bytes at the next 16-byte boundary).
   static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages + 2) + 8 + 32;
-  // Key ids per K stage (WithSegmentIds below): the bytes TMA writes and the bytes each stage
-  // takes; none here.
-  static constexpr int kKeyIdBoxBytes = 0;
-  static constexpr int kKeyIdStageBytes = 0;
+  // Key ids per K stage (WithSegmentIds below); none here.
+  using KeyIdBox = NoIdBox;
   static constexpr int kSmemBytes =
       kQStages * kQBytes + kOBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
 
@@ -151,7 +149,7 @@ struct ForwardConfig<256> : ForwardTraits<256, 64, 2, 1, true> {
 // is.
 // The producer narrows each tile's key range by the spans: 8 more registers, or at head dim
 // 64 (holding two tiles) ptxas spills it (128 x 40 + 256 x 232 = 64512 fits the 168 x 384).
-// Each K tile lands with its keys' ids (a TMA box of kKeyIdBox ids from the 16-byte boundary
+// Each K tile lands with its keys' ids (a TMA box of KeyIdBox::kIds ids from the 16-byte boundary
 // at or below the tile's first key: ForwardMapsWithIds), which the consumers test in shared
 // memory: read from global memory on the consumers' path between a tile's scores and its
 // softmax, their latency cost the packed rows of the benchmark 30% (mean document 1024,
@@ -162,10 +160,7 @@ struct WithSegmentIds : Config {
   static constexpr bool kSegments = true;
   static constexpr int kProducerRegisters = Config::kProducerRegisters + 8;
   using KeyIdBox = FlatIdBox<Config::kBlockN>;
-  static constexpr int kKeyIdBox = KeyIdBox::kIds;
-  static constexpr int kKeyIdBoxBytes = KeyIdBox::kBytes;
-  static constexpr int kKeyIdStageBytes = KeyIdBox::kStageBytes;
-  static constexpr int kSmemBytes = Config::kSmemBytes + Config::kStages * kKeyIdStageBytes;
+  static constexpr int kSmemBytes = Config::kSmemBytes + Config::kStages * KeyIdBox::kStageBytes;
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
 
