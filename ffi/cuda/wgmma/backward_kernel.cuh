@@ -439,17 +439,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // dS = 0). This thread's rows 16 warp + quad_row + 8 h, columns 8 j + quad_col, +1 of the
       // warpgroup's: column c of row r is word c % 4 of 16-byte chunk (c % 32) / 4 of the row's
       // 128 bytes in box c / 32, the chunk index XORed with r % 8 (the 128-byte swizzle of the
-      // map's boxes). Chunk 2 (j % 4) + quad_col / 4 is (j % 4) << 1 XOR quad_col / 4.
+      // map's boxes). Chunk 2 (j % 4) + quad_col / 4 is (j % 4) << 1 XOR quad_col / 4. Rows r
+      // and r ^ 1 of a half-warp would write the same banks: threads of odd rows store tile
+      // j ^ 2 where the others store tile j (chunk bits XOR 2 << 5), which spreads the
+      // half-warp over all 32.
+      static_assert(kDqTiles % 4 == 0, "tiles j and j ^ 2 lie in one box");
+      const bool odd_row = quad_row & 1;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = warp * 16 + quad_row + 8 * h;
-        const uint32_t row_offset = (row * kRowBytes + (((row & 7) ^ (quad_col / 4)) << 4)) |
-                                    ((quad_col % 4) * 4);
+        const uint32_t row_offset =
+            ((row * kRowBytes + (((row & 7) ^ (quad_col / 4)) << 4)) | ((quad_col % 4) * 4)) ^
+            (odd_row ? 2u << 5 : 0u);
 #pragma unroll
         for (int j = 0; j < kDqTiles; ++j) {
           const uint32_t offset =
               (j / 4) * Traits::kDqRows * kRowBytes + (row_offset ^ ((j % 4) << 5));
-          ptx::st_shared_v2_f32(sDq(consumer) + offset, dq_acc[j][2 * h], dq_acc[j][2 * h + 1]);
+          const float x0 = odd_row ? dq_acc[j ^ 2][2 * h] : dq_acc[j][2 * h];
+          const float x1 = odd_row ? dq_acc[j ^ 2][2 * h + 1] : dq_acc[j][2 * h + 1];
+          ptx::st_shared_v2_f32(sDq(consumer) + offset, x0, x1);
         }
       }
       // Generic stores that the TMA reduction (async proxy) reads.
