@@ -1,0 +1,494 @@
+// The Hopper forward's consumers: warpgroups 1.. of 64 query rows each. Per K/V tile j of a
+// tile (query block) they compute
+//   S_j = Q K_j^T              wgmma, both operands in shared memory
+//   mask                       only on tiles that straddle a length or window boundary
+//   P_j = exp2(S_j - max)      online softmax, the scale folded into one FFMA; once a warp's
+//                              row maxima have settled, against those maxima (no max
+//                              reduction, no rescale) unless a score outran them too far
+//   O += P_j V_j               wgmma, P from registers
+// with the products of two tiles in flight together: S_{j+1} = Q K_{j+1}^T is issued before
+// O += P_j V_j, and the softmax of S_{j+1} runs while P_j V_j is still computing; only the
+// rescaling of O waits for it. The consumer warpgroups take turns issuing their products
+// (ping-pong on named barriers, round robin), so one's softmax runs under the others'
+// tensor-core work. O is normalised once and kept in registers until the consumer has issued
+// its next tile's first S = Q K^T; then, under that product, staged in shared memory and
+// written with a TMA store that runs on (forward_epilogue.cuh); at head dim 256 (kOInKV), right
+// after the tile, in a K/V stage that the ring lends for it after the tile's key tiles.
+//
+// Turns. Every consumer takes num_kv_tiles + 1 turns per tile: turn r issues S_r (r <
+// num_kv_tiles) and P_{r-1} V_{r-1} (r > 0) on the computing path. A warpgroup that computes
+// nothing of a tile (all its rows past the query length, or seeing no key through the segment
+// ids: idle_tile) and the key tiles past a computing warpgroup's last (its tail) go through
+// pass_turn, which waits for what the turn's products would read, takes and hands over the turn
+// and releases those buffers: every barrier phase sees the same arrivals whichever path a
+// warpgroup takes (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "ffi/cuda/common/fragments.cuh"
+#include "ffi/cuda/common/hopper_ptx.cuh"
+#include "ffi/cuda/common/mask.cuh"
+#include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/softmax.cuh"
+#include "ffi/cuda/common/swizzle_layout.h"
+#include "ffi/cuda/common/tensor_maps.h"
+#include "ffi/cuda/wgmma/forward_epilogue.cuh"
+#include "ffi/cuda/wgmma/forward_mma.cuh"
+#include "ffi/cuda/wgmma/forward_pipeline.cuh"
+#include "ffi/cuda/wgmma/forward_tiles.cuh"
+#include "ffi/cuda/wgmma/tile_scheduler.cuh"
+#include "ffi/params.h"
+#include "ffi/variant.h"
+
+namespace jax_flashattn::wgmma {
+
+// What a computing warpgroup works out once per tile and reads through its key tiles.
+struct ConsumerTile {
+  ForwardTile t;
+  int q_stage;
+  uint32_t q_tile;     // this warpgroup's rows of Q stage q_stage
+  // The key tiles this warpgroup's rows see (fewer than t.num_kv_tiles on a causal or windowed
+  // diagonal below the block's last rows), the last one seen on its first half only when
+  // half_last; and the tiles no boundary crosses for this warp's rows, [interior_lo,
+  // interior_hi).
+  int wg_tiles;
+  bool half_last;
+  int interior_lo, interior_hi;
+  // kSegments: the id of this warp's row lane % 16 (the last query's past T).
+  int32_t lane_row_id;
+  cuda::OnlineSoftmax<1> softmax;
+};
+
+template <typename Elem, typename Traits>
+struct ForwardConsumer {
+  static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  static constexpr int kStages = Traits::kStages, kQStages = Traits::kQStages;
+  static constexpr int kPSteps = kBlockN / 16;           // k16 steps of O += P V
+  static constexpr int kNTiles = kBlockN / 8;            // 8-key column tiles of S
+  static constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of O
+  using Named = NamedBarriers<Traits::kConsumers>;
+  static_assert(kBlockN % 32 == 0, "half a key tile is whole k16 steps of O += P V");
+  // A warpgroup's tail holds at most as many tiles as the (at most kBlockM - 64) block rows
+  // below its own shift the last visible key: one here. It releases their buffers only after
+  // it has read the next tile from the slot, which the producer fills once it has issued all
+  // of this tile's loads; a tail of kStages tiles would hold buffers those loads wait for
+  // (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
+  static_assert((kBlockM - 64 + kBlockN - 1) / kBlockN < kStages, "a tail never blocks the loads");
+
+  const AttentionParams& p;
+  const ForwardMapsFor<Traits::kSegments>& maps;
+  const ForwardSmem<Traits> smem;
+  ForwardBarriers<Traits>& bars;
+  // The tile slot by 32-bit shared address: a generic pointer to it would hold a 64-bit
+  // register for the whole kernel, two more than the consumers have at head dim 256
+  // (docs/decisions/hopper-kernels-without-spills.md).
+  const uint32_t tile_slot;
+  const int tid, consumer;
+  // The warp of four, through a warp reduction as the consumer index (forward_kernel): known
+  // warp-uniform, its rows' per-tile values (interior tiles, the half-seen last tile) stay in
+  // uniform registers; from tid alone, with the consumers a function of their own, three
+  // consumers spilled.
+  const int warp;
+  const int lane;
+  const int wg_row0;     // this warpgroup's rows of the block
+  const int warp_row0;   // this warp's 16 rows (its accumulator rows)
+  const int quad_row, quad_col;
+  const ForwardDescriptors<Traits> desc;
+  const float scale_log2;
+  const variant::KeyWindow<int> call_vis;  // the call's windows, for every tile read
+
+  float s_acc[1][kNTiles][4];
+  float o_acc[1][kDTiles][4];
+  uint32_t p_frag[kPSteps][4];
+  RingPosition<kQStages> q_ring;
+  RingPosition<kStages> kv_ring;
+  int tiles_read = 0;
+  // The epilogue waits (O in its own tile): a tile's normalised O stays in o_acc until the
+  // next tile's first S = Q K^T is issued, and is stored while that product runs, before it
+  // is zeroed for the next tile's first O += P V (or at once, where the next tile computes
+  // nothing). Stored right after the tile, the epilogue and the next tile's start (slot, Q,
+  // first S) run one after the other with the tensor cores idle, which weighs most on blocks
+  // with few key tiles (docs/decisions/hopper-forward-epilogue.md). pending_b = -1: nothing
+  // waits (always, with O in the K/V ring, which is stored at once: there smem.o() is where
+  // the ring starts, and nothing stores to it).
+  int pending_b = -1, pending_n = 0, pending_row0 = 0;
+  float pending_lse[1][2];
+
+  // consumer: this warpgroup's index among the consumers, known warp-uniform to ptxas (see
+  // forward_kernel).
+  __device__ __forceinline__ ForwardConsumer(const AttentionParams& params,
+                                             const ForwardMapsFor<Traits::kSegments>& tma_maps,
+                                             const ForwardSmem<Traits>& layout,
+                                             ForwardBarriers<Traits>& barriers,
+                                             int thread, int consumer_index)
+      : p(params), maps(tma_maps), smem(layout), bars(barriers),
+        tile_slot(ptx::smem_address(barriers.tile)), tid(thread), consumer(consumer_index),
+        warp(__reduce_max_sync(0xffffffff, (thread / 32) % 4)), lane(thread % 32),
+        wg_row0(consumer_index * 64), warp_row0(consumer_index * 64 + warp * 16),
+        quad_row(lane / 4), quad_col(2 * (lane % 4)),
+        desc(ForwardDescriptors<Traits>::make(layout)), scale_log2(params.scale * cuda::kLog2e),
+        call_vis(variant::KeyWindow<int>::make(params)) {}
+
+
+  // Ping-pong: consumer c issues its products only while it holds the turn (named barrier
+  // Named::kTurn + c, completed by consumer c - 1's hand-over) and hands it to consumer c + 1
+  // (round robin) right after issuing. Every consumer takes the same number of turns (they
+  // share each tile); the last one gives consumer 0 the first turn, so consumer 0 takes one
+  // extra turn at the end to leave every barrier with as many arrivals as waits.
+  __device__ __forceinline__ void take_turn() const {
+    ptx::named_barrier_sync(Named::kTurn + consumer, 256);
+  }
+  __device__ __forceinline__ void hand_over() const {
+    ptx::named_barrier_arrive(Named::kTurn + (consumer + 1) % Traits::kConsumers, 256);
+  }
+  __device__ __forceinline__ void sync_warpgroup() const {
+    ptx::named_barrier_sync(1 + consumer, 128);
+  }
+  // One arrival per warp, once all of its lanes are past their reads of the buffer.
+  __device__ __forceinline__ void release(uint64_t& barrier) const {
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(barrier_address(barrier));
+  }
+
+  // A turn without products: waits for K of ring position `key` (when has_key) and V of
+  // `value` (when has_value) as the products would, takes and hands over the turn, and
+  // releases both.
+  __device__ __forceinline__ void pass_turn(bool has_key, const RingPosition<kStages>& key,
+                                            bool has_value, const RingPosition<kStages>& value) {
+    if (has_key) ptx::mbarrier_wait(barrier_address(bars.k_full[key.stage()]), key.phase());
+    if (has_value) ptx::mbarrier_wait(barrier_address(bars.v_full[value.stage()]), value.phase());
+    take_turn();
+    hand_over();
+    if (has_key) release(bars.k_empty[key.stage()]);
+    if (has_value) release(bars.v_empty[value.stage()]);
+  }
+  // kOInKV: the ring position lent for O, taken and given back without staging anything.
+  __device__ __forceinline__ void pass_lent_o_position() {
+    ptx::mbarrier_wait(barrier_address(bars.k_full[kv_ring.stage()]), kv_ring.phase());
+    release(bars.k_empty[kv_ring.stage()]);
+    release(bars.v_empty[kv_ring.stage()]);
+    ++kv_ring.count;
+  }
+
+  // The block's next tile from the slot; false when there is none (the producer has left).
+  __device__ __forceinline__ bool read_tile(ForwardTile& tile) {
+    ptx::mbarrier_wait(barrier_address(bars.tile_full), uint32_t(tiles_read) & 1);
+    const bool more = TileSlot::load(tile_slot, call_vis, tile);
+    ptx::mbarrier_arrive(barrier_address(bars.tile_empty));
+    ++tiles_read;
+    return more;
+  }
+
+  __device__ __forceinline__ void store_output(int b, int n, int row0,
+                                               const float (&row_lse)[1][2], uint32_t o_tile) {
+    store_tile_output<Elem, Traits>(p, maps, o_acc, b, n, row0, row_lse, o_tile,
+                                    EpilogueThread{tid, warp, lane, quad_row, quad_col, warp_row0,
+                                                   consumer});
+  }
+  __device__ __forceinline__ void store_pending() {
+    if (pending_b >= 0)
+      store_output(pending_b, pending_n, pending_row0, pending_lse,
+                   smem.o() + wg_row0 * kRowBytes);
+    pending_b = -1;
+  }
+
+  // A tile this warpgroup computes nothing of: it writes its rows' zeros and -inf lse (nothing
+  // past T) and goes through the tile's turns and buffers with no product and no softmax, so
+  // the other warpgroups finish the tile without it. Turn r waits for K_r and V_{r-1} as the
+  // computing path's turn r does; Q is released before the last turn, as there.
+  __device__ __forceinline__ void idle_tile(const ForwardTile& t, int q_stage) {
+    store_pending();
+    write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
+    RingPosition<kStages> last = kv_ring;  // tile r - 1's buffers
+    for (int r = 0; r <= t.num_kv_tiles; ++r) {
+      if (r == t.num_kv_tiles) release(bars.q_empty[q_stage]);
+      pass_turn(r < t.num_kv_tiles, kv_ring, r > 0, last);
+      last = kv_ring;
+      if (r < t.num_kv_tiles) ++kv_ring.count;
+    }
+    if constexpr (Traits::kOInKV) pass_lent_o_position();
+  }
+
+  // The S accumulators of 8-key tiles 2 kk, 2 kk + 1 are the A operand of k-step kk.
+  __device__ __forceinline__ void pack_p() {
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) mma_sync::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
+  }
+  __device__ __forceinline__ void issue_qk(uint32_t q_tile, int stage) {
+    issue_scores<Elem, Traits>(s_acc, desc, q_tile, stage);
+  }
+  // O += P V; over the first half of the tile's keys when `half` (no row of this warpgroup
+  // sees the rest, and the rest of P holds unexponentiated scores: see softmax_step). Only a
+  // warpgroup's last key tile is taken as seen on its first half alone, and it is multiplied
+  // after the tile loop, so the loop itself has no branch between products.
+  // (S = Q K^T stays whole: of the first half alone, into the first half of S, ptxas
+  // serialises every wgmma of the kernel; docs/decisions/half-seen-last-key-tile.md.)
+  // The register fences go after the branch between the two widths (in issue_values): with
+  // the branch between them and the first wgmma, ptxas injected a warpgroup.arrive of its own.
+  __device__ __forceinline__ void issue_pv(int stage, bool half) {
+    if (half) return issue_values<kBlockN / 2, Elem, Traits>(o_acc, p_frag, desc, stage);
+    issue_values<kBlockN, Elem, Traits>(o_acc, p_frag, desc, stage);
+  }
+  // The P V product issued by the previous iteration is waited for at the top of the next
+  // one, not right after the softmax: ptxas schedules a wgmma wait as early as its basic
+  // block allows, and in the softmax's block it goes above the softmax, which then no longer
+  // runs under the tensor-core work (docs/decisions/hopper-forward-warp-specialisation.md).
+  // The wait is unconditional (at j = 1 nothing is in flight): behind a branch, ptxas cannot
+  // tell that O is never read while a product writes it, and serialises every wgmma.
+  __device__ __forceinline__ void retire_pv(bool in_flight, int stage) {
+    ptx::wgmma_wait<0>();
+    ptx::fence_registers(o_acc[0]);
+    if (in_flight) release(bars.v_empty[stage]);
+  }
+
+  // kSegments: whether one document holds all of this warp's rows and all the keys of the tile
+  // in K stage `stage`, so that the ids need no element test there. Asked only of interior
+  // tiles, where every row and key is inside its length.
+  __device__ __forceinline__ bool one_document(const ConsumerTile& w, int stage) const {
+    return cuda::one_segment<kBlockN>(
+        w.lane_row_id, KeyIdsInSmem<Traits>::make(smem, stage, p, w.t.b).first, lane);
+  }
+
+  // The full update of tile j over its first kUsed 8-column tiles: where a boundary crosses
+  // the tile for this warp's rows (not interior), the scores it hides set to -inf first.
+  template <int kUsed>
+  __device__ __forceinline__ void mask_and_exponentiate(ConsumerTile& w, int j, int stage,
+                                                        bool interior,
+                                                        float (&correction)[1][2]) {
+    if (!interior) {
+      // The bounds rebuilt from the parameters (the lengths one load away): t.vis, kept live
+      // through the tile loop for this, spills with three consumers
+      // (docs/decisions/int32-bounds-and-column-bits-masking.md).
+      // The opaque batch index keeps the compiler from reusing the tile's first loads.
+      const auto vis = variant::KeyWindow<int>::make(p, ptx::opaque(uint32_t(w.t.b)));
+      const cuda::TileVisibility tile_vis = cuda::TileVisibility::make(
+          vis, w.t.row0, (w.t.tile_begin + j) * kBlockN, kBlockM + kBlockN);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t bits[(2 * kUsed + 31) / 32];  // this thread's visible elements of the row
+        tile_vis.column_bits<kUsed>(warp_row0 + quad_row + 8 * h, quad_col, bits);
+        // kSegments: the row's id and the ids of this thread's keys (from the K stage, whose
+        // box covers the tile: every read is in bounds).
+        [[maybe_unused]] int32_t row_id = 0;
+        [[maybe_unused]] KeyIdsInSmem<Traits> key_ids{};
+        if constexpr (Traits::kSegments) {
+          row_id = __shfl_sync(0xffffffff, w.lane_row_id, quad_row + 8 * h);
+          key_ids = KeyIdsInSmem<Traits>::make(smem, stage, p, w.t.b);
+          key_ids.first += uint32_t(quad_col) * 4;
+        }
+#pragma unroll
+        for (int c = 0; c < kUsed; ++c)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            bool visible = cuda::TileVisibility::column_visible(bits, 2 * c + e);
+            if constexpr (Traits::kSegments)
+              visible = (key_ids[8 * c + e] == row_id) & visible;
+            if (!visible) s_acc[0][c][2 * h + e] = -INFINITY;
+          }
+      }
+    }
+    w.softmax.exponentiate_first<kUsed>(s_acc, scale_log2, correction);
+  }
+
+  // Tile j's probabilities from its landed scores. On an interior tile (every row of the
+  // warp below the query length) after the first, once each of the warp's rows has a finite
+  // maximum, the tile is exponentiated against those maxima: no max reduction, no O rescale.
+  // Where a score outran them too far, the warp recomputes its 16 rows of S with mma.sync (a
+  // wgmma recompute would need the whole warpgroup, and its issue spills registers) and
+  // takes the full update, as every other tile does (with masking where a boundary crosses
+  // it). K_j is released once nothing reads it (docs/decisions/settled-row-maxima.md).
+  __device__ __forceinline__ void softmax_step(ConsumerTile& w, int j,
+                                               float (&correction)[1][2]) {
+    const int stage = kv_ring.stage();
+    bool interior = j >= w.interior_lo && j < w.interior_hi;
+    if constexpr (Traits::kSegments) interior = interior && one_document(w, stage);
+    const bool settled = j > 0 && interior &&
+                         __all_sync(0xffffffff, w.softmax.row_max[0][0] > -INFINITY &&
+                                                    w.softmax.row_max[0][1] > -INFINITY);
+    if (settled && w.softmax.exponentiate_against_settled_max(s_acc, scale_log2)) {
+      correction[0][0] = correction[0][1] = 1.f;
+    } else {
+      // Beside this warpgroup's P_{j-1} V_{j-1} wgmma, whose registers it leaves alone (a
+      // wgmma wait, taken by one warp, would break wait_group's warpgroup-wide rule).
+      if (settled)
+        recompute_warp_scores<Elem, Traits>(s_acc, w.q_tile, smem, stage, lane, warp);
+      // A half-seen last tile (half_last) is masked and exponentiated on its first half
+      // alone: no row of this warpgroup sees the rest, and its O += P V reads only the first
+      // half of P. On a causal diagonal with 128-key tiles and 128-row blocks, that is
+      // warpgroup 0's last tile in every block (docs/decisions/half-seen-last-key-tile.md).
+      if (w.half_last && j == w.wg_tiles - 1)
+        mask_and_exponentiate<kNTiles / 2>(w, j, stage, interior, correction);
+      else
+        mask_and_exponentiate<kNTiles>(w, j, stage, interior, correction);
+    }
+    // One release site after both paths: releasing K_j before the full update where no
+    // recompute can follow spills (docs/decisions/hopper-kernels-without-spills.md).
+    release(bars.k_empty[stage]);
+  }
+
+  // What this warpgroup works out at the start of tile t, whose Q is in stage q_stage.
+  __device__ __forceinline__ void begin_tile(ConsumerTile& w) {
+    const ForwardTile& t = w.t;
+    // kSegments: loaded before the tile's first product so that the product hides its
+    // latency: the masking takes the rows' ids from it by shuffles.
+    w.lane_row_id = 0;
+    if constexpr (Traits::kSegments)
+      w.lane_row_id = p.q_segment_ids[int64_t(t.b) * p.seqlen_q +
+                                      min(t.row0 + warp_row0 + lane % 16, int(p.seqlen_q) - 1)];
+    // The block's key tiles up to the one that holds the last key this warpgroup's last row
+    // sees (fewer where the block's other rows see further: the lower warpgroups on a causal
+    // diagonal); the last one may be seen on its first half only. The tiles past them are
+    // this warpgroup's tail. Without causal or window bounds (kWindowed false) every row sees
+    // the same keys: no tail, and the last tile is multiplied whole (keys past the length
+    // masked to zero). Why: docs/decisions/idle-warpgroups-and-warpgroup-tails.md,
+    // half-seen-last-key-tile.md.
+    w.wg_tiles = t.num_kv_tiles;
+    w.half_last = false;
+    if constexpr (Traits::kWindowed) {
+      int key_lo, key_hi;
+      t.vis.key_range(t.row0 + wg_row0, t.row0 + wg_row0 + 64, key_lo, key_hi);
+      if (key_hi > key_lo) {
+        const int last = int(unsigned(key_hi - 1) / kBlockN) - t.tile_begin;
+        if (last + 1 < w.wg_tiles) w.wg_tiles = last + 1;
+        w.half_last = key_hi - (t.tile_begin + w.wg_tiles - 1) * kBlockN <= kBlockN / 2;
+      }
+    }
+    w.softmax.init();
+    // Worked out once per query block: two compares per tile remain, and the tile's bounds
+    // on the masked path (docs/decisions/int32-bounds-and-column-bits-masking.md).
+    t.vis.all_visible_tiles<kBlockN>(t.row0 + warp_row0, t.row0 + warp_row0 + 16, t.tile_begin,
+                                     w.interior_lo, w.interior_hi);
+    w.q_tile = smem.q(w.q_stage) + wg_row0 * kRowBytes;
+  }
+
+  // Tile w.t, computed; reads the block's next tile into `next` under the last O += P V and
+  // returns whether there is one.
+  __device__ __forceinline__ bool compute_tile(ConsumerTile& w, ForwardTile& next) {
+    const ForwardTile& t = w.t;
+    ptx::mbarrier_wait(barrier_address(bars.k_full[kv_ring.stage()]), kv_ring.phase());
+    take_turn();
+    issue_qk(w.q_tile, kv_ring.stage());
+    hand_over();
+    store_pending();
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[0][d][e] = 0.f;
+    ptx::wgmma_wait<0>();
+    ptx::fence_registers(s_acc[0]);
+    // The factor O must be rescaled by before the last exponentiated tile's P V is added (1
+    // after tile 0: O is still zero).
+    float correction[1][2];
+    softmax_step(w, 0, correction);
+
+    for (int j = 1; j < w.wg_tiles; ++j) {
+      const RingPosition<kStages> prev = kv_ring;
+      ++kv_ring.count;
+      retire_pv(j > 1, (prev.count - 1) % kStages);  // P_{j-2} V_{j-2}
+      cuda::OnlineSoftmax<1>::rescale_where_moved(o_acc, correction);
+      pack_p();
+      ptx::mbarrier_wait(barrier_address(bars.k_full[kv_ring.stage()]), kv_ring.phase());
+      ptx::mbarrier_wait(barrier_address(bars.v_full[prev.stage()]), prev.phase());
+      take_turn();
+      issue_qk(w.q_tile, kv_ring.stage());
+      issue_pv(prev.stage(), false);
+      hand_over();
+      ptx::wgmma_wait<1>();  // S_j landed; P_{j-1} V_{j-1} may still be running
+      ptx::fence_registers(s_acc[0]);
+      softmax_step(w, j, correction);
+    }
+    retire_pv(w.wg_tiles > 1, (kv_ring.count - 1) % kStages);
+    cuda::OnlineSoftmax<1>::rescale_where_moved(o_acc, correction);
+    // The tile's last S = Q K^T has landed, Q's last read: the next tile's Q may load under
+    // this tile's last O += P V.
+    release(bars.q_empty[w.q_stage]);
+    pack_p();
+    ptx::mbarrier_wait(barrier_address(bars.v_full[kv_ring.stage()]), kv_ring.phase());
+    if (const int first_row = first_v_row_to_zero<kBlockN, Traits::kWindowed, Traits::kSegments>(
+            p, t, consumer, w.wg_tiles);
+        first_row < kBlockN) {
+      zero_v_rows(smem, kv_ring.stage(), first_row, tid % 128, 128);
+      ptx::fence_proxy_async_shared();  // generic stores that wgmma (async proxy) reads
+      sync_warpgroup();
+    }
+    take_turn();
+    issue_pv(kv_ring.stage(), w.half_last);
+    hand_over();
+    // The next tile, read while this one's last O += P V runs.
+    const bool more = read_tile(next);
+    retire_pv(true, kv_ring.stage());
+    ++kv_ring.count;
+
+    float row_lse[1][2];
+    w.softmax.finalize(o_acc, scale_log2, row_lse);
+    // The tail's turns come before the epilogue (with O in the K/V ring, before the wait for
+    // O's position), so that the other warpgroup's last turn, which follows them, does not
+    // wait for this one's epilogue (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
+    for (int j = w.wg_tiles; j < t.num_kv_tiles; ++j, ++kv_ring.count)
+      pass_turn(true, kv_ring, true, kv_ring);
+    if constexpr (Traits::kOInKV) {
+      // Stored at once, and the position released as soon as the TMA store has read it: the
+      // next tile's second K/V tile loads into it
+      // (docs/decisions/o-staged-in-kv-ring-at-head-dim-256.md).
+      const int stage = kv_ring.stage();
+      ptx::mbarrier_wait(barrier_address(bars.k_full[stage]), kv_ring.phase());
+      store_output(t.b, t.n, t.row0, row_lse, consumer == 0 ? smem.k(stage) : smem.v(stage));
+      if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
+      sync_warpgroup();
+      release(bars.k_empty[stage]);
+      release(bars.v_empty[stage]);
+      ++kv_ring.count;
+    } else {
+      pending_b = t.b;
+      pending_n = t.n;
+      pending_row0 = t.row0;
+      pending_lse[0][0] = row_lse[0][0];
+      pending_lse[0][1] = row_lse[0][1];
+    }
+    return more;
+  }
+
+  __device__ __forceinline__ void run() {
+    if (consumer == Traits::kConsumers - 1) hand_over();
+    ConsumerTile w;
+    for (bool more = read_tile(w.t); more;) {
+      const ForwardTile& t = w.t;
+      if (t.num_kv_tiles == 0) {
+        store_pending();
+        write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
+        more = read_tile(w.t);
+        continue;
+      }
+      w.q_stage = q_ring.stage();
+      ptx::mbarrier_wait(barrier_address(bars.q_full[w.q_stage]), q_ring.phase());
+      ++q_ring.count;
+      // Every row of this warpgroup past the query length (in the last query block of a
+      // sequence that is not a whole number of blocks: at T = 512 with 192-row blocks, a third
+      // of the last block; or in the block that holds a per-batch query length), or
+      // (kSegments) seeing no key of the block through its documents' spans: idle. The test
+      // goes through a warp vote for ptxas's sake: as a plain compare it moves the tile loop's
+      // values out of uniform registers, and three consumers spill
+      // (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
+      [[maybe_unused]] bool sees_nothing = false;
+      if constexpr (Traits::kSegments)
+        sees_nothing = sees_no_keys_of_its_documents(p, t.vis, t, wg_row0);
+      if (__all_sync(0xffffffff, t.row0 + wg_row0 >= t.vis.q_len || sees_nothing)) {
+        idle_tile(t, w.q_stage);
+        more = read_tile(w.t);
+        continue;
+      }
+      begin_tile(w);
+      ForwardTile next;
+      more = compute_tile(w, next);
+      w.t = next;
+    }
+    store_pending();
+    if (consumer == 0) take_turn();
+    if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
+  }
+};
+
+}  // namespace jax_flashattn::wgmma
