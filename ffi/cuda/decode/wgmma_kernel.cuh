@@ -33,6 +33,49 @@
 
 namespace jax_flashattn::wgmma {
 
+// A warpgroup's ring: stage s holds its K tile, then its V tile.
+template <typename Elem, typename Traits>
+struct DecodeRing {
+  static constexpr int kTileElems = Traits::kBlockN * Traits::kHeadDim;
+  Elem* ring;
+
+  __device__ Elem* k(int stage) const { return ring + stage * 2 * kTileElems; }
+  __device__ Elem* v(int stage) const { return k(stage) + kTileElems; }
+};
+
+// The warpgroup's own barrier: the block's (barrier 0) for one warpgroup, else named barrier
+// 1 + warpgroup, each with its id as a constant (a computed id makes ptxas reserve all 16).
+template <typename Traits>
+__device__ __forceinline__ void sync_decode_warpgroup(int warpgroup) {
+  if constexpr (Traits::kSplitsPerBlock == 1)
+    __syncthreads();
+  else if (warpgroup == 0)
+    ptx::named_barrier_sync(1, Traits::kWarpgroupThreads);
+  else
+    ptx::named_barrier_sync(2, Traits::kWarpgroupThreads);
+}
+
+// Descriptors as in the forward kernel: K is K-major (head dim contiguous), k-step ks in span
+// ks / 4, 32 bytes per step into each 128-byte row; V is MN-major for O += P V, k-step kk 16
+// rows down, spans kBlockN rows apart (LBO). Each is stage 0's, advanced by a byte offset.
+template <typename Traits>
+struct DecodeDescriptors {
+  uint64_t k0, v0;
+
+  __device__ static DecodeDescriptors make(uint32_t ring_base) {
+    return {ptx::smem_descriptor_sw128(ring_base, 16, kGroupBytes),
+            ptx::smem_descriptor_sw128(ring_base + Traits::kKVBytes,
+                                       Traits::kBlockN * kRowBytes, kGroupBytes)};
+  }
+  __device__ uint64_t k(int stage, int ks) const {
+    return ptx::smem_descriptor_advance(
+        k0, stage * Traits::kStageBytes + k_major_step_bytes(Traits::kBlockN, ks));
+  }
+  __device__ uint64_t v(int stage, int kk) const {
+    return ptx::smem_descriptor_advance(v0, stage * Traits::kStageBytes + mn_major_step_bytes(kk));
+  }
+};
+
 template <typename Elem, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_split_kernel(const __grid_constant__ AttentionParams p,
@@ -47,6 +90,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   constexpr int kSplitsPerBlock = Traits::kSplitsPerBlock;
   constexpr int kGroupThreads = Traits::kWarpgroupThreads;
+  static_assert(kSplitsPerBlock <= 2, "one named barrier per warpgroup (sync_decode_warpgroup)");
 
   const int tid = threadIdx.x, lane = tid % 32;
   const int warpgroup = tid / kGroupThreads, group_tid = tid % kGroupThreads;
@@ -59,20 +103,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const uint32_t raw_address = ptx::smem_address(smem_raw);
   const uint32_t rings = (raw_address + kGroupBytes - 1) & ~(kGroupBytes - 1);
   const uint32_t base = rings + warpgroup * Traits::kRingBytes;
-  Elem* ring = reinterpret_cast<Elem*>(smem_raw + (base - raw_address));
-  constexpr int kTileElems = kBlockN * kHeadDim;
-  const auto stage_k = [&](int stage) { return ring + stage * 2 * kTileElems; };
-  const auto stage_v = [&](int stage) { return stage_k(stage) + kTileElems; };
-  // The warpgroup's own barrier: the block's (barrier 0) for one warpgroup, else named barrier
-  // 1 + warpgroup, each with its id as a constant (a computed id makes ptxas reserve all 16).
-  const auto sync_warpgroup = [&] {
-    if constexpr (kSplitsPerBlock == 1)
-      __syncthreads();
-    else if (warpgroup == 0)
-      ptx::named_barrier_sync(1, kGroupThreads);
-    else
-      ptx::named_barrier_sync(2, kGroupThreads);
-  };
+  const DecodeRing<Elem, Traits> ring{reinterpret_cast<Elem*>(smem_raw + (base - raw_address))};
 
   // The split, then at once its first tiles' requests (DecodeSplit, decode/block.cuh).
   // plan.blocks_per_unit() in 32 bits, divided by a constant (its splits_per_block is this
@@ -82,16 +113,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int block = int(blockIdx.x);
   const mma_sync::DecodeSplit sp = mma_sync::DecodeSplit::make<kBlockN>(
       p, plan, block / blocks_per_unit, block % blocks_per_unit * kSplitsPerBlock + warpgroup);
-  // The ring's stage `stage` <- key tile `tile` (keys past the length zero-filled), in the
-  // layout wgmma's descriptors read.
-  const auto load_stage = [&](int tile, int stage) {
-    mma_sync::load_split_tile<typename Traits::WarpgroupCopies, mma_sync::SwizzledSpans<kBlockN>>(
-        stage_k(stage), stage_v(stage), p, sp, tile, group_tid);
-  };
+  // A ring stage <- a key tile (keys past the length zero-filled), in the layout wgmma's
+  // descriptors read.
+  using Copies = typename Traits::WarpgroupCopies;
+  using Layout = mma_sync::SwizzledSpans<kBlockN>;
   // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (sp.tile_begin + s < sp.tile_end) load_stage(sp.tile_begin + s, s);
+    if (sp.tile_begin + s < sp.tile_end)
+      mma_sync::load_split_tile<Copies, Layout>(ring.k(s), ring.v(s), p, sp, sp.tile_begin + s,
+                                                group_tid);
     ptx::cp_async_commit();
   }
 
@@ -103,16 +134,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   float* cluster_partials =
       reinterpret_cast<float*>(smem_raw + (rings - raw_address));  // warpgroup 0's
   constexpr int kPartialStride = Traits::kRingBytes / int(sizeof(float));
-  const auto merge_in_cluster = [&] {
-    mma_sync::merge_cluster_splits<Elem, kHeadDim, kSplitsPerBlock>(
-        p, plan, sp, cluster_partials, kPartialStride, tid, Traits::kThreads);
-  };
   const mma_sync::PartialRows partial =
-      plan.cluster_merge ? ClusterPartial::at(reinterpret_cast<float*>(ring))
+      plan.cluster_merge ? ClusterPartial::at(reinterpret_cast<float*>(ring.ring))
                          : mma_sync::workspace_partial(plan, sp.unit, sp.split);
   if (sp.tile_begin >= sp.tile_end) {
     mma_sync::store_empty_split(partial, plan, group_tid, kGroupThreads);
-    if (plan.cluster_merge) merge_in_cluster();
+    if (plan.cluster_merge)
+      mma_sync::merge_cluster_splits<Elem, kHeadDim, kSplitsPerBlock>(
+          p, plan, sp, cluster_partials, kPartialStride, tid, Traits::kThreads);
     return;
   }
 
@@ -125,20 +154,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   softmax.init();
   const float scale_log2 = p.scale * cuda::kLog2e;
 
-  // Descriptors as in the forward kernel: K is K-major (head dim contiguous), k-step ks in span
-  // ks / 4, 32 bytes per step into each 128-byte row; V is MN-major for O += P V, k-step kk 16
-  // rows down, spans kBlockN rows apart (LBO). Each is stage 0's, advanced by a byte offset.
-  const uint64_t k_desc0 = ptx::smem_descriptor_sw128(base, 16, kGroupBytes);
-  const uint64_t v_desc0 =
-      ptx::smem_descriptor_sw128(base + Traits::kKVBytes, kBlockN * kRowBytes, kGroupBytes);
-  const auto k_desc = [&](int stage, int ks) {
-    return ptx::smem_descriptor_advance(
-        k_desc0, stage * Traits::kStageBytes + k_major_step_bytes(kBlockN, ks));
-  };
-  const auto v_desc = [&](int stage, int kk) {
-    return ptx::smem_descriptor_advance(v_desc0,
-                                        stage * Traits::kStageBytes + mn_major_step_bytes(kk));
-  };
+  const auto desc = DecodeDescriptors<Traits>::make(base);
 
   float s_acc[1][kNTiles][4];
   for (int tile = sp.tile_begin; tile < sp.tile_end; ++tile) {
@@ -149,9 +165,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     // of the warpgroup visible, and tells that every warp is done with tile j - 1, whose stage
     // the load below refills (its products were waited for).
     ptx::fence_proxy_async_shared();
-    sync_warpgroup();
-    if (tile + kStages - 1 < sp.tile_end)
-      load_stage(tile + kStages - 1, (j + kStages - 1) % kStages);
+    sync_decode_warpgroup<Traits>(warpgroup);
+    if (const int next_stage = (j + kStages - 1) % kStages; tile + kStages - 1 < sp.tile_end)
+      mma_sync::load_split_tile<Copies, Layout>(ring.k(next_stage), ring.v(next_stage), p, sp,
+                                                tile + kStages - 1, group_tid);
     ptx::cp_async_commit();
     const int stage = j % kStages;
 
@@ -159,7 +176,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
-      ptx::wgmma_rs_k_major<kBlockN, Elem>(s_acc[0], q_frag[ks], k_desc(stage, ks), ks > 0);
+      ptx::wgmma_rs_k_major<kBlockN, Elem>(s_acc[0], q_frag[ks], desc.k(stage, ks), ks > 0);
     ptx::wgmma_commit_group();
     ptx::wgmma_wait<0>();
     ptx::fence_registers(s_acc[0]);
@@ -175,7 +192,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kPSteps; ++kk)
-      ptx::wgmma_rs<kHeadDim, Elem>(o_acc[0], p_frag[kk], v_desc(stage, kk));
+      ptx::wgmma_rs<kHeadDim, Elem>(o_acc[0], p_frag[kk], desc.v(stage, kk));
     ptx::wgmma_commit_group();
     ptx::wgmma_wait<0>();
     ptx::fence_registers(o_acc[0]);
@@ -186,9 +203,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   softmax.finalize(o_acc, scale_log2, row_lse);
   if (plan.cluster_merge) {
     // Every warp's last products have read the ring that the partial overwrites.
-    sync_warpgroup();
+    sync_decode_warpgroup<Traits>(warpgroup);
     mma_sync::store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
-    merge_in_cluster();
+    mma_sync::merge_cluster_splits<Elem, kHeadDim, kSplitsPerBlock>(
+        p, plan, sp, cluster_partials, kPartialStride, tid, Traits::kThreads);
   } else {
     // The combine may launch now; it waits for this grid's stores before it reads them.
     ptx::launch_dependents();
