@@ -37,9 +37,9 @@ namespace jax_flashattn::wgmma {
 template <typename Elem, typename Traits>
 struct DecodeRing {
   static constexpr int kTileElems = Traits::kBlockN * Traits::kHeadDim;
-  Elem* ring;
+  Elem* start;
 
-  __device__ Elem* k(int stage) const { return ring + stage * 2 * kTileElems; }
+  __device__ Elem* k(int stage) const { return start + stage * 2 * kTileElems; }
   __device__ Elem* v(int stage) const { return k(stage) + kTileElems; }
 };
 
@@ -97,8 +97,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int warp = group_tid / 32;  // the warp's 16-row slab
   const int quad_col = 2 * (lane % 4);  // accumulator column pair
 
-  // The rings from the next 1024-byte boundary (the 128-byte swizzle's period), one per
-  // warpgroup: stage s of a ring holds its K tile, then its V tile.
+  // The rings (DecodeRing) from the next 1024-byte boundary (the 128-byte swizzle's period), one
+  // per warpgroup.
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw_address = ptx::smem_address(smem_raw);
   const uint32_t rings = (raw_address + kGroupBytes - 1) & ~(kGroupBytes - 1);
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       reinterpret_cast<float*>(smem_raw + (rings - raw_address));  // warpgroup 0's
   constexpr int kPartialStride = Traits::kRingBytes / int(sizeof(float));
   const mma_sync::PartialRows partial =
-      plan.cluster_merge ? ClusterPartial::at(reinterpret_cast<float*>(ring.ring))
+      plan.cluster_merge ? ClusterPartial::at(reinterpret_cast<float*>(ring.start))
                          : mma_sync::workspace_partial(plan, sp.unit, sp.split);
   if (sp.tile_begin >= sp.tile_end) {
     mma_sync::store_empty_split(partial, plan, group_tid, kGroupThreads);

@@ -26,7 +26,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "ffi/cuda/common/fragments.cuh"
 #include "ffi/cuda/common/hopper_ptx.cuh"
@@ -45,7 +44,8 @@
 
 namespace jax_flashattn::wgmma {
 
-// What a computing warpgroup works out once per tile and reads through its key tiles.
+// A tile as a consumer warpgroup takes it: the tile and its Q stage (every path), and what a
+// computing warpgroup works out once per tile and reads through its key tiles.
 struct ConsumerTile {
   ForwardTile t;
   int q_stage;
@@ -131,7 +131,6 @@ struct ForwardConsumer {
         quad_row(lane / 4), quad_col(2 * (lane % 4)),
         desc(ForwardDescriptors<Traits>::make(layout)), scale_log2(params.scale * cuda::kLog2e),
         call_vis(variant::KeyWindow<int>::make(params)) {}
-
 
   // Ping-pong: consumer c issues its products only while it holds the turn (named barrier
   // Named::kTurn + c, completed by consumer c - 1's hand-over) and hands it to consumer c + 1

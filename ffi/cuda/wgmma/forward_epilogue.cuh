@@ -44,7 +44,7 @@ __device__ __forceinline__ void store_tile_output(
   // chunk 2 i + m / 2 lies in span 2 i / 8, and with the lane's chunk-(m / 2) offset below,
   // at that offset XOR ((2 i % 8) << 4) (bits 5-6 only).
   // The lane's row and matrix are spelled in quad_row (lane / 4) and quad_col (2 (lane % 4)),
-  // which the kernel holds anyway: from lane / 8 and lane % 8, three consumers spill.
+  // which the consumers hold anyway: from lane / 8 and lane % 8, three consumers spill.
   // Opaque, so that the kDTiles / 2 addresses are formed here and not hoisted out of the tile
   // loop, where they would hold registers through it (which spills with 160-key tiles).
   {

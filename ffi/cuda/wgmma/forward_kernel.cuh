@@ -17,12 +17,7 @@
 // tile while the others finish theirs.
 #pragma once
 
-#include <cuda.h>
-
-#include <cstdint>
-
 #include "ffi/cuda/common/hopper_ptx.cuh"
-#include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/tensor_maps.h"
 #include "ffi/cuda/wgmma/forward_consumer.cuh"
 #include "ffi/cuda/wgmma/forward_pipeline.cuh"
@@ -41,8 +36,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   static_assert(sizeof(ForwardBarriers<Traits>) <= Traits::kBarrierBytes, "barriers fit");
   extern __shared__ unsigned char smem_raw[];
   const auto smem = ForwardSmem<Traits>::make(smem_raw);
-  // Formed here from the layout's offset: through a member function of ForwardSmem, ptxas
-  // allocated and scheduled the consumer loop differently (the SASS changed).
+  // Formed here from the layout's offset, as before the kernel was split into its pieces
+  // (through a member function of ForwardSmem, ptxas then scheduled the consumer loop
+  // differently); the pieces take it by reference.
   auto& bars = *reinterpret_cast<ForwardBarriers<Traits>*>(smem.start +
                                                            ForwardSmem<Traits>::kBarrierOffset);
 

@@ -1,5 +1,5 @@
-// The Hopper forward's pipeline state, shared by its producer and its consumers
-// (forward_kernel.cuh): the shared-memory layout, the mbarriers of the Q and K/V rings and of
+// The Hopper forward's pipeline state, shared by its producer (forward_producer.cuh) and its
+// consumers (forward_consumer.cuh): the shared-memory layout, the mbarriers of the Q and K/V rings and of
 // the tile slot, the named barriers of the consumers, and the position in a ring.
 #pragma once
 

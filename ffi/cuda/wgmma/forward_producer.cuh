@@ -46,9 +46,8 @@ struct ForwardProducer {
   const ForwardMapsFor<Traits::kSegments>& maps;
   const ForwardSmem<Traits> smem;
   ForwardBarriers<Traits>& bars;
-  // The tile slot by 32-bit shared address: a generic pointer to it would hold a 64-bit
-  // register for the whole kernel, two more than the consumers have at head dim 256
-  // (docs/decisions/hopper-kernels-without-spills.md).
+  // The tile slot by 32-bit shared address (as the consumers hold it:
+  // ForwardConsumer::tile_slot).
   const uint32_t tile_slot;
   // Made by the producer thread, not once for the block: a value live across the register
   // split spills within the producer's 24 registers (the default budget;
@@ -69,7 +68,6 @@ struct ForwardProducer {
         tile_slot(ptx::smem_address(barriers.tile)),
         scheduler(TileScheduler<Traits::kBlockM, kBlockN, Traits::kSegments>::make(params)),
         index(int(blockIdx.x)), o_owed(false) {}
-
 
   __device__ __forceinline__ void load_q(const ForwardTile& tile) {
     const int q_stage = q_ring.stage();
@@ -129,8 +127,8 @@ struct ForwardProducer {
   // lent, and its Q (unless issued at the claim) and first kStages K/V tiles issued; past the
   // last tile, the end is published. The lending waits for tile k - 1's buffers, so it comes
   // after the publication, which the consumers read under tile k - 1's last O += P V. Q goes
-  // first, as the first product needs it as soon as K_0: with one Q buffer it waits for the
-  // current tile's last S, but V_0 (and, from the second K/V tile on, K) wait for buffers
+  // first, as the first product needs it as soon as K_0: with one Q buffer it waits for tile
+  // k - 1's last S, but V_0 (and, from the second K/V tile on, K) wait for buffers
   // released under or after the last O += P V (docs/decisions/next-q-a-tile-ahead.md).
   __device__ __forceinline__ void hand_out(int k) {
     const bool more = index < scheduler.num_tiles, claimed_ahead = kQAhead && k > 0;

@@ -33,7 +33,7 @@ __device__ void write_unseen_rows(const AttentionParams& p, const ForwardTile& t
 
 // The key tiles a computing warpgroup (rows [row0 + wg_row0, +64) of tile t) multiplies under
 // a window: the block's, up to the one that holds the last key its rows see, or all of the
-// block's where its rows see none (the consumers' wg_tiles below, by the same rule).
+// block's where its rows see none (ForwardConsumer::begin_tile's wg_tiles, by the same rule).
 template <int kBlockN>
 __device__ __forceinline__ int windowed_warpgroup_tiles(const variant::KeyWindow<int>& vis,
                                                         const ForwardTile& t, int wg_row0) {
@@ -45,8 +45,8 @@ __device__ __forceinline__ int windowed_warpgroup_tiles(const variant::KeyWindow
 }
 
 // Segment ids: whether no row of a warpgroup (rows [row0 + wg_row0, +64) of tile t) sees a key
-// through the window and the ids' spans. Such a warpgroup computes nothing (the kernel's idle
-// path), so it neither reads V nor zeroes it.
+// through the window and the ids' spans. Such a warpgroup computes nothing
+// (ForwardConsumer::idle_tile), so it neither reads V nor zeroes it.
 __device__ __forceinline__ bool sees_no_keys_of_its_documents(const AttentionParams& p,
                                                              const variant::KeyWindow<int>& vis,
                                                              const ForwardTile& t, int wg_row0) {

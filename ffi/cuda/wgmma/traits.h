@@ -93,7 +93,7 @@ struct ForwardConfig;
 // take this configuration. Three K/V stages: a short block has few key tiles, and the third
 // stage lets the next block's first K/V tile load under the current block's last one
 // (docs/decisions/hopper-forward-kv-stages.md). The producer holds the next tile as well
-// as the current one (two Q buffers: kQAhead in the kernel): within 24 registers it spills,
+// as the current one (two Q buffers: ForwardProducer::kQAhead): within 24 registers it spills,
 // so it gets 32 and the consumers 232 (0 spills; docs/decisions/next-q-a-tile-ahead.md).
 template <>
 struct ForwardConfig<64> : ForwardTraits<64, 128, 3, 2, false> {
@@ -114,7 +114,7 @@ struct ForwardConfig<64, true> : ForwardTraits<64, 128, 4, 2, false, 3> {
   static constexpr int kConsumerRegisters = 160;
 };
 // S and P: 64 + 32 registers, O 64; smem 3 x 32 + 4 x 32 KiB = 225 KiB. The producer holds
-// the next tile as well as the current one (two Q buffers: kQAhead in the kernel). Within 24
+// the next tile as well as the current one (two Q buffers: ForwardProducer::kQAhead). Within 24
 // registers it spills, which costs more than the early Q gains; 0 spills with 32 / 232
 // (docs/decisions/next-q-a-tile-ahead.md).
 template <>
