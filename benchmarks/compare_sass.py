@@ -13,8 +13,9 @@ SASS cannot change speed, so such a refactor needs no timing. Nor can a file who
 instructions are all the same, operands included, while the names of the functions they lie
 in differ (a kernel parameter whose type was renamed): reported as "same instructions". A file
 that differs otherwise is reported with how many instruction lines changed (opcodes only,
-registers and addresses ignored), and needs the performance guard (compare_results.py). Exit
-status 1 when any file differs.
+registers and addresses ignored), and needs the performance guard (compare_results.py); its
+kernels' registers and spill bytes (ptxas) are listed before and after, the numbers that guard
+records. Exit status 1 when any file differs.
 
 Needs nvcc, and nvdisasm on PATH or given by --nvdisasm (it ships with the CUDA toolkit and
 as the `nvidia-cuda-nvdisasm` wheel: `pip download nvidia-cuda-nvdisasm`, then unzip it).
@@ -50,6 +51,9 @@ FAMILIES = {
 SIMT = ("ffi/cuda/simt/forward_simt.cu", "ffi/cuda/simt/backward_simt.cu")
 
 _ANONYMOUS = re.compile(r"_GLOBAL__N__[0-9a-f]+_\d+_\w+?_[0-9a-f]{8}")
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGISTERS = re.compile(r"Used (\d+) registers")
 _ADDRESS_COMMENT = re.compile(r"/\*[0-9a-f]+\*/")
 
 
@@ -108,6 +112,41 @@ def instructions(sass: str) -> list[str]:
     return out
 
 
+def resources(ptxas_log: str) -> dict[str, tuple[int, int, int]]:
+    """kernel -> (registers, spill store bytes, spill load bytes) from `ptxas -v` output, the
+    kernel names with anonymous namespace hashes removed (as normalized() does)."""
+    out, kernel, spills = {}, None, (0, 0)
+    for line in ptxas_log.splitlines():
+        if match := _ENTRY.search(line):
+            kernel, spills = normalized(match.group(1)), (0, 0)
+        elif kernel and (match := _SPILLS.search(line)):
+            spills = (int(match.group(1)), int(match.group(2)))
+        elif kernel and (match := _REGISTERS.search(line)):
+            out[kernel] = (int(match.group(1)), *spills)
+            kernel = None
+    return out
+
+
+def display_name(kernel: str) -> str:
+    """A kernel's name as c++filt gives it, without the parameter list (the template arguments
+    tell the instantiations apart), or as given where c++filt is missing or fails."""
+    demangler = shutil.which("c++filt")
+    if demangler is None:
+        return kernel
+    done = subprocess.run([demangler, kernel], capture_output=True, text=True)
+    name = done.stdout.strip()
+    return name.split("(")[0] if done.returncode == 0 and name else kernel
+
+
+def resource_lines(before: dict, after: dict, name=lambda kernel: kernel) -> list[str]:
+    """One line per kernel of either, by name(kernel): registers and spill bytes
+    (stores/loads) before -> after."""
+    def text(r):
+        return "absent" if r is None else f"{r[0]} registers, {r[1]}/{r[2]} B spilled"
+    return [f"    {name(kernel)}: {text(before.get(kernel))} -> {text(after.get(kernel))}"
+            for kernel in sorted(set(before) | set(after))]
+
+
 def changed_opcodes(before: str, after: str) -> int:
     """How many instruction lines differ between two disassemblies (added plus removed)."""
     diff = difflib.unified_diff(opcodes(before), opcodes(after), lineterm="", n=0)
@@ -136,27 +175,31 @@ def sources(tree: str, families: list[str], dtypes: list[str], out_dir: str) -> 
     return files
 
 
-def compile_cubin(nvcc: str, tree: str, source: str, cubin: str, arch: str) -> str | None:
-    """The compiler's error output, or None when the cubin was written."""
+def compile_cubin(nvcc: str, tree: str, source: str, cubin: str, arch: str) -> tuple[bool, str]:
+    """(whether the cubin was written, the compiler's output: ptxas -v's resource lines, or
+    the end of the errors)."""
     command = [nvcc, "-I" + tree, "-O3", "-DNDEBUG", "-std=c++17", "--expt-relaxed-constexpr",
-               f"-gencode=arch=compute_{arch[3:]},code={arch}", "-cubin", "-o", cubin, source]
+               f"-gencode=arch=compute_{arch[3:]},code={arch}", "-Xptxas", "-v", "-cubin",
+               "-o", cubin, source]
     done = subprocess.run(command, capture_output=True, text=True)
-    return None if done.returncode == 0 else done.stderr[-2000:]
+    return (True, done.stderr) if done.returncode == 0 else (False, done.stderr[-2000:])
 
 
-def build(nvcc: str, tree: str, files: list[str], out_dir: str, arch: str, jobs: int) -> dict:
-    """name -> cubin path for every source of `tree`; raises on a compile error."""
+def build(nvcc: str, tree: str, files: list[str], out_dir: str, arch: str,
+          jobs: int) -> tuple[dict, dict]:
+    """(name -> cubin path, name -> its kernels' resources()) for every source of `tree`;
+    raises on a compile error."""
     source_of = {os.path.splitext(os.path.basename(f))[0]: f for f in files}
     targets = {name: os.path.join(out_dir, name + ".cubin") for name in source_of}
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        errors = dict(zip(source_of, pool.map(
+        done = dict(zip(source_of, pool.map(
             lambda name: compile_cubin(nvcc, tree, source_of[name], targets[name], arch),
             source_of)))
-    failed = {name: error for name, error in errors.items() if error}
+    failed = {name: output for name, (ok, output) in done.items() if not ok}
     if failed:
         name, error = next(iter(failed.items()))
         raise RuntimeError(f"{tree}: {name} did not compile:\n{error}")
-    return targets
+    return targets, {name: resources(output) for name, (_, output) in done.items()}
 
 
 def disassemble(nvdisasm: str, cubin: str) -> str:
@@ -185,12 +228,13 @@ def main(argv=None) -> int:
         subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", before_tree,
                         args.before], check=True, capture_output=True)
         try:
-            cubins = {}
+            cubins, usage = {}, {}
             for label, tree in (("before", before_tree), ("after", REPO)):
                 out_dir = os.path.join(scratch, label + "_out")
                 os.makedirs(out_dir)
                 files = sources(tree, families, dtypes, out_dir)
-                cubins[label] = build(args.nvcc, tree, files, out_dir, args.arch, args.jobs)
+                cubins[label], usage[label] = build(args.nvcc, tree, files, out_dir, args.arch,
+                                                    args.jobs)
             differing = 0
             for name in sorted(cubins["after"]):
                 if name not in cubins["before"]:
@@ -206,6 +250,8 @@ def main(argv=None) -> int:
                     differing += 1
                     print(f"{name}: DIFFERS ({changed_opcodes(before, after)} instruction "
                           f"lines changed)")
+                    print("\n".join(resource_lines(usage["before"][name],
+                                                   usage["after"][name], display_name)))
         finally:
             subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", before_tree],
                            capture_output=True)

@@ -77,3 +77,28 @@ def test_renamed_kernels_with_the_same_instructions_are_told_apart():
                                            "RET.REL.NODEC R2 `(FUNCTION) ;"]
     other_register = SASS.replace("R2, RZ", "R7, RZ")
     assert sass.instructions(other_register) != sass.instructions(SASS)
+
+
+PTXAS_LOG = f"""ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '{KERNEL}' for 'sm_90a'
+ptxas info    : Function properties for {KERNEL}
+    24 bytes stack frame, 48 bytes spill stores, 100 bytes spill loads
+ptxas info    : Used 128 registers, used 16 barriers, 24 bytes cumulative stack size
+ptxas info    : Compiling entry function '_Z5otherv' for 'sm_90a'
+ptxas info    : Function properties for _Z5otherv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers
+"""
+
+
+def test_resources_per_kernel_from_ptxas():
+    """Registers and spill bytes per entry function, names normalised as the SASS is (the
+    anonymous-namespace hash of another compile of the same kernel matches)."""
+    sass = _load()
+    usage = sass.resources(PTXAS_LOG)
+    assert usage == {sass.normalized(KERNEL): (128, 48, 100), "_Z5otherv": (168, 0, 0)}
+    assert sass.resources(PTXAS_LOG.replace("5545d00e", "ee801fdb")) == usage
+    lines = sass.resource_lines(usage, {"_Z5otherv": (168, 8, 8)})
+    assert lines == [  # sorted by name
+        "    _Z5otherv: 168 registers, 0/0 B spilled -> 168 registers, 8/8 B spilled",
+        f"    {sass.normalized(KERNEL)}: 128 registers, 48/100 B spilled -> absent"]
