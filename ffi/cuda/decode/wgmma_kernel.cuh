@@ -41,6 +41,14 @@ struct DecodeRing {
 
   __device__ Elem* k(int stage) const { return start + stage * 2 * kTileElems; }
   __device__ Elem* v(int stage) const { return k(stage) + kTileElems; }
+  // Stage `stage` <- key tile `tile` of split sp (keys past the length zero-filled), in the
+  // layout wgmma's descriptors read, by the warpgroup's thread `thread`.
+  __device__ void load(const AttentionParams& p, const mma_sync::DecodeSplit& sp, int tile,
+                       int stage, int thread) const {
+    mma_sync::load_split_tile<typename Traits::WarpgroupCopies,
+                              mma_sync::SwizzledSpans<Traits::kBlockN>>(k(stage), v(stage), p, sp,
+                                                                        tile, thread);
+  }
 };
 
 // The warpgroup's own barrier: the block's (barrier 0) for one warpgroup, else named barrier
@@ -113,16 +121,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int block = int(blockIdx.x);
   const mma_sync::DecodeSplit sp = mma_sync::DecodeSplit::make<kBlockN>(
       p, plan, block / blocks_per_unit, block % blocks_per_unit * kSplitsPerBlock + warpgroup);
-  // A ring stage <- a key tile (keys past the length zero-filled), in the layout wgmma's
-  // descriptors read.
-  using Copies = typename Traits::WarpgroupCopies;
-  using Layout = mma_sync::SwizzledSpans<kBlockN>;
   // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (sp.tile_begin + s < sp.tile_end)
-      mma_sync::load_split_tile<Copies, Layout>(ring.k(s), ring.v(s), p, sp, sp.tile_begin + s,
-                                                group_tid);
+    if (sp.tile_begin + s < sp.tile_end) ring.load(p, sp, sp.tile_begin + s, s, group_tid);
     ptx::cp_async_commit();
   }
 
@@ -166,9 +168,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     // the load below refills (its products were waited for).
     ptx::fence_proxy_async_shared();
     sync_decode_warpgroup<Traits>(warpgroup);
-    if (const int next_stage = (j + kStages - 1) % kStages; tile + kStages - 1 < sp.tile_end)
-      mma_sync::load_split_tile<Copies, Layout>(ring.k(next_stage), ring.v(next_stage), p, sp,
-                                                tile + kStages - 1, group_tid);
+    if (tile + kStages - 1 < sp.tile_end)
+      ring.load(p, sp, tile + kStages - 1, (j + kStages - 1) % kStages, group_tid);
     ptx::cp_async_commit();
     const int stage = j % kStages;
 

@@ -193,14 +193,19 @@ struct ForwardConsumer {
                    smem.o() + wg_row0 * kRowBytes);
     pending_b = -1;
   }
+  // This warpgroup's rows of tile t, which see no key: zeros and -inf lse (nothing past T),
+  // once the tile before's O is stored.
+  __device__ __forceinline__ void write_unseen(const ForwardTile& t) {
+    store_pending();
+    write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
+  }
 
   // A tile this warpgroup computes nothing of: it writes its rows' zeros and -inf lse (nothing
   // past T) and goes through the tile's turns and buffers with no product and no softmax, so
   // the other warpgroups finish the tile without it. Turn r waits for K_r and V_{r-1} as the
   // computing path's turn r does; Q is released before the last turn, as there.
   __device__ __forceinline__ void idle_tile(const ForwardTile& t, int q_stage) {
-    store_pending();
-    write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
+    write_unseen(t);
     RingPosition<kStages> last = kv_ring;  // tile r - 1's buffers
     for (int r = 0; r <= t.num_kv_tiles; ++r) {
       if (r == t.num_kv_tiles) release(bars.q_empty[q_stage]);
@@ -456,8 +461,7 @@ struct ForwardConsumer {
     for (bool more = read_tile(w.t); more;) {
       const ForwardTile& t = w.t;
       if (t.num_kv_tiles == 0) {
-        store_pending();
-        write_unseen_rows<Elem>(p, t, wg_row0, 64, tid % 128, 128);
+        write_unseen(t);
         more = read_tile(w.t);
         continue;
       }
