@@ -116,9 +116,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--causal", choices=("both", "true", "false"), default=None,
                    help="causal, full or both (default both)")
     p.add_argument("--impls", type=_names(_bench.ALL_IMPLS), default=None,
-                   help="comma list of ours,cudnn,xla (default), cudnn-packed (packed rows "
-                        "only; the packed preset's default is ours,cudnn,cudnn-packed); cudnn "
-                        "and cudnn-packed are dropped off a GPU")
+                   help="comma list of ours,cudnn,xla (default), ours-deterministic (ours "
+                        "with deterministic_backward=True), cudnn-packed (packed rows only; the "
+                        "packed preset's default is ours,cudnn,cudnn-packed); cudnn and "
+                        "cudnn-packed are dropped off a GPU")
     p.add_argument("--tokens", type=int, default=None,
                    help="tokens per batch: B = tokens / T (default %d; packed: %d)"
                         % (_bench.STANDARD_TOKENS, _bench.PACKED_TOKENS))

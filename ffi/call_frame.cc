@@ -264,7 +264,9 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                           const ffi::RemainingArgs& optional, ffi::Result<ffi::AnyBuffer>& dq,
                           ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv,
                           ffi::Result<ffi::AnyBuffer>& dq_accum,
-                          ffi::Result<ffi::AnyBuffer>& delta, const ffi::RemainingRets& dbias,
+                          ffi::Result<ffi::AnyBuffer>& delta,
+                          ffi::Result<ffi::AnyBuffer>& dq_semaphores,
+                          const ffi::RemainingRets& dbias,
                           const CallAttrs& attrs, AttentionParams& p) {
   if (ffi::Error e = DecodeInputs(q, k, v, optional, attrs, p); e.failure()) return e;
   for (auto [buffer, like, what] : {std::tuple{&out, &q, "out"}, {&d_out, &q, "d_out"},
@@ -285,6 +287,12 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   if (ffi::Error e = CheckRowStats(*delta, p, "delta"); e.failure()) return e;
   p.dq_accum = static_cast<float*>(dq_accum->untyped_data());
   p.delta = static_cast<float*>(delta->untyped_data());
+  if (dq_semaphores->element_type() != ffi::DataType::S32)
+    return Invalid("dq_semaphores must be int32, got " + ShapeString(*dq_semaphores));
+  p.dq_semaphore_count = int64_t(dq_semaphores->element_count());
+  p.dq_semaphores = p.dq_semaphore_count > 0
+                        ? static_cast<int32_t*>(dq_semaphores->untyped_data())
+                        : nullptr;
   // The bias gradient is a result only where the caller needs it (never without a bias).
   if (dbias.size() > size_t(p.bias != nullptr))
     return Invalid("expected a dbias result only where a bias is given");

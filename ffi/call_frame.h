@@ -49,7 +49,9 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                           const ffi::RemainingArgs& optional, ffi::Result<ffi::AnyBuffer>& dq,
                           ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv,
                           ffi::Result<ffi::AnyBuffer>& dq_accum,
-                          ffi::Result<ffi::AnyBuffer>& delta, const ffi::RemainingRets& dbias,
+                          ffi::Result<ffi::AnyBuffer>& delta,
+                          ffi::Result<ffi::AnyBuffer>& dq_semaphores,
+                          const ffi::RemainingRets& dbias,
                           const CallAttrs& attrs, AttentionParams& p);
 
 // The operands, results and attributes of the two targets, after any platform context, so the
@@ -88,6 +90,8 @@ auto BindBackward(Binding binding) {
       .template Ret<ffi::AnyBuffer>()  // dv, like v
       .template Ret<ffi::AnyBuffer>()  // workspace: dq_accum float32, shaped like q
       .template Ret<ffi::AnyBuffer>()  // workspace: delta float32 [..., B, N, T]
+      .template Ret<ffi::AnyBuffer>()  // workspace: dq_semaphores int32 [D], the Hopper
+                                       // kernel's deterministic mode (D may be 0; ffi/plan.h)
       .RemainingRets()                 // dbias? float32 broadcastable to [..., B, N, T, S]
                                        // (the bias's shape, or the full one in
                                        // deterministic mode), where needed

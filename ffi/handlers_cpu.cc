@@ -36,14 +36,15 @@ ffi::Error BackwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi
                        ffi::AnyBuffer lse, ffi::AnyBuffer d_out, ffi::RemainingArgs optional,
                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_accum,
-                       ffi::Result<ffi::AnyBuffer> delta, ffi::RemainingRets dbias,
+                       ffi::Result<ffi::AnyBuffer> delta,
+                       ffi::Result<ffi::AnyBuffer> dq_semaphores, ffi::RemainingRets dbias,
                        CallAttrs attrs) {
   // The workspaces are decoded (so both platforms check the same call); the CPU kernels keep D
-  // in `delta` and leave dq_accum untouched (each task owns the dQ rows it writes, so they are
-  // deterministic already).
+  // in `delta` and leave dq_accum and dq_semaphores untouched (each task owns the dQ rows it
+  // writes, so they are deterministic already).
   AttentionParams p;
   if (ffi::Error e = DecodeBackward(q, k, v, out, lse, d_out, optional, dq, dk, dv, dq_accum,
-                                    delta, dbias, attrs, p);
+                                    delta, dq_semaphores, dbias, attrs, p);
       e.failure())
     return e;
   return RunGuarded([&] { cpu::backward(p); });

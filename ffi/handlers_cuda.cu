@@ -36,11 +36,12 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer d_out, ffi::RemainingArgs optional,
                         ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_accum,
-                        ffi::Result<ffi::AnyBuffer> delta, ffi::RemainingRets dbias,
+                        ffi::Result<ffi::AnyBuffer> delta,
+                        ffi::Result<ffi::AnyBuffer> dq_semaphores, ffi::RemainingRets dbias,
                         CallAttrs attrs) {
   AttentionParams p;
   if (ffi::Error e = DecodeBackward(q, k, v, out, lse, d_out, optional, dq, dk, dv, dq_accum,
-                                    delta, dbias, attrs, p);
+                                    delta, dq_semaphores, dbias, attrs, p);
       e.failure())
     return e;
   if (cudaError_t e = cuda::launch_backward(p, stream); e != cudaSuccess)

@@ -120,8 +120,15 @@ struct AttentionParams {
   // Workspaces (results of the call, so XLA owns them; the CPU kernels ignore them).
   float* dq_accum = nullptr;  // like q, float32: dQ summed over key blocks before rounding
   float* delta = nullptr;     // [batch, N, T] float32: D_t = dO_t . O_t
-  // dQ from its own pass over the keys instead of float32 atomics: bit-identical across runs.
+  // Gradients bit-identical across runs: on the Hopper kernel the key blocks add their dQ in a
+  // fixed order (dq_semaphores), on the mma.sync family dQ comes from its own pass over the keys.
   bool deterministic = false;
+  // Workspace of the Hopper kernel's deterministic mode: one int32 per (batch entry, query head,
+  // query tile of the kernel's own size), counting the key blocks whose dQ of the tile has been
+  // added, zeroed on the stream per call; at least dq_semaphores_needed() elements, else the
+  // call keeps the mma.sync family.
+  int32_t* dq_semaphores = nullptr;
+  int64_t dq_semaphore_count = 0;
 
   // The kernel switches, read from the environment when the call was traced
   // (src/jax_flashattn/_ffi.py kernel_switches): part of the compiled program, so a call replayed
@@ -130,6 +137,12 @@ struct AttentionParams {
   bool sm80_cp_async = false;  // JAX_FLASHATTN_SM80_CP_ASYNC: mma.sync K/V by cp.async on Hopper
 
   JAX_FLASHATTN_HOST_DEVICE int64_t group_size() const { return num_heads / num_kv_heads; }
+  // The dQ semaphores a deterministic call on the Hopper kernel needs: one per (batch entry,
+  // query head, kDqSemaphoreRows queries), the finest tile of any of its configurations.
+  static constexpr int64_t kDqSemaphoreRows = 64;
+  JAX_FLASHATTN_HOST_DEVICE int64_t dq_semaphores_needed() const {
+    return batch * num_heads * ((seqlen_q + kDqSemaphoreRows - 1) / kDqSemaphoreRows);
+  }
   // A bias, a boolean mask or segment ids: terms read element by element, which the decode
   // kernels do not have (the mma.sync family has instantiations for them, the Hopper kernels
   // for segment ids).

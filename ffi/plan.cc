@@ -31,6 +31,10 @@ AttentionParams PlanningParams(const CallShape& s) {
   p.out = p.dq = p.dk = p.dv = buffer;
   p.lse = p.dq_accum = p.delta = reinterpret_cast<float*>(buffer);
   p.tile_counter = reinterpret_cast<int*>(buffer);
+  if (s.deterministic) {
+    p.dq_semaphores = reinterpret_cast<int32_t*>(buffer);
+    p.dq_semaphore_count = p.dq_semaphores_needed();
+  }
   if (s.has_bias) p.bias = buffer;
   if (s.has_mask) p.mask = reinterpret_cast<const bool*>(buffer);
   if (s.has_q_seqlens) p.q_seqlens = reinterpret_cast<const int32_t*>(buffer);
@@ -99,6 +103,7 @@ CallPlan Plan(const CallShape& shape, int device) {
   CallPlan plan;
   plan.decode_workspace_floats =
       DecodeWorkspaceFloats(shape, mma_sync::kDecodeMaxMultiprocessors);
+  if (shape.deterministic) plan.dq_semaphores = PlanningParams(shape).dq_semaphores_needed();
   if (device < 0) return plan;
   if (!KnownDtype(shape.dtype))
     throw std::invalid_argument("dtype code must be 0 (float32), 1 (bfloat16) or 2 (float16)");

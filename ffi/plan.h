@@ -15,6 +15,9 @@ struct CallPlan {
   // DecodeWorkspaceFloats at kDecodeMaxMultiprocessors SMs (a device with more runs as many
   // splits as this holds). Known without a device.
   int64_t decode_workspace_floats = 0;
+  // Int32 elements of the backward's dQ semaphores: AttentionParams::dq_semaphores_needed() for
+  // a deterministic call (which the Hopper kernel may take), 0 otherwise. Known without a device.
+  int64_t dq_semaphores = 0;
   // On a CUDA device (empty without one): the forward family the dispatcher picks ("sm90",
   // "sm80", "decode", "decode_sm90", "simt"), given that workspace; the backward family ("sm90",
   // "sm80", "simt"); and a decode call's key splits per (batch entry, kv head) and how they

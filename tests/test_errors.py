@@ -376,7 +376,8 @@ def test_backward_handler_error_is_python_exception(rng):
     grads = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
              jax.ShapeDtypeStruct(v.shape, v.dtype))
     workspaces = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                  jax.ShapeDtypeStruct((B, N, T), jnp.float32))
+                  jax.ShapeDtypeStruct((B, N, T), jnp.float32),
+                  jax.ShapeDtypeStruct((0,), jnp.int32))
     dbias = jax.ShapeDtypeStruct((B, N, T, S), jnp.float32)
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, grads + workspaces + (dbias,))
     with pytest.raises(jax.errors.JaxRuntimeError, match="jax_flashattn: "):
@@ -387,8 +388,14 @@ def test_backward_handler_error_is_python_exception(rng):
         jax.block_until_ready(call(q, k, v, out, lse, out[:, :-1], **FLAGS, **ATTRS))
     # A dQ accumulator of the wrong dtype.
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET,
-                            grads + (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16), workspaces[1]))
+                            grads + (jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+                                     *workspaces[1:]))
     with pytest.raises(jax.errors.JaxRuntimeError, match="dq_accum"):
+        jax.block_until_ready(call(q, k, v, out, lse, out, **FLAGS, **ATTRS))
+    # dQ semaphores that are not int32.
+    call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET,
+                            grads + workspaces[:2] + (jax.ShapeDtypeStruct((4,), jnp.float32),))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="dq_semaphores"):
         jax.block_until_ready(call(q, k, v, out, lse, out, **FLAGS, **ATTRS))
 
 

@@ -400,10 +400,16 @@ def test_plan_of_a_call():
     # B * K work units, the ragged split count at 256 SMs (4 * 256 / 64 = 16 splits), T * N / K
     # rows, each H partial values and an lse.
     floats = 8 * 8 * 16 * (1 * 32 // 8) * (128 + 1)
-    assert _ffi.plan(call) == _ffi.CallPlan(floats, "", "", 0, "")
-    assert _ffi.plan(call, jax.devices("cpu")[0]) == _ffi.CallPlan(floats, "cpu", "cpu", 0, "")
+    assert _ffi.plan(call) == _ffi.CallPlan(floats, 0, "", "", 0, "")
+    assert _ffi.plan(call, jax.devices("cpu")[0]) == _ffi.CallPlan(floats, 0, "cpu", "cpu", 0,
+                                                                   "")
     call.has_bias = True  # the decode kernels take no bias: no workspace
     assert _ffi.plan(call).decode_workspace_floats == 0
+    # A deterministic backward: one dQ semaphore per (batch entry, query head, 64 queries).
+    wide = _ffi.call_shape((3, 130, 4, 64), (3, 200, 2, 64), jnp.bfloat16, deterministic=True)
+    assert _ffi.plan(wide).dq_semaphores == 3 * 4 * 3
+    wide.deterministic = False
+    assert _ffi.plan(wide).dq_semaphores == 0
     with pytest.raises(AttributeError):
         call.seqlen = 4
 

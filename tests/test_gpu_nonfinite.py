@@ -36,8 +36,10 @@ FORWARD = {
 BACKWARD = {
     "sm90": ({}, "sm90", jnp.bfloat16, False, False, 64),
     "sm90_hd256": ({}, "sm90", jnp.float16, False, False, 256),
+    "sm90_deterministic": ({}, "sm90", jnp.float16, True, False, 64),
+    "sm90_deterministic_hd256": ({}, "sm90", jnp.bfloat16, True, False, 256),
     "sm80": (DISABLE_SM90, "sm80", jnp.bfloat16, False, False, 64),
-    "sm80_deterministic": ({}, "sm80", jnp.float16, True, False, 64),
+    "sm80_deterministic": (DISABLE_SM90, "sm80", jnp.float16, True, False, 64),
     "sm80_bias": ({}, "sm80", jnp.bfloat16, False, True, 64),
     "simt": ({}, "simt", jnp.float32, False, False, 64),
 }

@@ -40,7 +40,8 @@ int64_t elementwise_blocks(int64_t threads) {
 }
 
 // The preprocess, the passes of `kernel` (kSm90 or kSm80), then the dQ conversion unless the
-// passes wrote dQ themselves (the mma.sync family's deterministic mode).
+// passes wrote dQ themselves (the mma.sync family's deterministic mode). The Hopper kernel's
+// deterministic mode starts from zeroed dQ semaphores.
 template <typename Elem>
 cudaError_t launch_tensor_core(const AttentionParams& p, BackwardKernel kernel,
                                cudaStream_t stream) {
@@ -48,26 +49,36 @@ cudaError_t launch_tensor_core(const AttentionParams& p, BackwardKernel kernel,
   const int64_t preprocess_blocks = elementwise_blocks(rows * 32);
   const int64_t convert_blocks = elementwise_blocks(rows * p.head_dim / 8);
   if (preprocess_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const bool dq_pass = p.deterministic && kernel == BackwardKernel::kSm80;
+  if (p.deterministic && kernel == BackwardKernel::kSm90) {
+    const size_t bytes = size_t(p.dq_semaphores_needed()) * sizeof(int32_t);
+    if (cudaError_t e = cudaMemsetAsync(p.dq_semaphores, 0, bytes, stream); e != cudaSuccess)
+      return e;
+  }
   mma_sync::backward_preprocess_kernel<Elem>
-      <<<unsigned(preprocess_blocks), mma_sync::kElementwiseThreads, 0, stream>>>(p);
+      <<<unsigned(preprocess_blocks), mma_sync::kElementwiseThreads, 0, stream>>>(p, !dq_pass);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   const cudaError_t passes = kernel == BackwardKernel::kSm90
                                  ? launch_sm90_for_head_dim<Elem>(p, stream)
                                  : launch_sm80_for_head_dim<Elem>(p, stream);
   if (passes != cudaSuccess) return passes;
-  if (p.deterministic) return cudaSuccess;
+  if (dq_pass) return cudaSuccess;
   mma_sync::backward_convert_dq_kernel<Elem>
       <<<unsigned(convert_blocks), mma_sync::kElementwiseThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
-// The Hopper kernel sums dQ with atomics only (deterministic mode keeps the mma.sync family's
-// dQ pass), and its grid is one-dimensional: one block per (key block, kv head, batch).
+// The Hopper kernel's grid is one-dimensional: one block per (key block, kv head, batch). Its
+// deterministic mode needs the call's dQ semaphores and no segment ids (such calls keep the
+// mma.sync family's dQ pass).
 bool sm90_applies(const AttentionParams& p, int device) {
   const int64_t max_head_dim = wgmma::kBackwardHeadDims[std::size(wgmma::kBackwardHeadDims) - 1];
   constexpr int64_t kBlockN = wgmma::kBackwardMinBlockN;
   const int64_t blocks = (p.seqlen_k + kBlockN - 1) / kBlockN * p.batch * p.num_kv_heads;
-  return !p.deterministic && p.head_dim <= max_head_dim && blocks <= 0x7fffffff &&
+  const bool ordered_dq = p.dq_semaphores != nullptr && p.q_segment_ids == nullptr &&
+                          p.dq_semaphore_count >= p.dq_semaphores_needed();
+  return (!p.deterministic || ordered_dq) && p.head_dim <= max_head_dim &&
+         blocks <= 0x7fffffff &&
          wgmma::backward_tma_compatible(p) &&
          wgmma::segment_ids_tma_compatible(p) && wgmma::hopper_kernels_apply(p, device);
 }

@@ -82,10 +82,13 @@ class CallPlan(NamedTuple):
     """What a call runs and needs (ffi/plan.h). `decode_workspace_floats`: float32 elements of
     the forward's decode workspace (the split-KV decode kernels' partial results, sized for the
     largest GPU the C++ split rule plans for; 0 when the call never takes a decode kernel).
-    With a device: the forward and backward kernel families, and a decode call's key splits per
-    (batch entry, kv head) and their merge ("cluster", "paired_cluster" or "combine"; 0 and ""
-    for any other call). Without one those are "", "", 0, ""."""
+    `dq_semaphores`: int32 elements of the backward's dQ semaphores (the Hopper kernel's
+    deterministic mode; 0 for a call that is not deterministic). With a device: the forward and
+    backward kernel families, and a decode call's key splits per (batch entry, kv head) and
+    their merge ("cluster", "paired_cluster" or "combine"; 0 and "" for any other call).
+    Without one those are "", "", 0, ""."""
     decode_workspace_floats: int
+    dq_semaphores: int
     forward: str
     backward: str
     decode_splits: int
@@ -122,10 +125,12 @@ def plan(shape, device=None) -> CallPlan:
     device = None if device is None else _device_with_kernels(device)
     if device is None or device.platform == "cpu":  # the CPU kernels take no planning
         family = "" if device is None else "cpu"
-        return CallPlan(int(_ext.plan(shape, -1).decode_workspace_floats), family, family, 0, "")
+        p = _ext.plan(shape, -1)
+        return CallPlan(int(p.decode_workspace_floats), int(p.dq_semaphores), family, family, 0,
+                        "")
     p = _ext.plan(shape, device.local_hardware_id)
-    return CallPlan(int(p.decode_workspace_floats), p.forward, p.backward, int(p.decode_splits),
-                    p.decode_merge)
+    return CallPlan(int(p.decode_workspace_floats), int(p.dq_semaphores), p.forward, p.backward,
+                    int(p.decode_splits), p.decode_merge)
 
 
 def _kernel_query(query, key, device, **options) -> CallPlan:

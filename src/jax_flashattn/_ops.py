@@ -106,18 +106,24 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, 
     bias's shape; with `deterministic` it is the full [..., B, N, T, S] instead, for the caller
     to sum (the CUDA kernels would sum it with float32 atomics, whose order varies).
 
-    `deterministic` makes the CUDA kernels compute dQ in its own pass instead of summing it
-    with float32 atomics (bit-identical across runs; the CPU kernels always are). The call's
-    results also carry the CUDA kernels' workspaces, so that XLA owns their memory: a float32
-    dQ accumulator shaped like q and D = rowsum(dO * O) float32 [..., B, N, T]; they are
-    dropped here (the CPU kernels leave them untouched).
+    `deterministic` makes the CUDA kernels' gradients bit-identical across runs (the CPU
+    kernels' always are): the Hopper kernel adds each query tile's dQ in a fixed order of key
+    blocks, the mma.sync family computes dQ in a pass of its own, instead of float32 atomics in
+    any order. The call's results also carry the CUDA kernels' workspaces, so that XLA owns
+    their memory: a float32 dQ accumulator shaped like q, D = rowsum(dO * O) float32
+    [..., B, N, T] and the int32 dQ semaphores of the deterministic mode (_ffi.plan; empty
+    otherwise); they are dropped here (the CPU kernels leave them untouched).
     """
     *lead, t, n, _ = q.shape
     s = k.shape[-3]
     optional, flags = _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids)
+    semaphores = _ffi.plan(_ffi.call_shape(q.shape, k.shape, q.dtype, scale=scale,
+                                           deterministic=deterministic,
+                                           switches=switches)).dq_semaphores
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     results.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))  # dq_accum
     results.append(jax.ShapeDtypeStruct((*lead, n, t), jnp.float32))  # delta
+    results.append(jax.ShapeDtypeStruct((semaphores,), jnp.int32))  # dq_semaphores
     with_dbias = bias is not None and dbias
     if with_dbias:
         shape = (*lead, n, t, s) if deterministic else bias.shape
@@ -125,5 +131,5 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, 
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
     grads = call(q, k, v, out, lse, d_out, *optional, **flags,
                  **_attrs(scale, window, switches, deterministic))
-    return vary_like((*grads[:3], grads[5] if with_dbias else None),
+    return vary_like((*grads[:3], grads[6] if with_dbias else None),
                      (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids, kv_ids))

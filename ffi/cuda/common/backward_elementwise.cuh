@@ -1,7 +1,8 @@
 // The memory-bound steps around the mma.sync backward kernels, for head dims that are a
 // multiple of 8 up to 256 (one 16-byte chunk per lane of a row):
 //   preprocess: D_t = dO_t . O_t in float32 per (batch, query, head) row (0 where the row's lse
-//               is NaN), and a zeroed float32 dQ accumulator row when dQ is summed with atomics;
+//               is NaN), and a zeroed float32 dQ accumulator row where the passes add into it
+//               (all but the mma.sync family's deterministic mode, whose dQ pass writes dQ);
 //   convert:    dQ = scale * accumulator, rounded to the input dtype.
 #pragma once
 
@@ -20,7 +21,7 @@ inline constexpr int kElementwiseThreads = 256;
 // One warp per row of q's layout [batch, T, N, H], rows in memory order.
 template <typename Elem>
 __global__ void __launch_bounds__(kElementwiseThreads)
-    backward_preprocess_kernel(const __grid_constant__ AttentionParams p) {
+    backward_preprocess_kernel(const __grid_constant__ AttentionParams p, bool zero_dq_accum) {
   const int64_t row = (int64_t(blockIdx.x) * kElementwiseThreads + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (row >= p.batch * p.seqlen_q * p.num_heads) return;
@@ -36,7 +37,7 @@ __global__ void __launch_bounds__(kElementwiseThreads)
     const Elem* d = reinterpret_cast<const Elem*>(&d_out_chunk);
 #pragma unroll
     for (int i = 0; i < 8; ++i) partial = fmaf(cuda::to_float(o[i]), cuda::to_float(d[i]), partial);
-    if (!p.deterministic) {
+    if (zero_dq_accum) {
       float4* accum = reinterpret_cast<float4*>(p.dq_accum + offset);
       accum[0] = float4{};
       accum[1] = float4{};

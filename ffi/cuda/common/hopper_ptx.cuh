@@ -103,6 +103,26 @@ __device__ __forceinline__ void bulk_wait_group_read_all() {
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 
+// Waits until at most kPending of the most recent committed bulk groups are still reading
+// shared memory (every older one has finished reading).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Waits until the committed bulk stores and reductions are complete: their writes to global
+// memory performed, not only their reads of shared memory.
+__device__ __forceinline__ void bulk_wait_group_all() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
+// Orders this thread's async-proxy global-memory accesses (TMA stores and reductions) with its
+// generic-proxy ones, both ways: a completed reduction before a release that publishes it, an
+// acquire before a reduction that must follow the ones it observed.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
 // Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones:
 // its writes before a TMA store's reads of them, and (with the reads of other threads made
 // visible to it first) reads before a TMA load that overwrites them.
@@ -406,6 +426,24 @@ JAX_FLASHATTN_WGMMA_RS(wgmma_rs, 1, 256, JAX_FLASHATTN_WGMMA_D256_REGS,
 // vector form of red.add (sm_90+), half as many reductions as two scalar ones.
 __device__ __forceinline__ void red_add_v2_f32(float* address, float x, float y) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(address), "f"(x), "f"(y)
+               : "memory");
+}
+
+// ---- Flags between blocks.
+
+// Loads an int32 from global memory with acquire semantics at GPU scope: what the thread that
+// released the value wrote before it is visible after this load.
+__device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* address) {
+  int32_t value;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+// Adds to an int32 in global memory with release semantics at GPU scope: every write ordered
+// before it (this thread's, and other threads' through a barrier with it) is visible to a
+// thread whose acquire load reads the sum.
+__device__ __forceinline__ void red_release_gpu_add(int32_t* address, int32_t value) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(address), "r"(value)
                : "memory");
 }
 

@@ -23,12 +23,15 @@
 // lies. One named barrier per tile publishes both consumers' dS^T (double-buffered, so the same
 // barrier retires the buffer the tile before used). At the end dK (times the scale) and dV,
 // summed over the group's heads, are staged in the K and V tiles and written with TMA stores,
-// which clip rows past S and head-dim columns past H.
+// which clip rows past S and head-dim columns past H. In deterministic mode
+// (BackwardDeterministic) the dQ writer, a thread of the producer's second warp, adds each
+// step's dQ into dq_accum in the tile's turn (backward_dq_writer.cuh).
 #pragma once
 
 #include <cuda.h>
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -40,6 +43,7 @@
 #include "ffi/cuda/common/softmax.cuh"  // kLog2e
 #include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/cuda/common/tensor_maps.h"
+#include "ffi/cuda/wgmma/backward_dq_writer.cuh"
 #include "ffi/cuda/wgmma/backward_epilogue.cuh"
 #include "ffi/cuda/wgmma/backward_mma.cuh"
 #include "ffi/cuda/wgmma/backward_pipeline.cuh"
@@ -86,6 +90,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     return base + Layout::kQIdsOffset + stage * Traits::QIdBox::kStageBytes;
   };
   auto& bars = *reinterpret_cast<BackwardBarriers<Traits>*>(smem + Layout::kBarrierOffset);
+  // Deterministic mode only (Traits::kWriterBarrierBytes): no bytes of it exist otherwise. The
+  // consumers address its barriers as 32-bit shared addresses from `base`.
+  auto& writer_bars = *reinterpret_cast<DqWriterBarriers*>(smem + Layout::kWriterBarrierOffset);
+  const auto dq_done = [&](int consumer) {
+    return base + Layout::kWriterBarrierOffset + uint32_t(offsetof(DqWriterBarriers, dq_done)) +
+           8 * consumer;
+  };
+  const auto dq_free = [&](int consumer) {
+    return base + Layout::kWriterBarrierOffset + uint32_t(offsetof(DqWriterBarriers, dq_free)) +
+           8 * consumer;
+  };
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
 
   const int tid = threadIdx.x;
@@ -100,6 +115,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       ptx::mbarrier_init(bar(bars.q_full[s]), 1);
       ptx::mbarrier_init(bar(bars.q_empty[s]), Traits::kConsumerWarps);
+    }
+    if constexpr (Traits::kDeterministic) {
+      static_assert(sizeof(DqWriterBarriers) <= Traits::kWriterBarrierBytes, "barriers fit");
+      for (int c = 0; c < Traits::kConsumers; ++c) {
+        ptx::mbarrier_init(bar(writer_bars.dq_done[c]), 4);
+        ptx::mbarrier_init(bar(writer_bars.dq_free[c]), 1);
+      }
     }
     ptx::fence_barrier_init();
   }
@@ -145,6 +167,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
       }
     }
+    if constexpr (Traits::kDeterministic)
+      if (tid == 32) write_dq_in_order<Traits>(p, maps, block, writer_bars, sDq(0));
     return;
   }
 
@@ -172,11 +196,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kConsumersBarrier = BackwardNamedBarriers::kConsumers;
   constexpr int kWarpgroupBarrier = BackwardNamedBarriers::kWarpgroup;
   constexpr int kConsumerThreads = 128 * Traits::kConsumers;
-  // One arrival per warp: __syncwarp orders every lane's reads of the stage before lane 0's
-  // arrival releases it to the producer.
-  const auto release = [&](uint64_t& barrier) {
+  // One arrival per warp: __syncwarp orders every lane's accesses (its reads of a Q/dO stage,
+  // its dQ stores or additions) before lane 0's arrival.
+  const auto release = [&](uint32_t barrier) {
     __syncwarp();
-    if (lane == 0) ptx::mbarrier_arrive(bar(barrier));
+    if (lane == 0) ptx::mbarrier_arrive(barrier);
   };
   const auto fence = [](auto& acc) {
 #pragma unroll
@@ -396,8 +420,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // the block's keys: once both consumers have stored their dS^T, or with the head dim split
     // once this one's warps have. The thread that issues this warpgroup's dQ reductions waits
     // for the last one to have read its staging tile before the barrier, after which the
-    // warpgroup overwrites it.
-    if constexpr (Traits::kDqStaged)
+    // warpgroup overwrites it (in deterministic mode the dQ writer issues them: dq_free).
+    if constexpr (Traits::kDqStaged && !Traits::kDeterministic)
       if (tid % 128 == 0) ptx::bulk_wait_group_read_all();
     if constexpr (kSplit) {
       // With the head dim split, dV and dK hold 2 x 64 accumulator registers: dQ issued while
@@ -429,7 +453,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     fence(dk_acc);
     fence(p_frag);
     fence(ds_frag);
-    release(bars.q_empty[stage]);
+    release(bar(bars.q_empty[stage]));
 
     ptx::wgmma_wait<0>();
     fence(dq_acc);
@@ -443,8 +467,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // and r ^ 1 of a half-warp would write the same banks: threads of odd rows store tile
       // j ^ 2 where the others store tile j (chunk bits XOR 2 << 5), which spreads the
       // half-warp over all 32.
+      // In deterministic mode the dQ writer issues the reduction, once the reductions of the step
+      // before have read the tile (dq_free).
       static_assert(kDqTiles % 4 == 0, "tiles j and j ^ 2 lie in one box");
       const bool odd_row = quad_row & 1;
+      if constexpr (Traits::kDeterministic)
+        if (step > 0)
+          ptx::mbarrier_wait(dq_free(consumer), uint32_t(step - 1) & 1);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = warp * 16 + quad_row + 8 * h;
@@ -462,18 +491,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       // Generic stores that the TMA reduction (async proxy) reads.
       ptx::fence_proxy_async_shared();
-      ptx::named_barrier_sync(kWarpgroupBarrier + consumer, 128);
-      if (tid % 128 == 0) {
-        for (int box = 0; box < Traits::kDqBoxes; ++box)
-          ptx::tma_reduce_add_4d(&maps.dq_accum,
-                                 sDq(consumer) + box * Traits::kDqRows * kRowBytes,
-                                 dq_col0 + box * Traits::kDqBoxCols, n, q0 + dq_row0, block.b);
-        ptx::bulk_commit_group();
+      if constexpr (Traits::kDeterministic) {
+        release(dq_done(consumer));
+      } else {
+        ptx::named_barrier_sync(kWarpgroupBarrier + consumer, 128);
+        if (tid % 128 == 0) {
+          for (int box = 0; box < Traits::kDqBoxes; ++box)
+            ptx::tma_reduce_add_4d(&maps.dq_accum,
+                                   sDq(consumer) + box * Traits::kDqRows * kRowBytes,
+                                   dq_col0 + box * Traits::kDqBoxCols, n, q0 + dq_row0, block.b);
+          ptx::bulk_commit_group();
+        }
       }
     } else {
       // This thread's dQ rows q0 + dq_row0 + 16 warp + quad_row + 8 h, columns
       // dq_col0 + 8 j + quad_col, +1, added with red.global.add: rows past the query length
-      // have dS = 0 and columns past H do not exist, so neither is added.
+      // have dS = 0 and columns past H do not exist, so neither is added. In deterministic mode
+      // once the dQ writer has said that the tile's turn has come (dq_free), and the adds are
+      // made visible at GPU scope before each warp says it is done (dq_done).
+      if constexpr (Traits::kDeterministic)
+        ptx::mbarrier_wait(dq_free(consumer), uint32_t(step) & 1);
       const int t0 = q0 + dq_row0 + warp * 16 + quad_row;
       const int col0 = dq_col0 + quad_col;
       float* dq = p.dq_accum + int64_t(block.b) * p.q_batch_stride + n * p.q_head_stride +
@@ -489,11 +526,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             ptx::red_add_v2_f32(dq + 8 * h * p.q_row_stride + 8 * j, dq_acc[j][2 * h],
                                 dq_acc[j][2 * h + 1]);
       }
+      if constexpr (Traits::kDeterministic) {
+        __threadfence();
+        release(dq_done(consumer));
+      }
     }
     if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
   }
 
-  if constexpr (Traits::kDqStaged)
+  if constexpr (Traits::kDqStaged && !Traits::kDeterministic)
     if (tid % 128 == 0) ptx::bulk_wait_group_read_all();  // the staging tiles outlive the reads
   store_dk_dv<Elem, Traits>(p, maps, block, dk_acc, dv_acc, sK, sV,
                             BackwardEpilogueThread{tid, consumer, wg_key0, warp_key0, quad_row,

@@ -16,7 +16,8 @@ template <typename Elem, typename Traits>
 cudaError_t launch_backward_sm90_with(const AttentionParams& p, cudaStream_t stream) {
   constexpr auto kernel = wgmma::backward_kernel<Elem, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
-  if (!wgmma::indices_fit_32_bits(p) || p.deterministic) return cudaErrorInvalidConfiguration;
+  if (!wgmma::indices_fit_32_bits(p) || p.deterministic != Traits::kDeterministic)
+    return cudaErrorInvalidConfiguration;
   // One block per (key block, kv head, batch), in BackwardBlock's order; the
   // dispatcher sends only grids below 2^31 blocks here (sm90_applies).
   const int64_t key_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
@@ -37,15 +38,19 @@ cudaError_t launch_backward_sm90_with(const AttentionParams& p, cudaStream_t str
   return cudaGetLastError();
 }
 
-// Calls with segment ids: defined in backward_segments_launch.cuh and instantiated in
-// translation units of their own (cuda/instantiations/backward_wgmma_segments.cu.in), so that
-// their kernels leave the others' code as it is.
+// Calls with segment ids and deterministic calls: defined in backward_segments_launch.cuh and
+// backward_deterministic_launch.cuh and instantiated in translation units of their own
+// (cuda/instantiations/backward_wgmma_{segments,deterministic}.cu.in), so that their kernels
+// leave the others' code as it is.
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90_segments(const AttentionParams& p, cudaStream_t stream);
+template <typename Elem, int kHeadDim>
+cudaError_t launch_backward_sm90_deterministic(const AttentionParams& p, cudaStream_t stream);
 
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
   if (p.q_segment_ids != nullptr) return launch_backward_sm90_segments<Elem, kHeadDim>(p, stream);
+  if (p.deterministic) return launch_backward_sm90_deterministic<Elem, kHeadDim>(p, stream);
   return launch_backward_sm90_with<Elem, wgmma::BackwardConfig<kHeadDim>>(p, stream);
 }
 

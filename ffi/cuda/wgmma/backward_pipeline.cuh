@@ -6,6 +6,7 @@
 
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/wgmma/backward_traits.h"  // kBackwardConsumers
 #include "ffi/params.h"
 
 namespace jax_flashattn::wgmma {
@@ -16,6 +17,14 @@ struct BackwardBarriers {
   uint64_t q_full[Traits::kStages], q_empty[Traits::kStages];
 };
 
+// Between the consumers and the dQ writer of the deterministic mode (BackwardDeterministic),
+// per consumer c: dq_done[c], one arrival per warp: its dQ of the step is staged (or, not
+// staged, added into dq_accum); dq_free[c], the writer's one arrival: the staging tile has been
+// read by the reductions (or, not staged, the tile's turn has come and the warps may add).
+struct DqWriterBarriers {
+  uint64_t dq_done[kBackwardConsumers], dq_free[kBackwardConsumers];
+};
+
 // Lengths and window of batch entry b, the same for every head (no elementwise mask on this
 // kernel, the dispatcher's rule: saying so drops its tests). Rebuilt where needed rather than
 // kept: its 64-bit fields would hold eight of the consumers' registers through the tile loop
@@ -24,6 +33,32 @@ __device__ __forceinline__ cuda::Visibility block_visibility(const AttentionPara
   cuda::Visibility vis = cuda::Visibility::make(p, b, 0);
   vis.mask.keep = nullptr;
   return vis;
+}
+
+// Deterministic mode: the key blocks that see a query tile add their dQ of it one at a time, in
+// descending key order where the right side of the window is bounded (causal): block kb first
+// visits the tile on its diagonal, which the blocks above it visited a step before, so each block
+// waits for one that is ahead of it. Without that bound every block starts on the same tiles
+// and the order is ascending. BackwardBlock launches the blocks in that order within each
+// (batch, kv head), so that a block only ever waits for blocks launched before it, which hold
+// an SM or are done: never for one that cannot start while the waiting blocks hold every SM.
+__device__ __forceinline__ bool dq_order_descending(const AttentionParams& p) {
+  return p.window_right != kUnboundedWindow;
+}
+
+// How many key blocks add their dQ of query tile `tile` before the block whose keys start at
+// key0. The blocks that see the tile are exactly those holding keys of its key_range, since
+// key_range and query_range are tight (a block visits tile m iff some query of m sees some key
+// of the block): the order counts no block that never arrives. `window`: batch entry b's, in
+// 32 bits (the launch checks indices_fit_32_bits), which the dQ writer's 24 registers hold.
+template <typename Traits>
+__device__ __forceinline__ int dq_turn(const AttentionParams& p,
+                                       const variant::KeyWindow<int>& window, int key0, int tile) {
+  int lo, hi;
+  window.key_range(tile * Traits::kBlockM, (tile + 1) * Traits::kBlockM, lo, hi);
+  const int key_block = key0 / Traits::kBlockN;
+  return dq_order_descending(p) ? (hi + Traits::kBlockN - 1) / Traits::kBlockN - 1 - key_block
+                                : key_block - lo / Traits::kBlockN;
 }
 
 // The work of one block: its keys and the (query head, Q tile) steps that can see them (with
@@ -49,7 +84,10 @@ struct BackwardBlock {
     const bool key_block_outer =
         !p.unwindowed() && gridDim.x <= 4 * ptx::sm_id_count();
     const int bh = key_block_outer ? index % groups : index / key_blocks;
-    w.key0 = (key_block_outer ? index / groups : index % key_blocks) * Traits::kBlockN;
+    int key_block = key_block_outer ? index / groups : index % key_blocks;
+    if constexpr (Traits::kDeterministic)  // the order of the dQ additions (dq_turn)
+      if (dq_order_descending(p)) key_block = key_blocks - 1 - key_block;
+    w.key0 = key_block * Traits::kBlockN;
     w.b = bh / int(p.num_kv_heads);
     w.kv_head = bh % int(p.num_kv_heads);
     w.head0 = w.kv_head * int(p.group_size());
@@ -71,7 +109,7 @@ struct BackwardBlock {
 // staging tiles, then lse / D
 // ([stage][0][row]: lse; [stage][1][row]: D, from the tile's first row rounded down to
 // kFlatAlignElems: BackwardMaps), the query ids of each stage (segment ids) and the barriers
-// (BackwardBarriers).
+// (BackwardBarriers, then the deterministic mode's DqWriterBarriers).
 template <typename Traits>
 struct BackwardSmemLayout {
   static constexpr uint32_t kQOffset = 2 * Traits::kKVBytes;
@@ -82,6 +120,7 @@ struct BackwardSmemLayout {
   static constexpr uint32_t kQIdsOffset = kStatsOffset + Traits::kStatsBytes;
   static constexpr uint32_t kBarrierOffset =
       kQIdsOffset + Traits::kStages * Traits::QIdBox::kStageBytes;
+  static constexpr uint32_t kWriterBarrierOffset = kBarrierOffset + Traits::kBarrierBytes;
 };
 
 }  // namespace jax_flashattn::wgmma

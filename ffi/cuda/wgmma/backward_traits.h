@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "ffi/cuda/common/tensor_maps.h"  // kFlatAlignElems
+#include "ffi/params.h"
 
 namespace jax_flashattn::wgmma {
 
@@ -44,6 +45,7 @@ struct BackwardTraits {
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
   static constexpr bool kSegments = false;  // segment ids (BackwardWithSegmentIds below)
+  static constexpr bool kDeterministic = false;  // dQ in a fixed order (BackwardDeterministic)
   // setmaxnreg budgets, as in the forward: 128 x 24 + 256 x 240 = 64512, all that the block
   // is launched with (register_budgets_fit in traits.h).
   static constexpr int kProducerRegisters = 24;
@@ -68,6 +70,7 @@ struct BackwardTraits {
   static constexpr int kStatsStageBytes = 2 * kStatsStride * 4;  // [lse, D][row]
   static constexpr int kStatsBytes = kStages * kStatsStageBytes;
   static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);   // kv_full, q_full[], q_empty[]
+  static constexpr int kWriterBarrierBytes = 0;  // DqWriterBarriers (BackwardDeterministic)
   // Query ids per Q stage (BackwardWithSegmentIds below); none here.
   using QIdBox = NoIdBox;
   // A consumer's dQ of a tile in float32, staged for the TMA reduction into dq_accum: boxes of
@@ -141,6 +144,24 @@ struct BackwardWithSegmentIds : Config {
   static constexpr bool kSegments = true;
   using QIdBox = FlatIdBox<Config::kBlockM>;
   static constexpr int kSmemBytes = Config::kSmemBytes + Config::kStages * QIdBox::kStageBytes;
+  static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
+};
+
+// A configuration for deterministic calls: each query tile's dQ is added by the key blocks that
+// see it one after another, in a fixed order (dq_turn in backward_pipeline.cuh), each once the
+// tile's int32 semaphore has counted the arrivals of every block before it. A thread of the
+// producer's second warp, the dQ writer, waits for the turns (so the consumers do not): with dQ
+// staged it issues the TMA reductions itself and hands the staging tiles back once they have
+// been read, without (head dim 256) it lets the consumers' red.global.add through and waits for
+// them; then, once the adds are complete, it counts the block's arrivals. Instantiated in
+// translation units of their own (cuda/instantiations/backward_wgmma_deterministic.cu.in).
+template <typename Config>
+struct BackwardDeterministic : Config {
+  static constexpr bool kDeterministic = true;
+  static constexpr int kWriterBarrierBytes = 8 * 2 * Config::kConsumers;  // DqWriterBarriers
+  static constexpr int kSmemBytes = Config::kSmemBytes + kWriterBarrierBytes;
+  static_assert(Config::kBlockM % AttentionParams::kDqSemaphoreRows == 0,
+                "a tile's semaphore lies within the call's dq_semaphores_needed()");
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
 

@@ -12,8 +12,9 @@ import numpy as np
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 IMPLS = ("ours", "cudnn", "xla")  # the implementations every case takes
-# And those of some cases only: cuDNN's packed-sequence path (the packed preset's rows).
-ALL_IMPLS = IMPLS + ("cudnn-packed",)
+# And those on request or of some cases only: ours with deterministic_backward=True, and cuDNN's
+# packed-sequence path (the packed preset's rows).
+ALL_IMPLS = IMPLS + ("ours-deterministic", "cudnn-packed")
 MODES = ("fwd", "fwdbwd")
 MODE_TITLES = {"fwd": "forward", "fwdbwd": "forward+backward"}
 BACKWARD_FLOP_FACTOR = 2.5  # backward FLOPs / forward FLOPs

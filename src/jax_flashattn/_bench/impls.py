@@ -44,10 +44,10 @@ def attention_fn(impl: str, causal: bool, window: tuple[int, int] | None = None)
     options = dict(is_causal=causal)
     if window is not None:
         options["local_window_size"] = window
-    if impl == "ours":
+    if impl in ("ours", "ours-deterministic"):
         import jax_flashattn
         return functools.partial(jax_flashattn.attention, implementation=ours_implementation(),
-                                 **options)
+                                 deterministic_backward=impl == "ours-deterministic", **options)
     return functools.partial(_jax_nn, implementation=impl, **options)
 
 
