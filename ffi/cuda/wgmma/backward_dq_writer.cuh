@@ -23,8 +23,9 @@ namespace jax_flashattn::wgmma {
 //      (clipping rows past T and columns past H), and hand the tile back once the reductions
 //      have read it (dq_free), then wait until they are complete (their writes performed);
 //      without staging, let the consumers' red.global.add through (dq_free) and wait for each
-//      warp to have added and fenced (dq_done);
-//   3. count the block's kConsumers arrivals with a release add.
+//      warp to have added (dq_done);
+//   3. count the block's kConsumers arrivals with a release add: cumulative, it publishes every
+//      addition this thread has observed, the consumers' through their dq_done arrivals too.
 // The TMA reductions run in the async proxy: a proxy fence orders them after the acquire and
 // before the release. The consumers meanwhile compute the next step; they wait only for dq_free.
 template <typename Traits, typename Maps>

@@ -507,8 +507,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // This thread's dQ rows q0 + dq_row0 + 16 warp + quad_row + 8 h, columns
       // dq_col0 + 8 j + quad_col, +1, added with red.global.add: rows past the query length
       // have dS = 0 and columns past H do not exist, so neither is added. In deterministic mode
-      // once the dQ writer has said that the tile's turn has come (dq_free), and the adds are
-      // made visible at GPU scope before each warp says it is done (dq_done).
+      // once the dQ writer has said that the tile's turn has come (dq_free); each warp then says
+      // it is done (dq_done), and the writer's release at GPU scope, which follows that arrival,
+      // publishes the adds with it (a release is cumulative).
       if constexpr (Traits::kDeterministic)
         ptx::mbarrier_wait(dq_free(consumer), uint32_t(step) & 1);
       const int t0 = q0 + dq_row0 + warp * 16 + quad_row;
@@ -526,10 +527,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             ptx::red_add_v2_f32(dq + 8 * h * p.q_row_stride + 8 * j, dq_acc[j][2 * h],
                                 dq_acc[j][2 * h + 1]);
       }
-      if constexpr (Traits::kDeterministic) {
-        __threadfence();
-        release(dq_done(consumer));
-      }
+      if constexpr (Traits::kDeterministic) release(dq_done(consumer));
     }
     if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
   }
