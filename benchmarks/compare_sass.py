@@ -47,6 +47,7 @@ FAMILIES = {
     "backward_mma_sync_segments": ("ffi/cuda/mma_sync/backward_traits.h", "kBackwardHeadDims"),
     "backward_wgmma": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardHeadDims"),
     "backward_wgmma_segments": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardHeadDims"),
+    "backward_wgmma_deterministic": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardHeadDims"),
 }
 SIMT = ("ffi/cuda/simt/forward_simt.cu", "ffi/cuda/simt/backward_simt.cu")
 
