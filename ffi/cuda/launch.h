@@ -70,11 +70,13 @@ cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream);
 
-// TMA + wgmma backward for Hopper (an sm_90a build on a compute capability 9.0 device): bf16/fp16,
-// no bias or boolean mask, not deterministic, head dims that are a multiple of 8 up to kHeadDim,
-// 16-byte aligned tensors (wgmma::backward_tma_compatible). dK, dV and dQ (summed into
-// p.dq_accum by atomics) in one pass, between the same preprocess and dQ conversion as the
-// mma.sync family.
+// TMA + wgmma backward for Hopper (an sm_90a build on a compute capability 9.0 device):
+// bf16/fp16, no bias or boolean mask, head dims that are a multiple of 8 up to kHeadDim, 16-byte
+// aligned tensors (wgmma::backward_tma_compatible). dK, dV and dQ in one pass, between the same
+// preprocess and dQ conversion as the mma.sync family. dQ is summed into p.dq_accum by float32
+// atomic reductions in any order; with p.deterministic (no segment ids; p.dq_semaphores zeroed
+// beforehand, as launch_backward does) each query tile's key blocks add it one after another
+// in a fixed order (wgmma::BackwardDeterministic), so that dQ is bit-identical across runs.
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream);
 
