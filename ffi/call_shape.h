@@ -29,7 +29,7 @@ struct CallShape {
   bool has_q_seqlens = false;
   bool has_kv_seqlens = false;
   bool has_segment_ids = false;  // query and key/value segment ids, both
-  // Backward only: dQ in its own pass (AttentionParams::deterministic).
+  // Backward only: gradients bit-identical across runs (AttentionParams::deterministic).
   bool deterministic = false;
   // The kernel switches (AttentionParams::disable_sm90, sm80_cp_async).
   bool disable_sm90 = false;

@@ -41,15 +41,18 @@ def main():
         (jnp.float32, 36, dict(is_causal=True)),
         (jnp.bfloat16, 64, dict(bias=np.ones((4, 77, 1), np.float32),
                                 mask=np.arange(93) % 3 != 1, is_causal=True)),
-        # The tensor-core backward's deterministic dQ pass (the cases above use its atomics).
+        # The tensor-core backward's deterministic mode (the cases above use its atomics): on
+        # Hopper the Hopper kernel's ordered dQ additions, with a bias or mask and elsewhere the
+        # mma.sync family's dQ pass.
         (jnp.bfloat16, 128, dict(is_causal=True, deterministic_backward=True)),
         (jnp.float16, 96, dict(local_window_size=(20, 5), query_seq_lengths=lens,
                                deterministic_backward=True)),
         (jnp.bfloat16, 32, dict(bias=np.ones((4, 77, 1), np.float32),
                                 mask=np.arange(93) % 3 != 1, deterministic_backward=True)),
-        # Head dims above 128 on the mma.sync backward's large table (the H = 256 cases above
-        # run the Hopper backward on Hopper, this table's atomic mode elsewhere): 136 padded to
-        # 192, the deterministic dQ pass's 16-key tiles.
+        # Head dims above 128 in deterministic mode: on Hopper the Hopper backward at 256 (dQ
+        # added by each thread in the tile's turn), elsewhere the mma.sync backward's large table
+        # (136 padded to 192, the deterministic dQ pass's 16-key tiles; the H = 256 cases above
+        # run its atomic mode there).
         (jnp.float16, 136, dict(is_causal=True, key_value_seq_lengths=lens,
                                 deterministic_backward=True)),
         # Segment ids (on Hopper the Hopper forward's kernel for them, elsewhere the mma.sync

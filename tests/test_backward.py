@@ -327,3 +327,29 @@ def test_bias_gradient_memory_is_the_bias_shape(rng, deterministic):
                     argnums=(0, 1))(q, bias)
     for name, g, w in zip(("dq", "dbias"), got, want):
         assert_grads_close(g, w, normwise=1e-4, name=name)
+
+
+def test_backward_call_carries_the_planned_dq_semaphores():
+    """The backward call's int32 workspace has the planner's size, B N ceil(T / 64) for a
+    deterministic call (vmap's batch included) and none otherwise: a wrong size would send the
+    Hopper kernel's deterministic calls to the mma.sync family without a word."""
+    import re
+    q = jnp.zeros((3, 130, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((3, 200, 2, 64), jnp.bfloat16)
+
+    def workspace_sizes(deterministic, vmapped):
+        def loss(q, k, v):
+            return jnp.sum(jax_flashattn.attention(
+                q, k, v, implementation="cpu",
+                deterministic_backward=deterministic).astype(jnp.float32))
+        fn, args = jax.grad(loss), (q, k, k)
+        if vmapped:
+            fn, args = jax.vmap(fn), tuple(jnp.stack([x, x]) for x in args)
+        text = jax.jit(fn).lower(*args).compile().as_text()
+        return [re.findall(r"s32\[(\d+)\]", line) for line in text.splitlines()
+                if "jax_flashattn_bwd" in line]
+
+    assert workspace_sizes(True, False) == [[str(3 * 4 * 3)]]
+    assert workspace_sizes(True, True) == [[str(2 * 3 * 4 * 3)]]
+    assert workspace_sizes(False, False) == [["0"]]
+    assert workspace_sizes(False, True) == [["0"]]

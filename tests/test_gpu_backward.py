@@ -76,7 +76,8 @@ def test_deterministic(rng):
 # The tensor-core backward (bf16/fp16, head dims multiple of 8 up to 256, above 128 where the
 # device has 163 KiB of shared memory per block; float32 runs on the CUDA-core kernels), over
 # the forward tests' shape and mask matrix, in both dQ modes: float32 atomics (default) and the
-# deterministic dQ pass.
+# deterministic mode (on Hopper dQ added in a fixed order of key blocks, elsewhere and with a
+# bias or mask the mma.sync family's dQ pass).
 
 LOW_PRECISION = [jnp.bfloat16, jnp.float16]
 # Normwise relative error against the float32 reference: P and dS are rounded to the input
@@ -161,9 +162,9 @@ def test_tc_head_dims(rng, dtype, head_dim, deterministic):
                                          is_causal=True)])
 def test_tc_large_head_dims(rng, dtype, head_dim, kwargs, deterministic):
     """Head dims above 128: on Hopper the Hopper backward's 256 configuration, elsewhere the
-    mma.sync large table (64-key blocks, 32-query tiles,
-    rows padded to 256 elements; 136 runs on 192): GQA 8 -> 2, several key blocks and query
-    tiles, partial last ones, zero-length rows."""
+    mma.sync large table (64-key blocks, 32-query tiles, rows padded to 256 elements; 136 runs
+    on 192): GQA 8 -> 2, several key blocks and query tiles, partial last ones, zero-length
+    rows."""
     check_grads(rng, *random_qkv(rng, 3, 201, 333, 8, 2, head_dim, dtype),
                 deterministic=deterministic, **kwargs)
 
@@ -277,6 +278,21 @@ def test_tc_deterministic_is_bit_identical(rng, head_dim, kwargs):
         assert [np.asarray(g).tobytes() for g in again] == first
 
 
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("kwargs", [dict(is_causal=True),
+                                    dict(query_seq_lengths=np.array([201, 0, 57], np.int32),
+                                         local_window_size=(70, 9))])
+def test_sm80_deterministic_pass(rng, monkeypatch, head_dim, kwargs):
+    """The mma.sync family's deterministic dQ pass, pinned (on Hopper deterministic calls take
+    the Hopper kernel; a bias, a mask or segment ids still reach this pass there)."""
+    monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    q, k, v = random_qkv(rng, 3, 201, 333, 8, 2, head_dim, jnp.bfloat16)
+    large_smem = jax.devices()[0].compute_capability in ("8.0", "8.7", "9.0", "10.0")
+    expected = "sm80" if head_dim <= 128 or large_smem else "simt"
+    assert jax_flashattn.backward_kernel(q, k, deterministic=True) == expected
+    check_grads(rng, q, k, v, deterministic=True, **kwargs)
+
+
 def test_tc_modes_agree(rng, monkeypatch):
     """Both dQ modes compute the same sums, in different orders. (On Hopper the atomic mode would
     run the wgmma kernel; the mma.sync family is pinned for the dK/dV bit-identity below.)"""
@@ -312,13 +328,55 @@ def test_hopper_modes_agree(rng, head_dim, is_causal):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_tc_vmap_of_grads(rng):
+_MANY_WAVES = """
+import jax, jax.numpy as jnp, numpy as np
+import jax_flashattn
+rng = np.random.default_rng(0)
+# 3 x 8 kv heads x 32 key blocks = 768 blocks: more than 4 per SM, so each (batch, kv head)'s
+# blocks are consecutive and several waves run, and under causal the later waves hold the
+# blocks that add first.
+q, k, v, d_out = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+                  for shape in ((3, 4096, 16, 64), (3, 4096, 8, 64), (3, 4096, 8, 64),
+                                (3, 4096, 16, 64)))
+for causal in (True, False):
+    def grads(deterministic):
+        f = lambda *a: jax_flashattn.attention(*a, is_causal=causal, implementation="cuda",
+                                               deterministic_backward=deterministic)
+        return [np.asarray(g) for g in jax.jit(lambda *a: jax.vjp(f, *a)[1](d_out))(q, k, v)]
+    first, again, atomic = grads(True), grads(True), grads(False)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(first, again)), causal
+    np.testing.assert_allclose(first[0].astype(np.float32), atomic[0].astype(np.float32),
+                               rtol=2e-2, atol=2e-3)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(first[1:], atomic[1:])), causal
+print("ok")
+"""
+
+
+def test_hopper_deterministic_many_waves():
+    """A grid of several waves, causal (key blocks launched in reverse) and full, in a
+    subprocess with a time limit: an order that waited for a block that is never launched
+    fails here instead of hanging the suite. dQ bit-identical across runs and equal to the
+    atomic mode's up to rounding, dK and dV bit-identical to it."""
+    import os
+    import subprocess
+    import sys
+    if not hopper():
+        pytest.skip("the Hopper backward runs on compute capability 9.0 with an sm_90a build")
+    # Beside this process's own allocations: no preallocated pool in the child.
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    result = subprocess.run([sys.executable, "-c", _MANY_WAVES], capture_output=True, text=True,
+                            timeout=600, env=env)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
+
+
+def test_tc_vmap_of_grads(rng, deterministic):
     q, k, v = random_qkv(rng, 3, 64, 80, 4, 2, 64, jnp.bfloat16)
     stack = lambda x: jnp.stack([x, x * 0.5])  # noqa: E731
     d_out = jnp.asarray(rng.standard_normal((2,) + q.shape, dtype=np.float32), q.dtype)
 
     def f(q, k, v):
-        return jax_flashattn.attention(q, k, v, is_causal=True, implementation="cuda")
+        return jax_flashattn.attention(q, k, v, is_causal=True, implementation="cuda",
+                                       deterministic_backward=deterministic)
     _, vjp = jax.vjp(jax.vmap(f), stack(q), stack(k), stack(v))
     dq, dk, dv = vjp(d_out)
     _, vjp1 = jax.vjp(f, q * 0.5, k * 0.5, v * 0.5)

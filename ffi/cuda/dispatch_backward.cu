@@ -3,7 +3,8 @@
 // instantiated one (on the smallest instantiated head dim that holds it; above 128 only where the
 // device has the large table's shared memory) and a scale > 0, the CUDA-core kernels for
 // everything else. Both tensor-core families are three stream-ordered steps: preprocess (D,
-// zeroed dQ accumulator), the passes, dQ conversion.
+// zeroed dQ accumulator), the passes, dQ conversion; the Hopper kernel's deterministic mode
+// zeroes its dQ semaphores before them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

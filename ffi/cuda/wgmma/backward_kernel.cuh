@@ -90,8 +90,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     return base + Layout::kQIdsOffset + stage * Traits::QIdBox::kStageBytes;
   };
   auto& bars = *reinterpret_cast<BackwardBarriers<Traits>*>(smem + Layout::kBarrierOffset);
-  // Deterministic mode only (Traits::kWriterBarrierBytes): no bytes of it exist otherwise. The
-  // consumers address its barriers as 32-bit shared addresses from `base`.
+  // Deterministic mode only (BackwardDeterministic's kWriterBarrierBytes): no bytes of it exist
+  // otherwise, and only code under Traits::kDeterministic touches it. The consumers address its
+  // barriers as 32-bit shared addresses from `base`.
   auto& writer_bars = *reinterpret_cast<DqWriterBarriers*>(smem + Layout::kWriterBarrierOffset);
   const auto dq_done = [&](int consumer) {
     return base + Layout::kWriterBarrierOffset + uint32_t(offsetof(DqWriterBarriers, dq_done)) +

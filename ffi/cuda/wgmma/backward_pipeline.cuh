@@ -36,21 +36,26 @@ __device__ __forceinline__ cuda::Visibility block_visibility(const AttentionPara
 }
 
 // Deterministic mode: the key blocks that see a query tile add their dQ of it one at a time, in
-// descending key order where the right side of the window is bounded (causal): block kb first
-// visits the tile on its diagonal, which the blocks above it visited a step before, so each block
-// waits for one that is ahead of it. Without that bound every block starts on the same tiles
-// and the order is ascending. BackwardBlock launches the blocks in that order within each
-// (batch, kv head), so that a block only ever waits for blocks launched before it, which hold
-// an SM or are done: never for one that cannot start while the waiting blocks hold every SM.
+// descending key order where the right side of the window is bounded (causal): block kb adds
+// first to the tiles on its diagonal, which no block above it sees, and meets each later tile
+// after block kb + 1, which met it a step or two earlier, so a block waits for one that is
+// ahead of it. Without that bound every block starts on the same tiles and the order is
+// ascending. BackwardBlock launches the blocks in that order within each (batch, kv head), so
+// that a block only waits for blocks launched before it, which hold an SM or are done, never
+// for one that cannot start while the waiting blocks hold every SM: this rests on the hardware
+// dispatching a grid's blocks in blockIdx order, which CUDA does not promise but every
+// architecture so far does (FlashAttention-3's deterministic mode rests on it too).
 __device__ __forceinline__ bool dq_order_descending(const AttentionParams& p) {
   return p.window_right != kUnboundedWindow;
 }
 
 // How many key blocks add their dQ of query tile `tile` before the block whose keys start at
-// key0. The blocks that see the tile are exactly those holding keys of its key_range, since
-// key_range and query_range are tight (a block visits tile m iff some query of m sees some key
-// of the block): the order counts no block that never arrives. `window`: batch entry b's, in
-// 32 bits (the launch checks indices_fit_32_bits), which the dQ writer's 24 registers hold.
+// key0. The blocks that see the tile are exactly those holding keys of its key_range: a block
+// visits tile m iff its query_range meets m's rows, and query_range (BackwardBlock) and
+// key_range decide the same test on (rows, keys), one transposed, so the order counts no block
+// that never arrives. Anything that narrows one side only (segment ids' spans) would break
+// that: BackwardDeterministic excludes them. `window`: batch entry b's in 32 bits (the launch
+// checks indices_fit_32_bits), fewer of the dQ writer's 24 registers than the 64-bit one's.
 template <typename Traits>
 __device__ __forceinline__ int dq_turn(const AttentionParams& p,
                                        const variant::KeyWindow<int>& window, int key0, int tile) {
@@ -78,7 +83,9 @@ struct BackwardBlock {
     // (at most 4 blocks per SM) the last (batch, kv head)'s longest blocks would start late and
     // run alone at the end: there the key block is outermost, so every (batch, kv head)'s
     // longest blocks run first and the grid ends on short ones. With more waves that tail is
-    // small and the L2 reuse worth more (docs/decisions/backward-kernels.md).
+    // small and the L2 reuse worth more (docs/decisions/backward-kernels.md). In deterministic
+    // mode under a bounded right window the key blocks run in reverse (dq_order_descending),
+    // shortest first.
     const int key_blocks = int((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
     const int groups = int(p.batch * p.num_kv_heads), index = int(blockIdx.x);
     const bool key_block_outer =

@@ -70,7 +70,6 @@ struct BackwardTraits {
   static constexpr int kStatsStageBytes = 2 * kStatsStride * 4;  // [lse, D][row]
   static constexpr int kStatsBytes = kStages * kStatsStageBytes;
   static constexpr int kBarrierBytes = 8 * (1 + 2 * kStages);   // kv_full, q_full[], q_empty[]
-  static constexpr int kWriterBarrierBytes = 0;  // DqWriterBarriers (BackwardDeterministic)
   // Query ids per Q stage (BackwardWithSegmentIds below); none here.
   using QIdBox = NoIdBox;
   // A consumer's dQ of a tile in float32, staged for the TMA reduction into dq_accum: boxes of
@@ -162,6 +161,7 @@ struct BackwardDeterministic : Config {
   static constexpr int kSmemBytes = Config::kSmemBytes + kWriterBarrierBytes;
   static_assert(Config::kBlockM % AttentionParams::kDqSemaphoreRows == 0,
                 "a tile's semaphore lies within the call's dq_semaphores_needed()");
+  static_assert(!Config::kSegments, "dq_turn counts the blocks of unnarrowed tile ranges");
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
 
