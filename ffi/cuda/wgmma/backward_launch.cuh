@@ -38,8 +38,8 @@ cudaError_t launch_backward_sm90_with(const AttentionParams& p, cudaStream_t str
   return cudaGetLastError();
 }
 
-// Calls with segment ids and deterministic calls: defined in backward_segments_launch.cuh and
-// backward_deterministic_launch.cuh and instantiated in translation units of their own
+// Calls with segment ids and deterministic calls: defined in backward_variant_launch.cuh and
+// instantiated in translation units of their own
 // (cuda/instantiations/backward_wgmma_{segments,deterministic}.cu.in), so that their kernels
 // leave the others' code as it is.
 template <typename Elem, int kHeadDim>
