@@ -290,6 +290,13 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   if (dq_semaphores->element_type() != ffi::DataType::S32)
     return Invalid("dq_semaphores must be int32, got " + ShapeString(*dq_semaphores));
   p.dq_semaphore_count = int64_t(dq_semaphores->element_count());
+  // None is a call without them (the Hopper kernel's deterministic mode then leaves dQ to the
+  // mma.sync family's pass); some but too few is a planning error, not a slower call.
+  if (p.deterministic && p.dq_semaphore_count > 0 &&
+      p.dq_semaphore_count < p.dq_semaphores_needed())
+    return Invalid("dq_semaphores must hold at least " +
+                   std::to_string(p.dq_semaphores_needed()) + " int32 for this call, got " +
+                   ShapeString(*dq_semaphores));
   p.dq_semaphores = p.dq_semaphore_count > 0
                         ? static_cast<int32_t*>(dq_semaphores->untyped_data())
                         : nullptr;

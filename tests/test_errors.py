@@ -392,11 +392,18 @@ def test_backward_handler_error_is_python_exception(rng):
                                      *workspaces[1:]))
     with pytest.raises(jax.errors.JaxRuntimeError, match="dq_accum"):
         jax.block_until_ready(call(q, k, v, out, lse, out, **FLAGS, **ATTRS))
-    # dQ semaphores that are not int32.
+    # dQ semaphores that are not int32, and too few of them for a deterministic call (one per
+    # batch entry, query head and 64 queries).
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET,
                             grads + workspaces[:2] + (jax.ShapeDtypeStruct((4,), jnp.float32),))
     with pytest.raises(jax.errors.JaxRuntimeError, match="dq_semaphores"):
         jax.block_until_ready(call(q, k, v, out, lse, out, **FLAGS, **ATTRS))
+    needed = B * N * -(-T // 64)
+    call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, grads + workspaces[:2] + (
+        jax.ShapeDtypeStruct((needed - 1,), jnp.int32),))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=f"at least {needed} int32"):
+        jax.block_until_ready(call(q, k, v, out, lse, out, **FLAGS,
+                                   **dict(ATTRS, deterministic=np.int32(1))))
 
 
 @pytest.mark.parametrize("value", [1, None, "yes", np.bool_(True)])
