@@ -1,5 +1,6 @@
 #include "ffi/call_frame.h"
 
+#include <cmath>
 #include <string>
 #include <tuple>
 
@@ -160,6 +161,10 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     return Invalid("key " + ShapeString(k) + " does not fit query " + ShapeString(q) +
                    " (same head dim, N % K == 0)");
   shape.scale = attrs.scale;
+  if (!(attrs.logits_soft_cap >= 0.f) || std::isinf(attrs.logits_soft_cap))
+    return Invalid("logits_soft_cap must be finite and >= 0 (0: none), got " +
+                   std::to_string(attrs.logits_soft_cap));
+  shape.logits_soft_cap = attrs.logits_soft_cap;
   shape.window_left = attrs.window_left;
   shape.window_right = attrs.window_right;
   shape.deterministic = attrs.deterministic != 0;

@@ -14,6 +14,8 @@ namespace ffi = xla::ffi;
 // Attributes every call carries (see src/jax_flashattn/_ops.py).
 struct CallAttrs {
   float scale;
+  // > 0: the logits become cap tanh(logits / cap) before bias and masks (0: none).
+  float logits_soft_cap;
   int64_t window_left;
   int64_t window_right;
   int32_t has_bias;
@@ -102,6 +104,7 @@ auto BindBackward(Binding binding) {
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_flashattn::CallAttrs,
                                       xla::ffi::StructMember<float>("scale"),
+                                      xla::ffi::StructMember<float>("logits_soft_cap"),
                                       xla::ffi::StructMember<int64_t>("window_left"),
                                       xla::ffi::StructMember<int64_t>("window_right"),
                                       xla::ffi::StructMember<int32_t>("has_bias"),

@@ -20,6 +20,7 @@ struct CallShape {
   int64_t num_kv_heads = 1;  // K
   int64_t head_dim = 0;     // H
   float scale = 1.0f;
+  float logits_soft_cap = 0.0f;  // AttentionParams::logits_soft_cap
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;
   // Which optional operands the call passes (read by the planner; the handlers take them from
@@ -55,6 +56,7 @@ inline void SetLayout(const CallShape& s, AttentionParams& p) {
   p.kv_row_stride = s.num_kv_heads * s.head_dim;
   p.kv_batch_stride = s.seqlen_k * p.kv_row_stride;
   p.scale = s.scale;
+  p.logits_soft_cap = s.logits_soft_cap;
   p.window_left = s.window_left;
   p.window_right = s.window_right;
   p.deterministic = s.deterministic;

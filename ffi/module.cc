@@ -75,6 +75,7 @@ NB_MODULE(_jax_flashattn, m) {
       .def_rw("num_kv_heads", &CallShape::num_kv_heads)
       .def_rw("head_dim", &CallShape::head_dim)
       .def_rw("scale", &CallShape::scale)
+      .def_rw("logits_soft_cap", &CallShape::logits_soft_cap)
       .def_rw("window_left", &CallShape::window_left)
       .def_rw("window_right", &CallShape::window_right)
       .def_rw("has_bias", &CallShape::has_bias)

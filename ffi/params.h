@@ -95,6 +95,10 @@ struct AttentionParams {
   const int32_t* kv_query_spans = nullptr;
 
   float scale = 1.0f;  // logits = scale * q.k + bias
+  // > 0: logits = cap * tanh(scale * q.k / cap) + bias (Gemma 2's soft-capping, before the
+  // bias and every mask); 0: none. Only the CPU kernels take it so far (the CUDA handlers
+  // refuse it).
+  float logits_soft_cap = 0.0f;
   // Query t sees key s iff t - window_left <= s <= t + window_right (each side unbounded when
   // kUnboundedWindow). Causal attention is window_right == 0.
   int64_t window_left = kUnboundedWindow;

@@ -5,6 +5,7 @@
 //                     no element test; per element, query t sees key s iff t < q_len,
 //                     s < kv_len and t - left <= s <= t + right
 //   ElementMask       the boolean mask: keeps(t, s)
+//   SoftCap           logit soft-capping, cap tanh(s / cap) before the bias and the masks
 //   AdditiveBias      the bias operand, added to scale q.k
 //   SegmentIds        packed sequences: keeps(t, s), may_share() for tiles to skip
 //   SegmentSpans      the positions a block may see through the ids: narrow() a tile range
@@ -15,6 +16,7 @@
 // what a new variant touches.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -286,6 +288,27 @@ struct SegmentSpans {
       s.spans = all + 2 * b * s.granules;
     }
     return s;
+  }
+};
+
+// Logit soft-capping (Gemma 2): the scaled logits s = scale q.k become cap tanh(s / cap), before
+// the bias and every mask. The kernels keep logits in base 2, x = s log2(e), where it reads
+// x -> c tanh(x / c) with c = cap log2(e); its derivative 1 - tanh^2 is 1 - (x_capped / c)^2,
+// which the backward's dS is multiplied by on its way to dQ and dK (not to dbias: the bias is
+// added after the cap).
+struct SoftCap {
+  float cap2 = 0.0f;  // cap log2(e); 0 without capping
+
+  JAX_FLASHATTN_HOST_DEVICE static SoftCap make(const AttentionParams& p) {
+    SoftCap c;
+    c.cap2 = p.logits_soft_cap * 1.44269504088896340736f;
+    return c;
+  }
+  JAX_FLASHATTN_HOST_DEVICE bool present() const { return cap2 > 0.0f; }
+  JAX_FLASHATTN_HOST_DEVICE float apply(float x) const { return cap2 * tanhf(x / cap2); }
+  JAX_FLASHATTN_HOST_DEVICE float slope(float capped) const {
+    const float t = capped / cap2;
+    return 1.0f - t * t;
   }
 };
 

@@ -36,12 +36,13 @@ struct StepTiles {
   std::vector<float> delta;  // [kTileRows]: D
   std::vector<float> p;      // [kTileRows][kTileKeys]: S, then P
   std::vector<float> ds;     // [kTileRows][kTileKeys]: dP, then dS
+  std::vector<float> slope;  // [kTileRows][kTileKeys]: the soft-cap's derivative, if capped
   std::vector<float> bias_row;
 
   explicit StepTiles(int64_t padded_head_dim)
       : hp(padded_head_dim), q(kTileRows * hp), d_out(kTileRows * hp), lse2(kTileRows),
         delta(kTileRows), p(kTileRows * kTileKeys), ds(kTileRows * kTileKeys),
-        bias_row(kTileKeys) {}
+        slope(kTileRows * kTileKeys), bias_row(kTileKeys) {}
 
   // Rows [r0, r0 + rows) of head n: Q, dO, lse and D; the rows past them are zeros (lse -inf).
   JAX_FLASHATTN_CPU_INLINE void load_rows(const AttentionParams& prm, int64_t b, int64_t n,
@@ -68,7 +69,8 @@ struct StepTiles {
     for (int64_t i = 0; i < kTileRows; ++i) {
       float* x = p.data() + i * kTileKeys;
       float* d = ds.data() + i * kTileKeys;
-      if (lse2[i] == kNegInf || !logits.apply(r0 + i, k0, x, bias_row)) {
+      float* slope_row = logits.soft_capped() ? slope.data() + i * kTileKeys : nullptr;
+      if (lse2[i] == kNegInf || !logits.apply(r0 + i, k0, x, bias_row, slope_row)) {
         std::fill(x, x + kTileKeys, 0.0f);
         std::fill(d, d + kTileKeys, 0.0f);
         continue;
@@ -79,6 +81,13 @@ struct StepTiles {
       for (int64_t j = 0; j < kTileKeys; ++j)
         d[j] = x[j] == 0.0f ? 0.0f : x[j] * (d[j] - delta[i]);
     }
+  }
+
+  // dS of the capped logits (what dbias sums) to dS of scale q.k, for dQ and dK: times the
+  // cap's derivative. Rows that saw nothing have dS = 0, whatever their stale slope.
+  JAX_FLASHATTN_CPU_INLINE void through_soft_cap(const TileLogits& logits) {
+    if (!logits.soft_capped()) return;
+    for (int64_t e = 0; e < kTileRows * kTileKeys; ++e) ds[e] *= slope[e];
   }
 };
 
@@ -143,6 +152,7 @@ void key_tile_task(const AttentionParams& p, int64_t b, int64_t kv_head, int64_t
           for (int64_t j = 0; j < count; ++j) row[j * db.col] += ds[j];
         }
       }
+      tiles.through_soft_cap(logits);
       transpose(tiles.p.data(), kTileKeys, pt.data(), kTileRows, kTileRows, kTileKeys);
       transpose(tiles.ds.data(), kTileKeys, dst.data(), kTileRows, kTileRows, kTileKeys);
       matmul(pt.data(), kTileRows, tiles.d_out.data(), hp, dv.data(), hp, kTileKeys, kTileRows,
@@ -192,6 +202,7 @@ void query_tile_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0)
       load_key_rows(p, p.k, b, kv_head, k0, count, k_rows.data(), hp, kt.data());
       load_key_rows(p, p.v, b, kv_head, k0, count, v_rows.data(), hp, vt.data());
       tiles.compute(logits, r0, k0, kt.data(), vt.data());
+      tiles.through_soft_cap(logits);
       matmul(tiles.ds.data(), kTileKeys, k_rows.data(), hp, dq.data(), hp, kTileRows,
              kTileKeys, hp, true);
     }

@@ -55,9 +55,9 @@ inline void load_key_rows(const AttentionParams& p, const void* base, int64_t b,
   }
 }
 
-// Base-2 logits of a tile of head n of batch element b: x = (scale q.k + bias) log2(e) for the
-// keys a row sees (window, lengths, mask, segment ids), -inf for the others, where x holds
-// scale log2(e) q.k on entry (Q was scaled).
+// Base-2 logits of a tile of head n of batch element b: x = (softcap(scale q.k) + bias) log2(e)
+// for the keys a row sees (window, lengths, mask, segment ids), -inf for the others, where x
+// holds scale log2(e) q.k on entry (Q was scaled).
 // The policies of ffi/variant.h, applied a row at a time: the bias row is converted in one pass.
 class TileLogits {
  public:
@@ -66,12 +66,17 @@ class TileLogits {
       : window_(window),
         mask_(variant::ElementMask::make(p, b, n)),
         segments_(variant::SegmentIds::make(p, b)),
-        bias_(variant::AdditiveBias::make(p, b, n)) {}
+        bias_(variant::AdditiveBias::make(p, b, n)),
+        softcap_(variant::SoftCap::make(p)) {}
+
+  bool soft_capped() const { return softcap_.present(); }
 
   // Row t's kTileKeys logits x of keys [k0, k0 + kTileKeys); false when it sees none of them
-  // (then x is all -inf).
+  // (then x is all -inf). With soft-capping and `slope` given, slope[j] is the cap's derivative
+  // at key j (1 where the row does not see it).
   JAX_FLASHATTN_CPU_INLINE bool apply(int64_t t, int64_t k0, float* x,
-                                       std::vector<float>& bias_row) const {
+                                       std::vector<float>& bias_row,
+                                       float* slope = nullptr) const {
     int64_t begin, end;  // the keys row t sees before mask and bias; end <= begin when none
     window_.key_range(t, t + 1, begin, end);
     const int64_t j0 = std::max(k0, begin) - k0;
@@ -82,6 +87,13 @@ class TileLogits {
     }
     std::fill(x, x + j0, kNegInf);
     std::fill(x + j1, x + kTileKeys, kNegInf);
+    if (softcap_.present()) {
+      for (int64_t j = j0; j < j1; ++j) x[j] = softcap_.apply(x[j]);
+      if (slope != nullptr) {
+        std::fill(slope, slope + kTileKeys, 1.0f);
+        for (int64_t j = j0; j < j1; ++j) slope[j] = softcap_.slope(x[j]);
+      }
+    }
     if (bias_.present()) {
       load_row(bias_.type, bias_.base, bias_.slice.at(t, k0 + j0), j1 - j0, bias_row.data(),
                bias_.slice.col);
@@ -103,6 +115,7 @@ class TileLogits {
   variant::ElementMask mask_;
   variant::SegmentIds segments_;
   variant::AdditiveBias bias_;
+  variant::SoftCap softcap_;
 };
 
 // Rows [r0, r0 + rows) of head n of a q-like tensor as float32 times `scale`: dst[i][0, H) with

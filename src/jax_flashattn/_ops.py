@@ -33,10 +33,11 @@ UNBOUNDED_WINDOW = np.iinfo(np.int64).min
 
 
 def _attrs(scale: float, window: tuple[int | None, int | None],
-           switches: _ffi.KernelSwitches, deterministic: bool = False):
-    """window: (left, right), None for an unbounded side."""
+           switches: _ffi.KernelSwitches, deterministic: bool = False, soft_cap: float = 0.0):
+    """window: (left, right), None for an unbounded side; soft_cap: 0 for none."""
     left, right = (UNBOUNDED_WINDOW if w is None else w for w in window)
-    return dict(scale=np.float32(scale), window_left=np.int64(left),
+    return dict(scale=np.float32(scale), logits_soft_cap=np.float32(soft_cap),
+                window_left=np.int64(left),
                 window_right=np.int64(right), deterministic=np.int32(deterministic),
                 **switches.attrs())
 
@@ -70,7 +71,7 @@ def vary_like(outs, operands):
 
 
 def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, scale: float,
-            window: tuple, switches: _ffi.KernelSwitches):
+            window: tuple, switches: _ffi.KernelSwitches, soft_cap: float = 0.0):
     """(out [..., B, T, N, H] in q's dtype, lse [..., B, N, T] float32). `switches`: the
     kernel switches the public function read (_ffi.KernelSwitches).
 
@@ -93,13 +94,14 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, sc
          jax.ShapeDtypeStruct((1,), jnp.int32),
          jax.ShapeDtypeStruct((decode_floats,), jnp.float32)),
         vmap_method="broadcast_all")
-    out, lse, _, _ = call(q, k, v, *optional, **flags, **_attrs(scale, window, switches))
+    out, lse, _, _ = call(q, k, v, *optional, **flags,
+                          **_attrs(scale, window, switches, soft_cap=soft_cap))
     return vary_like((out, lse), (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids))
 
 
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *,
              scale: float, window: tuple, switches: _ffi.KernelSwitches,
-             deterministic: bool = False, dbias: bool = False):
+             deterministic: bool = False, dbias: bool = False, soft_cap: float = 0.0):
     """(dq, dk, dv, dbias) where dbias is the float32 gradient of the logits' bias, or None
     without bias or without `dbias` (its cotangent not needed: the call then has no such result
     and allocates nothing for it). The kernels sum it over the bias's broadcast dims into the
@@ -130,6 +132,6 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, 
         results.append(jax.ShapeDtypeStruct(shape, jnp.float32))
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
     grads = call(q, k, v, out, lse, d_out, *optional, **flags,
-                 **_attrs(scale, window, switches, deterministic))
+                 **_attrs(scale, window, switches, deterministic, soft_cap))
     return vary_like((*grads[:3], grads[6] if with_dbias else None),
                      (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids, kv_ids))

@@ -404,7 +404,7 @@ def _segment_slices(q_ids, kv_ids, block):
 
 
 def seq_forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, scale,
-                window: Window, schedule: Schedule, axes, switches):
+                window: Window, schedule: Schedule, axes, switches, soft_cap=0.0):
     """(out, lse [..., N, T_local]) of local shards under `schedule`. bias and mask must
     broadcast over T and S (their last two dims 1); the lengths are global; the segment ids
     [..., B, T_local] and [..., B, S_local] are the shards' own, and travel with K/V."""
@@ -435,7 +435,8 @@ def seq_forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *
                 kv_len = _without_keys_where(_segments_meet(qb_ids, kb_ids), kv_len,
                                              kb.shape[-3], batch_shape)
                 return _ops.forward(qb, kb, vb, bias, mask, q_len, kv_len, qb_ids, kb_ids,
-                                    scale=scale, window=window, switches=switches)
+                                    scale=scale, soft_cap=soft_cap, window=window,
+                                    switches=switches)
 
             out, lse = _dispatch(block.call, p, run, functools.partial(_empty_forward, qb),
                                  (qb, kb, vb, q_len, kv_len, qb_ids, kb_ids))
@@ -462,7 +463,7 @@ def reduce_to(x, shape):
 
 def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None,
                  kv_ids=None, *, scale, window: Window, schedule: Schedule, axes, switches,
-                 deterministic=False, dbias=False):
+                 deterministic=False, dbias=False, soft_cap=0.0):
     """(dq, dk, dv, dbias summed to bias's shape, or None without bias or `dbias`) of local
     shards under `schedule`, from the global out and lse of the forward."""
     devices, ring = schedule.devices, schedule.mode == RING
@@ -496,7 +497,8 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=No
                 kv_len = _without_keys_where(_segments_meet(qb_ids, kb_ids), kv_len,
                                              kb.shape[-3], batch_shape)
                 grads = _ops.backward(qb, kb, vb, ob, lb, dob, bias, mask, q_len, kv_len,
-                                      qb_ids, kb_ids, scale=scale, window=window, switches=switches,
+                                      qb_ids, kb_ids, scale=scale, soft_cap=soft_cap,
+                                      window=window, switches=switches,
                                       deterministic=deterministic, dbias=with_dbias)
                 return grads[:3] + ((reduce_to(grads[3], bias.shape),) if with_dbias else ())
 

@@ -37,6 +37,8 @@ class Normalized:
     # int32 [B, T] and [B, S], both or neither: query t sees key s only where they are equal.
     query_segment_ids: jax.Array | None = None
     key_value_segment_ids: jax.Array | None = None
+    # The logits' soft-cap, cap tanh(s / cap) before bias and masks; 0.0 for none.
+    soft_cap: float = 0.0
 
     @property
     def zero_size(self) -> bool:
@@ -230,10 +232,31 @@ def _scale(scale, head_dim: int) -> float:
     return value
 
 
+def _soft_cap(value) -> float:
+    """The soft-cap as the kernels take it: a static real number, finite and > 0 in float32,
+    or None (0.0: none)."""
+    if value is None:
+        return 0.0
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError("logits_soft_cap must be a static Python number (it is compiled into "
+                        "the kernel), got a traced value")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.ndarray)):
+        raise TypeError(f"logits_soft_cap must be a real number or None, got {value!r}")
+    try:
+        cap = float(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"logits_soft_cap must be a real number or None, got {value!r}") from e
+    with np.errstate(over="ignore", under="ignore"):
+        kernel_value = float(np.float32(cap))
+    if not (math.isfinite(kernel_value) and kernel_value > 0):
+        raise ValueError(f"logits_soft_cap must be finite and > 0 in float32, got {value!r}")
+    return kernel_value
+
+
 def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None,
               local_window_size=None, allow_empty=False, query_segment_ids=None,
-              key_value_segment_ids=None) -> Normalized:
+              key_value_segment_ids=None, logits_soft_cap=None) -> Normalized:
     """`allow_empty`: accept T, S, N or H = 0 (B = 0 is always accepted), for a caller that
     answers such inputs without the kernels (`attention`'s Normalized.zero_size path)."""
     query, key, value = (_as_array(x, n) for x, n in
@@ -281,4 +304,5 @@ def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         query_seq_lengths=_seq_lengths(query_seq_lengths, "query_seq_lengths", b),
         key_value_seq_lengths=_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b),
         scale=_scale(scale, h), is_causal=bool(is_causal), window=_window(local_window_size),
-        out_shape=out_shape, query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
+        out_shape=out_shape, query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
+        soft_cap=_soft_cap(logits_soft_cap))

@@ -37,14 +37,14 @@ def _first_order_only_jvp(kernel_call, primals, tangents):
 
 # switches: the kernel switches (_ffi.KernelSwitches), read by `attention` each time it runs or
 # is traced and passed down as static data, so that no cached trace below keeps a stale one.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
-def _flash(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, scale, window, deterministic,
-           switches):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
+def _flash(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, scale, soft_cap, window,
+           deterministic, switches):
     return sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, scale=scale,
-                            window=window, switches=switches)
+                            soft_cap=soft_cap, window=window, switches=switches)
 
 
-def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, scale, window,
+def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, scale, soft_cap, window,
                deterministic, switches):
     # With symbolic zeros, each array argument comes as CustomVJPPrimal(value, perturbed):
     # perturbed says whether its gradient is asked for (not under jax.grad of the other
@@ -54,7 +54,8 @@ def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, scale, windo
     q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids = (
         None if x is None else x.value
         for x in (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids))
-    kernel = functools.partial(sharding.forward, scale=scale, window=window, switches=switches)
+    kernel = functools.partial(sharding.forward, scale=scale, soft_cap=soft_cap, window=window,
+                               switches=switches)
     out, lse = _first_order_only(kernel, q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids)
     # Only the inputs, the output and the log-sum-exp are saved: the backward recomputes P.
     # Whether dbias is needed travels as the residuals' structure (() or None, no array).
@@ -62,13 +63,14 @@ def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, scale, windo
                         () if dbias_needed else None)
 
 
-def _flash_bwd(scale, window, deterministic, switches, residuals, cotangents):
+def _flash_bwd(scale, soft_cap, window, deterministic, switches, residuals, cotangents):
     q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, out, lse, dbias_needed = residuals
     d_out, _ = cotangents  # the lse output is a residual with no gradient, as in jax.nn
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):  # only lse was used
         return (None,) * 9
-    kernel = functools.partial(sharding.backward, scale=scale, window=window, switches=switches,
-                               deterministic=deterministic, dbias=dbias_needed is not None)
+    kernel = functools.partial(sharding.backward, scale=scale, soft_cap=soft_cap, window=window,
+                               switches=switches, deterministic=deterministic,
+                               dbias=dbias_needed is not None)
     dq, dk, dv, dbias = _first_order_only(kernel, q, k, v, out, lse, d_out, bias, mask, q_lens,
                                           kv_lens, q_ids, kv_ids)
     if dbias is not None:  # already summed over bias's broadcast dims by sharding.backward
@@ -119,7 +121,7 @@ def _check_implementation(implementation) -> str:
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               implementation=None, return_residual=False, deterministic_backward=False,
-              query_segment_ids=None, key_value_segment_ids=None):
+              query_segment_ids=None, key_value_segment_ids=None, logits_soft_cap=None):
     """Scaled dot-product attention with the signature of `jax.nn.dot_product_attention`.
 
     Layout [B, T, N, H] (or [T, N, H]); key and value [B, S, K, H] with N % K == 0 (GQA/MQA
@@ -160,6 +162,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     match, the GPU forward their products, ring attention the steps between documents.
     With implementation="xla" or "cudnn" they become a boolean mask [B, 1, T, S] for jax.nn.
 
+    `logits_soft_cap` (keyword-only, not in jax.nn): a static number > 0 or None. The scaled
+    logits s = scale q.k become cap * tanh(s / cap) before the bias and every mask (Gemma 2's
+    order), with gradients through the tanh. The CPU kernels take it; on a GPU, and with
+    implementation="xla" or "cudnn" (jax.nn has no soft-capping), it raises a ValueError.
+
     `deterministic_backward` (keyword-only, not in jax.nn): on a GPU, the gradients are
     bit-identical across runs. By default the tensor-core backward sums dQ over key blocks
     with float32 atomic adds, whose order varies between runs (last-bit differences). With
@@ -183,7 +190,14 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                                key_value_seq_lengths=key_value_seq_lengths,
                                local_window_size=local_window_size, allow_empty=True,
                                query_segment_ids=query_segment_ids,
-                               key_value_segment_ids=key_value_segment_ids)
+                               key_value_segment_ids=key_value_segment_ids,
+                               logits_soft_cap=logits_soft_cap)
+    if args.soft_cap and kind != "kernels":
+        raise ValueError(f"logits_soft_cap: jax.nn.dot_product_attention has no soft-capping, so "
+                         f"implementation={implementation!r} cannot take it")
+    if args.soft_cap and jax.default_backend() != "cpu":
+        raise ValueError("logits_soft_cap runs on the CPU kernels only so far; the CUDA kernels "
+                         "do not take it yet")
     if kind != "kernels":
         # The lengths and window as checked: int32 (jax.nn takes no other dtype) and bounded
         # (jax.nn adds a side to int32 positions); segment ids as a mask (jax.nn has none).
@@ -217,7 +231,8 @@ def _call_kernels(args: _validate.Normalized, deterministic_backward: bool):
         return _flash(args.query, args.key, args.value, args.bias, args.mask,
                       args.query_seq_lengths, args.key_value_seq_lengths,
                       args.query_segment_ids, args.key_value_segment_ids, args.scale,
-                      args.kernel_window, deterministic_backward, _ffi.kernel_switches())
+                      args.soft_cap, args.kernel_window, deterministic_backward,
+                      _ffi.kernel_switches())
     except TypeError as e:
         if _JAX_JVP_OF_CUSTOM_VJP not in str(e):
             raise

@@ -49,6 +49,9 @@ def _softmax(args: _validate.Normalized, precision_dtype):
     k = jnp.repeat(k, n // kv_heads, axis=2)
     logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=jax.lax.Precision.HIGHEST)
     logits = logits * jnp.asarray(args.scale, precision_dtype)
+    if args.soft_cap:
+        cap = jnp.asarray(args.soft_cap, precision_dtype)
+        logits = cap * jnp.tanh(logits / cap)
     if args.bias is not None:
         logits = logits + args.bias.astype(precision_dtype)
     keep = visibility(t_size, s_size, batch=b, is_causal=args.is_causal, window=args.window,
@@ -70,21 +73,23 @@ def _softmax(args: _validate.Normalized, precision_dtype):
 
 def attention_weights(query, key, bias=None, mask=None, *, scale=None, is_causal=False,
                       local_window_size=None, query_segment_ids=None,
-                      key_value_segment_ids=None) -> jax.Array:
+                      key_value_segment_ids=None, logits_soft_cap=None) -> jax.Array:
     """The float32 softmax weights [B, N, T, S] of `attention` (0 on a row that sees no key),
     for `jax_flashattn.flax` to sow where Flax's attention does."""
     args = _validate.normalize(query, key, key, bias, mask, scale=scale, is_causal=is_causal,
                                query_seq_lengths=None, key_value_seq_lengths=None,
                                local_window_size=local_window_size,
                                query_segment_ids=query_segment_ids,
-                               key_value_segment_ids=key_value_segment_ids)
+                               key_value_segment_ids=key_value_segment_ids,
+                               logits_soft_cap=logits_soft_cap)
     return _softmax(args, jnp.float32)[0]
 
 
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               implementation=None, return_residual=False, precision_dtype=jnp.float32,
-              p_dtype=None, query_segment_ids=None, key_value_segment_ids=None):
+              p_dtype=None, query_segment_ids=None, key_value_segment_ids=None,
+              logits_soft_cap=None):
     """Reference attention computed in `precision_dtype` (float32 by default).
 
     `p_dtype`, when given, rounds the probabilities P to that dtype before P.V, which models
@@ -97,7 +102,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                                key_value_seq_lengths=key_value_seq_lengths,
                                local_window_size=local_window_size,
                                query_segment_ids=query_segment_ids,
-                               key_value_segment_ids=key_value_segment_ids)
+                               key_value_segment_ids=key_value_segment_ids,
+                               logits_soft_cap=logits_soft_cap)
     p, any_visible, safe_max, denom = _softmax(args, precision_dtype)
     group = args.query.shape[2] // args.key.shape[2]
     v = jnp.repeat(args.value.astype(precision_dtype), group, axis=2)

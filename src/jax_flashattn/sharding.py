@@ -49,6 +49,7 @@ __all__ = ["ring_attention", "ring_schedule", "zigzag", "unzigzag", "forward", "
 @dataclasses.dataclass(frozen=True)
 class _RingConfig:
     scale: float
+    soft_cap: float
     window: tuple
     schedule: _ring.Schedule
     axes: tuple
@@ -58,8 +59,9 @@ class _RingConfig:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _ring_call(q, k, v, q_lens, kv_lens, q_ids, kv_ids, config):
     return _ring.seq_forward(q, k, v, None, None, q_lens, kv_lens, q_ids, kv_ids,
-                             scale=config.scale, window=config.window, schedule=config.schedule,
-                             axes=config.axes, switches=config.switches)
+                             scale=config.scale, soft_cap=config.soft_cap, window=config.window,
+                             schedule=config.schedule, axes=config.axes,
+                             switches=config.switches)
 
 
 def _ring_fwd(q, k, v, q_lens, kv_lens, q_ids, kv_ids, config):
@@ -71,7 +73,8 @@ def _ring_bwd(config, residuals, cotangents):
     q, k, v, q_lens, kv_lens, q_ids, kv_ids, out, lse = residuals
     d_out, _ = cotangents
     dq, dk, dv, _ = _ring.seq_backward(q, k, v, out, lse, d_out, None, None, q_lens, kv_lens,
-                                       q_ids, kv_ids, scale=config.scale, window=config.window,
+                                       q_ids, kv_ids, scale=config.scale,
+                                       soft_cap=config.soft_cap, window=config.window,
                                        schedule=config.schedule, axes=config.axes,
                                        switches=config.switches)
     return dq, dk, dv, None, None, None, None
@@ -117,14 +120,15 @@ def ring_schedule(num_devices: int, q_seq_len: int, kv_seq_len: int | None = Non
 def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                    layout="contiguous", load_balance=True, return_residual=False,
-                   query_segment_ids=None, key_value_segment_ids=None):
+                   query_segment_ids=None, key_value_segment_ids=None, logits_soft_cap=None):
     """Ring attention on sequence shards, for use inside `jax.shard_map`.
 
     Args:
       query: the local shard [B, T/D, N, H] (or [T/D, N, H]) of a sequence split over
         `axis_name` (D devices); key, value: [B, S/D, K, H] shards over the same axis.
       axis_name: the mesh axis (or tuple of axes) the sequence is split over.
-      scale, is_causal, local_window_size: as in `jax_flashattn.attention`, in GLOBAL positions.
+      scale, is_causal, local_window_size: as in `jax_flashattn.attention`, in GLOBAL positions;
+        logits_soft_cap as there too.
       query_seq_lengths, key_value_seq_lengths: int [B] GLOBAL valid lengths (replicated over
         `axis_name`).
       query_segment_ids, key_value_segment_ids: int [B, T/D] and [B, S/D], the LOCAL shards of
@@ -148,12 +152,17 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                                key_value_seq_lengths=key_value_seq_lengths,
                                local_window_size=local_window_size,
                                query_segment_ids=query_segment_ids,
-                               key_value_segment_ids=key_value_segment_ids)
+                               key_value_segment_ids=key_value_segment_ids,
+                               logits_soft_cap=logits_soft_cap)
+    if args.soft_cap and jax.default_backend() != "cpu":
+        raise ValueError("logits_soft_cap runs on the CPU kernels only so far; the CUDA kernels "
+                         "do not take it yet")
     t_local, s_local = args.query.shape[1], args.key.shape[1]
     schedule = ring_schedule(devices, t_local * devices, s_local * devices, is_causal=is_causal,
                              local_window_size=local_window_size, layout=layout,
                              load_balance=load_balance)
-    config = _RingConfig(args.scale, args.kernel_window, schedule, axes, _ffi.kernel_switches())
+    config = _RingConfig(args.scale, args.soft_cap, args.kernel_window, schedule, axes,
+                         _ffi.kernel_switches())
     out, lse = _ring_call(args.query, args.key, args.value, args.query_seq_lengths,
                           args.key_value_seq_lengths, args.query_segment_ids,
                           args.key_value_segment_ids, config)
@@ -202,23 +211,24 @@ def _flags(*optional):
 
 
 def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, scale: float,
-            window, switches: _ffi.KernelSwitches):
+            window, switches: _ffi.KernelSwitches, soft_cap: float = 0.0):
     """`_ops.forward` that partitions under jit: (out, lse [..., N, T] float32)."""
     optional = (bias, mask, q_lens, kv_lens, q_ids, kv_ids)
-    op = _partitioned("fwd", _flags(*optional), float(scale), tuple(window), False, switches)
+    op = _partitioned("fwd", _flags(*optional), float(scale), float(soft_cap), tuple(window),
+                      False, switches)
     return tuple(op(q, k, v, *_present(*optional)))
 
 
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *,
              scale: float, window, switches: _ffi.KernelSwitches, deterministic: bool = False,
-             dbias: bool = False):
+             dbias: bool = False, soft_cap: float = 0.0):
     """`_ops.backward` that partitions under jit: (dq, dk, dv, dbias), where dbias is float32
     already summed to bias's shape (None without bias or without `dbias`, whose cotangent is
     then not computed). `deterministic`: see _ops.backward."""
     optional = (bias, mask, q_lens, kv_lens, q_ids, kv_ids)
     with_dbias = bias is not None and bool(dbias)
-    op = _partitioned("bwd", _flags(*optional), float(scale), tuple(window), bool(deterministic),
-                      switches, with_dbias)
+    op = _partitioned("bwd", _flags(*optional), float(scale), float(soft_cap), tuple(window),
+                      bool(deterministic), switches, with_dbias)
     grads = op(q, k, v, out, lse, d_out, *_present(*optional))
     return (*grads[:3], grads[3] if with_dbias else None)
 
@@ -287,7 +297,8 @@ def _typed_like(x, like, dims=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned(kind, flags, scale, window, deterministic, switches, with_dbias=False):
+def _partitioned(kind, flags, scale, soft_cap, window, deterministic, switches,
+                 with_dbias=False):
     """The partitioned forward or backward op; `with_dbias`: the backward also returns the
     bias's gradient (a result only then)."""
     def body(*xs):
@@ -295,15 +306,15 @@ def _partitioned(kind, flags, scale, window, deterministic, switches, with_dbias
         if kind == "fwd":
             out, lse = _ops.forward(a.q, a.k, a.v, a.bias, a.mask, a.q_lens, a.kv_lens,
                                     _replicated(a.q_ids), _replicated(a.kv_ids), scale=scale,
-                                    window=window, switches=switches)
+                                    soft_cap=soft_cap, window=window, switches=switches)
             lead = tuple(range(a.q.ndim - 3))
             return (_typed_like(out, a.q),
                     _typed_like(lse, a.q, lead + (a.q.ndim - 2, a.q.ndim - 3)))
         dq, dk, dv, dbias = _ops.backward(a.q, a.k, a.v, a.out, a.lse, a.d_out, a.bias,
                                           a.mask, a.q_lens, a.kv_lens, _replicated(a.q_ids),
                                           _replicated(a.kv_ids),
-                                          scale=scale, window=window, switches=switches,
-                                          deterministic=deterministic,
+                                          scale=scale, soft_cap=soft_cap, window=window,
+                                          switches=switches, deterministic=deterministic,
                                           dbias=with_dbias)
         grads = (_typed_like(dq, a.q), _typed_like(dk, a.k), _typed_like(dv, a.v))
         if not with_dbias:
@@ -311,8 +322,8 @@ def _partitioned(kind, flags, scale, window, deterministic, switches, with_dbias
         return grads + (_typed_like(_ring.reduce_to(dbias, a.bias.shape), a.bias),)
 
     op = custom_partitioning(body)
-    op.def_partition(partition=functools.partial(_partition, kind, flags, scale, window,
-                                                 deterministic, switches, with_dbias),
+    op.def_partition(partition=functools.partial(_partition, kind, flags, scale, soft_cap,
+                                                 window, deterministic, switches, with_dbias),
                      sharding_rule=functools.partial(_sharding_rule, kind, flags, with_dbias))
     op = _broadcasting_vmap(op)
     jitted = jax.jit(op)
@@ -489,7 +500,7 @@ def _shardings(kind, flags, with_dbias, mesh, plan: _Plan, arg_shapes):
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
-def _partition(kind, flags, scale, window, deterministic, switches, with_dbias, mesh,
+def _partition(kind, flags, scale, soft_cap, window, deterministic, switches, with_dbias, mesh,
                arg_shapes, result_shape):
     del result_shape
     if mesh.empty:
@@ -502,8 +513,8 @@ def _partition(kind, flags, scale, window, deterministic, switches, with_dbias, 
     if flags[0]:
         bias = _unpack(kind, flags, arg_shapes).bias
         bias_shape = tuple(bias.shape)
-    local = functools.partial(_local, kind, flags, scale, window, deterministic, switches,
-                              with_dbias, plan, bias_shape)
+    local = functools.partial(_local, kind, flags, scale, soft_cap, window, deterministic,
+                              switches, with_dbias, plan, bias_shape)
 
     def lower(*xs):
         # XLA calls this after its partitioner has run, inside the caller's context: under
@@ -550,8 +561,8 @@ def _unselect_kv_heads(plan: _Plan, *grads):
     return out
 
 
-def _local(kind, flags, scale, window, deterministic, switches, with_dbias, plan: _Plan,
-           bias_shape, *xs):
+def _local(kind, flags, scale, soft_cap, window, deterministic, switches, with_dbias,
+           plan: _Plan, bias_shape, *xs):
     """The per-device computation of one partitioned call."""
     a = _unpack(kind, flags, xs)
     k, v = a.k, a.v
@@ -561,23 +572,25 @@ def _local(kind, flags, scale, window, deterministic, switches, with_dbias, plan
     if kind == "fwd":
         if schedule is None:
             return _ops.forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
-                                a.kv_ids, scale=scale, window=window, switches=switches)
+                                a.kv_ids, scale=scale, soft_cap=soft_cap, window=window,
+                                switches=switches)
         return _ring.seq_forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
-                                 a.kv_ids, scale=scale, window=window, schedule=schedule,
-                                 axes=plan.seq_axes, switches=switches)
+                                 a.kv_ids, scale=scale, soft_cap=soft_cap, window=window,
+                                 schedule=schedule, axes=plan.seq_axes, switches=switches)
     if schedule is None:
         dq, dk, dv, dbias = _ops.backward(a.q, k, v, a.out, a.lse, a.d_out, a.bias,
                                           a.mask, a.q_lens, a.kv_lens, a.q_ids, a.kv_ids,
-                                          scale=scale, window=window, switches=switches,
-                                          deterministic=deterministic,
+                                          scale=scale, soft_cap=soft_cap, window=window,
+                                          switches=switches, deterministic=deterministic,
                                           dbias=with_dbias)
         if dbias is not None:
             dbias = _ring.reduce_to(dbias, a.bias.shape)
     else:
         dq, dk, dv, dbias = _ring.seq_backward(
             a.q, k, v, a.out, a.lse, a.d_out, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
-            a.kv_ids, scale=scale, window=window, schedule=schedule, axes=plan.seq_axes,
-            switches=switches, deterministic=deterministic, dbias=with_dbias)
+            a.kv_ids, scale=scale, soft_cap=soft_cap, window=window, schedule=schedule,
+            axes=plan.seq_axes, switches=switches, deterministic=deterministic,
+            dbias=with_dbias)
     if not plan.kv_heads_split:
         dk, dv = _unselect_kv_heads(plan, dk, dv)
     if dbias is None:
