@@ -161,8 +161,10 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     return Invalid("key " + ShapeString(k) + " does not fit query " + ShapeString(q) +
                    " (same head dim, N % K == 0)");
   shape.scale = attrs.scale;
-  if (!(attrs.logits_soft_cap >= 0.f) || std::isinf(attrs.logits_soft_cap))
-    return Invalid("logits_soft_cap must be finite and >= 0 (0: none), got " +
+  // The kernels cap base-2 logits at cap log2(e), which must be finite too.
+  if (!(attrs.logits_soft_cap >= 0.f) ||
+      !std::isfinite(attrs.logits_soft_cap * 1.44269504088896340736f))
+    return Invalid("logits_soft_cap must be >= 0 (0: none) and finite times log2(e), got " +
                    std::to_string(attrs.logits_soft_cap));
   shape.logits_soft_cap = attrs.logits_soft_cap;
   shape.window_left = attrs.window_left;

@@ -129,8 +129,8 @@ struct AttentionParams {
   bool deterministic = false;
   // Workspace of the Hopper kernel's deterministic mode: one int32 per (batch entry, query head,
   // query tile of the kernel's own size), counting the key blocks whose dQ of the tile has been
-  // added, zeroed on the stream per call; at least dq_semaphores_needed() elements, else the
-  // call keeps the mma.sync family.
+  // added, zeroed on the stream per call; dq_semaphores_needed() elements or more (the handlers
+  // refuse fewer but some; with none the call keeps the mma.sync family's dQ pass).
   int32_t* dq_semaphores = nullptr;
   int64_t dq_semaphore_count = 0;
 

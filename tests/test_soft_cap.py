@@ -60,13 +60,15 @@ def test_cap_changes_the_result_and_bounds_the_logits(rng):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("option", ["plain", "causal", "window_lengths"])
+@pytest.mark.parametrize("option", sorted(OPTIONS) + ["mask"])
 def test_gradients_match_reference(rng, dtype, option):
     q, k, v = capped_qkv(rng, dtype)
     d_out = jnp.asarray(rng.standard_normal(q.shape), dtype)
-    kwargs = dict(OPTIONS[option], logits_soft_cap=4.0)
-    got = grads(cpu_attention, q, k, v, None, d_out, **kwargs)
-    want = reference_grads(q, k, v, None, d_out, **kwargs)
+    kwargs = dict(OPTIONS.get(option, {}), logits_soft_cap=4.0)
+    mask = jnp.asarray(rng.random((B, 1, T, S)) > 0.3) if option == "mask" else None
+    args = () if mask is None else (mask,)
+    got = grads(cpu_attention, q, k, v, None, d_out, *args, **kwargs)
+    want = reference_grads(q, k, v, None, d_out, *args, **kwargs)
     normwise = None if dtype == jnp.float32 else 2e-2
     for name, g, w in zip(("out", "dq", "dk", "dv"), got[:4], want[:4]):
         assert_grads_close(g, w, normwise=normwise, name=name)
@@ -90,6 +92,27 @@ def test_bias_is_added_after_the_cap(rng, bias_shape):
         np.asarray(jnp.repeat(v, N // K, axis=2))[:, 3:4], out.shape), rtol=1e-5, atol=1e-5)
 
 
+def test_lse_matches_reference(rng):
+    q, k, v = capped_qkv(rng, jnp.float32)
+    _, lse = cpu_attention(q, k, v, is_causal=True, logits_soft_cap=1.5, return_residual=True)
+    _, want = reference.attention(q, k, v, is_causal=True, logits_soft_cap=1.5,
+                                  return_residual=True)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_nan_at_a_masked_key_stays_out_of_its_gradients(rng):
+    """A key the mask hides from every row, whose q.k is NaN: the cap's slope there is NaN, but
+    dS is 0 there, so its dk and dv rows stay 0 and the output finite."""
+    q, k, v = capped_qkv(rng, jnp.float32)
+    k = k.at[:, 5].set(jnp.nan)
+    mask = jnp.ones((1, 1, T, S), bool).at[..., 5].set(False)
+    d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    out, _, dk, dv, _ = grads(cpu_attention, q, k, v, None, d_out, mask, logits_soft_cap=2.0)
+    assert np.isfinite(np.asarray(out)).all()
+    assert (np.asarray(dk)[:, 5] == 0).all() and (np.asarray(dv)[:, 5] == 0).all()
+    assert np.isfinite(np.delete(np.asarray(dk), 5, axis=1)).all()
+
+
 def test_under_jit_and_vmap(rng):
     q, k, v = capped_qkv(rng, jnp.float32)
     f = jax.jit(jax.vmap(lambda q, k, v: cpu_attention(q, k, v, logits_soft_cap=3.0)))
@@ -100,14 +123,25 @@ def test_under_jit_and_vmap(rng):
 
 @pytest.mark.parametrize("value,error", [(0, ValueError), (-1.0, ValueError),
                                          (float("inf"), ValueError), (float("nan"), ValueError),
-                                         (1e39, ValueError), (True, TypeError),
-                                         ("2", TypeError), ([2.0], TypeError)])
+                                         (1e39, ValueError), (3e38, ValueError),
+                                         (10**400, ValueError), (True, TypeError),
+                                         (np.array(True), TypeError), (np.array("2"), TypeError),
+                                         (np.ones(2), TypeError), ("2", TypeError),
+                                         ([2.0], TypeError)])
 def test_bad_values_raise_naming_the_option(rng, value, error):
     q, k, v = capped_qkv(rng, jnp.float32)
     with pytest.raises(error, match="logits_soft_cap"):
         cpu_attention(q, k, v, logits_soft_cap=value)
     with pytest.raises(error, match="logits_soft_cap"):
         reference.attention(q, k, v, logits_soft_cap=value)
+
+
+def test_numpy_and_jax_scalars_are_taken(rng):
+    q, k, v = capped_qkv(rng, jnp.float32)
+    want = cpu_attention(q, k, v, logits_soft_cap=2.0)
+    for cap in (np.float32(2.0), np.int64(2), np.array(2.0), jnp.float32(2.0)):
+        np.testing.assert_array_equal(np.asarray(cpu_attention(q, k, v, logits_soft_cap=cap)),
+                                      np.asarray(want))
 
 
 def test_traced_value_raises(rng):
@@ -172,6 +206,12 @@ def test_sharded_batch_and_ring_attention(rng):
     batch = NamedSharding(mesh, P("d"))
     out, grads_ = jax.jit(out_and_grads(lambda q, k, v: cpu_attention(q, k, v, **kwargs)))(
         *(jax.device_put(x, batch) for x in (q, k, v, d_out)))
+    for got, want in zip((out, *grads_), (want_out, *want_grads)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+    sequence = NamedSharding(mesh, P(None, "d"))  # the partitioned call's ring path
+    out, grads_ = jax.jit(out_and_grads(lambda q, k, v: cpu_attention(q, k, v, **kwargs)))(
+        *(jax.device_put(x, sequence) for x in (q, k, v, d_out)))
     for got, want in zip((out, *grads_), (want_out, *want_grads)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 

@@ -3,6 +3,8 @@
 //   D = rowsum(dO * O)                     per (batch, head), into the delta workspace
 //   dK, dV (and dbias) per key tile        S = Q K^T, P = 2^(S - lse), dP = dO V^T,
 //                                          dS = P (dP - D), dV += P^T dO, dK += dS^T Q
+//                                          (with a soft-cap, dS times its slope after dbias
+//                                          has summed it, for dK and dQ)
 //                                          over every query row of the kv head's group
 //   dQ per query tile                      the same S, P, dP, dS, then dQ += dS K
 // dbias (zeroed first) sums dS over the bias's broadcast dims inside the key-tile pass: where
@@ -84,10 +86,12 @@ struct StepTiles {
   }
 
   // dS of the capped logits (what dbias sums) to dS of scale q.k, for dQ and dK: times the
-  // cap's derivative. Rows that saw nothing have dS = 0, whatever their stale slope.
+  // cap's derivative. A dS of 0 (a hidden key, a row that saw nothing) stays 0 whatever the
+  // slope there holds, NaN included (the slope of a masked key whose q.k is NaN).
   JAX_FLASHATTN_CPU_INLINE void through_soft_cap(const TileLogits& logits) {
     if (!logits.soft_capped()) return;
-    for (int64_t e = 0; e < kTileRows * kTileKeys; ++e) ds[e] *= slope[e];
+    for (int64_t e = 0; e < kTileRows * kTileKeys; ++e)
+      if (ds[e] != 0.0f) ds[e] *= slope[e];
   }
 };
 

@@ -73,7 +73,8 @@ class TileLogits {
 
   // Row t's kTileKeys logits x of keys [k0, k0 + kTileKeys); false when it sees none of them
   // (then x is all -inf). With soft-capping and `slope` given, slope[j] is the cap's derivative
-  // at key j (1 where the row does not see it).
+  // at key j (1 outside the row's window and lengths; at keys the mask or the ids hide, what
+  // q.k gives, which the backward's dS of 0 there makes moot).
   JAX_FLASHATTN_CPU_INLINE bool apply(int64_t t, int64_t k0, float* x,
                                        std::vector<float>& bias_row,
                                        float* slope = nullptr) const {

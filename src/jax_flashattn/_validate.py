@@ -240,17 +240,24 @@ def _soft_cap(value) -> float:
     if isinstance(value, jax.core.Tracer):
         raise TypeError("logits_soft_cap must be a static Python number (it is compiled into "
                         "the kernel), got a traced value")
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Real, np.ndarray)):
+    # A Python or numpy real, or a concrete 0-d numeric array; never a bool.
+    array_like = isinstance(value, (np.ndarray, jax.Array))
+    if (isinstance(value, (bool, np.bool_))
+            or not (isinstance(value, numbers.Real) or array_like)
+            or (array_like and (np.ndim(value) != 0 or np.dtype(value.dtype).kind not in "iuf"))):
         raise TypeError(f"logits_soft_cap must be a real number or None, got {value!r}")
     try:
         cap = float(value)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"logits_soft_cap must be a real number or None, got {value!r}") from e
+    except OverflowError:  # an integer past float64's range
+        cap = math.inf
     with np.errstate(over="ignore", under="ignore"):
-        kernel_value = float(np.float32(cap))
-    if not (math.isfinite(kernel_value) and kernel_value > 0):
-        raise ValueError(f"logits_soft_cap must be finite and > 0 in float32, got {value!r}")
-    return kernel_value
+        kernel_value = np.float32(cap)
+        base2 = kernel_value * np.float32(1.4426950408889634)  # the kernels' base-2 cap
+    if not (np.isfinite(base2) and kernel_value > 0):
+        raise ValueError(f"logits_soft_cap must be > 0 and finite in float32 times log2(e) "
+                         f"(at most {float(np.finfo(np.float32).max) / math.log2(math.e):.6g}), "
+                         f"got {value!r}")
+    return float(kernel_value)
 
 
 def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,

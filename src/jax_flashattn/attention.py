@@ -136,7 +136,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
 
     NaN and Inf: a NaN or +inf logit that a row sees makes that row's output, lse and dq NaN,
     and the dk, dv of the keys it sees, as in jax.nn (whose gradients are NaN in more places
-    where masking hides the NaN); -inf in the bias hides a key as the mask does.
+    where masking hides the NaN); -inf in the bias hides a key as the mask does. With
+    `logits_soft_cap` the cap bounds scale * q.k first (+inf included), so only a NaN there or
+    a +inf bias does.
 
     One difference from jax.nn: a query row that sees no key, or whose visible logits are all
     -inf, returns 0 (lse -inf) rather than an average of V (or NaN). `return_residual=True`
@@ -194,7 +196,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                                logits_soft_cap=logits_soft_cap)
     if args.soft_cap and kind != "kernels":
         raise ValueError(f"logits_soft_cap: jax.nn.dot_product_attention has no soft-capping, so "
-                         f"implementation={implementation!r} cannot take it")
+                         f"this call, on its implementation={kind!r}, cannot take it")
     if args.soft_cap and jax.default_backend() != "cpu":
         raise ValueError("logits_soft_cap runs on the CPU kernels only so far; the CUDA kernels "
                          "do not take it yet")
