@@ -98,17 +98,15 @@ __device__ __forceinline__ void bulk_commit_group() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
 
-// Waits until the committed bulk stores and reductions have finished reading shared memory.
-__device__ __forceinline__ void bulk_wait_group_read_all() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-
 // Waits until at most kPending of the most recent committed bulk groups are still reading
 // shared memory (every older one has finished reading).
 template <int kPending>
 __device__ __forceinline__ void bulk_wait_group_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
+
+// Waits until the committed bulk stores and reductions have finished reading shared memory.
+__device__ __forceinline__ void bulk_wait_group_read_all() { bulk_wait_group_read<0>(); }
 
 // Waits until the committed bulk stores and reductions are complete: their writes to global
 // memory performed, not only their reads of shared memory.
