@@ -15,7 +15,8 @@
 
 namespace jax_flashattn::wgmma {
 
-// Per step (query head n, query tile), in the consumers' order:
+// `bars`: the DqWriterBarriers' shared address. Per step (query head n, query tile), in the
+// consumers' order:
 //   1. wait until the tile's semaphore counts kConsumers arrivals of every key block before
 //      this one (dq_turn): an acquire load, so their additions are visible and come first;
 //   2. with dQ staged (`staging`: consumer c's tile at staging + c * kDqBytes), per consumer
@@ -31,10 +32,10 @@ namespace jax_flashattn::wgmma {
 template <typename Traits, typename Maps>
 __device__ __forceinline__ void write_dq_in_order(const AttentionParams& p, const Maps& maps,
                                                   const BackwardBlock<Traits>& block,
-                                                  DqWriterBarriers& bars, uint32_t staging) {
+                                                  uint32_t bars, uint32_t staging) {
   constexpr int kBlockM = Traits::kBlockM, kConsumers = Traits::kConsumers;
   static_assert(kConsumers == 2, "one reduction group in flight past the first's read");
-  const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
+  using Bars = DqWriterBarriers;
   // 32-bit indices: the launch checks indices_fit_32_bits, which bounds B N (T / 64 + 1).
   const int tiles_per_head = int((p.seqlen_q + kBlockM - 1) / kBlockM);
   const auto window = variant::KeyWindow<int>::make(p, block.b);
@@ -52,7 +53,7 @@ __device__ __forceinline__ void write_dq_in_order(const AttentionParams& p, cons
       for (int c = 0; c < kConsumers; ++c) {
         const int dq_row0 = Traits::kDqSplitRows ? c * Traits::kDqRows : 0;
         const int dq_col0 = Traits::kDqSplitRows ? 0 : c * Traits::kDqCols;
-        ptx::mbarrier_wait(bar(bars.dq_done[c]), parity);
+        ptx::mbarrier_wait(Bars::done_at(bars, c), parity);
         for (int box = 0; box < Traits::kDqBoxes; ++box)
           ptx::tma_reduce_add_4d(&maps.dq_accum,
                                  staging + c * Traits::kDqBytes + box * Traits::kDqRows * kRowBytes,
@@ -61,16 +62,16 @@ __device__ __forceinline__ void write_dq_in_order(const AttentionParams& p, cons
         ptx::bulk_commit_group();
       }
       ptx::bulk_wait_group_read<1>();
-      ptx::mbarrier_arrive(bar(bars.dq_free[0]));
+      ptx::mbarrier_arrive(Bars::free_at(bars, 0));
       ptx::bulk_wait_group_read<0>();
-      ptx::mbarrier_arrive(bar(bars.dq_free[1]));
+      ptx::mbarrier_arrive(Bars::free_at(bars, 1));
       ptx::bulk_wait_group_all();
       ptx::fence_proxy_async_global();
     } else {
 #pragma unroll
-      for (int c = 0; c < kConsumers; ++c) ptx::mbarrier_arrive(bar(bars.dq_free[c]));
+      for (int c = 0; c < kConsumers; ++c) ptx::mbarrier_arrive(Bars::free_at(bars, c));
 #pragma unroll
-      for (int c = 0; c < kConsumers; ++c) ptx::mbarrier_wait(bar(bars.dq_done[c]), parity);
+      for (int c = 0; c < kConsumers; ++c) ptx::mbarrier_wait(Bars::done_at(bars, c), parity);
     }
     ptx::red_release_gpu_add(semaphore, kConsumers);
     if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;

@@ -31,7 +31,6 @@
 #include <cuda.h>
 
 #include <cmath>
-#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -90,18 +89,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     return base + Layout::kQIdsOffset + stage * Traits::QIdBox::kStageBytes;
   };
   auto& bars = *reinterpret_cast<BackwardBarriers<Traits>*>(smem + Layout::kBarrierOffset);
-  // Deterministic mode only (BackwardDeterministic's kWriterBarrierBytes): no bytes of it exist
-  // otherwise, and only code under Traits::kDeterministic touches it. The consumers address its
-  // barriers as 32-bit shared addresses from `base`.
-  auto& writer_bars = *reinterpret_cast<DqWriterBarriers*>(smem + Layout::kWriterBarrierOffset);
-  const auto dq_done = [&](int consumer) {
-    return base + Layout::kWriterBarrierOffset + uint32_t(offsetof(DqWriterBarriers, dq_done)) +
-           8 * consumer;
-  };
-  const auto dq_free = [&](int consumer) {
-    return base + Layout::kWriterBarrierOffset + uint32_t(offsetof(DqWriterBarriers, dq_free)) +
-           8 * consumer;
-  };
+  // DqWriterBarriers, in deterministic mode only (BackwardDeterministic's kWriterBarrierBytes):
+  // no bytes of it exist otherwise, and only code under Traits::kDeterministic touches it.
+  const uint32_t writer_bars = base + Layout::kWriterBarrierOffset;
+  const auto dq_done = [&](int c) { return DqWriterBarriers::done_at(writer_bars, c); };
+  const auto dq_free = [&](int c) { return DqWriterBarriers::free_at(writer_bars, c); };
   const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
 
   const int tid = threadIdx.x;
@@ -120,8 +112,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (Traits::kDeterministic) {
       static_assert(sizeof(DqWriterBarriers) <= Traits::kWriterBarrierBytes, "barriers fit");
       for (int c = 0; c < Traits::kConsumers; ++c) {
-        ptx::mbarrier_init(bar(writer_bars.dq_done[c]), 4);
-        ptx::mbarrier_init(bar(writer_bars.dq_free[c]), 1);
+        ptx::mbarrier_init(dq_done(c), 4);
+        ptx::mbarrier_init(dq_free(c), 1);
       }
     }
     ptx::fence_barrier_init();

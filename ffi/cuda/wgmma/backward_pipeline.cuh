@@ -2,6 +2,7 @@
 // (backward_kernel.cuh): the mbarriers, the block's work, and the shared-memory layout.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "ffi/cuda/common/mask.cuh"
@@ -21,8 +22,16 @@ struct BackwardBarriers {
 // per consumer c: dq_done[c], one arrival per warp: its dQ of the step is staged (or, not
 // staged, added into dq_accum); dq_free[c], the writer's one arrival: the staging tile has been
 // read by the reductions (or, not staged, the tile's turn has come and the warps may add).
+// Both sides address them by 32-bit shared address from the struct's own (`self`).
 struct DqWriterBarriers {
   uint64_t dq_done[kBackwardConsumers], dq_free[kBackwardConsumers];
+
+  __device__ static uint32_t done_at(uint32_t self, int consumer) {
+    return self + uint32_t(offsetof(DqWriterBarriers, dq_done)) + 8 * consumer;
+  }
+  __device__ static uint32_t free_at(uint32_t self, int consumer) {
+    return self + uint32_t(offsetof(DqWriterBarriers, dq_free)) + 8 * consumer;
+  }
 };
 
 // Lengths and window of batch entry b, the same for every head (no elementwise mask on this
