@@ -1,10 +1,10 @@
 #include "ffi/call_frame.h"
 
-#include <cmath>
 #include <string>
 #include <tuple>
 
 #include "ffi/call_shape.h"
+#include "ffi/variant.h"
 
 namespace jax_flashattn {
 namespace {
@@ -161,9 +161,7 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     return Invalid("key " + ShapeString(k) + " does not fit query " + ShapeString(q) +
                    " (same head dim, N % K == 0)");
   shape.scale = attrs.scale;
-  // The kernels cap base-2 logits at cap log2(e), which must be finite too.
-  if (!(attrs.logits_soft_cap >= 0.f) ||
-      !std::isfinite(attrs.logits_soft_cap * 1.44269504088896340736f))
+  if (!variant::SoftCap::valid(attrs.logits_soft_cap))
     return Invalid("logits_soft_cap must be >= 0 (0: none) and finite times log2(e), got " +
                    std::to_string(attrs.logits_soft_cap));
   shape.logits_soft_cap = attrs.logits_soft_cap;

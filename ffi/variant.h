@@ -297,11 +297,17 @@ struct SegmentSpans {
 // which the backward's dS is multiplied by on its way to dQ and dK (not to dbias: the bias is
 // added after the cap).
 struct SoftCap {
+  static constexpr float kLog2e = 1.44269504088896340736f;
   float cap2 = 0.0f;  // cap log2(e); 0 without capping
 
+  // Whether a call may carry `cap`: 0 (none), or > 0 with a finite base-2 cap (NaN is
+  // neither).
+  JAX_FLASHATTN_HOST_DEVICE static bool valid(float cap) {
+    return cap == 0.0f || (cap > 0.0f && cap * kLog2e <= std::numeric_limits<float>::max());
+  }
   JAX_FLASHATTN_HOST_DEVICE static SoftCap make(const AttentionParams& p) {
     SoftCap c;
-    c.cap2 = p.logits_soft_cap * 1.44269504088896340736f;
+    c.cap2 = p.logits_soft_cap * kLog2e;
     return c;
   }
   JAX_FLASHATTN_HOST_DEVICE bool present() const { return cap2 > 0.0f; }
