@@ -250,14 +250,23 @@ def _soft_cap(value) -> float:
         cap = float(value)
     except OverflowError:  # an integer past float64's range
         cap = math.inf
+    log2e = math.log2(math.e)
     with np.errstate(over="ignore", under="ignore"):
         kernel_value = np.float32(cap)
-        base2 = kernel_value * np.float32(1.4426950408889634)  # the kernels' base-2 cap
+        base2 = kernel_value * np.float32(log2e)  # the kernels' base-2 cap (variant::SoftCap)
     if not (np.isfinite(base2) and kernel_value > 0):
         raise ValueError(f"logits_soft_cap must be > 0 and finite in float32 times log2(e) "
-                         f"(at most {float(np.finfo(np.float32).max) / math.log2(math.e):.6g}), "
+                         f"(at most {float(np.finfo(np.float32).max) / log2e:.6g}), "
                          f"got {value!r}")
     return float(kernel_value)
+
+
+def check_soft_cap_backend(soft_cap: float) -> None:
+    """Only the CPU kernels take a soft-cap so far: a capped call on another backend raises
+    (the CUDA handlers would refuse it too, later and less clearly)."""
+    if soft_cap and jax.default_backend() != "cpu":
+        raise ValueError("logits_soft_cap runs on the CPU kernels only so far; the CUDA kernels "
+                         "do not take it yet")
 
 
 def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,

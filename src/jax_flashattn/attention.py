@@ -197,9 +197,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     if args.soft_cap and kind != "kernels":
         raise ValueError(f"logits_soft_cap: jax.nn.dot_product_attention has no soft-capping, so "
                          f"this call, on its implementation={kind!r}, cannot take it")
-    if args.soft_cap and jax.default_backend() != "cpu":
-        raise ValueError("logits_soft_cap runs on the CPU kernels only so far; the CUDA kernels "
-                         "do not take it yet")
+    _validate.check_soft_cap_backend(args.soft_cap)
     if kind != "kernels":
         # The lengths and window as checked: int32 (jax.nn takes no other dtype) and bounded
         # (jax.nn adds a side to int32 positions); segment ids as a mask (jax.nn has none).
