@@ -16,14 +16,6 @@
 namespace jax_flashattn {
 namespace {
 
-// Soft-capped logits have no CUDA kernel yet: the Python side raises before calling, and a call
-// built by hand gets this error rather than uncapped results.
-ffi::Error SoftCapUnsupported() {
-  return ffi::Error::InvalidArgument(
-      "jax_flashattn: logits_soft_cap runs on the CPU kernels only; the CUDA kernels do not "
-      "take it yet");
-}
-
 ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::RemainingArgs optional, ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
@@ -33,7 +25,6 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                                    attrs, p);
       e.failure())
     return e;
-  if (p.logits_soft_cap != 0.f) return SoftCapUnsupported();
   if (cudaError_t e = cuda::launch_forward(p, stream); e != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_flashattn: CUDA forward launch failed: ") +
                                 cudaGetErrorString(e));
@@ -53,7 +44,6 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                     delta, dq_semaphores, dbias, attrs, p);
       e.failure())
     return e;
-  if (p.logits_soft_cap != 0.f) return SoftCapUnsupported();
   if (cudaError_t e = cuda::launch_backward(p, stream); e != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_flashattn: CUDA backward launch failed: ") +
                                 cudaGetErrorString(e));

@@ -96,8 +96,7 @@ struct AttentionParams {
 
   float scale = 1.0f;  // logits = scale * q.k + bias
   // > 0: logits = cap * tanh(scale * q.k / cap) + bias (Gemma 2's soft-capping, before the
-  // bias and every mask); 0: none. Only the CPU kernels take it so far (the CUDA handlers
-  // refuse it).
+  // bias and every mask); 0: none (variant::SoftCap).
   float logits_soft_cap = 0.0f;
   // Query t sees key s iff t - window_left <= s <= t + window_right (each side unbounded when
   // kUnboundedWindow). Causal attention is window_right == 0.
@@ -147,12 +146,13 @@ struct AttentionParams {
   JAX_FLASHATTN_HOST_DEVICE int64_t dq_semaphores_needed() const {
     return batch * num_heads * ((seqlen_q + kDqSemaphoreRows - 1) / kDqSemaphoreRows);
   }
-  // A bias, a boolean mask or segment ids: terms read element by element, which the decode
-  // kernels do not have (the mma.sync family has instantiations for them, the Hopper kernels
-  // for segment ids).
+  // A bias, a boolean mask, segment ids or the soft-cap: terms applied element by element,
+  // which the decode kernels do not have (the mma.sync family has instantiations for them, the
+  // Hopper kernels for segment ids).
   JAX_FLASHATTN_HOST_DEVICE bool has_elementwise_terms() const {
-    return bias != nullptr || mask != nullptr || q_segment_ids != nullptr;
+    return bias != nullptr || mask != nullptr || q_segment_ids != nullptr || soft_capped();
   }
+  JAX_FLASHATTN_HOST_DEVICE bool soft_capped() const { return logits_soft_cap != 0.0f; }
   // No causal or window bound: every query sees every key up to the lengths.
   JAX_FLASHATTN_HOST_DEVICE bool unwindowed() const {
     return window_left == kUnboundedWindow && window_right == kUnboundedWindow;

@@ -11,10 +11,10 @@ buffers runs every case to the end:
     XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_force_compilation_parallelism=1 \
     --xla_gpu_enable_command_buffer=" compute-sanitizer --tool memcheck ...
 
-Shapes are odd (tile edges), with GQA, causal, windows and lengths, so every predicated path
-runs (and two long forwards take the wide Hopper tiles of head dims 128 and 64), and the
-tensor-core backward runs in both dQ modes (atomics and deterministic); the script exits
-non-zero if a result is not finite.
+Shapes are odd (tile edges), with GQA, causal, windows, lengths and soft-caps, so every
+predicated path runs (and two long forwards take the wide Hopper tiles of head dims 128 and
+64), and the tensor-core backward runs in both dQ modes (atomics and deterministic); the
+script exits non-zero if a result is not finite.
 """
 
 import contextlib
@@ -60,6 +60,16 @@ def main():
         (jnp.bfloat16, 128, dict(is_causal=True, key_value_seq_lengths=lens,
                                  query_segment_ids=np.arange(2 * 77).reshape(2, 77) // 20,
                                  key_value_segment_ids=np.arange(2 * 93).reshape(2, 93) // 25)),
+        # Soft-capped logits: on Hopper the Hopper forward's instantiation for them (head dims
+        # 128 and 256), elsewhere and with a bias or mask the mma.sync forward's; the mma.sync
+        # backward's in both dQ modes; the CUDA-core kernels for float32.
+        (jnp.bfloat16, 128, dict(is_causal=True, key_value_seq_lengths=lens,
+                                 logits_soft_cap=5.0)),
+        (jnp.float16, 256, dict(local_window_size=(20, 5), logits_soft_cap=5.0,
+                                deterministic_backward=True)),
+        (jnp.bfloat16, 64, dict(bias=np.ones((4, 77, 1), np.float32),
+                                mask=np.arange(93) % 3 != 1, logits_soft_cap=3.0)),
+        (jnp.float32, 36, dict(is_causal=True, logits_soft_cap=5.0)),
     ]
     for dtype, head_dim, kwargs in cases:
         q, k, v = random_qkv(rng, 2, 77, 93, 4, 2, head_dim, dtype)

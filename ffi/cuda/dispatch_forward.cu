@@ -6,8 +6,10 @@
 // Decoding shapes (few query rows per kv head, a long key sequence; ffi/decode_plan.h) take
 // a split-KV decode kernel on every architecture, ahead of the others, when the call's
 // workspace holds its splits: on Hopper the wgmma one where it applies
-// (wgmma::decode_kernel_applies), else the mma.sync one; calls with a bias, boolean mask or
-// segment ids keep the normal kernels. Why in this order: docs/decisions/kernel-family-dispatch.md.
+// (wgmma::decode_kernel_applies), else the mma.sync one; calls with a bias, boolean mask,
+// segment ids or a soft-cap keep the normal kernels. Soft-capped calls take the Hopper
+// kernel's instantiations for them (without segment ids) or the mma.sync family's. Why in this
+// order: docs/decisions/kernel-family-dispatch.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -113,8 +115,10 @@ bool decode_plan_with_merge(const AttentionParams& p, int device, ForwardKernel 
 
 bool sm90_applies(const AttentionParams& p, int device) {
   const int64_t max_head_dim = wgmma::kHeadDims[std::size(wgmma::kHeadDims) - 1];
-  return p.tile_counter != nullptr && p.head_dim <= max_head_dim && wgmma::tma_compatible(p) &&
-         wgmma::segment_ids_tma_compatible(p) && wgmma::hopper_kernels_apply(p, device);
+  const bool soft_cap_fits = !p.soft_capped() || p.q_segment_ids == nullptr;
+  return p.tile_counter != nullptr && soft_cap_fits && p.head_dim <= max_head_dim &&
+         wgmma::tma_compatible(p) && wgmma::segment_ids_tma_compatible(p) &&
+         wgmma::hopper_kernels_apply(p, device);
 }
 
 }  // namespace

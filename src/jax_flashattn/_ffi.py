@@ -97,11 +97,12 @@ class CallPlan(NamedTuple):
 
 def call_shape(query_shape, key_shape, dtype, *, scale=None, has_bias=False, has_mask=False,
                has_q_seqlens=False, has_kv_seqlens=False, has_segment_ids=False,
-               deterministic=False, switches: KernelSwitches | None = None):
+               deterministic=False, soft_cap=0.0, switches: KernelSwitches | None = None):
     """The extension's CallShape of a call with q [..., B, T, N, H] and k [..., B, S, K, H] of
     `dtype` (any dtype: one no kernel takes plans no workspace), `scale` (default H ** -0.5),
-    the optional operands it passes, and `switches` (default: the environment's now). Set by
-    field name, so nothing depends on an argument order across the boundary."""
+    the optional operands it passes, its soft-cap (0: none), and `switches` (default: the
+    environment's now). Set by field name, so nothing depends on an argument order across the
+    boundary."""
     *lead, t, n, h = query_shape
     if scale is None:
         scale = h ** -0.5 if h else 1.0
@@ -110,7 +111,8 @@ def call_shape(query_shape, key_shape, dtype, *, scale=None, has_bias=False, has
     fields = dict(dtype=_DTYPE_CODES.get(jax.numpy.dtype(dtype).name, -1),
                   batch=math.prod(lead), batch_inner=lead[-1] if lead else 1, seqlen_q=t,
                   seqlen_k=key_shape[-3], num_heads=n, num_kv_heads=key_shape[-2], head_dim=h,
-                  scale=float(scale), has_bias=bool(has_bias), has_mask=bool(has_mask),
+                  scale=float(scale), logits_soft_cap=float(soft_cap), has_bias=bool(has_bias),
+                  has_mask=bool(has_mask),
                   has_q_seqlens=bool(has_q_seqlens), has_kv_seqlens=bool(has_kv_seqlens),
                   has_segment_ids=bool(has_segment_ids), deterministic=bool(deterministic),
                   **switches._asdict())
@@ -145,7 +147,7 @@ def _kernel_query(query, key, device, **options) -> CallPlan:
 
 
 def forward_kernel(query, key, bias=None, mask=None, *, query_segment_ids=None,
-                   key_value_segment_ids=None, device=None) -> str:
+                   key_value_segment_ids=None, logits_soft_cap=None, device=None) -> str:
     """Which forward kernel family `attention` runs for these inputs on `device` (default: the
     first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync), "decode" (split-KV
     mma.sync, for few query rows against many keys), "decode_sm90" (split-KV wgmma, Hopper, for
@@ -153,11 +155,13 @@ def forward_kernel(query, key, bias=None, mask=None, *, query_segment_ids=None,
     (CUDA cores) on an NVIDIA GPU, "cpu" on the host. Reads only shapes and dtypes (arrays or
     jax.ShapeDtypeStruct) and the kernel switches in the environment now (kernel_switches);
     assumes the default scale; contiguous inputs as XLA lays them out are assumed. Segment ids
-    count only as given or not (both are needed by `attention`; either one counts here)."""
+    count only as given or not (both are needed by `attention`; either one counts here), and
+    `logits_soft_cap` as given (a number) or not."""
     return _kernel_query(query, key, device, has_bias=bias is not None,
                          has_mask=mask is not None,
                          has_segment_ids=_has_segment_ids(query_segment_ids,
-                                                          key_value_segment_ids)).forward
+                                                          key_value_segment_ids),
+                         soft_cap=_soft_cap_given(logits_soft_cap)).forward
 
 
 def decode_layout(query, key, *, key_value_seq_lengths=False, device=None) -> tuple[int, str]:
@@ -175,18 +179,25 @@ def decode_layout(query, key, *, key_value_seq_lengths=False, device=None) -> tu
 
 
 def backward_kernel(query, key, bias=None, mask=None, *, deterministic=False,
-                    query_segment_ids=None, key_value_segment_ids=None, device=None) -> str:
+                    query_segment_ids=None, key_value_segment_ids=None, logits_soft_cap=None,
+                    device=None) -> str:
     """Which backward kernel family the gradient of `attention` runs for these inputs on
     `device` (default: the first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync),
     "simt" (CUDA cores) on an NVIDIA GPU, "cpu" on the host. `deterministic` is attention's
     `deterministic_backward`. Reads only shapes and dtypes (arrays or jax.ShapeDtypeStruct) and
     the kernel switches in the environment now; assumes the default scale; contiguous inputs as
-    XLA lays them out are assumed."""
+    XLA lays them out are assumed; segment ids and `logits_soft_cap` count as forward_kernel's."""
     return _kernel_query(query, key, device, has_bias=bias is not None,
                          has_mask=mask is not None, deterministic=deterministic,
                          has_segment_ids=_has_segment_ids(query_segment_ids,
-                                                          key_value_segment_ids)).backward
+                                                          key_value_segment_ids),
+                         soft_cap=_soft_cap_given(logits_soft_cap)).backward
 
 
 def _has_segment_ids(query_segment_ids, key_value_segment_ids) -> bool:
     return query_segment_ids is not None or key_value_segment_ids is not None
+
+
+def _soft_cap_given(logits_soft_cap) -> float:
+    """A soft-cap for the planner, which asks only whether there is one: 1.0 when given."""
+    return 0.0 if logits_soft_cap is None else 1.0

@@ -85,7 +85,8 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, sc
     shape = _ffi.call_shape(q.shape, k.shape, q.dtype, scale=scale, has_bias=bias is not None,
                             has_mask=mask is not None, has_q_seqlens=q_lens is not None,
                             has_kv_seqlens=kv_lens is not None,
-                            has_segment_ids=q_ids is not None, switches=switches)
+                            has_segment_ids=q_ids is not None, soft_cap=soft_cap,
+                            switches=switches)
     decode_floats = _ffi.plan(shape).decode_workspace_floats
     call = jax.ffi.ffi_call(
         _ffi.FORWARD_TARGET,
@@ -120,7 +121,7 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, 
     s = k.shape[-3]
     optional, flags = _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids)
     semaphores = _ffi.plan(_ffi.call_shape(q.shape, k.shape, q.dtype, scale=scale,
-                                           deterministic=deterministic,
+                                           deterministic=deterministic, soft_cap=soft_cap,
                                            switches=switches)).dq_semaphores
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     results.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))  # dq_accum

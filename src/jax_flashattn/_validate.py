@@ -261,14 +261,6 @@ def _soft_cap(value) -> float:
     return float(kernel_value)
 
 
-def check_soft_cap_backend(soft_cap: float) -> None:
-    """Only the CPU kernels take a soft-cap so far: a capped call on another backend raises
-    (the CUDA handlers would refuse it too, later and less clearly)."""
-    if soft_cap and jax.default_backend() != "cpu":
-        raise ValueError("logits_soft_cap runs on the CPU kernels only so far; the CUDA kernels "
-                         "do not take it yet")
-
-
 def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None,
               local_window_size=None, allow_empty=False, query_segment_ids=None,

@@ -166,8 +166,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
 
     `logits_soft_cap` (keyword-only, not in jax.nn): a static number > 0 or None. The scaled
     logits s = scale q.k become cap * tanh(s / cap) before the bias and every mask (Gemma 2's
-    order), with gradients through the tanh. The CPU kernels take it; on a GPU, and with
-    implementation="xla" or "cudnn" (jax.nn has no soft-capping), it raises a ValueError.
+    order), with gradients through the tanh. With implementation="xla" or "cudnn" (jax.nn has
+    no soft-capping) it raises a ValueError.
 
     `deterministic_backward` (keyword-only, not in jax.nn): on a GPU, the gradients are
     bit-identical across runs. By default the tensor-core backward sums dQ over key blocks
@@ -197,7 +197,6 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     if args.soft_cap and kind != "kernels":
         raise ValueError(f"logits_soft_cap: jax.nn.dot_product_attention has no soft-capping, so "
                          f"this call, on its implementation={kind!r}, cannot take it")
-    _validate.check_soft_cap_backend(args.soft_cap)
     if kind != "kernels":
         # The lengths and window as checked: int32 (jax.nn takes no other dtype) and bounded
         # (jax.nn adds a side to int32 positions); segment ids as a mask (jax.nn has none).

@@ -154,7 +154,6 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                                query_segment_ids=query_segment_ids,
                                key_value_segment_ids=key_value_segment_ids,
                                logits_soft_cap=logits_soft_cap)
-    _validate.check_soft_cap_backend(args.soft_cap)
     t_local, s_local = args.query.shape[1], args.key.shape[1]
     schedule = ring_schedule(devices, t_local * devices, s_local * devices, is_causal=is_causal,
                              local_window_size=local_window_size, layout=layout,

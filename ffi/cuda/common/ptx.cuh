@@ -199,6 +199,14 @@ __device__ __forceinline__ float rcp_approx(float x) {
   return y;
 }
 
+// tanh(x) on the special-function unit (sm_75+): relative error at most about 1.1e-5 (16.5
+// bits), one instruction where tanhf is about twenty.
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float log2_approx(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

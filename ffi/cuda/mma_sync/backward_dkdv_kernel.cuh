@@ -4,7 +4,9 @@
 // tile that can see the block (Q and dO double-buffered with cp.async, with the tile's -lse
 // log2(e) and D staged in shared memory beside them):
 //   S^T  = K Q^T;  P^T from S^T and the saved lse   (warp: 16 keys x kSdpCols queries)
-//   dP^T = V dO^T; dS^T = P^T (dP^T - D)            (dbias from dS when there is a bias)
+//   dP^T = V dO^T; dS^T = P^T (dP^T - D)            (dbias from dS when there is a bias;
+//                                                    then, soft-capped, dS^T times the cap's
+//                                                    slope)
 //   dV  += P^T dO,  dK += dS^T Q         (warp: 16 keys x kDkvCols head-dim columns)
 //   dQ  += dS K                          (warp: kDqRows queries x kDqCols; red.add into float32)
 // Computing the transposed scores puts the keys on the rows, so P^T and dS^T are A operands
@@ -25,6 +27,7 @@
 #include "ffi/cuda/common/fragments.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/smem_tile.cuh"
+#include "ffi/cuda/common/soft_cap.cuh"
 #include "ffi/cuda/mma_sync/backward_terms.cuh"
 #include "ffi/params.h"
 
@@ -123,8 +126,9 @@ struct SubTileTerms {
 };
 
 // kSegments: the instantiation for calls with segment ids: their test in the other one would
-// cost every call (docs/decisions/segment-ids.md).
-template <typename Elem, typename Traits, bool kSegments>
+// cost every call (docs/decisions/segment-ids.md). kSoftCap: soft-capped logits, in
+// instantiations of their own for the same reason (their slopes take registers).
+template <typename Elem, typename Traits, bool kSegments, bool kSoftCap>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     backward_dkdv_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
@@ -250,6 +254,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   float dk_acc[kDkvTiles][4] = {};
   float dv_acc[kDkvTiles][4] = {};
   const float scale_log2 = p.scale * cuda::kLog2e;
+  [[maybe_unused]] const auto soft_cap =
+      kSoftCap ? cuda::SoftCapLogits::make(p) : cuda::SoftCapLogits{};
   const bool accumulate_dq = !p.deterministic && warp < Traits::kDqWarps;
 
   // ldmatrix row addresses, one register per operand (LdmatrixAddress): lane l addresses row
@@ -332,6 +338,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       const bool check =
           !head.vis.all_visible(sub_q0, sub_q0 + kSubCols, warp_key0, warp_key0 + 16);
       const SubTileTerms<kSegments> terms(p, head, sub_q0 + quad_col, warp_key0 + quad_row);
+      [[maybe_unused]] float slope[kSoftCap ? kSubTiles8 : 1][4];  // the cap's, per element
 #pragma unroll
       for (int mt = 0; mt < kSubTiles8; ++mt) {
         const float2 neg_lse2 =
@@ -340,10 +347,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         for (int e = 0; e < 4; ++e) {
           const int r = mt * 8 + e % 2, c = (e / 2) * 8;
           const bool visible = !check || terms.visible(r, c);
-          s_acc[mt][e] = visible ? ptx::exp2_approx(fmaf(s_acc[mt][e], scale_log2,
-                                                         terms.bias_log2(p, r, c) +
-                                                             (e % 2 ? neg_lse2.y : neg_lse2.x)))
-                                 : 0.f;
+          float& score = s_acc[mt][e];
+          float score_scale = scale_log2;
+          if constexpr (kSoftCap) {
+            score = soft_cap.apply(score);
+            slope[mt][e] = soft_cap.slope(score);
+            score_scale = 1.f;
+          }
+          score = visible ? ptx::exp2_approx(fmaf(score, score_scale,
+                                                  terms.bias_log2(p, r, c) +
+                                                      (e % 2 ? neg_lse2.y : neg_lse2.x)))
+                          : 0.f;
         }
       }
 
@@ -360,6 +374,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         }
       }
       terms.store_dbias(p, dp_acc);
+      if constexpr (kSoftCap) {  // a dS of 0 stays 0, whatever the slope (NaN at a hidden key)
+#pragma unroll
+        for (int mt = 0; mt < kSubTiles8; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (dp_acc[mt][e] != 0.f) dp_acc[mt][e] *= slope[mt][e];
+      }
 
       // P^T and dS^T rounded to Elem: the A operands of dV and dK (16 keys x 16 queries per
       // query step), stored as [key][query] rows for the warps that read them from shared

@@ -4,6 +4,7 @@
 // rows; Q and dO stay in shared memory (as register fragments they spilled at head dim 128)
 // while K/V tiles stream through it (double-buffered with cp.async). Per K/V tile j:
 //   S = Q K_j^T,  dP = dO V_j^T,  P from S and the saved lse,  dS = P (dP - D)
+//   (soft-capped: P from the capped S, and dS times the cap's slope)
 //   dQ += dS K_j     (the dS accumulators are already the A operand, K via ldmatrix.trans)
 // Each dQ element has one writer and a fixed summation order: bit-identical across runs, at
 // the cost of recomputing S and dP a second time (the dK/dV pass computes them too).
@@ -14,13 +15,14 @@
 #include "ffi/cuda/common/fragments.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/smem_tile.cuh"
+#include "ffi/cuda/common/soft_cap.cuh"
 #include "ffi/cuda/mma_sync/backward_terms.cuh"
 #include "ffi/params.h"
 
 namespace jax_flashattn::mma_sync {
 
-// kSegments: as backward_dkdv_kernel's.
-template <typename Elem, typename Traits, bool kSegments>
+// kSegments, kSoftCap: as backward_dkdv_kernel's.
+template <typename Elem, typename Traits, bool kSegments, bool kSoftCap>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     backward_dq_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
@@ -90,6 +92,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   float dq_acc[kDTiles][4] = {};
   const float scale_log2 = p.scale * cuda::kLog2e;
+  [[maybe_unused]] const auto soft_cap =
+      kSoftCap ? cuda::SoftCapLogits::make(p) : cuda::SoftCapLogits{};
 
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     const int stage = int((tile - tile_begin) % Traits::kStages);
@@ -126,8 +130,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       for (int e = 0; e < 4; ++e) {
         const int64_t t = row0 + warp_row0 + quad_row + (e / 2) * 8;
         const int64_t s = key0 + nt * 8 + quad_col + (e % 2);
-        const float prob = head.prob(p, t, s, s_acc[nt][e], scale_log2, neg_lse2[e / 2], check);
+        float score = s_acc[nt][e], score_scale = scale_log2;
+        [[maybe_unused]] float slope = 1.f;
+        if constexpr (kSoftCap) {
+          score = soft_cap.apply(score);
+          slope = soft_cap.slope(score);
+          score_scale = 1.f;
+        }
+        const float prob = head.prob(p, t, s, score, score_scale, neg_lse2[e / 2], check);
         dp_acc[nt][e] = prob * (dp_acc[nt][e] - delta[e / 2]);
+        if constexpr (kSoftCap)  // a dS of 0 stays 0, whatever the slope (NaN at a hidden key)
+          if (dp_acc[nt][e] != 0.f) dp_acc[nt][e] *= slope;
       }
 
     // dQ += dS K, reducing over the tile's keys.

@@ -12,21 +12,21 @@
 namespace jax_flashattn::cuda {
 
 // One dK/dV launch: a block per (batch x kv head, key block); key_blocks fits the grid's y.
-template <typename Elem, typename DkDv, bool kSegments>
+template <typename Elem, typename DkDv, bool kSegments, bool kSoftCap>
 cudaError_t launch_backward_dkdv(const AttentionParams& p, int64_t key_blocks,
                                  cudaStream_t stream) {
-  constexpr auto kernel = mma_sync::backward_dkdv_kernel<Elem, DkDv, kSegments>;
+  constexpr auto kernel = mma_sync::backward_dkdv_kernel<Elem, DkDv, kSegments, kSoftCap>;
   if (cudaError_t e = ensure_smem_limit<kernel>(DkDv::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid(unsigned(p.batch * p.num_kv_heads), unsigned(key_blocks));
   kernel<<<grid, DkDv::kThreads, DkDv::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
-// The dK/dV pass with the DkDv table, then in deterministic mode the dQ pass; kSegments: the
-// kernels' instantiation for calls with segment ids.
-template <typename Elem, typename DkDv, typename Dq, bool kSegments>
+// The dK/dV pass with the DkDv table, then in deterministic mode the dQ pass; kSegments,
+// kSoftCap: the kernels' instantiations for calls with segment ids, with a soft-cap.
+template <typename Elem, typename DkDv, typename Dq, bool kSegments, bool kSoftCap>
 cudaError_t launch_backward_passes(const AttentionParams& p, cudaStream_t stream) {
-  constexpr auto dq_kernel = mma_sync::backward_dq_kernel<Elem, Dq, kSegments>;
+  constexpr auto dq_kernel = mma_sync::backward_dq_kernel<Elem, Dq, kSegments, kSoftCap>;
   const int64_t key_blocks = (p.seqlen_k + DkDv::kBlockN - 1) / DkDv::kBlockN;
   const int64_t query_blocks = (p.seqlen_q + Dq::kBlockM - 1) / Dq::kBlockM;
   // Grid y limits: the dK/dV pass always runs, the dQ pass only in deterministic mode.
@@ -34,7 +34,8 @@ cudaError_t launch_backward_passes(const AttentionParams& p, cudaStream_t stream
       p.batch * p.num_heads > 0x7fffffff)
     return cudaErrorInvalidConfiguration;
   if (key_blocks > 0) {
-    const cudaError_t e = launch_backward_dkdv<Elem, DkDv, kSegments>(p, key_blocks, stream);
+    const cudaError_t e =
+        launch_backward_dkdv<Elem, DkDv, kSegments, kSoftCap>(p, key_blocks, stream);
     if (e != cudaSuccess) return e;
   }
   if (!p.deterministic) return cudaSuccess;
@@ -44,8 +45,9 @@ cudaError_t launch_backward_passes(const AttentionParams& p, cudaStream_t stream
   return cudaGetLastError();
 }
 
-// The passes with the table the device holds (kSegments: the kernels for segment ids).
-template <typename Elem, int kHeadDim, bool kSegments>
+// The passes with the table the device holds (kSegments, kSoftCap: the kernels for segment
+// ids, for a soft-cap).
+template <typename Elem, int kHeadDim, bool kSegments, bool kSoftCap = false>
 cudaError_t launch_backward_tables(const AttentionParams& p, cudaStream_t stream) {
   using DkDvLarge = mma_sync::DkDvConfigLarge<kHeadDim>;
   using Dq = mma_sync::DqConfig<kHeadDim>;
@@ -56,11 +58,11 @@ cudaError_t launch_backward_tables(const AttentionParams& p, cudaStream_t stream
   if constexpr (kHeadDim > mma_sync::kSmallTableMaxHeadDim) {
     // Only the large table: choose_backward_kernel sends these head dims here only where it fits.
     if (!large) return cudaErrorInvalidConfiguration;
-    return launch_backward_passes<Elem, DkDvLarge, Dq, kSegments>(p, stream);
+    return launch_backward_passes<Elem, DkDvLarge, Dq, kSegments, kSoftCap>(p, stream);
   } else {
     using DkDvSmall = mma_sync::DkDvConfig<kHeadDim>;
-    return large ? launch_backward_passes<Elem, DkDvLarge, Dq, kSegments>(p, stream)
-                 : launch_backward_passes<Elem, DkDvSmall, Dq, kSegments>(p, stream);
+    return large ? launch_backward_passes<Elem, DkDvLarge, Dq, kSegments, kSoftCap>(p, stream)
+                 : launch_backward_passes<Elem, DkDvSmall, Dq, kSegments, kSoftCap>(p, stream);
   }
 }
 
@@ -69,8 +71,14 @@ cudaError_t launch_backward_tables(const AttentionParams& p, cudaStream_t stream
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm80_segments(const AttentionParams& p, cudaStream_t stream);
 
+// Soft-capped calls (with or without segment ids): backward_softcap_launch.cuh, in
+// translation units of their own (cuda/instantiations/backward_mma_sync_softcap.cu.in).
+template <typename Elem, int kHeadDim>
+cudaError_t launch_backward_sm80_softcap(const AttentionParams& p, cudaStream_t stream);
+
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm80(const AttentionParams& p, cudaStream_t stream) {
+  if (p.soft_capped()) return launch_backward_sm80_softcap<Elem, kHeadDim>(p, stream);
   if (p.q_segment_ids != nullptr) return launch_backward_sm80_segments<Elem, kHeadDim>(p, stream);
   return launch_backward_tables<Elem, kHeadDim, false>(p, stream);
 }

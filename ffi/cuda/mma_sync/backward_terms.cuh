@@ -1,6 +1,7 @@
 // The per-element terms both backward kernels recompute for one (batch, query head):
 //   P_ts  = exp2(scale log2(e) q_t.k_s + log2(e) bias_ts - log2(e) lse_t)   (0 where hidden)
 //   dS_ts = P_ts (dP_ts - D_t)
+// (soft-capped, the kernels pass the capped base-2 logit in place of scale log2(e) q_t.k_s).
 // lse is the forward's natural-log residual; a row that saw no key has lse = -inf and gets
 // P = 0 (never exp2(+inf) or NaN), as do rows past the end of the tile's tensor.
 #pragma once
@@ -55,11 +56,12 @@ struct HeadTerms {
                                               s * p.bias_strides.col);
   }
 
-  // P_ts from the raw score q_t.k_s; `check` false when the caller knows (t, s) is visible.
+  // P_ts from the score: q_t.k_s with score_scale = scale log2(e), or the soft-capped base-2
+  // logit with 1. `check` false when the caller knows (t, s) is visible.
   __device__ float prob(const AttentionParams& p, int64_t t, int64_t s, float score,
-                        float scale_log2, float neg_lse2, bool check) const {
+                        float score_scale, float neg_lse2, bool check) const {
     if (check && !vis.visible(t, s)) return 0.f;
-    return ptx::exp2_approx(fmaf(score, scale_log2, bias_log2(p, t, s) + neg_lse2));
+    return ptx::exp2_approx(fmaf(score, score_scale, bias_log2(p, t, s) + neg_lse2));
   }
 };
 

@@ -3,7 +3,7 @@
 // One block per (query tile, head, batch). Per K/V tile j:
 //   S = Q K_j^T          (K from swizzled shared memory; Q fragments kept in registers, or
 //                         re-read from shared memory where registers are short)
-//   mask + bias          (only on tiles that straddle a boundary)
+//   soft-cap, bias, mask (only on tiles that straddle a boundary, without a cap, bias or mask)
 //   online softmax       (exp2 with the scale folded into one FFMA)
 //   O += P V_j           (P re-packed from the S accumulators, V via ldmatrix.trans)
 // while tile j + 1 is in flight: with cp.async, or on Hopper (kTmaKV) by TMA, which one thread
@@ -21,6 +21,7 @@
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/smem_tile.cuh"
+#include "ffi/cuda/common/soft_cap.cuh"
 #include "ffi/cuda/common/softmax.cuh"
 #include "ffi/cuda/common/tensor_maps.h"
 #include "ffi/params.h"
@@ -33,15 +34,19 @@ namespace jax_flashattn::mma_sync {
 // keeps its registers for the accumulators.
 // kSegments (with kElementwise): also segment ids, in an instantiation of their own: as a test of
 // the bias and mask instantiation they cost its rows 16-24% (docs/decisions/segment-ids.md).
+// kSoftCap (with kElementwise): the logits are soft-capped (cuda::SoftCapLogits), in
+// instantiations of their own, so that the others keep their code.
 // kTmaKV (Hopper): K and V tiles come by TMA (maps.k, maps.v, boxes of kBlockN rows) in TMA's
 // 128-byte-swizzled span layout: one thread issues two to eight loads per tile instead of every
 // thread's cp.async with its 64-bit address arithmetic, and the stage's mbarrier, not a block
 // barrier, says they landed. No block barrier says that a stage is free either: each warp
 // counts itself done with it, and the last one refills it, so a warp waits only for data, never
 // for the other warps (docs/decisions/mma-sync-tma-kv-loads-on-hopper.md).
-template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV, bool kSegments>
+template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV, bool kSegments,
+          bool kSoftCap>
 __device__ __forceinline__ void forward_block(const AttentionParams& p, const wgmma::KVMaps& maps) {
   static_assert(kElementwise || !kSegments, "segment ids are an elementwise term");
+  static_assert(kElementwise || !kSoftCap, "the soft-cap is an elementwise term");
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kSlabs = Traits::kSlabs, kSmemDim = Traits::kSmemDim;
   constexpr int kKSteps = Traits::kHeadDim / 16;  // QK^T reduction steps
@@ -165,11 +170,15 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
   // exponentiate_against_settled_max needs (rows past the query length never see a key and
   // stay at -inf). A row below it that has seen no key yet keeps the warp on the full update.
   bool settled = false;
-  // With a bias the scores are moved to the log2 domain before the softmax (the bias must be
-  // added after scaling); without one the scale is folded into the softmax's FFMA.
+  // With a bias or a soft-cap the scores are moved to the log2 domain before the softmax (the
+  // bias is added after scaling, the cap bends the scaled logit); without either the scale is
+  // folded into the softmax's FFMA.
   const bool has_bias = kElementwise && p.bias != nullptr;
   const float scale_log2 = p.scale * cuda::kLog2e;
-  const float softmax_scale = has_bias ? 1.f : scale_log2;
+  const float bias_score_scale = kSoftCap ? 1.f : scale_log2;  // on the scores the bias meets
+  const float softmax_scale = has_bias || kSoftCap ? 1.f : scale_log2;
+  [[maybe_unused]] const auto soft_cap =
+      kSoftCap ? cuda::SoftCapLogits::make(p) : cuda::SoftCapLogits{};
 
   // ldmatrix row address pattern: lane l addresses row l % 8 of matrix l / 8. A operands
   // (Q) take matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (0-7, 8-15), (8-15, 8-15); the
@@ -297,9 +306,11 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
                 // Visible elements lie inside [seqlen_q, seqlen_k): only they are read.
                 bool keep = kColumnBits ? cuda::TileVisibility::column_visible(bits, 2 * nt + e)
                                         : tile_vis.visible(r, c);
+                if constexpr (kSoftCap)
+                  if (keep) score = soft_cap.apply(score);
                 if constexpr (kElementwise) {
                   if (keep && has_bias)
-                    score = fmaf(score, scale_log2,
+                    score = fmaf(score, bias_score_scale,
                                  cuda::kLog2e * variant::AdditiveBias::element(
                                                     p.bias, p.bias_dtype,
                                                     bias_base + c * p.bias_strides.col));
@@ -416,16 +427,17 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
 
 // kTmaKV bodies exist only in the sm_90a image (TMA, mbarrier try_wait); the launcher picks them
 // only on compute capability 9.0 (wgmma::tma_loads_apply).
-template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV, bool kSegments>
+template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV, bool kSegments,
+          bool kSoftCap>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     forward_kernel(const __grid_constant__ AttentionParams p,
                    const __grid_constant__ wgmma::KVMaps maps) {
   if constexpr (kTmaKV) {
 #ifdef JAX_FLASHATTN_SM90_BODY
-    forward_block<Elem, Traits, kElementwise, true, kSegments>(p, maps);
+    forward_block<Elem, Traits, kElementwise, true, kSegments, kSoftCap>(p, maps);
 #endif
   } else {
-    forward_block<Elem, Traits, kElementwise, false, kSegments>(p, maps);
+    forward_block<Elem, Traits, kElementwise, false, kSegments, kSoftCap>(p, maps);
   }
 }
 

@@ -9,9 +9,11 @@
 
 namespace jax_flashattn::cuda {
 
-template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV, bool kSegments>
+template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV, bool kSegments,
+          bool kSoftCap>
 cudaError_t launch_forward_sm80_kernel(const AttentionParams& p, cudaStream_t stream) {
-  constexpr auto kernel = mma_sync::forward_kernel<Elem, Traits, kElementwise, kTmaKV, kSegments>;
+  constexpr auto kernel =
+      mma_sync::forward_kernel<Elem, Traits, kElementwise, kTmaKV, kSegments, kSoftCap>;
   constexpr int kSmemBytes = kTmaKV ? Traits::kTmaSmemBytes : Traits::kSmemBytes;
   if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
   const int64_t m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
@@ -28,12 +30,15 @@ cudaError_t launch_forward_sm80_kernel(const AttentionParams& p, cudaStream_t st
 }
 
 // The mask kind picks the instantiation (with segment ids; with a bias or boolean mask; with
-// none of them), and tma_kv (wgmma::tma_loads_apply) how K and V tiles load.
-template <typename Elem, typename Traits, bool kElementwise, bool kSegments>
+// none of them; each with and without the soft-cap), and tma_kv (wgmma::tma_loads_apply) how K
+// and V tiles load.
+template <typename Elem, typename Traits, bool kElementwise, bool kSegments, bool kSoftCap = false>
 cudaError_t launch_forward_sm80_loads(const AttentionParams& p, bool tma_kv, cudaStream_t stream) {
   if (tma_kv)
-    return launch_forward_sm80_kernel<Elem, Traits, kElementwise, true, kSegments>(p, stream);
-  return launch_forward_sm80_kernel<Elem, Traits, kElementwise, false, kSegments>(p, stream);
+    return launch_forward_sm80_kernel<Elem, Traits, kElementwise, true, kSegments, kSoftCap>(
+        p, stream);
+  return launch_forward_sm80_kernel<Elem, Traits, kElementwise, false, kSegments, kSoftCap>(
+      p, stream);
 }
 
 // Calls with segment ids: defined in forward_segments_launch.cuh and instantiated in
@@ -44,9 +49,17 @@ template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm80_segments(const AttentionParams& p, bool tma_kv,
                                          cudaStream_t stream);
 
+// Soft-capped calls: forward_softcap_launch.cuh, in translation units of their own
+// (cuda/instantiations/forward_mma_sync_softcap.cu.in) for the same reason.
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_sm80_softcap(const AttentionParams& p, bool tma_kv,
+                                        cudaStream_t stream);
+
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm80(const AttentionParams& p, bool tma_kv, cudaStream_t stream) {
   using Traits = mma_sync::ForwardConfig<kHeadDim>;
+  if (p.soft_capped())
+    return launch_forward_sm80_softcap<Elem, kHeadDim>(p, tma_kv, stream);
   if (p.q_segment_ids != nullptr)
     return launch_forward_sm80_segments<Elem, kHeadDim>(p, tma_kv, stream);
   if (p.bias != nullptr || p.mask != nullptr)

@@ -1,9 +1,11 @@
 // CUDA-core backward: float32 arithmetic on every dtype and head dim, deterministic (no
 // atomics, except for a dbias summed over broadcast dims). P is recomputed from the saved lse,
 // never stored:
-//   P_ts = exp(scale q_t.k_s + bias_ts - lse_t),  D_t = dO_t.O_t,
-//   dS_ts = P_ts (dO_t.v_s - D_t),  dq_t = scale sum_s dS_ts k_s,
-//   dk_s = scale sum_{n in group, t} dS_ts q_t,  dv_s = sum_{n in group, t} P_ts dO_t.
+//   P_ts = exp(softcap(scale q_t.k_s) + bias_ts - lse_t),  D_t = dO_t.O_t,
+//   dS_ts = P_ts (dO_t.v_s - D_t)  (dbias),  dS'_ts = dS_ts softcap'(scale q_t.k_s),
+//   dq_t = scale sum_s dS'_ts k_s,  dk_s = scale sum_{n in group, t} dS'_ts q_t,
+//   dv_s = sum_{n in group, t} P_ts dO_t
+// (softcap the identity, softcap' 1, without a cap).
 // Two kernels: a warp per query row computes dq (and the dbias row), a warp per key row
 // computes dk and dv over the query heads of its group, so every output has one writer (but a
 // dbias summed over broadcast dims, whose elements take float32 atomic adds).
@@ -26,9 +28,10 @@ struct HeadView {
   const float* lse;
   int64_t bias_offset;
   Visibility vis;
+  variant::SoftCap soft_cap;
 
   __device__ HeadView(const AttentionParams& p, int64_t b, int64_t n)
-      : vis(Visibility::make_with_segments(p, b, n)) {
+      : vis(Visibility::make_with_segments(p, b, n)), soft_cap(variant::SoftCap::make(p)) {
     const int64_t kv_head = n / p.group_size();
     const int64_t q_offset = b * p.q_batch_stride + n * p.q_head_stride;
     const int64_t kv_offset = b * p.kv_batch_stride + kv_head * p.kv_head_stride;
@@ -41,15 +44,21 @@ struct HeadView {
     bias_offset = p.bias ? p.bias_strides.offset(b, p.batch_inner, n, 0, 0) : 0;
   }
 
-  // P_ts given q_t.k_s; 0 where (t, s) is hidden or row t saw nothing (lse = -inf).
-  __device__ float prob(const AttentionParams& p, int64_t t, int64_t s, float qk) const {
+  // P_ts given q_t.k_s; 0 where (t, s) is hidden or row t saw nothing (lse = -inf). `slope`
+  // gets softcap' there (1 without a cap; its value where P is 0 is never used).
+  __device__ float prob(const AttentionParams& p, int64_t t, int64_t s, float qk,
+                        float& slope) const {
+    slope = 1.f;
     if (!vis.visible(t, s) || lse[t] == -INFINITY) return 0.f;
     const float bias =
         p.bias ? variant::AdditiveBias::element(
                      p.bias, p.bias_dtype,
                      bias_offset + t * p.bias_strides.row + s * p.bias_strides.col)
                : 0.f;
-    return expf(fmaf(qk, p.scale, bias) - lse[t]);
+    if (!soft_cap.present()) return expf(fmaf(qk, p.scale, bias) - lse[t]);
+    const float capped = soft_cap.apply(qk * p.scale * kLog2e);  // base 2
+    slope = soft_cap.slope(capped);
+    return expf(fmaf(capped, kLn2, bias) - lse[t]);
   }
 };
 
@@ -86,10 +95,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int64_t begin = store_row ? 0 : lo, end = store_row ? p.seqlen_k : hi;
   for (int64_t base = begin; base < end; base += 32) {
     const int64_t s = base + lane;
-    float ds = 0.f;
+    float ds = 0.f, slope = 1.f;
     if (s >= lo && s < hi) {
       const Elem* key = view.k + s * p.kv_row_stride;
-      const float prob = view.prob(p, t, s, dot_shared(q_row, key, H));
+      const float prob = view.prob(p, t, s, dot_shared(q_row, key, H), slope);
       if (prob != 0.f) ds = prob * (dot_shared(do_row, view.v + s * p.kv_row_stride, H) - d_t);
     }
     if (dbias_row && s < end) {
@@ -99,8 +108,8 @@ __global__ void __launch_bounds__(kWarps * 32)
       else
         ptx::red_add_f32(element, ds);
     }
-    accumulate_rows(dq_row, ds * p.scale, view.k + base * p.kv_row_stride, p.kv_row_stride, H,
-                    lane);
+    accumulate_rows(dq_row, ds * slope * p.scale, view.k + base * p.kv_row_stride,
+                    p.kv_row_stride, H, lane);
   }
   Elem* dq = static_cast<Elem*>(p.dq) + b * p.q_batch_stride + n * p.q_head_stride +
              t * p.q_row_stride;
@@ -139,18 +148,18 @@ __global__ void __launch_bounds__(kWarps * 32)
     const HeadView<Elem> view(p, b, n);
     for (int64_t base = t_lo; base < t_hi; base += 32) {
       const int64_t t = base + lane;
-      float prob = 0.f, ds = 0.f;
+      float prob = 0.f, ds = 0.f, slope = 1.f;
       if (t < t_hi) {
         const Elem* q_t = view.q + t * p.q_row_stride;
-        prob = view.prob(p, t, s, dot_shared(k_row, q_t, H));
+        prob = view.prob(p, t, s, dot_shared(k_row, q_t, H), slope);
         if (prob != 0.f) {
           const Elem* do_t = view.d_out + t * p.q_row_stride;
           ds = prob * (dot_shared(v_row, do_t, H) - dot_global(do_t, view.out + t * p.q_row_stride, H));
         }
       }
       accumulate_rows(dv_row, prob, view.d_out + base * p.q_row_stride, p.q_row_stride, H, lane);
-      accumulate_rows(dk_row, ds * p.scale, view.q + base * p.q_row_stride, p.q_row_stride, H,
-                      lane);
+      accumulate_rows(dk_row, ds * slope * p.scale, view.q + base * p.q_row_stride,
+                      p.q_row_stride, H, lane);
     }
   }
   for (int64_t h = lane; h < H; h += 32) {

@@ -1,5 +1,6 @@
 // CUDA-core forward: float32 arithmetic on every dtype and any head dim. It serves float32
 // inputs (exact fp32 products, no TF32) and head dims the tensor-core kernels do not tile.
+// Every option is a runtime test here (soft-cap included): this family is not the fast path.
 //
 // One warp per query row. Per block of 32 keys each lane scores one key (a full dot product),
 // the warp runs the online-softmax update with shuffles, and then each lane accumulates the
@@ -44,6 +45,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   vis.key_range(t, t + 1, lo, hi);
   variant::SegmentSpans::keys_of_rows(p, b).narrow(t, t + 1, lo, hi);  // segment ids: its documents
   const float scale_log2 = p.scale * kLog2e;
+  const variant::SoftCap soft_cap = variant::SoftCap::make(p);
   const int64_t bias_row =
       p.bias ? p.bias_strides.offset(b, p.batch_inner, n, t, 0) : 0;
   float row_max = -INFINITY, row_sum = 0.f;
@@ -56,7 +58,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       const float bias = p.bias ? variant::AdditiveBias::element(
                                       p.bias, p.bias_dtype, bias_row + s * p.bias_strides.col)
                                 : 0.f;
-      score = fmaf(qk, scale_log2, bias * kLog2e);
+      // (softcap(scale q.k) + bias) log2(e): the cap in tanhf, float32-accurate as the rest.
+      score = soft_cap.present() ? soft_cap.apply(qk * scale_log2) + bias * kLog2e
+                                 : fmaf(qk, scale_log2, bias * kLog2e);
     }
     const float new_max = fmaxf(row_max, warp_max(score));
     const float offset = new_max == -INFINITY ? 0.f : new_max;

@@ -39,6 +39,7 @@
 #include "ffi/cuda/common/id_box.cuh"
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/soft_cap.cuh"
 #include "ffi/cuda/common/softmax.cuh"  // kLog2e
 #include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/cuda/common/tensor_maps.h"
@@ -207,7 +208,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (int d = 0; d < kDTiles; ++d)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
-  const float scale_log2 = p.scale * cuda::kLog2e;
+  // The factor on the scores in P^T's exponent: scale log2(e), or 1 where they are the capped
+  // base-2 logits (kSoftCap).
+  const float score_scale = Traits::kSoftCap ? 1.f : p.scale * cuda::kLog2e;
+  [[maybe_unused]] const auto soft_cap =
+      Traits::kSoftCap ? cuda::SoftCapLogits::make(p) : cuda::SoftCapLogits{};
   // kSegments: the id of this warp's key lane % 16 (the last key's past S), read once per
   // block: the tests below take the keys' ids from it by shuffles, and the queries' from the
   // ids that land with each Q tile (cuda::id_box_start's box).
@@ -338,8 +343,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const float bias0 = neg_log2(lse[8 * j + quad_col]);
       const float bias1 = neg_log2(lse[8 * j + quad_col + 1]);
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        s_acc[j][e] = ptx::exp2_approx(fmaf(s_acc[j][e], scale_log2, e % 2 ? bias1 : bias0));
+      for (int e = 0; e < 4; ++e) {
+        if constexpr (Traits::kSoftCap) s_acc[j][e] = soft_cap.apply(s_acc[j][e]);
+        s_acc[j][e] = ptx::exp2_approx(fmaf(s_acc[j][e], score_scale, e % 2 ? bias1 : bias0));
+      }
     }
     if (hidden != 0) {
 #pragma unroll
@@ -357,6 +364,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const float d0 = delta[8 * j + quad_col], d1 = delta[8 * j + quad_col + 1];
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp_acc[j][e] = s_acc[j][e] * (dp_acc[j][e] - (e % 2 ? d1 : d0));
+      if constexpr (Traits::kSoftCap) {
+        // The cap's slope at the capped logit log2(P) + lse log2(e). A dS of 0 (a hidden
+        // element, a row that saw nothing, an underflowed P: log2(0) = -inf) stays 0.
+        const float lse0 = lse[8 * j + quad_col] * cuda::kLog2e;
+        const float lse1 = lse[8 * j + quad_col + 1] * cuda::kLog2e;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (dp_acc[j][e] != 0.f)
+            dp_acc[j][e] *= soft_cap.slope(ptx::log2_approx(s_acc[j][e]) + (e % 2 ? lse1 : lse0));
+      }
     }
 
     // P^T and dS^T rounded to Elem: the A operands of dV and dK (the S^T accumulators of 8-query

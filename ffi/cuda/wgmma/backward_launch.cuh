@@ -38,17 +38,20 @@ cudaError_t launch_backward_sm90_with(const AttentionParams& p, cudaStream_t str
   return cudaGetLastError();
 }
 
-// Calls with segment ids and deterministic calls: defined in backward_variant_launch.cuh and
-// instantiated in translation units of their own
-// (cuda/instantiations/backward_wgmma_{segments,deterministic}.cu.in), so that their kernels
-// leave the others' code as it is.
+// Calls with segment ids, deterministic calls and soft-capped calls (in both dQ modes): defined
+// in backward_variant_launch.cuh and instantiated in translation units of their own
+// (cuda/instantiations/backward_wgmma_{segments,deterministic,softcap}.cu.in), so that their
+// kernels leave the others' code as it is.
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90_segments(const AttentionParams& p, cudaStream_t stream);
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90_deterministic(const AttentionParams& p, cudaStream_t stream);
+template <typename Elem, int kHeadDim>
+cudaError_t launch_backward_sm90_softcap(const AttentionParams& p, cudaStream_t stream);
 
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
+  if (p.soft_capped()) return launch_backward_sm90_softcap<Elem, kHeadDim>(p, stream);
   if (p.q_segment_ids != nullptr) return launch_backward_sm90_segments<Elem, kHeadDim>(p, stream);
   if (p.deterministic) return launch_backward_sm90_deterministic<Elem, kHeadDim>(p, stream);
   return launch_backward_sm90_with<Elem, wgmma::BackwardConfig<kHeadDim>>(p, stream);

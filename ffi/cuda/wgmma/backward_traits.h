@@ -46,6 +46,7 @@ struct BackwardTraits {
   static constexpr int kConsumerWarps = 4 * kConsumers;
   static constexpr bool kSegments = false;  // segment ids (BackwardWithSegmentIds below)
   static constexpr bool kDeterministic = false;  // dQ in a fixed order (BackwardDeterministic)
+  static constexpr bool kSoftCap = false;  // soft-capped logits (BackwardWithSoftCap below)
   // setmaxnreg budgets, as in the forward: 128 x 24 + 256 x 240 = 64512, all that the block
   // is launched with (register_budgets_fit in traits.h).
   static constexpr int kProducerRegisters = 24;
@@ -163,6 +164,18 @@ struct BackwardDeterministic : Config {
                 "a tile's semaphore lies within the call's dq_semaphores_needed()");
   static_assert(!Config::kSegments, "dq_turn counts the blocks of unnarrowed tile ranges");
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
+};
+
+// A configuration for soft-capped logits: P^T from the capped scores (cuda::SoftCapLogits), and
+// dS^T times the cap's slope, which is recovered from P^T itself (the capped logit is
+// log2(P) + lse log2(e): one MUFU.LG2 per element) rather than kept beside it, which would hold
+// as many registers again as S^T. Instantiated in translation units of their own
+// (cuda/instantiations/backward_wgmma_softcap.cu.in), in both dQ modes; calls with segment ids
+// and a soft-cap take the mma.sync family.
+template <typename Config>
+struct BackwardWithSoftCap : Config {
+  static_assert(!Config::kSegments, "soft-capped calls with segment ids take the mma.sync family");
+  static constexpr bool kSoftCap = true;
 };
 
 // The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one

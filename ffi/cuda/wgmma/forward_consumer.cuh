@@ -1,6 +1,7 @@
 // The Hopper forward's consumers: warpgroups 1.. of 64 query rows each. Per K/V tile j of a
 // tile (query block) they compute
 //   S_j = Q K_j^T              wgmma, both operands in shared memory
+//   soft-cap                   (WithSoftCap) the landed scores become capped base-2 logits
 //   mask                       only on tiles that straddle a length or window boundary
 //   P_j = exp2(S_j - max)      online softmax, the scale folded into one FFMA; once a warp's
 //                              row maxima have settled, against those maxima (no max
@@ -26,11 +27,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "ffi/cuda/common/fragments.cuh"
 #include "ffi/cuda/common/hopper_ptx.cuh"
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/soft_cap.cuh"
 #include "ffi/cuda/common/softmax.cuh"
 #include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/cuda/common/tensor_maps.h"
@@ -97,7 +100,13 @@ struct ForwardConsumer {
   const int warp_row0;   // this warp's 16 rows (its accumulator rows)
   const int quad_row, quad_col;
   const ForwardDescriptors<Traits> desc;
-  const float scale_log2;
+  // The softmax's factor on the scores: scale log2(e), or 1 where they are the capped base-2
+  // logits (kSoftCap, capped by soft_cap as each tile lands; without it soft_cap is an empty
+  // type, which leaves the uncapped kernels' code as it was).
+  const float softmax_scale;
+  struct NoSoftCap {};
+  using SoftCap = std::conditional_t<Traits::kSoftCap, cuda::SoftCapLogits, NoSoftCap>;
+  const SoftCap soft_cap;
   const variant::KeyWindow<int> call_vis;  // the call's windows, for every tile read
 
   float s_acc[1][kNTiles][4];
@@ -129,7 +138,9 @@ struct ForwardConsumer {
         warp(__reduce_max_sync(0xffffffff, (thread / 32) % 4)), lane(thread % 32),
         wg_row0(consumer_index * 64), warp_row0(consumer_index * 64 + warp * 16),
         quad_row(lane / 4), quad_col(2 * (lane % 4)),
-        desc(ForwardDescriptors<Traits>::make(layout)), scale_log2(params.scale * cuda::kLog2e),
+        desc(ForwardDescriptors<Traits>::make(layout)),
+        softmax_scale(Traits::kSoftCap ? 1.f : params.scale * cuda::kLog2e),
+        soft_cap(make_soft_cap(params)),
         call_vis(variant::KeyWindow<int>::make(params)) {}
 
   // Ping-pong: consumer c issues its products only while it holds the turn (named barrier
@@ -256,6 +267,21 @@ struct ForwardConsumer {
         w.lane_row_id, KeyIdsInSmem<Traits>::make(smem, stage, p, w.t.b).first, lane);
   }
 
+  __device__ __forceinline__ static SoftCap make_soft_cap(const AttentionParams& params) {
+    if constexpr (Traits::kSoftCap) return cuda::SoftCapLogits::make(params);
+    else return NoSoftCap{};
+  }
+
+  // kSoftCap: the scores in s_acc as capped base-2 logits, before any mask.
+  __device__ __forceinline__ void cap_scores() {
+    if constexpr (Traits::kSoftCap) {
+#pragma unroll
+      for (int c = 0; c < kNTiles; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s_acc[0][c][e] = soft_cap.apply(s_acc[0][c][e]);
+    }
+  }
+
   // The full update of tile j over its first kUsed 8-column tiles: where a boundary crosses
   // the tile for this warp's rows (not interior), the scores it hides set to -inf first.
   template <int kUsed>
@@ -294,7 +320,7 @@ struct ForwardConsumer {
           }
       }
     }
-    w.softmax.exponentiate_first<kUsed>(s_acc, scale_log2, correction);
+    w.softmax.exponentiate_first<kUsed>(s_acc, softmax_scale, correction);
   }
 
   // Tile j's probabilities from its landed scores. On an interior tile (every row of the
@@ -306,19 +332,22 @@ struct ForwardConsumer {
   // it). K_j is released once nothing reads it (docs/decisions/settled-row-maxima.md).
   __device__ __forceinline__ void softmax_step(ConsumerTile& w, int j,
                                                float (&correction)[1][2]) {
+    cap_scores();
     const int stage = kv_ring.stage();
     bool interior = j >= w.interior_lo && j < w.interior_hi;
     if constexpr (Traits::kSegments) interior = interior && one_document(w, stage);
     const bool settled = j > 0 && interior &&
                          __all_sync(0xffffffff, w.softmax.row_max[0][0] > -INFINITY &&
                                                     w.softmax.row_max[0][1] > -INFINITY);
-    if (settled && w.softmax.exponentiate_against_settled_max(s_acc, scale_log2)) {
+    if (settled && w.softmax.exponentiate_against_settled_max(s_acc, softmax_scale)) {
       correction[0][0] = correction[0][1] = 1.f;
     } else {
       // Beside this warpgroup's P_{j-1} V_{j-1} wgmma, whose registers it leaves alone (a
       // wgmma wait, taken by one warp, would break wait_group's warpgroup-wide rule).
-      if (settled)
+      if (settled) {
         recompute_warp_scores<Elem, Traits>(s_acc, w.q_tile, smem, stage, lane, warp);
+        cap_scores();
+      }
       // A half-seen last tile (half_last) is masked and exponentiated on its first half
       // alone: no row of this warpgroup sees the rest, and its O += P V reads only the first
       // half of P. On a causal diagonal with 128-key tiles and 128-row blocks, that is
@@ -427,7 +456,7 @@ struct ForwardConsumer {
     ++kv_ring.count;
 
     float row_lse[1][2];
-    w.softmax.finalize(o_acc, scale_log2, row_lse);
+    w.softmax.finalize(o_acc, softmax_scale, row_lse);
     // The tail's turns come before the epilogue (with O in the K/V ring, before the wait for
     // O's position), so that the other warpgroup's last turn, which follows them, does not
     // wait for this one's epilogue (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).

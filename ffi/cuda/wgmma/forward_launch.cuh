@@ -47,8 +47,14 @@ cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stre
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90_segments(const AttentionParams& p, cudaStream_t stream);
 
+// Soft-capped calls (without segment ids): forward_softcap_launch.cuh, in translation units of
+// their own (cuda/instantiations/forward_wgmma_softcap.cu.in) for the same reason.
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_sm90_softcap(const AttentionParams& p, cudaStream_t stream);
+
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
+  if (p.soft_capped()) return launch_forward_sm90_softcap<Elem, kHeadDim>(p, stream);
   if (p.q_segment_ids != nullptr) return launch_forward_sm90_segments<Elem, kHeadDim>(p, stream);
   if constexpr (wgmma::kHasWideConfig<kHeadDim>) {
     if (wgmma::wide_config_pays<kHeadDim>(p))

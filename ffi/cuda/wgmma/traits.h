@@ -37,6 +37,8 @@ struct ForwardTraits {
   static constexpr bool kWindowed = true;
   // Segment ids (WithSegmentIds below).
   static constexpr bool kSegments = false;
+  // Soft-capped logits (WithSoftCap below).
+  static constexpr bool kSoftCap = false;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
   // setmaxnreg budgets (a configuration may trade some, register_budgets_fit() below):
@@ -162,6 +164,16 @@ struct WithSegmentIds : Config {
   using KeyIdBox = FlatIdBox<Config::kBlockN>;
   static constexpr int kSmemBytes = Config::kSmemBytes + Config::kStages * KeyIdBox::kStageBytes;
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
+};
+
+// Soft-capped logits: each key tile's scores become the capped base-2 logits as they land
+// (cuda::SoftCapLogits, five instructions per score), and the softmax takes them with factor 1.
+// Instantiations of their own (forward_softcap_launch.cuh), so that the others keep their code.
+// Calls with segment ids and a soft-cap run on the mma.sync family.
+template <typename Config>
+struct WithSoftCap : Config {
+  static_assert(!Config::kSegments, "soft-capped calls with segment ids take the mma.sync family");
+  static constexpr bool kSoftCap = true;
 };
 
 // setmaxnreg only moves registers within what the block was launched with: 168 per thread

@@ -1,0 +1,50 @@
+// The soft-cap (variant::SoftCap) in the tensor-core kernels: the raw score s = q.k becomes the
+// base-2 capped logit x = c tanh(s scale / cap), c = cap log2(e), in three instructions: FMUL,
+// MUFU.TANH, FMUL.
+//
+// The forward's special-function unit is what the cap contends for: each score's exp2 already
+// takes one MUFU op, and at 16 ops per SM and clock one op per score takes half the time of the
+// score's tensor-core work at head dim 128 (4 H FLOPs at about 4096 per SM and clock). With tanh as 1 - 2 / (1 + 2^(2 y log2(e))) on ex2.approx and rcp.approx (two MUFU
+// ops, absolute error a few float32 ulps of c) the Hopper forward ran at 0.62-0.66x of the
+// uncapped call, with the reciprocal in three Newton steps on the FMA pipe at 0.61-0.64x (H200,
+// bf16, H = 128, T = 2048 and 8192; docs/decisions/soft-cap-on-the-cuda-kernels.md).
+// tanh.approx errs by at most about 1.1e-5 of x: at a cap of 50 and a logit at the cap, 8e-4
+// in x, 5.5e-4 relative in P, about twice fp16's rounding of P (half an ulp) and a quarter of
+// bf16's. The ends hold: +-inf give +-c, NaN stays NaN.
+#pragma once
+
+#include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/softmax.cuh"  // kLog2e
+#include "ffi/params.h"
+#include "ffi/variant.h"
+
+namespace jax_flashattn::cuda {
+
+struct SoftCapLogits {
+  float cap2;       // c = cap log2(e)
+  float inv_cap2;   // 1 / c
+  float argument;   // scale / cap: s times it is tanh's argument
+
+  __device__ static SoftCapLogits make(const AttentionParams& p) {
+    const variant::SoftCap policy = variant::SoftCap::make(p);
+    SoftCapLogits c;
+    c.cap2 = policy.cap2;
+    c.inv_cap2 = 1.f / policy.cap2;
+    c.argument = p.scale * kLog2e / policy.cap2;
+    return c;
+  }
+
+  // x from the raw score s.
+  __device__ __forceinline__ float apply(float score) const {
+    return cap2 * ptx::tanh_approx(score * argument);
+  }
+
+  // dx / d(scale s log2(e)) = 1 - tanh^2 from x: the factor that dS takes on its way to dQ and
+  // dK (not to dbias: the bias is added after the cap).
+  __device__ __forceinline__ float slope(float capped) const {
+    const float t = capped * inv_cap2;
+    return fmaf(-t, t, 1.f);
+  }
+};
+
+}  // namespace jax_flashattn::cuda
