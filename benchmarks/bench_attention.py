@@ -25,10 +25,12 @@ before and after its cases and gives our K/V rate as a fraction of it (the decod
 N=16, H=128, one row per option users pass: full, causal, causal sliding window
 local_window_size=(1024, 0), per-batch lengths (query and key/value lengths 4096, 3072, 2048,
 1024), GQA (16 query heads over 4 kv heads, causal), bias [1, N, T, S], a boolean mask
-[B, 1, T, S] of packed documents (1, 2, 4, 8 per batch entry), and the same documents as
-segment ids, full and causal (jax.nn gets them as that mask, built inside the timed call);
-its FLOPs count only the visible logits. --seqlen, --dtype, --head-dim and --hidden
-(N = hidden/H) override its sizes; --causal and --tokens do not apply. Packed preset: bf16,
+[B, 1, T, S] of packed documents (1, 2, 4, 8 per batch entry), the same documents as
+segment ids, full and causal (jax.nn gets them as that mask, built inside the timed call),
+and logits soft-capped at 50 (Gemma 2's cap), full and causal (ours only: jax.nn has no
+soft-capping); its FLOPs count only the visible logits. --seqlen, --dtype, --head-dim and
+--hidden (N = hidden/H) override its sizes, --rows keeps some of its rows; --causal and
+--tokens do not apply. Packed preset: bf16,
 N=16, H=128, causal, T in {8192, 32768} at 32768 tokens per batch (B = 32768/T), rows packed
 with documents whose lengths are drawn (fixed seed, each row its own draw) from a log-normal
 of mean 1024, and of mean 4096 (sigma 1 of the logarithm), the last one cut at T; FLOPs count
@@ -98,8 +100,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", action="store_true",
                    help="the options preset (bf16, B=4, T=S=4096, N=16, H=128; full, causal, "
                         "window 1024, lengths, GQA 16/4, bias [1,N,T,S], mask [B,1,T,S], "
-                        "segment ids full and causal) "
+                        "segment ids full and causal, soft-cap 50 full and causal) "
                         "instead of the standard grid; FLOPs count visible logits only")
+    p.add_argument("--rows", type=lambda text: [x for x in text.split(",") if x], default=None,
+                   help="variants preset only: comma list of the rows to keep, each by the "
+                        "start of its name (e.g. full,causal,soft-cap)")
     p.add_argument("--packed", action="store_true",
                    help="the packed-sequence preset (bf16, N=16, H=128, causal, T in {8192, "
                         "32768}, 32768 tokens, documents of log-normal lengths of mean 1024 and "
@@ -165,7 +170,10 @@ def build_configs(args) -> list[_bench.Config]:
     if args.decode:
         return _bench.decode_grid(args.dtype, args.seqlen or _bench.DECODE_SEQLENS, args.kv_len)
     if args.variants:
-        return _bench.variants_grid(args.dtype, args.seqlen, args.head_dim, hidden=args.hidden)
+        configs = _bench.variants_grid(args.dtype, args.seqlen, args.head_dim, hidden=args.hidden)
+        if args.rows:
+            configs = [c for c in configs if any(c.variant.startswith(r) for r in args.rows)]
+        return configs
     if args.packed:
         return _bench.packed_grid(args.dtype, args.seqlen, args.head_dim, args.tokens,
                                   args.hidden)

@@ -113,8 +113,8 @@ def test_timed_loop_updates_q_in_place(mode):
 def test_benchmark_marks_a_wrong_implementation_fail(monkeypatch):
     real = _bench.attention_fn
 
-    def broken(impl, causal):
-        fn = real(impl, causal)
+    def broken(impl, causal, *options):
+        fn = real(impl, causal, *options)
         return (lambda q, k, v: fn(q, k, v) + 1) if impl == "ours" else fn
 
     monkeypatch.setattr(_bench.impls, "attention_fn", broken)
@@ -279,8 +279,12 @@ def test_bench_script_variants_preset_and_exclusive_with_decode():
     configs = bench.build_configs(bench.parse_args(["--variants"]))
     assert [c.variant for c in configs] == ["full", "causal", "window 1024", "lengths",
                                             "GQA 16/4", "bias [1,N,T,S]", "mask [B,1,T,S]",
-                                            "segment ids", "segment ids, causal"]
-    assert [c.causal for c in configs[-2:]] == [False, True]
+                                            "segment ids", "segment ids, causal",
+                                            "soft-cap 50", "soft-cap 50, causal"]
+    assert [c.causal for c in configs[-4:]] == [False, True, False, True]
+    assert [c.soft_cap for c in configs] == [None] * 9 + [50.0, 50.0]
+    rows = bench.build_configs(bench.parse_args(["--variants", "--rows", "full,causal,soft-cap"]))
+    assert [c.variant for c in rows] == ["full", "causal", "soft-cap 50", "soft-cap 50, causal"]
     assert {(c.dtype, c.batch, c.seqlen_q, c.seqlen_k, c.num_heads, c.head_dim)
             for c in configs} == {("bf16", 4, 4096, 4096, 16, 128)}
     by_name = {c.variant: c for c in configs}
@@ -339,8 +343,10 @@ def test_variants_flops_count_the_visible_pairs():
 
 
 def _tiny_variants():
-    # T = 64, B = 4, N = 4 (K = 1 for GQA), H = 16: window 16, lengths 64, 48, 32, 16.
-    return _bench.variants_grid(seqlens=(64,), head_dims=(16,), batch=4, hidden=64)
+    # T = 64, B = 4, N = 4 (K = 1 for GQA), H = 16: window 16, lengths 64, 48, 32, 16; a cap of
+    # 1 that bends the logits (standard normal here), so that a dropped cap fails the check.
+    return _bench.variants_grid(seqlens=(64,), head_dims=(16,), batch=4, hidden=64,
+                                soft_cap=1.0)
 
 
 _TINY_SETTINGS = dict(repeats=1, min_repeats=1, target_s=1e-4, time_budget_s=0.0)
@@ -353,14 +359,19 @@ def test_variants_grid_runs_and_passes_the_gate(monkeypatch, mode):
     configs = _tiny_variants()
     settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
     records = _bench.run_benchmark(configs, ["ours", "xla"], [mode], settings, progress=False)
+    # jax.nn has no soft-capping: xla's soft-cap rows are reported, not run.
+    capped = {(c.variant, "xla") for c in configs if c.soft_cap is not None}
+    assert capped and all(r["status"] == "unavailable" for r in records
+                          if (r["variant"], r["impl"]) in capped)
     bad = [f"{r['variant']} {r['impl']}: {r['status']} {r.get('message', '')}"
-           for r in records if r["status"] != "ok"]
+           for r in records if r["status"] != "ok" and (r["variant"], r["impl"]) not in capped]
     assert not bad, "\n".join(bad)
     assert len(records) == 2 * len(configs)
     for cfg, r in zip([c for c in configs for _ in range(2)], records):
         assert r["variant"] == cfg.variant and r["flops"] == cfg.flops(mode)
-        assert r["tflops"] == pytest.approx(cfg.flops(mode) / r["seconds"] / 1e12)
         assert r["visible"] == cfg.visible_pairs() / (4 * 64 * 64)
+        if r["status"] == "ok":
+            assert r["tflops"] == pytest.approx(cfg.flops(mode) / r["seconds"] / 1e12)
     (title, table), = _bench.markdown_tables(records, ["ours", "xla"])
     assert "visible logits only" in title
     lines = table.splitlines()
@@ -371,15 +382,17 @@ def test_variants_grid_runs_and_passes_the_gate(monkeypatch, mode):
 
 
 @pytest.mark.parametrize("dropped", ["local_window_size", "key_value_seq_lengths",
-                                     "query_seq_lengths", "bias", "mask", "segment_ids"])
+                                     "query_seq_lengths", "bias", "mask", "segment_ids",
+                                     "soft_cap"])
 def test_variants_gate_checks_each_option(monkeypatch, dropped):
     """An implementation that ignores one of the options fails the check (query lengths: it
     leaves the padded rows nonzero, which the check covers)."""
     monkeypatch.setattr(_bench.checks, "FORWARD_CHECK_ROWS", 16)
     real = _bench.attention_fn
 
-    def ignoring(impl, causal, window=None):
-        fn = real(impl, causal, None if dropped == "local_window_size" else window)
+    def ignoring(impl, causal, window=None, soft_cap=None):
+        fn = real(impl, causal, None if dropped == "local_window_size" else window,
+                  None if dropped == "soft_cap" else soft_cap)
         return lambda q, k, v, **extras: fn(q, k, v, **{name: x for name, x in extras.items()
                                                         if not name.startswith(dropped)
                                                         and not name.endswith(dropped)})
@@ -387,7 +400,7 @@ def test_variants_gate_checks_each_option(monkeypatch, dropped):
     monkeypatch.setattr(_bench.impls, "attention_fn", ignoring)
     option = {"local_window_size": "window", "key_value_seq_lengths": "lengths",
               "query_seq_lengths": "lengths", "bias": "bias", "mask": "mask",
-              "segment_ids": "segment ids"}[dropped]
+              "segment_ids": "segment ids", "soft_cap": "soft-cap"}[dropped]
     cfg = [c for c in _tiny_variants() if c.variant.startswith(option)][0]
     settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
     record, = _bench.run_benchmark([cfg], ["ours"], ["fwd"], settings, progress=False)
@@ -404,10 +417,13 @@ def test_bench_script_variants_smoke(tmp_path, capsys):
     assert status == 0, printed
     assert "| T | variant | causal | visible | ours TFLOP/s | xla TFLOP/s |" in printed
     for label in ("full", "causal", "window 16", "lengths", "GQA 4/1", "bias [1,N,T,S]",
-                  "mask [B,1,T,S]", "segment ids"):
+                  "mask [B,1,T,S]", "segment ids", "soft-cap 50"):
         assert f"| 64 | {label} |" in printed
     report = json.loads((out / "results.json").read_text())
-    assert {r["status"] for r in report["results"]} == {"ok"}
+    # Every row runs, but xla's soft-cap rows: jax.nn has no soft-capping.
+    assert {(r["status"], r["impl"]) for r in report["results"]
+            if r["status"] != "ok"} == {("unavailable", "xla")}
+    assert all(r["status"] == "ok" for r in report["results"] if r["soft_cap"] is None)
     assert {r["kind"] for r in report["results"]} == {"variants"}
     assert "window 16" in (out / "results.md").read_text()
     if importlib.util.find_spec("matplotlib") is not None:

@@ -182,8 +182,8 @@ def _row_visibility(rows, seqlen_k, *, causal, window, q_lens, kv_lens, mask, q_
     return keep
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "window", "dtype"))
-def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype):
+@functools.partial(jax.jit, static_argnames=("causal", "window", "dtype", "soft_cap"))
+def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype, soft_cap):
     """Exact and P-rounded reference outputs for query rows `rows` (causal, window, lengths,
     mask and segment ids mask by the rows' true positions, as the full problem would; `extras`
     are sliced by `ReferenceSlice.take_extras`)."""
@@ -193,19 +193,20 @@ def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype):
                            kv_lens=extras.get("key_value_seq_lengths"), mask=extras.get("mask"),
                            q_ids=extras.get("query_segment_ids"),
                            kv_ids=extras.get("key_value_segment_ids"))
-    f = functools.partial(reference.attention, bias=extras.get("bias"), mask=mask)
+    f = functools.partial(reference.attention, bias=extras.get("bias"), mask=mask,
+                          logits_soft_cap=soft_cap)
     exact = f(q, k, v)
     rounded = f(q, k, v, p_dtype=DTYPES[dtype])
     magnitude = f(q, k, jnp.abs(v))
     return exact, rounded.astype(DTYPES[dtype]), magnitude
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "window", "dtype"))
-def _reference_forward_backward(q, k, v, g, extras, *, causal, window, dtype):
+@functools.partial(jax.jit, static_argnames=("causal", "window", "dtype", "soft_cap"))
+def _reference_forward_backward(q, k, v, g, extras, *, causal, window, dtype, soft_cap):
     """Every query row: the options go to `reference.attention` as its own arguments."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     f = functools.partial(reference.attention, is_causal=causal, local_window_size=window,
-                          **extras)
+                          logits_soft_cap=soft_cap, **extras)
     exact, vjp = jax.vjp(f, q, k, v)
     rounded = f(q, k, v, p_dtype=DTYPES[dtype])
     magnitude = f(q, k, jnp.abs(v))
@@ -239,12 +240,12 @@ def reference_slice(cfg: Config, inputs: Inputs, with_grads: bool,
     if with_grads:
         args = jax.device_put(sliced + (plan.take(cfg, inputs.g), extras), device)
         plan.exact, plan.rounded, plan.magnitude, plan.grads = _reference_forward_backward(
-            *args, causal=cfg.causal, window=cfg.window, dtype=cfg.dtype)
+            *args, causal=cfg.causal, window=cfg.window, dtype=cfg.dtype, soft_cap=cfg.soft_cap)
     else:
         all_rows = np.arange(cfg.seqlen_q, dtype=np.int32) if rows is None else rows
         args = jax.device_put(sliced + (all_rows, extras), device)
         plan.exact, plan.rounded, plan.magnitude = _reference_forward(
-            *args, causal=cfg.causal, window=cfg.window, dtype=cfg.dtype)
+            *args, causal=cfg.causal, window=cfg.window, dtype=cfg.dtype, soft_cap=cfg.soft_cap)
     jax.block_until_ready((plan.exact, plan.rounded, plan.grads))
     return plan
 

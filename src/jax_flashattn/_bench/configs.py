@@ -38,7 +38,8 @@ DECODE_SEQLENS = (1, 8, 16)
 DECODE_SHAPE = dict(batch=8, num_heads=32, num_kv_heads=8, head_dim=128, kv_len=65536)
 # The variants preset: B=4, T=S=4096, N=16 (hidden 2048), H=128, one row per option.
 VARIANTS_SEQLENS = (4096,)
-VARIANTS_SHAPE = dict(batch=4, hidden=2048, head_dim=128, kv_group=4, window=1024)
+# soft_cap: Gemma 2's cap on its attention logits.
+VARIANTS_SHAPE = dict(batch=4, hidden=2048, head_dim=128, kv_group=4, window=1024, soft_cap=50.0)
 
 
 
@@ -67,6 +68,7 @@ class Config:
     # The same packing given as segment ids ([B, T] and [B, S] int32) instead of a mask; an
     # entry may also be the lengths of its documents (a tuple summing to T: the packed preset).
     segment_docs: tuple[int | tuple[int, ...], ...] | None = None
+    soft_cap: float | None = None  # logits_soft_cap (ours only: jax.nn has no soft-capping)
 
     @property
     def q_shape(self):
@@ -218,14 +220,15 @@ def decode_grid(dtypes=("bf16", "fp16"), seqlens=DECODE_SEQLENS, kv_len=None) ->
 def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
                   head_dims=(VARIANTS_SHAPE["head_dim"],), batch=VARIANTS_SHAPE["batch"],
                   hidden=VARIANTS_SHAPE["hidden"], kv_group=VARIANTS_SHAPE["kv_group"],
-                  window=None) -> list[Config]:
+                  window=None, soft_cap=VARIANTS_SHAPE["soft_cap"]) -> list[Config]:
     """The variants preset: one row per option users pass, at B = `batch`, T = S, N =
     hidden / H: full, causal, a causal sliding window (`window`, default min(1024, T/4),
     right side 0), per-batch lengths (queries and keys alike: T·(B-i)/B for entry i, so
     4096, 3072, 2048, 1024), GQA (N over N/kv_group kv heads, causal), a bias [1, N, T, S]
-    (full), a boolean document mask [B, 1, T, S] (entry i packs 2**i documents, full), and
-    the same documents as segment ids, full and causal (other implementations than ours get
-    them as that mask, built from the ids inside the timed call, as a jax.nn user would)."""
+    (full), a boolean document mask [B, 1, T, S] (entry i packs 2**i documents, full), the
+    same documents as segment ids, full and causal (other implementations than ours get
+    them as that mask, built from the ids inside the timed call, as a jax.nn user would), and
+    logits soft-capped at `soft_cap`, full and causal (ours only)."""
     configs = []
     for dtype in dtypes:
         for h in head_dims:
@@ -233,6 +236,7 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
             kv = max(1, n // kv_group)
             if n % kv:
                 raise ValueError(f"{n} heads do not split into groups of {kv_group}")
+            cap = soft_cap
             for t in seqlens:
                 base = Config(batch, t, t, n, n, h, dtype, False, kind="variants",
                               variant="full")
@@ -252,5 +256,8 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
                     dataclasses.replace(base, segment_docs=docs, variant="segment ids"),
                     dataclasses.replace(base, causal=True, segment_docs=docs,
                                         variant="segment ids, causal"),
+                    dataclasses.replace(base, soft_cap=cap, variant=f"soft-cap {cap:g}"),
+                    dataclasses.replace(base, causal=True, soft_cap=cap,
+                                        variant=f"soft-cap {cap:g}, causal"),
                 ]
     return configs

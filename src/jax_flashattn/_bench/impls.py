@@ -14,7 +14,7 @@ import numpy as np
 
 from jax_flashattn._bench.configs import ALL_IMPLS, Config, document_ids
 from jax_flashattn._bench.packed import (
-    CUDNN_PACKED_EXTRA, cudnn_packed_arrays, cudnn_packed_attention, packed_rows,
+    CUDNN_PACKED_EXTRA, Unavailable, cudnn_packed_arrays, cudnn_packed_attention, packed_rows,
     without_extra)
 
 _GPU_ONLY = ("cudnn", "cudnn-packed")
@@ -38,16 +38,21 @@ def available_impls(requested: Sequence[str]) -> list[str]:
     return [i for i in requested if i not in _GPU_ONLY or on_gpu()]
 
 
-def attention_fn(impl: str, causal: bool, window: tuple[int, int] | None = None) -> Callable:
+def attention_fn(impl: str, causal: bool, window: tuple[int, int] | None = None,
+                 soft_cap: float | None = None) -> Callable:
     """(q, k, v, **extras) -> out for one implementation; `extras` are `Inputs.extras` (bias,
-    mask, lengths), the same keywords for every implementation."""
+    mask, lengths), the same keywords for every implementation. A soft-cap only ours takes
+    (Unavailable for the others: jax.nn has no soft-capping)."""
     options = dict(is_causal=causal)
     if window is not None:
         options["local_window_size"] = window
     if impl in ("ours", "ours-deterministic"):
         import jax_flashattn
         return functools.partial(jax_flashattn.attention, implementation=ours_implementation(),
-                                 deterministic_backward=impl == "ours-deterministic", **options)
+                                 deterministic_backward=impl == "ours-deterministic",
+                                 logits_soft_cap=soft_cap, **options)
+    if soft_cap is not None:
+        raise Unavailable("jax.nn.dot_product_attention has no soft-capping")
     return functools.partial(_jax_nn, implementation=impl, **options)
 
 
@@ -66,10 +71,7 @@ def config_attention_fn(impl: str, cfg: Config) -> Callable:
     argument the other implementations do not see."""
     if impl == "cudnn-packed":
         return cudnn_packed_attention(cfg)
-    if cfg.window is None:
-        fn = attention_fn(impl, cfg.causal)
-    else:
-        fn = attention_fn(impl, cfg.causal, cfg.window)
+    fn = attention_fn(impl, cfg.causal, cfg.window, cfg.soft_cap)
     return without_extra(fn) if cfg.kind == "packed" else fn
 
 
