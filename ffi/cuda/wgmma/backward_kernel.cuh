@@ -208,11 +208,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (int d = 0; d < kDTiles; ++d)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
-  // The factor on the scores in P^T's exponent: scale log2(e), or 1 where they are the capped
-  // base-2 logits (kSoftCap).
-  const float score_scale = Traits::kSoftCap ? 1.f : p.scale * cuda::kLog2e;
+  // The factor on the scores in P^T's exponent: scale log2(e), or c = cap log2(e) where they
+  // are tanh(s scale / cap) (kSoftCap; the capped base-2 logit is c times that).
   [[maybe_unused]] const auto soft_cap =
       Traits::kSoftCap ? cuda::SoftCapLogits::make(p) : cuda::SoftCapLogits{};
+  const float score_scale = Traits::kSoftCap ? soft_cap.cap2 : p.scale * cuda::kLog2e;
   // kSegments: the id of this warp's key lane % 16 (the last key's past S), read once per
   // block: the tests below take the keys' ids from it by shuffles, and the queries' from the
   // ids that land with each Q tile (cuda::id_box_start's box).
@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const float bias1 = neg_log2(lse[8 * j + quad_col + 1]);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        if constexpr (Traits::kSoftCap) s_acc[j][e] = soft_cap.apply(s_acc[j][e]);
+        if constexpr (Traits::kSoftCap) s_acc[j][e] = soft_cap.tanh_of(s_acc[j][e]);
         s_acc[j][e] = ptx::exp2_approx(fmaf(s_acc[j][e], score_scale, e % 2 ? bias1 : bias0));
       }
     }

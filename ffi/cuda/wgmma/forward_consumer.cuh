@@ -100,9 +100,10 @@ struct ForwardConsumer {
   const int warp_row0;   // this warp's 16 rows (its accumulator rows)
   const int quad_row, quad_col;
   const ForwardDescriptors<Traits> desc;
-  // The softmax's factor on the scores: scale log2(e), or 1 where they are the capped base-2
-  // logits (kSoftCap, capped by soft_cap as each tile lands; without it soft_cap is an empty
-  // type, which leaves the uncapped kernels' code as it was).
+  // The softmax's factor on the scores: scale log2(e), or c = cap log2(e) where they are
+  // tanh(s scale / cap) (kSoftCap: cap_scores as each tile lands; the capped base-2 logit is
+  // c times that, folded into the softmax's FFMA). Without the cap soft_cap is an empty type,
+  // which leaves the uncapped kernels' code as it was.
   const float softmax_scale;
   struct NoSoftCap {};
   using SoftCap = std::conditional_t<Traits::kSoftCap, cuda::SoftCapLogits, NoSoftCap>;
@@ -139,7 +140,8 @@ struct ForwardConsumer {
         wg_row0(consumer_index * 64), warp_row0(consumer_index * 64 + warp * 16),
         quad_row(lane / 4), quad_col(2 * (lane % 4)),
         desc(ForwardDescriptors<Traits>::make(layout)),
-        softmax_scale(Traits::kSoftCap ? 1.f : params.scale * cuda::kLog2e),
+        softmax_scale(Traits::kSoftCap ? variant::SoftCap::make(params).cap2
+                                       : params.scale * cuda::kLog2e),
         soft_cap(make_soft_cap(params)),
         call_vis(variant::KeyWindow<int>::make(params)) {}
 
@@ -272,13 +274,14 @@ struct ForwardConsumer {
     else return NoSoftCap{};
   }
 
-  // kSoftCap: the scores in s_acc as capped base-2 logits, before any mask.
+  // kSoftCap: the scores in s_acc as tanh(s scale / cap), before any mask (softmax_scale makes
+  // them the capped base-2 logits).
   __device__ __forceinline__ void cap_scores() {
     if constexpr (Traits::kSoftCap) {
 #pragma unroll
       for (int c = 0; c < kNTiles; ++c)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s_acc[0][c][e] = soft_cap.apply(s_acc[0][c][e]);
+        for (int e = 0; e < 4; ++e) s_acc[0][c][e] = soft_cap.tanh_of(s_acc[0][c][e]);
     }
   }
 

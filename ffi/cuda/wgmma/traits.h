@@ -166,10 +166,10 @@ struct WithSegmentIds : Config {
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
 
-// Soft-capped logits: each key tile's scores become the capped base-2 logits as they land
-// (cuda::SoftCapLogits, five instructions per score), and the softmax takes them with factor 1.
-// Instantiations of their own (forward_softcap_launch.cuh), so that the others keep their code.
-// Calls with segment ids and a soft-cap run on the mma.sync family.
+// Soft-capped logits: each key tile's scores become tanh(s scale / cap) as they land
+// (cuda::SoftCapLogits: FMUL, MUFU.TANH), and the softmax takes them with factor cap log2(e).
+// Instantiations of their own (forward_softcap_launch.cuh), so that the others keep their
+// code. Calls with segment ids and a soft-cap run on the mma.sync family.
 template <typename Config>
 struct WithSoftCap : Config {
   static_assert(!Config::kSegments, "soft-capped calls with segment ids take the mma.sync family");
