@@ -39,6 +39,9 @@ class Normalized:
     key_value_segment_ids: jax.Array | None = None
     # The logits' soft-cap, cap tanh(s / cap) before bias and masks; 0.0 for none.
     soft_cap: float = 0.0
+    # diagonal_alignment="bottom_right": query t sits at position t + S - T for the causal
+    # mask and the window (the diagonal_shift below).
+    bottom_right: bool = False
 
     @property
     def zero_size(self) -> bool:
@@ -48,12 +51,29 @@ class Normalized:
         return min(b, t, self.key.shape[1], n, h) == 0
 
     @property
+    def diagonal_shift(self) -> int:
+        """S - T with bottom-right alignment, 0 with top-left: query t's position."""
+        return self.key.shape[1] - self.query.shape[1] if self.bottom_right else 0
+
+    @property
     def kernel_window(self) -> tuple[int | None, int | None]:
-        """(left, right) with None for an unbounded side; causal attention is right <= 0."""
+        """(left, right) with None for an unbounded side, as the kernels take it (query t sees
+        key s iff t - left <= s <= t + right): causal attention is right <= 0, and bottom-right
+        alignment moves both bounded sides by diagonal_shift (the left one may go negative)."""
+        return self.kernel_window_at(self.diagonal_shift)
+
+    def kernel_window_at(self, shift: int) -> tuple[int | None, int | None]:
+        """kernel_window with the queries at t + shift: for ring attention, whose shards'
+        S - T is not the sequences'."""
         left, right = self.window if self.window is not None else (None, None)
         if self.is_causal:
             right = 0 if right is None else min(right, 0)
-        return left, right
+        return (None if left is None else left - shift, None if right is None else right + shift)
+
+    @property
+    def aligned(self) -> bool:
+        """Whether the alignment moves any bound: bottom-right, T != S, causal or a window."""
+        return self.diagonal_shift != 0 and (self.is_causal or self.window is not None)
 
 
 def _as_array(x, name: str) -> jax.Array:
@@ -261,10 +281,26 @@ def _soft_cap(value) -> float:
     return float(kernel_value)
 
 
+DIAGONAL_ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def check_diagonal_alignment(diagonal_alignment) -> bool:
+    """Whether `diagonal_alignment` is "bottom_right"; TypeError or ValueError unless it is one
+    of DIAGONAL_ALIGNMENTS."""
+    if not isinstance(diagonal_alignment, str):
+        raise TypeError(f"diagonal_alignment must be one of {DIAGONAL_ALIGNMENTS}, got "
+                        f"{diagonal_alignment!r}")
+    if diagonal_alignment not in DIAGONAL_ALIGNMENTS:
+        raise ValueError(f"diagonal_alignment must be one of {DIAGONAL_ALIGNMENTS}, got "
+                         f"{diagonal_alignment!r}")
+    return diagonal_alignment == "bottom_right"
+
+
 def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None,
               local_window_size=None, allow_empty=False, query_segment_ids=None,
-              key_value_segment_ids=None, logits_soft_cap=None) -> Normalized:
+              key_value_segment_ids=None, logits_soft_cap=None,
+              diagonal_alignment="top_left") -> Normalized:
     """`allow_empty`: accept T, S, N or H = 0 (B = 0 is always accepted), for a caller that
     answers such inputs without the kernels (`attention`'s Normalized.zero_size path)."""
     query, key, value = (_as_array(x, n) for x, n in
@@ -307,10 +343,19 @@ def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     q_ids, kv_ids = segment_ids(query_segment_ids, key_value_segment_ids, batch=b, q_len=t,
                                 kv_len=s, unbatched=unbatched)
 
-    return Normalized(
+    args = Normalized(
         query=query, key=key, value=value, bias=bias, mask=mask,
         query_seq_lengths=_seq_lengths(query_seq_lengths, "query_seq_lengths", b),
         key_value_seq_lengths=_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b),
         scale=_scale(scale, h), is_causal=bool(is_causal), window=_window(local_window_size),
         out_shape=out_shape, query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
-        soft_cap=_soft_cap(logits_soft_cap))
+        soft_cap=_soft_cap(logits_soft_cap),
+        bottom_right=check_diagonal_alignment(diagonal_alignment))
+    if args.aligned and (args.query_seq_lengths is not None
+                         or args.key_value_seq_lengths is not None):
+        # With lengths the diagonal sits at each entry's kv_len - q_len, one shift per batch
+        # entry, which the kernels' window (one per call) cannot express.
+        raise ValueError("diagonal_alignment='bottom_right' with query_seq_lengths or "
+                         "key_value_seq_lengths is not supported yet (it is with T != S and "
+                         "no lengths, and with T == S, where the two alignments agree)")
+    return args

@@ -121,7 +121,8 @@ def _check_implementation(implementation) -> str:
 def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               implementation=None, return_residual=False, deterministic_backward=False,
-              query_segment_ids=None, key_value_segment_ids=None, logits_soft_cap=None):
+              query_segment_ids=None, key_value_segment_ids=None, logits_soft_cap=None,
+              diagonal_alignment="top_left"):
     """Scaled dot-product attention with the signature of `jax.nn.dot_product_attention`.
 
     Layout [B, T, N, H] (or [T, N, H]); key and value [B, S, K, H] with N % K == 0 (GQA/MQA
@@ -169,6 +170,14 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     order), with gradients through the tanh. With implementation="xla" or "cudnn" (jax.nn has
     no soft-capping) it raises a ValueError.
 
+    `diagonal_alignment` (keyword-only, not in jax.nn): "top_left" (default, jax.nn's rule) or
+    "bottom_right": query i sits at position i + S - T for `is_causal` and
+    `local_window_size`, so with T < S (a prefill against a cache) the last query sees every
+    key, and with T > S the first T - S queries of a causal call see none (cuDNN's
+    BOTTOM_RIGHT, FlashAttention's convention). The kernels take it as a shifted window, so it
+    costs nothing; with implementation="xla" or "cudnn" it becomes a boolean mask [T, S] for
+    jax.nn. With T != S it does not combine with the seq lengths yet (a ValueError).
+
     `deterministic_backward` (keyword-only, not in jax.nn): on a GPU, the gradients are
     bit-identical across runs. By default the tensor-core backward sums dQ over key blocks
     with float32 atomic adds, whose order varies between runs (last-bit differences). With
@@ -193,20 +202,22 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                                local_window_size=local_window_size, allow_empty=True,
                                query_segment_ids=query_segment_ids,
                                key_value_segment_ids=key_value_segment_ids,
-                               logits_soft_cap=logits_soft_cap)
+                               logits_soft_cap=logits_soft_cap,
+                               diagonal_alignment=diagonal_alignment)
     if args.soft_cap and kind != "kernels":
         raise ValueError(f"logits_soft_cap: jax.nn.dot_product_attention has no soft-capping, so "
                          f"this call, on its implementation={kind!r}, cannot take it")
     if kind != "kernels":
         # The lengths and window as checked: int32 (jax.nn takes no other dtype) and bounded
-        # (jax.nn adds a side to int32 positions); segment ids as a mask (jax.nn has none).
+        # (jax.nn adds a side to int32 positions); segment ids and a bottom-right causal mask or
+        # window as a mask (jax.nn has neither).
         return jax.nn.dot_product_attention(
-            query, key, value, bias, _mask_with_segments(args, mask), scale=scale,
-            is_causal=is_causal,
+            query, key, value, bias, _jax_nn_mask(args, mask), scale=scale,
+            is_causal=is_causal and not args.aligned,
             query_seq_lengths=args.query_seq_lengths,
             key_value_seq_lengths=args.key_value_seq_lengths,
-            local_window_size=_bounded_window(args), implementation=kind,
-            return_residual=return_residual)
+            local_window_size=None if args.aligned else _bounded_window(args),
+            implementation=kind, return_residual=return_residual)
     if args.zero_size:
         return _zero_size_result(args, return_residual)
     out, lse = _call_kernels(args, deterministic_backward)
@@ -249,15 +260,22 @@ def _has_jvp_tangent(args: _validate.Normalized) -> bool:
     return any(isinstance(x, ad.JVPTracer) for x in operands)
 
 
-def _mask_with_segments(args: _validate.Normalized, mask):
-    """The caller's mask (as given) and the segment ids' [B, 1, T, S] equality, for jax.nn."""
-    if args.query_segment_ids is None:
-        return mask
-    same = (args.query_segment_ids[:, None, :, None] ==
-            args.key_value_segment_ids[:, None, None, :])
-    if len(args.out_shape) == 3:  # unbatched: jax.nn broadcasts a [1, T, S] mask
-        same = same[0]
-    return same if mask is None else jnp.logical_and(mask, same)
+def _jax_nn_mask(args: _validate.Normalized, mask):
+    """The caller's mask (as given), and for jax.nn what it has no option for: the segment
+    ids' [B, 1, T, S] equality, and a bottom-right causal mask or window as [T, S]."""
+    unbatched = len(args.out_shape) == 3  # jax.nn broadcasts a [1, T, S] mask there
+    if args.query_segment_ids is not None:
+        same = (args.query_segment_ids[:, None, :, None] ==
+                args.key_value_segment_ids[:, None, None, :])
+        same = same[0] if unbatched else same
+        mask = same if mask is None else jnp.logical_and(mask, same)
+    if args.aligned:
+        t, s = args.query.shape[1], args.key.shape[1]
+        keep = reference.visibility(t, s, batch=1, is_causal=args.is_causal,
+                                    window=_bounded_window(args), q_lens=None, kv_lens=None,
+                                    mask=None, shift=args.diagonal_shift)[0, 0]
+        mask = keep if mask is None else jnp.logical_and(mask, keep)
+    return mask
 
 
 def _bounded_window(args: _validate.Normalized) -> tuple[int, int] | None:
@@ -291,7 +309,8 @@ def _zero_size_lse(args: _validate.Normalized) -> jax.Array:
                                 window=_bounded_window(args), q_lens=args.query_seq_lengths,
                                 kv_lens=args.key_value_seq_lengths, mask=args.mask,
                                 q_segment_ids=args.query_segment_ids,
-                                kv_segment_ids=args.key_value_segment_ids)
+                                kv_segment_ids=args.key_value_segment_ids,
+                                shift=args.diagonal_shift)
     logits = jnp.zeros((), jnp.float32) if args.bias is None else args.bias.astype(jnp.float32)
     logits = jnp.broadcast_to(jnp.where(keep, logits, -jnp.inf), (b, n, t, s))
     return jnp.swapaxes(jax.nn.logsumexp(logits, axis=-1), -1, -2)

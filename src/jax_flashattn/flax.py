@@ -69,7 +69,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                           attn_weights_value_einsum=None, promote_dtype=None, is_causal=False,
                           *, scale=None, local_window_size=None, implementation=None,
                           deterministic_backward=False, query_segment_ids=None,
-                          key_value_segment_ids=None, logits_soft_cap=None):
+                          key_value_segment_ids=None, logits_soft_cap=None,
+                          diagonal_alignment="top_left"):
     """Flax-compatible attention through `jax_flashattn.attention` (see the module docstring).
 
     Positional and keyword arguments are those of `flax.linen.dot_product_attention` and
@@ -79,8 +80,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     `promote_dtype` (NNX's promotion hook, called as `promote_dtype((q, k, v), dtype=dtype)`).
     Keyword-only extras: `scale` (default 1/sqrt(H), as in Flax), `local_window_size`,
     `implementation`, `deterministic_backward`, the packed sequences' `query_segment_ids`
-    `[batch..., T]` and `key_value_segment_ids` `[batch..., S]`, and `logits_soft_cap`, passed
-    to `jax_flashattn.attention`.
+    `[batch..., T]` and `key_value_segment_ids` `[batch..., S]`, `logits_soft_cap` and
+    `diagonal_alignment`, passed to `jax_flashattn.attention`.
 
     Returns `[batch..., T, N, H]` in the promoted dtype.
     """
@@ -106,14 +107,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     out = _attention(q, k, v, bias, mask, scale=scale, is_causal=is_causal,
                      local_window_size=local_window_size, implementation=implementation,
                      deterministic_backward=deterministic_backward, query_segment_ids=q_ids,
-                     key_value_segment_ids=kv_ids, logits_soft_cap=logits_soft_cap)
+                     key_value_segment_ids=kv_ids, logits_soft_cap=logits_soft_cap,
+                     diagonal_alignment=diagonal_alignment)
     if module is not None:
         weights = reference.attention_weights(q, k, bias, mask, scale=scale,
                                               is_causal=is_causal,
                                               local_window_size=local_window_size,
                                               query_segment_ids=q_ids,
                                               key_value_segment_ids=kv_ids,
-                                              logits_soft_cap=logits_soft_cap)
+                                              logits_soft_cap=logits_soft_cap,
+                                              diagonal_alignment=diagonal_alignment)
         _sow(module, weights.astype(q.dtype).reshape(lead + weights.shape[1:]))
     return out.reshape(query.shape[:-1] + value.shape[-1:])
 
@@ -122,23 +125,25 @@ _SIGNATURE = inspect.signature(dot_product_attention)
 
 
 def make_attention_fn(*, is_causal=False, scale=None, local_window_size=None,
-                      implementation=None, deterministic_backward=False, logits_soft_cap=None):
+                      implementation=None, deterministic_backward=False, logits_soft_cap=None,
+                      diagonal_alignment="top_left"):
     """An `attention_fn` for Flax modules with these options fixed.
 
     `is_causal=True` makes every call causal (OR-ed with a call's own `is_causal`, since NNX
     passes `is_causal=False` unless asked), so Linen's `MultiHeadDotProductAttention`, which
     never passes `is_causal`, gets the kernels' causal path without a materialised mask.
     `scale`, `local_window_size`, `implementation`, `deterministic_backward` (bit-identical
-    GPU gradients, see `jax_flashattn.attention`) and `logits_soft_cap` apply unless a call
-    passes its own.
+    GPU gradients, see `jax_flashattn.attention`), `logits_soft_cap` and `diagonal_alignment`
+    apply unless a call passes its own.
     The returned function has `dot_product_attention`'s signature, which Linen inspects to
     decide which arguments to pass.
     """
     _validate.check_options(is_causal=is_causal, implementation=implementation,
                             deterministic_backward=deterministic_backward)
+    _validate.check_diagonal_alignment(diagonal_alignment)
     defaults = dict(scale=scale, local_window_size=local_window_size,
                     implementation=implementation, deterministic_backward=deterministic_backward,
-                    logits_soft_cap=logits_soft_cap)
+                    logits_soft_cap=logits_soft_cap, diagonal_alignment=diagonal_alignment)
 
     @functools.wraps(dot_product_attention)
     def attention_fn(*args, **kwargs):

@@ -16,9 +16,12 @@ from jax_flashattn import _validate
 
 
 def visibility(t_size: int, s_size: int, *, batch: int, is_causal: bool, window, q_lens,
-               kv_lens, mask, q_segment_ids=None, kv_segment_ids=None) -> jax.Array:
-    """Boolean [B, N or 1, T, S]: True where query t may attend to key s."""
-    t = jnp.arange(t_size)[:, None]
+               kv_lens, mask, q_segment_ids=None, kv_segment_ids=None,
+               shift: int = 0) -> jax.Array:
+    """Boolean [B, N or 1, T, S]: True where query t may attend to key s. `shift`: query t's
+    position for the causal mask and the window is t + shift (S - T for bottom-right
+    alignment)."""
+    t = jnp.arange(t_size)[:, None] + shift
     s = jnp.arange(s_size)[None, :]
     keep = jnp.ones((t_size, s_size), bool)
     if is_causal:
@@ -57,7 +60,7 @@ def _softmax(args: _validate.Normalized, precision_dtype):
     keep = visibility(t_size, s_size, batch=b, is_causal=args.is_causal, window=args.window,
                       q_lens=args.query_seq_lengths, kv_lens=args.key_value_seq_lengths,
                       mask=args.mask, q_segment_ids=args.query_segment_ids,
-                      kv_segment_ids=args.key_value_segment_ids)
+                      kv_segment_ids=args.key_value_segment_ids, shift=args.diagonal_shift)
     keep = jnp.broadcast_to(keep, logits.shape)
     masked = jnp.where(keep, logits, -jnp.inf)
     # NaN made explicit: XLA's CPU max reduction over a row of NaN logits returned -inf (its
@@ -73,7 +76,8 @@ def _softmax(args: _validate.Normalized, precision_dtype):
 
 def attention_weights(query, key, bias=None, mask=None, *, scale=None, is_causal=False,
                       local_window_size=None, query_segment_ids=None,
-                      key_value_segment_ids=None, logits_soft_cap=None) -> jax.Array:
+                      key_value_segment_ids=None, logits_soft_cap=None,
+                      diagonal_alignment="top_left") -> jax.Array:
     """The float32 softmax weights [B, N, T, S] of `attention` (0 on a row that sees no key),
     for `jax_flashattn.flax` to sow where Flax's attention does."""
     args = _validate.normalize(query, key, key, bias, mask, scale=scale, is_causal=is_causal,
@@ -81,7 +85,8 @@ def attention_weights(query, key, bias=None, mask=None, *, scale=None, is_causal
                                local_window_size=local_window_size,
                                query_segment_ids=query_segment_ids,
                                key_value_segment_ids=key_value_segment_ids,
-                               logits_soft_cap=logits_soft_cap)
+                               logits_soft_cap=logits_soft_cap,
+                               diagonal_alignment=diagonal_alignment)
     return _softmax(args, jnp.float32)[0]
 
 
@@ -89,7 +94,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               implementation=None, return_residual=False, precision_dtype=jnp.float32,
               p_dtype=None, query_segment_ids=None, key_value_segment_ids=None,
-              logits_soft_cap=None):
+              logits_soft_cap=None, diagonal_alignment="top_left"):
     """Reference attention computed in `precision_dtype` (float32 by default).
 
     `p_dtype`, when given, rounds the probabilities P to that dtype before P.V, which models
@@ -103,7 +108,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                                local_window_size=local_window_size,
                                query_segment_ids=query_segment_ids,
                                key_value_segment_ids=key_value_segment_ids,
-                               logits_soft_cap=logits_soft_cap)
+                               logits_soft_cap=logits_soft_cap,
+                               diagonal_alignment=diagonal_alignment)
     p, any_visible, safe_max, denom = _softmax(args, precision_dtype)
     group = args.query.shape[2] // args.key.shape[2]
     v = jnp.repeat(args.value.astype(precision_dtype), group, axis=2)

@@ -98,6 +98,16 @@ def ring_schedule(num_devices: int, q_seq_len: int, kv_seq_len: int | None = Non
     """
     if kv_seq_len is None:
         kv_seq_len = q_seq_len
+    window = _validate._window(local_window_size)
+    left, right = window if window is not None else (None, None)
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    return _schedule(num_devices, q_seq_len, kv_seq_len, (left, right), layout, load_balance)
+
+
+def _schedule(num_devices, q_seq_len, kv_seq_len, window, layout, load_balance):
+    """ring_schedule for a kernel window (left, right) in GLOBAL positions, None for an
+    unbounded side, either side possibly negative (a bottom-right alignment's)."""
     if layout not in ("contiguous", "zigzag"):
         raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
     chunks = num_devices if layout == "contiguous" else 2 * num_devices
@@ -105,11 +115,6 @@ def ring_schedule(num_devices: int, q_seq_len: int, kv_seq_len: int | None = Non
         if length % chunks:
             raise ValueError(f"the {name} sequence ({length}) must split into {chunks} equal "
                              f"chunks for layout={layout!r} over {num_devices} devices")
-    window = _validate._window(local_window_size)
-    left, right = window if window is not None else (None, None)
-    if is_causal:
-        right = 0 if right is None else min(right, 0)
-    window = (left, right)
     if layout == "zigzag":
         return _ring.make_schedule(_ring.RING, num_devices, q_seq_len, kv_seq_len, window,
                                    "zigzag")
@@ -120,7 +125,8 @@ def ring_schedule(num_devices: int, q_seq_len: int, kv_seq_len: int | None = Non
 def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                    layout="contiguous", load_balance=True, return_residual=False,
-                   query_segment_ids=None, key_value_segment_ids=None, logits_soft_cap=None):
+                   query_segment_ids=None, key_value_segment_ids=None, logits_soft_cap=None,
+                   diagonal_alignment="top_left"):
     """Ring attention on sequence shards, for use inside `jax.shard_map`.
 
     Args:
@@ -128,7 +134,8 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
         `axis_name` (D devices); key, value: [B, S/D, K, H] shards over the same axis.
       axis_name: the mesh axis (or tuple of axes) the sequence is split over.
       scale, is_causal, local_window_size: as in `jax_flashattn.attention`, in GLOBAL positions;
-        logits_soft_cap as there too.
+        logits_soft_cap and diagonal_alignment as there too (the bottom-right diagonal at the
+        global S - T).
       query_seq_lengths, key_value_seq_lengths: int [B] GLOBAL valid lengths (replicated over
         `axis_name`).
       query_segment_ids, key_value_segment_ids: int [B, T/D] and [B, S/D], the LOCAL shards of
@@ -153,12 +160,14 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                                local_window_size=local_window_size,
                                query_segment_ids=query_segment_ids,
                                key_value_segment_ids=key_value_segment_ids,
-                               logits_soft_cap=logits_soft_cap)
+                               logits_soft_cap=logits_soft_cap,
+                               diagonal_alignment=diagonal_alignment)
     t_local, s_local = args.query.shape[1], args.key.shape[1]
-    schedule = ring_schedule(devices, t_local * devices, s_local * devices, is_causal=is_causal,
-                             local_window_size=local_window_size, layout=layout,
-                             load_balance=load_balance)
-    config = _RingConfig(args.scale, args.soft_cap, args.kernel_window, schedule, axes,
+    # The shards split T and S evenly: the global S - T is the local one times the devices.
+    window = args.kernel_window_at(devices * args.diagonal_shift)
+    schedule = _schedule(devices, t_local * devices, s_local * devices, window, layout,
+                         load_balance)
+    config = _RingConfig(args.scale, args.soft_cap, window, schedule, axes,
                          _ffi.kernel_switches())
     out, lse = _ring_call(args.query, args.key, args.value, args.query_seq_lengths,
                           args.key_value_seq_lengths, args.query_segment_ids,

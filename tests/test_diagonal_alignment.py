@@ -1,0 +1,215 @@
+"""diagonal_alignment="bottom_right": query i sits at position i + S - T for the causal mask and
+the window. Checked against an independent mask, then the kernels (values, lse, gradients)
+against the float32 reference with every option it combines with, through implementation="xla",
+the Flax adapters, batch and sequence sharding and ring attention, and its errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_flashattn
+from jax_flashattn import flax as jfa_flax
+from jax_flashattn import reference, sharding
+from helpers import (assert_attention_close, assert_grads_close, assert_lse_close, grads,
+                     random_qkv, reference_grads)
+
+N, K, H = 4, 2, 24
+BR = dict(diagonal_alignment="bottom_right")
+# (T, S): a prefill against a longer cache, more queries than keys, one query (decoding).
+SHAPES = [(37, 70), (70, 37), (1, 53)]
+OPTIONS = {
+    "causal": dict(is_causal=True),
+    "window": dict(local_window_size=(9, 4)),
+    "causal_window": dict(is_causal=True, local_window_size=(30, 2)),
+}
+
+
+def bottom_right_mask(t, s, is_causal=False, window=None):
+    """[T, S]: key j visible from query i at position i + S - T, built with numpy."""
+    pos = np.arange(t)[:, None] + s - t
+    j = np.arange(s)[None, :]
+    keep = np.ones((t, s), bool)
+    if is_causal:
+        keep &= j <= pos
+    if window is not None:
+        keep &= (j >= pos - window[0]) & (j <= pos + window[1])
+    return keep
+
+
+@pytest.mark.parametrize("t,s", SHAPES)
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_reference_is_the_shifted_mask(rng, t, s, option):
+    """The reference's bottom-right alignment is the top-left call with the mask above."""
+    q, k, v = random_qkv(rng, 2, t, s, N, K, H, jnp.float32)
+    kwargs = OPTIONS[option]
+    mask = bottom_right_mask(t, s, kwargs.get("is_causal", False),
+                             kwargs.get("local_window_size"))
+    want = reference.attention(q, k, v, None, jnp.asarray(mask))
+    got = reference.attention(q, k, v, **kwargs, **BR)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("t,s", SHAPES)
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_forward_matches_reference(rng, dtype, t, s, option):
+    q, k, v = random_qkv(rng, 2, t, s, N, K, H, dtype)
+    kwargs = dict(OPTIONS[option], **BR)
+    out, lse = jax_flashattn.attention(q, k, v, return_residual=True, **kwargs)
+    assert_lse_close(lse, assert_attention_close(out, q, k, v, **kwargs))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("t,s", SHAPES[:2])
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_gradients_match_reference(rng, dtype, t, s, option):
+    q, k, v = random_qkv(rng, 2, t, s, N, K, H, dtype)
+    d_out = jnp.asarray(rng.standard_normal(q.shape), dtype)
+    kwargs = dict(OPTIONS[option], **BR)
+    got = grads(jax_flashattn.attention, q, k, v, None, d_out, **kwargs)
+    want = reference_grads(q, k, v, None, d_out, **kwargs)
+    normwise = None if dtype == jnp.float32 else 2e-2
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got[:4], want[:4]):
+        assert_grads_close(g, w, normwise=normwise, name=name)
+
+
+def test_what_it_moves(rng):
+    """With T < S the last query of a causal call sees every key (a prefill's last token);
+    with T > S the first T - S queries see none (out 0, lse -inf); with T == S both alignments
+    agree bit for bit."""
+    q, k, v = random_qkv(rng, 2, 13, 40, N, K, H, jnp.float32)
+    causal = jax_flashattn.attention(q, k, v, is_causal=True, **BR)
+    np.testing.assert_array_equal(np.asarray(causal[:, -1:]),
+                                  np.asarray(jax_flashattn.attention(q[:, -1:], k, v)))
+    top_left = jax_flashattn.attention(q, k, v, is_causal=True)
+    assert float(jnp.max(jnp.abs(causal - top_left))) > 1e-2
+    q, k, v = random_qkv(rng, 2, 40, 13, N, K, H, jnp.float32)
+    out, lse = jax_flashattn.attention(q, k, v, is_causal=True, return_residual=True, **BR)
+    assert (np.asarray(out[:, :27]) == 0).all() and np.isneginf(np.asarray(lse[:, :27])).all()
+    q, k, v = random_qkv(rng, 2, 33, 33, N, K, H, jnp.float32)
+    for kwargs in OPTIONS.values():
+        np.testing.assert_array_equal(
+            np.asarray(jax_flashattn.attention(q, k, v, **kwargs, **BR)),
+            np.asarray(jax_flashattn.attention(q, k, v, **kwargs)))
+
+
+def test_combines_with_bias_mask_segment_ids_soft_cap_and_gqa(rng):
+    q, k, v = random_qkv(rng, 2, 30, 50, 8, 2, H, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((1, 8, 30, 50)), jnp.float32)
+    mask = jnp.asarray(rng.random((2, 1, 30, 50)) > 0.2)
+    q_ids = jnp.asarray(np.arange(2 * 30).reshape(2, 30) // 12, jnp.int32)
+    kv_ids = jnp.asarray(np.arange(2 * 50).reshape(2, 50) // 20, jnp.int32)
+    kwargs = dict(is_causal=True, local_window_size=(25, 0), logits_soft_cap=3.0,
+                  query_segment_ids=q_ids, key_value_segment_ids=kv_ids, **BR)
+    d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    got = grads(jax_flashattn.attention, q, k, v, bias, d_out, mask, **kwargs)
+    want = reference_grads(q, k, v, bias, d_out, mask, **kwargs)
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
+        assert_grads_close(g, w, name=name)
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_xla_implementation_agrees(rng, option):
+    """jax.nn has no alignment option: it gets the bottom-right bounds as a mask."""
+    q, k, v = random_qkv(rng, 2, 21, 45, N, K, H, jnp.float32)
+    kwargs = dict(OPTIONS[option], **BR)
+    mask = jnp.asarray(rng.random((2, 1, 21, 45)) > 0.2)
+    for args in ((), (None, mask)):
+        ours = jax_flashattn.attention(q, k, v, *args, **kwargs)
+        xla = jax_flashattn.attention(q, k, v, *args, implementation="xla", **kwargs)
+        np.testing.assert_allclose(np.asarray(xla), np.asarray(ours), rtol=2e-5, atol=2e-5)
+    unbatched = jax_flashattn.attention(q[0], k[0], v[0], implementation="xla", **kwargs)
+    np.testing.assert_allclose(np.asarray(unbatched),
+                               np.asarray(jax_flashattn.attention(q, k, v, **kwargs)[0]),
+                               rtol=2e-5, atol=2e-5)
+
+
+def test_under_jit_and_vmap(rng):
+    q, k, v = random_qkv(rng, 2, 17, 41, N, K, H, jnp.float32)
+    f = jax.jit(jax.vmap(lambda q, k, v: jax_flashattn.attention(q, k, v, is_causal=True, **BR)))
+    out = f(q[:, None], k[:, None], v[:, None])[:, 0]
+    want = reference.attention(q, k, v, is_causal=True, **BR)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_zero_size_inputs(rng):
+    q, k, v = random_qkv(rng, 2, 5, 0, N, K, H, jnp.float32)
+    out, lse = jax_flashattn.attention(q, k, v, is_causal=True, return_residual=True, **BR)
+    assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all()
+
+
+def test_flax_adapters_pass_it_on(rng):
+    q, k, v = random_qkv(rng, 2, 12, 30, N, K, H, jnp.float32)
+    want = reference.attention(q, k, v, is_causal=True, **BR)
+    out = jfa_flax.dot_product_attention(q, k, v, is_causal=True, **BR)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+    fn = jfa_flax.make_attention_fn(is_causal=True, **BR)
+    np.testing.assert_allclose(np.asarray(fn(q, k, v)), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="diagonal_alignment"):
+        jfa_flax.make_attention_fn(diagonal_alignment="bottom-right")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_sharded_batch_sequence_and_ring_attention(rng, layout):
+    """The global S - T, in the partitioned call (batch or sequence split over 4 devices) and
+    in ring attention's steps, values and gradients as unsharded."""
+    devices = 4
+    q, k, v = random_qkv(rng, 4, 32, 64, N, K, 16, jnp.float32)
+    d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    kwargs = dict(is_causal=True, local_window_size=(40, 0), **BR)
+
+    def out_and_grads(fn):
+        def f(q, k, v, d_out):
+            out, vjp = jax.vjp(fn, q, k, v)
+            return out, vjp(d_out)
+        return f
+
+    want = jax.jit(out_and_grads(lambda q, k, v: reference.attention(q, k, v, **kwargs)))(
+        q, k, v, d_out)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:devices]), ("d",))
+    attention = jax.jit(out_and_grads(lambda q, k, v: jax_flashattn.attention(q, k, v,
+                                                                              **kwargs)))
+    for spec in (P("d"), P(None, "d")):
+        got = attention(*(jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, d_out)))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+    spec = P(None, "d")
+    ring = jax.jit(jax.shard_map(out_and_grads(
+        lambda q, k, v: sharding.ring_attention(q, k, v, axis_name="d", layout=layout,
+                                                **kwargs)),
+        mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec, (spec,) * 3)))
+    operands = (q, k, v, d_out)
+    if layout == "zigzag":
+        operands = tuple(sharding.zigzag(x, devices) for x in operands)
+    got = ring(*operands)
+    if layout == "zigzag":
+        got = jax.tree.map(lambda x: sharding.unzigzag(x, devices), got)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("value,error", [("bottom-right", ValueError), ("BOTTOM_RIGHT", ValueError),
+                                         (None, TypeError), (1, TypeError), (True, TypeError)])
+def test_bad_values_raise_naming_the_option(rng, value, error):
+    q, k, v = random_qkv(rng, 2, 5, 9, N, K, H, jnp.float32)
+    for fn in (jax_flashattn.attention, reference.attention):
+        with pytest.raises(error, match="diagonal_alignment"):
+            fn(q, k, v, diagonal_alignment=value)
+
+
+def test_seq_lengths_with_a_moved_diagonal_raise(rng):
+    """With lengths each batch entry's diagonal would sit at its own kv_len - q_len, which the
+    kernels do not take yet: a clear error, unless the alignment moves nothing."""
+    q, k, v = random_qkv(rng, 2, 5, 9, N, K, H, jnp.float32)
+    lens = np.array([9, 4], np.int32)
+    with pytest.raises(ValueError, match="diagonal_alignment='bottom_right'.*lengths"):
+        jax_flashattn.attention(q, k, v, is_causal=True, key_value_seq_lengths=lens, **BR)
+    jax_flashattn.attention(q, k, v, key_value_seq_lengths=lens, **BR)  # moves nothing
+    q, k, v = random_qkv(rng, 2, 9, 9, N, K, H, jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(jax_flashattn.attention(q, k, v, is_causal=True, key_value_seq_lengths=lens,
+                                           **BR)),
+        np.asarray(jax_flashattn.attention(q, k, v, is_causal=True, key_value_seq_lengths=lens)))
