@@ -42,6 +42,9 @@ class Normalized:
     # diagonal_alignment="bottom_right": query t sits at position t + S - T for the causal
     # mask and the window (the diagonal_shift below).
     bottom_right: bool = False
+    # float32 [N]: one logit per query head that every row's softmax takes as a key with value
+    # 0 (attention sinks).
+    sinks: jax.Array | None = None
 
     @property
     def zero_size(self) -> bool:
@@ -296,11 +299,25 @@ def check_diagonal_alignment(diagonal_alignment) -> bool:
     return diagonal_alignment == "bottom_right"
 
 
+def _sinks(sinks, num_heads: int) -> jax.Array | None:
+    """Attention sinks as float32 [N]: a real array of one logit per query head."""
+    if sinks is None:
+        return None
+    sinks = _as_array(sinks, "sinks")
+    if not (jnp.issubdtype(sinks.dtype, jnp.floating) or jnp.issubdtype(sinks.dtype, jnp.integer)):
+        raise TypeError(f"sinks must be a real array of one logit per query head, got "
+                        f"{_describe(sinks)}")
+    if sinks.shape != (num_heads,):
+        raise ValueError(f"sinks must have shape [N] = ({num_heads},), one logit per query "
+                         f"head, got {_describe(sinks)}")
+    return sinks.astype(jnp.float32)
+
+
 def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None,
               local_window_size=None, allow_empty=False, query_segment_ids=None,
               key_value_segment_ids=None, logits_soft_cap=None,
-              diagonal_alignment="top_left") -> Normalized:
+              diagonal_alignment="top_left", sinks=None) -> Normalized:
     """`allow_empty`: accept T, S, N or H = 0 (B = 0 is always accepted), for a caller that
     answers such inputs without the kernels (`attention`'s Normalized.zero_size path)."""
     query, key, value = (_as_array(x, n) for x, n in
@@ -350,7 +367,7 @@ def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         scale=_scale(scale, h), is_causal=bool(is_causal), window=_window(local_window_size),
         out_shape=out_shape, query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
         soft_cap=_soft_cap(logits_soft_cap),
-        bottom_right=check_diagonal_alignment(diagonal_alignment))
+        bottom_right=check_diagonal_alignment(diagonal_alignment), sinks=_sinks(sinks, n))
     if args.aligned and (args.query_seq_lengths is not None
                          or args.key_value_seq_lengths is not None):
         # With lengths the diagonal sits at each entry's kv_len - q_len, one shift per batch

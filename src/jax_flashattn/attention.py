@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from jax_flashattn import _ffi, _validate, reference, sharding
+from jax_flashattn import _ffi, _sinks, _validate, reference, sharding
 
 _UNSUPPORTED_DERIVATIVE = (
     "jax_flashattn.attention: forward-mode derivatives (jax.jvp, jax.jacfwd, jax.linearize) and "
@@ -37,37 +37,40 @@ def _first_order_only_jvp(kernel_call, primals, tangents):
 
 # switches: the kernel switches (_ffi.KernelSwitches), read by `attention` each time it runs or
 # is traced and passed down as static data, so that no cached trace below keeps a stale one.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12, 13))
-def _flash(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, scale, soft_cap, window,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14))
+def _flash(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, scale, soft_cap, window,
            deterministic, switches):
-    return sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, scale=scale,
-                            soft_cap=soft_cap, window=window, switches=switches)
+    out, lse = sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids,
+                                scale=scale, soft_cap=soft_cap, window=window, switches=switches)
+    return _sinks.apply(out, lse, sinks)
 
 
-def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, scale, soft_cap, window,
-               deterministic, switches):
+def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, scale, soft_cap,
+               window, deterministic, switches):
     # With symbolic zeros, each array argument comes as CustomVJPPrimal(value, perturbed):
     # perturbed says whether its gradient is asked for (not under jax.grad of the other
     # arguments alone, nor behind stop_gradient).
     del deterministic  # a backward option
     dbias_needed = bias is not None and bias.perturbed
-    q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids = (
+    q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks = (
         None if x is None else x.value
-        for x in (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids))
+        for x in (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks))
     kernel = functools.partial(sharding.forward, scale=scale, soft_cap=soft_cap, window=window,
                                switches=switches)
-    out, lse = _first_order_only(kernel, q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids)
+    out, lse = _sinks.apply(*_first_order_only(kernel, q, k, v, bias, mask, q_lens, kv_lens,
+                                               q_ids, kv_ids), sinks)
     # Only the inputs, the output and the log-sum-exp are saved: the backward recomputes P.
     # Whether dbias is needed travels as the residuals' structure (() or None, no array).
-    return (out, lse), (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, out, lse,
+    return (out, lse), (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, out, lse,
                         () if dbias_needed else None)
 
 
 def _flash_bwd(scale, soft_cap, window, deterministic, switches, residuals, cotangents):
-    q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, out, lse, dbias_needed = residuals
+    q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, out, lse, dbias_needed = (
+        residuals)
     d_out, _ = cotangents  # the lse output is a residual with no gradient, as in jax.nn
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):  # only lse was used
-        return (None,) * 9
+        return (None,) * 10
     kernel = functools.partial(sharding.backward, scale=scale, soft_cap=soft_cap, window=window,
                                switches=switches, deterministic=deterministic,
                                dbias=dbias_needed is not None)
@@ -75,7 +78,8 @@ def _flash_bwd(scale, soft_cap, window, deterministic, switches, residuals, cota
                                           kv_lens, q_ids, kv_ids)
     if dbias is not None:  # already summed over bias's broadcast dims by sharding.backward
         dbias = dbias.astype(bias.dtype)
-    return dq, dk, dv, dbias, None, None, None, None, None
+    return (dq, dk, dv, dbias, None, None, None, None, None,
+            None if sinks is None else _sinks.gradient(sinks, out, lse, d_out))
 
 
 # symbolic_zeros: the backward computes (and allocates) the bias gradient only where it is
@@ -122,7 +126,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               implementation=None, return_residual=False, deterministic_backward=False,
               query_segment_ids=None, key_value_segment_ids=None, logits_soft_cap=None,
-              diagonal_alignment="top_left"):
+              diagonal_alignment="top_left", sinks=None):
     """Scaled dot-product attention with the signature of `jax.nn.dot_product_attention`.
 
     Layout [B, T, N, H] (or [T, N, H]); key and value [B, S, K, H] with N % K == 0 (GQA/MQA
@@ -178,6 +182,14 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     costs nothing; with implementation="xla" or "cudnn" it becomes a boolean mask [T, S] for
     jax.nn. With T != S it does not combine with the seq lengths yet (a ValueError).
 
+    `sinks` (keyword-only, not in jax.nn): an array [N] of one logit per query head (float32
+    or a real dtype, cast to float32), differentiable. Every row's softmax also takes a key of
+    that logit and value 0 (gpt-oss's attention sinks), after the scale, the cap, the bias and
+    the masks, which never hide it: a row that sees no key returns 0 with lse = the sink. The
+    kernels run without it and the result is rescaled after (out e^(lse - lse'), one pass over
+    the output); its gradient is -sum over the batch and rows of e^(sink - lse') dO . O. With
+    implementation="xla" or "cudnn" (jax.nn has no sinks) it raises a ValueError.
+
     `deterministic_backward` (keyword-only, not in jax.nn): on a GPU, the gradients are
     bit-identical across runs. By default the tensor-core backward sums dQ over key blocks
     with float32 atomic adds, whose order varies between runs (last-bit differences). With
@@ -203,10 +215,13 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                                query_segment_ids=query_segment_ids,
                                key_value_segment_ids=key_value_segment_ids,
                                logits_soft_cap=logits_soft_cap,
-                               diagonal_alignment=diagonal_alignment)
+                               diagonal_alignment=diagonal_alignment, sinks=sinks)
     if args.soft_cap and kind != "kernels":
         raise ValueError(f"logits_soft_cap: jax.nn.dot_product_attention has no soft-capping, so "
                          f"this call, on its implementation={kind!r}, cannot take it")
+    if args.sinks is not None and kind != "kernels":
+        raise ValueError(f"sinks: jax.nn.dot_product_attention has no attention sinks, so this "
+                         f"call, on its implementation={kind!r}, cannot take them")
     if kind != "kernels":
         # The lengths and window as checked: int32 (jax.nn takes no other dtype) and bounded
         # (jax.nn adds a side to int32 positions); segment ids and a bottom-right causal mask or
@@ -240,8 +255,8 @@ def _call_kernels(args: _validate.Normalized, deterministic_backward: bool):
     try:
         return _flash(args.query, args.key, args.value, args.bias, args.mask,
                       args.query_seq_lengths, args.key_value_seq_lengths,
-                      args.query_segment_ids, args.key_value_segment_ids, args.scale,
-                      args.soft_cap, args.kernel_window, deterministic_backward,
+                      args.query_segment_ids, args.key_value_segment_ids, args.sinks,
+                      args.scale, args.soft_cap, args.kernel_window, deterministic_backward,
                       _ffi.kernel_switches())
     except TypeError as e:
         if _JAX_JVP_OF_CUSTOM_VJP not in str(e):
@@ -300,11 +315,13 @@ def _zero_size_lse(args: _validate.Normalized) -> jax.Array:
     """lse [B, T, N] float32 of a call where B, T, S, N or H is 0 (Normalized.zero_size): -inf
     where a row sees no key, so everywhere when S = 0. With H = 0 and keys to see, every q.k is
     an empty sum, 0, so the logits are the bias alone (0 without one) and lse is their
-    log-sum-exp over the keys the row sees, as jax.nn's with a given scale."""
+    log-sum-exp over the keys the row sees, as jax.nn's with a given scale; with sinks, each
+    row's log-sum-exp takes its head's sink too."""
     b, t, n, _ = args.query.shape
     s = args.key.shape[1]
     if b * t * n * s == 0:
-        return jnp.full((b, t, n), -jnp.inf, jnp.float32)
+        lse = jnp.full((b, t, n), -jnp.inf, jnp.float32)
+        return lse if args.sinks is None else jnp.logaddexp(lse, args.sinks)
     keep = reference.visibility(t, s, batch=b, is_causal=args.is_causal,
                                 window=_bounded_window(args), q_lens=args.query_seq_lengths,
                                 kv_lens=args.key_value_seq_lengths, mask=args.mask,
@@ -313,4 +330,7 @@ def _zero_size_lse(args: _validate.Normalized) -> jax.Array:
                                 shift=args.diagonal_shift)
     logits = jnp.zeros((), jnp.float32) if args.bias is None else args.bias.astype(jnp.float32)
     logits = jnp.broadcast_to(jnp.where(keep, logits, -jnp.inf), (b, n, t, s))
-    return jnp.swapaxes(jax.nn.logsumexp(logits, axis=-1), -1, -2)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    if args.sinks is not None:
+        lse = jnp.logaddexp(lse, args.sinks[:, None])
+    return jnp.swapaxes(lse, -1, -2)

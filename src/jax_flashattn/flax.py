@@ -70,7 +70,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                           *, scale=None, local_window_size=None, implementation=None,
                           deterministic_backward=False, query_segment_ids=None,
                           key_value_segment_ids=None, logits_soft_cap=None,
-                          diagonal_alignment="top_left"):
+                          diagonal_alignment="top_left", sinks=None):
     """Flax-compatible attention through `jax_flashattn.attention` (see the module docstring).
 
     Positional and keyword arguments are those of `flax.linen.dot_product_attention` and
@@ -80,8 +80,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     `promote_dtype` (NNX's promotion hook, called as `promote_dtype((q, k, v), dtype=dtype)`).
     Keyword-only extras: `scale` (default 1/sqrt(H), as in Flax), `local_window_size`,
     `implementation`, `deterministic_backward`, the packed sequences' `query_segment_ids`
-    `[batch..., T]` and `key_value_segment_ids` `[batch..., S]`, `logits_soft_cap` and
-    `diagonal_alignment`, passed to `jax_flashattn.attention`.
+    `[batch..., T]` and `key_value_segment_ids` `[batch..., S]`, `logits_soft_cap`,
+    `diagonal_alignment` and `sinks` `[N]` (a module's learnable parameter), passed to
+    `jax_flashattn.attention`.
 
     Returns `[batch..., T, N, H]` in the promoted dtype.
     """
@@ -108,7 +109,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                      local_window_size=local_window_size, implementation=implementation,
                      deterministic_backward=deterministic_backward, query_segment_ids=q_ids,
                      key_value_segment_ids=kv_ids, logits_soft_cap=logits_soft_cap,
-                     diagonal_alignment=diagonal_alignment)
+                     diagonal_alignment=diagonal_alignment, sinks=sinks)
     if module is not None:
         weights = reference.attention_weights(q, k, bias, mask, scale=scale,
                                               is_causal=is_causal,
@@ -116,7 +117,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                                               query_segment_ids=q_ids,
                                               key_value_segment_ids=kv_ids,
                                               logits_soft_cap=logits_soft_cap,
-                                              diagonal_alignment=diagonal_alignment)
+                                              diagonal_alignment=diagonal_alignment,
+                                              sinks=sinks)
         _sow(module, weights.astype(q.dtype).reshape(lead + weights.shape[1:]))
     return out.reshape(query.shape[:-1] + value.shape[-1:])
 

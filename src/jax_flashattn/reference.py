@@ -1,9 +1,10 @@
 """Pure-JAX attention with jax_flashattn's exact semantics.
 
 Materialises the [B, N, T, S] logits, so it is only for tests, the main job's check, the
-benchmarks' correctness gate and the attention weights `jax_flashattn.flax` sows. It takes the same arguments as `jax_flashattn.attention` and
-differs from `jax.nn.dot_product_attention` in one deliberate way: a query row that sees no key
-returns 0 (and its log-sum-exp is -inf) instead of an average of V.
+benchmarks' correctness gate and the attention weights `jax_flashattn.flax` sows. It takes the
+same arguments as `jax_flashattn.attention` and differs from `jax.nn.dot_product_attention` in
+one deliberate way: a query row that sees no key returns 0 (and its log-sum-exp is -inf, or
+with sinks the sink's logit) instead of an average of V.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ def _softmax(args: _validate.Normalized, precision_dtype):
                       mask=args.mask, q_segment_ids=args.query_segment_ids,
                       kv_segment_ids=args.key_value_segment_ids, shift=args.diagonal_shift)
     keep = jnp.broadcast_to(keep, logits.shape)
+    if args.sinks is not None:  # a last key of logit sinks[n], always visible (value 0)
+        sink = jnp.broadcast_to(args.sinks.astype(precision_dtype)[None, :, None, None],
+                                logits.shape[:-1] + (1,))
+        logits = jnp.concatenate([logits, sink], axis=-1)
+        keep = jnp.concatenate([keep, jnp.ones(sink.shape, bool)], axis=-1)
     masked = jnp.where(keep, logits, -jnp.inf)
     # NaN made explicit: XLA's CPU max reduction over a row of NaN logits returned -inf (its
     # initial value), which would read as a row that sees no key.
@@ -71,22 +77,26 @@ def _softmax(args: _validate.Normalized, precision_dtype):
     safe_max = jnp.where(any_visible, row_max, 0)
     p = jnp.where(keep, jnp.exp(masked - safe_max), 0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    return p / jnp.where(any_visible, denom, 1), any_visible, safe_max, denom
+    p = p / jnp.where(any_visible, denom, 1)
+    if args.sinks is not None:
+        p = p[..., :-1]  # the sinks' weights, on values of 0
+    return p, any_visible, safe_max, denom
 
 
 def attention_weights(query, key, bias=None, mask=None, *, scale=None, is_causal=False,
                       local_window_size=None, query_segment_ids=None,
                       key_value_segment_ids=None, logits_soft_cap=None,
-                      diagonal_alignment="top_left") -> jax.Array:
-    """The float32 softmax weights [B, N, T, S] of `attention` (0 on a row that sees no key),
-    for `jax_flashattn.flax` to sow where Flax's attention does."""
+                      diagonal_alignment="top_left", sinks=None) -> jax.Array:
+    """The float32 softmax weights [B, N, T, S] of `attention` (0 on a row that sees no key;
+    with sinks, the keys' weights alone), for `jax_flashattn.flax` to sow where Flax's
+    attention does."""
     args = _validate.normalize(query, key, key, bias, mask, scale=scale, is_causal=is_causal,
                                query_seq_lengths=None, key_value_seq_lengths=None,
                                local_window_size=local_window_size,
                                query_segment_ids=query_segment_ids,
                                key_value_segment_ids=key_value_segment_ids,
                                logits_soft_cap=logits_soft_cap,
-                               diagonal_alignment=diagonal_alignment)
+                               diagonal_alignment=diagonal_alignment, sinks=sinks)
     return _softmax(args, jnp.float32)[0]
 
 
@@ -94,7 +104,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               implementation=None, return_residual=False, precision_dtype=jnp.float32,
               p_dtype=None, query_segment_ids=None, key_value_segment_ids=None,
-              logits_soft_cap=None, diagonal_alignment="top_left"):
+              logits_soft_cap=None, diagonal_alignment="top_left", sinks=None):
     """Reference attention computed in `precision_dtype` (float32 by default).
 
     `p_dtype`, when given, rounds the probabilities P to that dtype before P.V, which models
@@ -109,7 +119,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                                query_segment_ids=query_segment_ids,
                                key_value_segment_ids=key_value_segment_ids,
                                logits_soft_cap=logits_soft_cap,
-                               diagonal_alignment=diagonal_alignment)
+                               diagonal_alignment=diagonal_alignment, sinks=sinks)
     p, any_visible, safe_max, denom = _softmax(args, precision_dtype)
     group = args.query.shape[2] // args.key.shape[2]
     v = jnp.repeat(args.value.astype(precision_dtype), group, axis=2)

@@ -38,7 +38,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flashattn import _ffi, _ops, _ring, _validate
+from jax_flashattn import _ffi, _ops, _ring, _sinks, _validate
 
 __all__ = ["ring_attention", "ring_schedule", "zigzag", "unzigzag", "forward", "backward"]
 
@@ -56,28 +56,36 @@ class _RingConfig:
     switches: _ffi.KernelSwitches
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _ring_call(q, k, v, q_lens, kv_lens, q_ids, kv_ids, config):
-    return _ring.seq_forward(q, k, v, None, None, q_lens, kv_lens, q_ids, kv_ids,
-                             scale=config.scale, soft_cap=config.soft_cap, window=config.window,
-                             schedule=config.schedule, axes=config.axes,
-                             switches=config.switches)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _ring_call(q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, config):
+    out, lse = _ring.seq_forward(q, k, v, None, None, q_lens, kv_lens, q_ids, kv_ids,
+                                 scale=config.scale, soft_cap=config.soft_cap,
+                                 window=config.window, schedule=config.schedule,
+                                 axes=config.axes, switches=config.switches)
+    # The sinks once per row, on the ring's merged result (each step's kernel call runs
+    # without them).
+    return _sinks.apply(out, lse, sinks)
 
 
-def _ring_fwd(q, k, v, q_lens, kv_lens, q_ids, kv_ids, config):
-    out, lse = _ring_call(q, k, v, q_lens, kv_lens, q_ids, kv_ids, config)
-    return (out, lse), (q, k, v, q_lens, kv_lens, q_ids, kv_ids, out, lse)
+def _ring_fwd(q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, config):
+    out, lse = _ring_call(q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, config)
+    return (out, lse), (q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, out, lse)
 
 
 def _ring_bwd(config, residuals, cotangents):
-    q, k, v, q_lens, kv_lens, q_ids, kv_ids, out, lse = residuals
+    q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, out, lse = residuals
     d_out, _ = cotangents
     dq, dk, dv, _ = _ring.seq_backward(q, k, v, out, lse, d_out, None, None, q_lens, kv_lens,
                                        q_ids, kv_ids, scale=config.scale,
                                        soft_cap=config.soft_cap, window=config.window,
                                        schedule=config.schedule, axes=config.axes,
                                        switches=config.switches)
-    return dq, dk, dv, None, None, None, None
+    d_sinks = None
+    if sinks is not None:
+        # The rows are split over the ring's axes and the sinks are not: the devices' parts
+        # summed, a cotangent as invariant over those axes as the sinks themselves.
+        d_sinks = lax.psum(_sinks.gradient(sinks, out, lse, d_out), config.axes)
+    return dq, dk, dv, None, None, None, None, d_sinks
 
 
 _ring_call.defvjp(_ring_fwd, _ring_bwd)
@@ -126,7 +134,7 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                    layout="contiguous", load_balance=True, return_residual=False,
                    query_segment_ids=None, key_value_segment_ids=None, logits_soft_cap=None,
-                   diagonal_alignment="top_left"):
+                   diagonal_alignment="top_left", sinks=None):
     """Ring attention on sequence shards, for use inside `jax.shard_map`.
 
     Args:
@@ -136,6 +144,8 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
       scale, is_causal, local_window_size: as in `jax_flashattn.attention`, in GLOBAL positions;
         logits_soft_cap and diagonal_alignment as there too (the bottom-right diagonal at the
         global S - T).
+      sinks: [N] as in `jax_flashattn.attention`, for the local query heads, replicated over
+        `axis_name`; their gradient is summed over it.
       query_seq_lengths, key_value_seq_lengths: int [B] GLOBAL valid lengths (replicated over
         `axis_name`).
       query_segment_ids, key_value_segment_ids: int [B, T/D] and [B, S/D], the LOCAL shards of
@@ -161,7 +171,7 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                                query_segment_ids=query_segment_ids,
                                key_value_segment_ids=key_value_segment_ids,
                                logits_soft_cap=logits_soft_cap,
-                               diagonal_alignment=diagonal_alignment)
+                               diagonal_alignment=diagonal_alignment, sinks=sinks)
     t_local, s_local = args.query.shape[1], args.key.shape[1]
     # The shards split T and S evenly: the global S - T is the local one times the devices.
     window = args.kernel_window_at(devices * args.diagonal_shift)
@@ -171,7 +181,7 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                          _ffi.kernel_switches())
     out, lse = _ring_call(args.query, args.key, args.value, args.query_seq_lengths,
                           args.key_value_seq_lengths, args.query_segment_ids,
-                          args.key_value_segment_ids, config)
+                          args.key_value_segment_ids, args.sinks, config)
     out = out.reshape(args.out_shape)
     if not return_residual:
         return out
