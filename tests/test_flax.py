@@ -417,3 +417,46 @@ def test_example_data_is_deterministic():
     assert a.shape == (4, 41) and a.dtype == np.int32
     np.testing.assert_array_equal(a, b)
     assert a.min() >= 0 and a.max() < 50
+
+
+# ---------------------------------------------------------------------------------------------
+# An NNX attention layer with a soft-cap and learnable sinks (Gemma 2's cap, gpt-oss's sinks)
+
+
+class _CappedSinkAttention(nnx.Module):
+    """Causal self-attention whose logits are soft-capped and whose softmax takes one learnable
+    sink per head, through `attention_fn` (jax_flashattn.flax or the reference)."""
+
+    def __init__(self, attention_fn, *, rngs):
+        self.qkv = nnx.Linear(F, 3 * F, rngs=rngs)
+        self.out = nnx.Linear(F, F, rngs=rngs)
+        self.sinks = nnx.Param(jnp.linspace(-1.0, 1.0, HEADS))
+        self.attention_fn = attention_fn
+
+    def __call__(self, x):
+        q, k, v = jnp.split(self.qkv(x).reshape(*x.shape[:-1], 3 * HEADS, F // HEADS), 3, -2)
+        y = self.attention_fn(q, k, v, is_causal=True, logits_soft_cap=2.0,
+                              sinks=self.sinks[...])
+        return self.out(y.reshape(x.shape))
+
+
+def test_nnx_layer_with_soft_cap_and_sinks(inputs):
+    """The layer's output and the gradients of every parameter, the sinks included, through the
+    kernels as through the float32 reference."""
+    x, _ = inputs
+
+    def reference_fn(q, k, v, **kwargs):
+        return reference.attention(q, k, v, **kwargs)
+
+    results = []
+    for attention_fn in (jfa_flax.dot_product_attention, reference_fn):
+        model = _CappedSinkAttention(attention_fn, rngs=nnx.Rngs(0))
+
+        def loss(model, x):
+            y = model(x)
+            return jnp.sum(jnp.sin(y)), y
+        (_, y), grads = nnx.value_and_grad(loss, has_aux=True)(model, x)
+        grads = nnx.to_pure_dict(grads)
+        assert float(jnp.max(jnp.abs(grads["sinks"]))) > 0
+        results.append((y, grads))
+    assert_trees_close(results[0], results[1])
