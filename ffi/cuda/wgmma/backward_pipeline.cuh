@@ -1,5 +1,5 @@
-// The Hopper backward's pipeline state, shared by its producer and its consumers
-// (backward_kernel.cuh): the mbarriers, the block's work, and the shared-memory layout.
+// The Hopper backward's pipeline state, shared by its producer (backward_producer.cuh) and its
+// consumers (backward_consumer.cuh): the mbarriers, the block's work, and the shared memory.
 #pragma once
 
 #include <cstddef>
@@ -7,6 +7,7 @@
 
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/cuda/wgmma/backward_traits.h"  // kBackwardConsumers
 #include "ffi/params.h"
 
@@ -118,7 +119,19 @@ struct BackwardBlock {
     w.steps = w.tiles * int(p.group_size());
     return w;
   }
+  // Row (b, n, q0) of lse and D: int32, as backward_tma_compatible checks.
+  __device__ int stats_row(const AttentionParams& p, int n, int q0) const {
+    return (b * int(p.num_heads) + n) * int(p.seqlen_q) + q0;
+  }
 };
+
+// The n-th step of a block uses stage n % kStages; its full barrier completes phase
+// (n / kStages) & 1, and the producer refilling it waits for the empty barrier's phase of step
+// n - kStages.
+template <int kStages>
+__device__ __forceinline__ uint32_t step_phase(int step) {
+  return uint32_t(step / kStages) & 1;
+}
 
 // The dynamic shared memory's layout, tiles at 1024-byte boundaries (the 128-byte swizzle's
 // period) from the aligned start: K, V, Q stages, dO stages, dS^T buffers, the consumers' dQ
@@ -137,6 +150,50 @@ struct BackwardSmemLayout {
   static constexpr uint32_t kBarrierOffset =
       kQIdsOffset + Traits::kStages * Traits::QIdBox::kStageBytes;
   static constexpr uint32_t kWriterBarrierOffset = kBarrierOffset + Traits::kBarrierBytes;
+};
+
+// The shared memory by 32-bit address from its aligned start `base` (BackwardSmemLayout), and
+// from `start`, the same place as a generic pointer, lse / D, which the consumers read with
+// plain loads, and the barriers.
+template <typename Traits>
+struct BackwardSmem {
+  using Layout = BackwardSmemLayout<Traits>;
+  uint32_t base;
+  unsigned char* start;
+
+  __device__ uint32_t k() const { return base; }
+  __device__ uint32_t v() const { return base + Traits::kKVBytes; }
+  __device__ uint32_t q(int stage) const {
+    return base + Layout::kQOffset + stage * Traits::kQBytes;
+  }
+  __device__ uint32_t d_out(int stage) const {
+    return base + Layout::kDoOffset + stage * Traits::kQBytes;
+  }
+  __device__ uint32_t ds(int buffer) const {
+    return base + Layout::kDsOffset + buffer * Traits::kDsBytes;
+  }
+  __device__ uint32_t dq(int consumer) const {
+    return base + Layout::kDqOffset + consumer * Traits::kDqBytes;
+  }
+  // lse of the stage's tile ([0][row]), D kStatsStride floats after it ([1][row]).
+  __device__ uint32_t stats(int stage) const {
+    return base + Layout::kStatsOffset + stage * Traits::kStatsStageBytes;
+  }
+  __device__ const float* stats_ptr() const {
+    return reinterpret_cast<const float*>(start + Layout::kStatsOffset);
+  }
+  __device__ uint32_t q_ids(int stage) const {
+    return base + Layout::kQIdsOffset + stage * Traits::QIdBox::kStageBytes;
+  }
+  // DqWriterBarriers, in deterministic mode only (BackwardDeterministic's kWriterBarrierBytes):
+  // no bytes of it exist otherwise, and only code under Traits::kDeterministic touches it.
+  __device__ uint32_t writer_barriers() const { return base + Layout::kWriterBarrierOffset; }
+  __device__ uint32_t dq_done(int consumer) const {
+    return DqWriterBarriers::done_at(writer_barriers(), consumer);
+  }
+  __device__ uint32_t dq_free(int consumer) const {
+    return DqWriterBarriers::free_at(writer_barriers(), consumer);
+  }
 };
 
 }  // namespace jax_flashattn::wgmma

@@ -1,0 +1,577 @@
+// The Hopper backward's consumers: warpgroups 1 and 2, 64 keys of the block each (with the head
+// dim split, the same 64 keys and half of the head-dim columns each). Per step (a query tile of
+// one head) they compute
+//   S^T  = K_wg Q^T                 wgmma, both operands K-major in shared memory
+//   dP^T = V_wg dO^T                the same, in a second commit group
+//   P^T  = exp2(S^T scale log2(e) - lse log2(e))     0 where hidden; while dP^T computes
+//   dS^T = P^T (dP^T - D)
+//   dV  += P^T dO,  dK += dS^T Q   wgmma, P^T / dS^T from registers, dO / Q read MN-major
+//   dQ  += dS K                     wgmma from shared memory: dS^T of both consumers (A, read
+//                                   MN-major) times K (B, MN-major), each consumer taking half
+//                                   of the head-dim columns (of a 128-query tile, half of the
+//                                   queries) over all 128 keys; staged in shared memory and
+//                                   added into the float32 accumulator (which other key
+//                                   blocks add to as well) by a TMA reduction
+// Keys on the rows of S^T make P^T and dS^T the A operands of dV and dK as they are computed;
+// dQ needs them transposed, which the MN-major descriptor does for free, so dS^T is stored as it
+// lies. One named barrier per step publishes both consumers' dS^T (double-buffered, so the same
+// barrier retires the buffer the step before used). dK and dV stay in registers through the
+// block and go to backward_epilogue.cuh at the end.
+//
+// run() is the step loop; each part of a step but the test of hidden elements is a function
+// that takes its state as arguments: the thread's coordinates (BackwardConsumerThread), the
+// step's (BackwardStep), and the accumulators and fragments, which are local arrays of run().
+// The kernel's machine code is the same as before its split into pieces
+// (benchmarks/compare_sass.py), which rests on that: an object holding the dK / dV
+// accumulators stays in memory until unrolling is done, and the fences' memory clobbers then
+// keep loads of them. Smaller differences in how a value is reached (through one more
+// function) changed the optimizer's order, and with it ptxas's schedule; where that was so, a
+// comment says how the value is formed instead.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "ffi/cuda/common/fragments.cuh"  // pack_a
+#include "ffi/cuda/common/hopper_ptx.cuh"
+#include "ffi/cuda/common/id_box.cuh"
+#include "ffi/cuda/common/mask.cuh"
+#include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/soft_cap.cuh"
+#include "ffi/cuda/common/softmax.cuh"  // kLog2e
+#include "ffi/cuda/common/swizzle_layout.h"
+#include "ffi/cuda/common/tensor_maps.h"
+#include "ffi/cuda/wgmma/backward_epilogue.cuh"
+#include "ffi/cuda/wgmma/backward_mma.cuh"
+#include "ffi/cuda/wgmma/backward_pipeline.cuh"
+#include "ffi/params.h"
+
+namespace jax_flashattn::wgmma {
+
+// A consumer thread's coordinates, fixed for the block: its thread index, consumer warpgroup,
+// warp of four and lane; the warpgroup's and the warp's first key of the block (the warp's 16
+// keys are its accumulator rows); the mma accumulator coordinates quad_row = lane / 4 and
+// quad_col = 2 (lane % 4); the warpgroup's dQ (its first query of the tile and its first
+// column) and its first span of dK / dV columns (the head dim split between consumers).
+struct BackwardConsumerThread {
+  int tid, consumer, warp, lane;
+  int wg_key0, warp_key0;
+  int quad_row, quad_col;
+  int dq_row0, dq_col0, dkv_span0;
+};
+
+// A step as the consumers take it: its index, query head n and first query q0 (of the query
+// tile), its ring stage and dS^T buffer, and its lse and D in the stage.
+struct BackwardStep {
+  int step, n, q0;
+  int stage, ds_buffer;
+  const float* lse;
+  const float* delta;
+};
+
+template <typename Elem, typename Traits>
+struct BackwardConsumer {
+  static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  static constexpr int kStages = Traits::kStages, kHeadDim = Traits::kHeadDim;
+  static constexpr int kSpans = Traits::kSpans, kSpanElems = Traits::kSpanElems;
+  static constexpr int kKSteps = kHeadDim / 16;   // k16 steps of S^T and dP^T (over the head dim)
+  static constexpr int kQSteps = kBlockM / 16;    // k16 steps of dV and dK (over the queries)
+  static constexpr int kKeySteps = kBlockN / 16;  // k16 steps of dQ (over the block's keys)
+  static constexpr int kQTiles = kBlockM / 8;     // 8-query column tiles of S^T and dP^T
+  static constexpr int kDTiles = Traits::kDkvCols / 8;  // 8-wide column tiles of dK, dV
+  static constexpr int kDqTiles = Traits::kDqCols / 8;  // 8-wide column tiles of dQ
+  static constexpr bool kSplit = Traits::kSplitHeadDim;
+  static constexpr int kConsumersBarrier = BackwardNamedBarriers::kConsumers;
+  static constexpr int kWarpgroupBarrier = BackwardNamedBarriers::kWarpgroup;
+  static constexpr int kConsumerThreads = 128 * Traits::kConsumers;
+  static_assert(kQTiles * 4 <= 64, "one bit per element of a thread's S^T");
+  // Bit 4 j + e: element [j][e] of this thread's S^T is hidden.
+  using HiddenBits = std::conditional_t<kQTiles * 4 <= 32, uint32_t, uint64_t>;
+  using Desc = BackwardDescriptors<Traits>;
+  using Thread = BackwardConsumerThread;
+  using Barriers = BackwardBarriers<Traits>;
+  using Layout = BackwardSmemLayout<Traits>;
+  // The factor on the scores in P^T's exponent: scale log2(e), or c = cap log2(e) where they
+  // are tanh(s scale / cap) (kSoftCap; the capped base-2 logit is c times that).
+  struct Scores {
+    cuda::SoftCapLogits soft_cap;
+    float scale;
+  };
+
+  const AttentionParams& p;
+  const BackwardMapsFor<Traits::kSegments>& maps;
+  const BackwardSmem<Traits>& smem;
+  const BackwardBlock<Traits>& block;
+
+  __device__ __forceinline__ static uint32_t bar(uint64_t& barrier) {
+    return ptx::smem_address(&barrier);
+  }
+  // One arrival per warp: __syncwarp orders every lane's accesses (its reads of a Q/dO stage,
+  // its dQ stores or additions) before lane 0's arrival.
+  __device__ __forceinline__ static void release(const Thread& th, uint32_t barrier) {
+    __syncwarp();
+    if (th.lane == 0) ptx::mbarrier_arrive(barrier);
+  }
+  template <typename Fragment>
+  __device__ __forceinline__ static void fence(Fragment& acc) {
+#pragma unroll
+    for (auto& tile : acc)
+#pragma unroll
+      for (auto& x : tile) ptx::fence_register(x);
+  }
+
+  // consumer: tid / 128 - 1, from the kernel's warpgroup index.
+  __device__ __forceinline__ static Thread thread(int tid, int consumer) {
+    Thread th;
+    th.tid = tid, th.consumer = consumer, th.warp = (tid / 32) % 4, th.lane = tid % 32;
+    th.wg_key0 = kSplit ? 0 : consumer * 64;
+    th.warp_key0 = th.wg_key0 + th.warp * 16;
+    th.quad_row = th.lane / 4, th.quad_col = 2 * (th.lane % 4);
+    th.dq_row0 = Traits::kDqSplitRows ? consumer * Traits::kDqRows : 0;
+    th.dq_col0 = Traits::kDqSplitRows ? 0 : consumer * Traits::kDqCols;
+    th.dkv_span0 = kSplit ? consumer * (Traits::kDkvCols / kSpanElems) : 0;
+    return th;
+  }
+
+  // The tensor maps span S, so a block that holds a batch entry's key length loaded the
+  // cache's rows past it, which may hold NaN or Inf: hidden P and dS of 0 would still multiply
+  // them (dP^T = V dO^T, dQ = dS K). Each consumer zeroes its own 64 rows of K and V; its
+  // products read them after the warpgroup barrier below, the other's dQ after the first
+  // consumers' barrier. With the head dim split both consumers have the same 64 rows: each
+  // zeroes every other chunk of them, and both meet before either reads them.
+  __device__ __forceinline__ void zero_kv_past_length(const Thread& th) const {
+    // th.wg_key0, spelled out as the constant it is with the head dim split: the products below
+    // fold as they did in the unsplit kernel only where the constant is in sight.
+    const int wg_key0 = kSplit ? 0 : th.wg_key0;
+    const int first_row = p.kv_seqlens == nullptr
+                              ? kBlockN
+                              : int(block_visibility(p, block.b).kv_len) - block.key0;
+    if (first_row < wg_key0 + 64) {
+      constexpr int kRowChunks = kRowBytes / 16;
+      constexpr int kZeroThreads = kSplit ? kConsumerThreads : 128;
+      const int row0 = first_row > wg_key0 ? first_row : wg_key0;
+      const int chunks = (wg_key0 + 64 - row0) * kRowChunks;
+      for (int i = kSplit ? th.tid - 128 : th.tid % 128; i < kSpans * chunks;
+           i += kZeroThreads) {
+        const uint32_t offset = (i / chunks) * kBlockN * kRowBytes +
+                                (row0 + (i % chunks) / kRowChunks) * kRowBytes +
+                                (i % kRowChunks) * 16;
+        ptx::st_shared_v4_b32(smem.k() + offset, 0, 0, 0, 0);
+        ptx::st_shared_v4_b32(smem.v() + offset, 0, 0, 0, 0);
+      }
+      ptx::fence_proxy_async_shared();  // generic stores that wgmma (async proxy) reads
+      if constexpr (kSplit)
+        ptx::named_barrier_sync(kConsumersBarrier, kConsumerThreads);
+      else
+        ptx::named_barrier_sync(kWarpgroupBarrier + th.consumer, 128);
+    }
+  }
+
+  // S^T = K_wg Q^T and dP^T = V_wg dO^T (64 keys x kBlockM queries each), as two commit groups,
+  // so that P^T is computed while dP^T is still running. The K, V and dQ-K descriptors are the
+  // same on every step: without an opaque copy of their base per step ptxas hoists all of them
+  // out of the step loop (64-bit each: 48 registers at head dim 128, which spills); rebuilt per
+  // step they cost two integer ops each (docs/decisions/hopper-kernels-without-spills.md).
+  __device__ __forceinline__ void issue_scores(const Thread& th, int stage,
+                                               float (&s_acc)[kQTiles][4],
+                                               float (&dp_acc)[kQTiles][4]) const {
+    const uint32_t k_tile = ptx::opaque(smem.k() + th.wg_key0 * kRowBytes);
+    const uint32_t v_tile = ptx::opaque(smem.v() + th.wg_key0 * kRowBytes);
+    fence(s_acc);
+    fence(dp_acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      ptx::wgmma_ss<kBlockM, Elem>(s_acc, Desc::k_major(k_tile, kBlockN, ks),
+                                   Desc::k_major(smem.q(stage), kBlockM, ks), ks > 0);
+    ptx::wgmma_commit_group();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      ptx::wgmma_ss<kBlockM, Elem>(dp_acc, Desc::k_major(v_tile, kBlockN, ks),
+                                   Desc::k_major(smem.d_out(stage), kBlockM, ks), ks > 0);
+    ptx::wgmma_commit_group();
+  }
+
+  __device__ __forceinline__ Scores score_factors() const {
+    Scores scores;
+    scores.soft_cap = Traits::kSoftCap ? cuda::SoftCapLogits::make(p) : cuda::SoftCapLogits{};
+    scores.scale = Traits::kSoftCap ? scores.soft_cap.cap2 : p.scale * cuda::kLog2e;
+    return scores;
+  }
+
+  // kSegments: the id of this warp's key lane % 16 (the last key's past S), read once per
+  // block: the element tests take the keys' ids from it by shuffles, and the queries' from the
+  // ids that land with each Q tile (cuda::id_box_start's box), q_ids_skip bytes into it.
+  struct KeyIds {
+    int32_t lane_key_id;
+    uint32_t q_ids_skip;
+  };
+  __device__ __forceinline__ KeyIds key_ids(const Thread& th) const {
+    KeyIds ids;
+    ids.lane_key_id =
+        p.kv_segment_ids[int64_t(block.b) * p.seqlen_k +
+                         min(block.key0 + th.warp_key0 + th.lane % 16, int(p.seqlen_k) - 1)];
+    ids.q_ids_skip = cuda::id_box_skip_bytes(block.b, int(p.seqlen_q));
+    return ids;
+  }
+
+  // P^T in place of S^T. A row that saw no key has lse = -inf, whose -lse log2(e) is taken as
+  // -inf, and exp2 turns its scores into 0 (scale > 0, so never inf - inf). A hidden element's
+  // P is set to 0 after exp2, as its row's lse may be NaN (a row that saw a NaN logit, or in the
+  // last query tile of a head the slot of a row past T, which holds the next head's row: the
+  // stats box is flat), and NaN must not reach the keys it hides.
+  __device__ __forceinline__ static void probabilities(const Thread& th, const Scores& scores,
+                                                       const float* lse, HiddenBits hidden,
+                                                       float (&s_acc)[kQTiles][4]) {
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j) {
+      // Two scalar loads: box_shift leaves the pair 8-byte aligned only half the time.
+      const auto neg_log2 = [](float x) { return x == -INFINITY ? -INFINITY : -x * cuda::kLog2e; };
+      const float bias0 = neg_log2(lse[8 * j + th.quad_col]);
+      const float bias1 = neg_log2(lse[8 * j + th.quad_col + 1]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if constexpr (Traits::kSoftCap) s_acc[j][e] = scores.soft_cap.tanh_of(s_acc[j][e]);
+        s_acc[j][e] = ptx::exp2_approx(fmaf(s_acc[j][e], scores.scale, e % 2 ? bias1 : bias0));
+      }
+    }
+    if (hidden != 0) {
+#pragma unroll
+      for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if ((hidden >> (4 * j + e)) & 1) s_acc[j][e] = 0.f;
+    }
+  }
+
+  // dS^T = P^T (dP^T - D), in place of dP^T; soft-capped, times the cap's slope at the capped
+  // logit log2(P) + lse log2(e). A dS of 0 (a hidden element, a row that saw nothing, an
+  // underflowed P: log2(0) = -inf) stays 0.
+  __device__ __forceinline__ static void score_gradients(const Thread& th, const Scores& scores,
+                                                         const float* lse, const float* delta,
+                                                         const float (&s_acc)[kQTiles][4],
+                                                         float (&dp_acc)[kQTiles][4]) {
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j) {
+      const float d0 = delta[8 * j + th.quad_col], d1 = delta[8 * j + th.quad_col + 1];
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dp_acc[j][e] = s_acc[j][e] * (dp_acc[j][e] - (e % 2 ? d1 : d0));
+      if constexpr (Traits::kSoftCap) {
+        const float lse0 = lse[8 * j + th.quad_col] * cuda::kLog2e;
+        const float lse1 = lse[8 * j + th.quad_col + 1] * cuda::kLog2e;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (dp_acc[j][e] != 0.f)
+            dp_acc[j][e] *= scores.soft_cap.slope(ptx::log2_approx(s_acc[j][e]) +
+                                                  (e % 2 ? lse1 : lse0));
+      }
+    }
+  }
+
+  // P^T and dS^T rounded to Elem: the A operands of dV and dK (the S^T accumulators of 8-query
+  // tiles 2 kk, 2 kk + 1 are k-step kk), and dS^T into dS^T buffer `buffer` for dQ,
+  // [key][query] rows in spans of 64 queries with chunk c of row r at chunk c ^ (r % 8) (the
+  // 128-byte swizzle).
+  __device__ __forceinline__ void store_ds(const Thread& th, int buffer,
+                                           const float (&s_acc)[kQTiles][4],
+                                           const float (&dp_acc)[kQTiles][4],
+                                           uint32_t (&p_frag)[kQSteps][4],
+                                           uint32_t (&ds_frag)[kQSteps][4]) const {
+#pragma unroll
+    for (int kk = 0; kk < kQSteps; ++kk) {
+      mma_sync::pack_a<Elem>(p_frag[kk], s_acc, kk);
+      mma_sync::pack_a<Elem>(ds_frag[kk], dp_acc, kk);
+    }
+    // The offset of 8-query tile j in a dS^T row: chunk j % 8 of span j / 8; 64-query tiles
+    // keep the one-span form (the general one makes ptxas reorder their code).
+    const auto ds_chunk = [](uint32_t row_offset, int j) -> uint32_t {
+      if constexpr (kQTiles > 8)
+        return (j / 8) * kBlockN * kRowBytes + (row_offset ^ ((j % 8) << 4));
+      else
+        return row_offset ^ (j << 4);
+    };
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // Register (j % 2) * 2 + h of k-step j / 2 holds key row quad_row + 8 h, queries
+      // 8 j + quad_col, +1 (pack_a's order): chunk j % 8 of the row in span j / 8. Chunk c of a
+      // swizzled row sits at ((c ^ row % 8) << 4): with the row's bits above bit 6 and
+      // quad_col * 2 below bit 4, that is this row's chunk-0 offset XOR (c << 4).
+      const int row = th.warp_key0 + th.quad_row + 8 * h;
+      const uint32_t row_offset = (row * kRowBytes + ((row & 7) << 4)) | (th.quad_col * 2);
+#pragma unroll
+      for (int j = 0; j < kQTiles; ++j)
+        ptx::st_shared_b32(smem.ds(buffer) + ds_chunk(row_offset, j),
+                           ds_frag[j / 2][(j % 2) * 2 + h]);
+    }
+    // The stores above are generic-proxy writes that wgmma (async proxy) reads.
+    ptx::fence_proxy_async_shared();
+  }
+
+  // dV += P^T dO and dK += dS^T Q over this warpgroup's keys x its kDkvCols head-dim columns,
+  // reducing over the tile's queries, from `stage`.
+  __device__ __forceinline__ void issue_dv_dk(const Thread& th, int stage,
+                                              uint32_t (&p_frag)[kQSteps][4],
+                                              uint32_t (&ds_frag)[kQSteps][4],
+                                              float (&dv_acc)[kDTiles][4],
+                                              float (&dk_acc)[kDTiles][4]) const {
+    const uint32_t dkv_offset = th.dkv_span0 * kBlockM * kRowBytes;
+    fence(dv_acc);
+    fence(dk_acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQSteps; ++kk) {
+      ptx::wgmma_rs<Traits::kDkvCols, Elem>(dv_acc, p_frag[kk],
+                                            Desc::query_tile(smem.d_out(stage) + dkv_offset, kk));
+      ptx::wgmma_rs<Traits::kDkvCols, Elem>(dk_acc, ds_frag[kk],
+                                            Desc::query_tile(smem.q(stage) + dkv_offset, kk));
+    }
+    ptx::wgmma_commit_group();
+  }
+
+  // dQ = dS K over this warpgroup's 64 queries x kDqCols columns of the tile, reducing over
+  // the block's keys, from dS^T buffer `buffer`. k_dq_offset: the warpgroup's first dQ column
+  // of K.
+  __device__ __forceinline__ void issue_dq(const Thread& th, int buffer, uint32_t k_dq_offset,
+                                           float (&dq_acc)[kDqTiles][4]) const {
+    const uint32_t k_dq_tile = ptx::opaque(smem.k() + k_dq_offset);
+    const uint32_t ds_rows = smem.ds(buffer) + (th.dq_row0 / kSpanElems) * kBlockN * kRowBytes;
+    fence(dq_acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kKeySteps; ++kk)
+      ptx::wgmma_ss_mn_major<Traits::kDqCols, Elem>(dq_acc, Desc::ds(ds_rows, kk),
+                                                    Desc::k_for_dq(k_dq_tile, kk), kk > 0);
+    ptx::wgmma_commit_group();
+  }
+
+  // kDqStaged: dQ into this warpgroup's staging tile, then one TMA reduction per 32-column box
+  // adds it into dq_accum (clipping rows past T and columns past H; rows past a query length
+  // have dS = 0). This thread's rows 16 warp + quad_row + 8 h, columns 8 j + quad_col, +1 of
+  // the warpgroup's: column c of row r is word c % 4 of 16-byte chunk (c % 32) / 4 of the
+  // row's 128 bytes in box c / 32, the chunk index XORed with r % 8 (the 128-byte swizzle of
+  // the map's boxes). Chunk 2 (j % 4) + quad_col / 4 is (j % 4) << 1 XOR quad_col / 4. Rows r
+  // and r ^ 1 of a half-warp would write the same banks: threads of odd rows store tile j ^ 2
+  // where the others store tile j (chunk bits XOR 2 << 5), which spreads the half-warp over
+  // all 32. In deterministic mode the dQ writer issues the reduction, once the reductions of
+  // the step before have read the tile (dq_free).
+  __device__ __forceinline__ void add_dq_staged(const Thread& th, const BackwardStep& s,
+                                                const float (&dq_acc)[kDqTiles][4]) const {
+    static_assert(kDqTiles % 4 == 0, "tiles j and j ^ 2 lie in one box");
+    const bool odd_row = th.quad_row & 1;
+    if constexpr (Traits::kDeterministic)
+      if (s.step > 0) ptx::mbarrier_wait(smem.dq_free(th.consumer), uint32_t(s.step - 1) & 1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = th.warp * 16 + th.quad_row + 8 * h;
+      const uint32_t row_offset =
+          ((row * kRowBytes + (((row & 7) ^ (th.quad_col / 4)) << 4)) |
+           ((th.quad_col % 4) * 4)) ^
+          (odd_row ? 2u << 5 : 0u);
+#pragma unroll
+      for (int j = 0; j < kDqTiles; ++j) {
+        const uint32_t offset =
+            (j / 4) * Traits::kDqRows * kRowBytes + (row_offset ^ ((j % 4) << 5));
+        const float x0 = odd_row ? dq_acc[j ^ 2][2 * h] : dq_acc[j][2 * h];
+        const float x1 = odd_row ? dq_acc[j ^ 2][2 * h + 1] : dq_acc[j][2 * h + 1];
+        ptx::st_shared_v2_f32(smem.dq(th.consumer) + offset, x0, x1);
+      }
+    }
+    // Generic stores that the TMA reduction (async proxy) reads.
+    ptx::fence_proxy_async_shared();
+    if constexpr (Traits::kDeterministic) {
+      release(th, smem.dq_done(th.consumer));
+    } else {
+      ptx::named_barrier_sync(kWarpgroupBarrier + th.consumer, 128);
+      if (th.tid % 128 == 0) {
+        for (int box = 0; box < Traits::kDqBoxes; ++box)
+          ptx::tma_reduce_add_4d(&maps.dq_accum,
+                                 smem.dq(th.consumer) + box * Traits::kDqRows * kRowBytes,
+                                 th.dq_col0 + box * Traits::kDqBoxCols, s.n, s.q0 + th.dq_row0,
+                                 block.b);
+        ptx::bulk_commit_group();
+      }
+    }
+  }
+
+  // Not kDqStaged: this thread's dQ rows q0 + dq_row0 + 16 warp + quad_row + 8 h, columns
+  // dq_col0 + 8 j + quad_col, +1, added with red.global.add: rows past the query length have
+  // dS = 0 and columns past H do not exist, so neither is added. In deterministic mode once the
+  // dQ writer has said that the tile's turn has come (dq_free); each warp then says it is done
+  // (dq_done), and the writer's release at GPU scope, which follows that arrival, publishes the
+  // adds with it (a release is cumulative).
+  __device__ __forceinline__ void add_dq_atomic(const Thread& th, const BackwardStep& s,
+                                                const float (&dq_acc)[kDqTiles][4]) const {
+    if constexpr (Traits::kDeterministic)
+      ptx::mbarrier_wait(smem.dq_free(th.consumer), uint32_t(s.step) & 1);
+    const int t0 = s.q0 + th.dq_row0 + th.warp * 16 + th.quad_row;
+    const int col0 = th.dq_col0 + th.quad_col;
+    float* dq = p.dq_accum + int64_t(block.b) * p.q_batch_stride + s.n * p.q_head_stride +
+                t0 * p.q_row_stride + col0;
+    const int64_t rows = block_visibility(p, block.b).q_len - t0;
+    const int cols = int(p.head_dim) - col0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (8 * h >= rows) continue;
+#pragma unroll
+      for (int j = 0; j < kDqTiles; ++j)
+        if (8 * j < cols)
+          ptx::red_add_v2_f32(dq + 8 * h * p.q_row_stride + 8 * j, dq_acc[j][2 * h],
+                              dq_acc[j][2 * h + 1]);
+    }
+    if constexpr (Traits::kDeterministic) release(th, smem.dq_done(th.consumer));
+  }
+
+  // Before dQ reads the step's dS^T: both consumers have stored theirs, or with the head dim
+  // split this one's warps have. The thread that issues this warpgroup's dQ reductions first
+  // waits for the last one to have read its staging tile, which the warpgroup overwrites after
+  // the barrier (in deterministic mode the dQ writer issues them: dq_free). dV and dK run on
+  // while the consumers meet, but with the head dim split they hold 2 x 64 accumulator
+  // registers: dQ issued while they are in flight leaves ptxas too few registers to keep the
+  // wgmma chain asynchronous, and it serializes every wgmma of the kernel
+  // (BackwardConfig<256>), so there they are waited for first.
+  __device__ __forceinline__ static void wait_for_ds(const Thread& th,
+                                                     float (&dv_acc)[kDTiles][4],
+                                                     float (&dk_acc)[kDTiles][4],
+                                                     uint32_t (&p_frag)[kQSteps][4],
+                                                     uint32_t (&ds_frag)[kQSteps][4]) {
+    if constexpr (Traits::kDqStaged && !Traits::kDeterministic)
+      if (th.tid % 128 == 0) ptx::bulk_wait_group_read_all();
+    if constexpr (kSplit) {
+      ptx::wgmma_wait<0>();
+      fence(dv_acc);
+      fence(dk_acc);
+      fence(p_frag);
+      fence(ds_frag);
+      ptx::named_barrier_sync(kWarpgroupBarrier + th.consumer, 128);
+    } else {
+      ptx::named_barrier_sync(kConsumersBarrier, kConsumerThreads);
+    }
+  }
+
+  // The block's steps, in BackwardBlock's order, then the epilogue. consumer: tid / 128 - 1,
+  // the kernel's warpgroup index less the producer's.
+  __device__ __forceinline__ void run(int tid, int consumer) {
+    auto& bars = *reinterpret_cast<Barriers*>(smem.start + Layout::kBarrierOffset);
+    const float* stats = smem.stats_ptr();
+    const Thread th = thread(tid, consumer);
+    // This warpgroup's first dQ column of K (issue_dq).
+    const uint32_t k_dq_offset = (th.dq_col0 / kSpanElems) * kBlockN * kRowBytes +
+                                 (th.dq_col0 % kSpanElems) * 2;
+    float dk_acc[kDTiles][4], dv_acc[kDTiles][4];
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk_acc[d][e] = dv_acc[d][e] = 0.f;
+    const Scores scores = score_factors();
+    // Called for kSegments only: the call alone, folding to zeros, moved the other kernels' lse
+    // loads.
+    KeyIds ids{0, 0};
+    if constexpr (Traits::kSegments) ids = key_ids(th);
+
+    if (block.steps > 0) {
+      ptx::mbarrier_wait(bar(bars.kv_full), 0);
+      zero_kv_past_length(th);
+    }
+    int n = block.head0, tile = block.tile_begin;
+    for (int step = 0; step < block.steps; ++step) {
+      BackwardStep s;
+      s.step = step, s.n = n, s.q0 = tile * kBlockM;
+      // With the head dim split each consumer has the tile's whole dS^T, in a buffer of its own.
+      s.stage = step % kStages, s.ds_buffer = kSplit ? consumer : step % Traits::kDsBuffers;
+      // lse and D of the tile's queries, which start this many rows into their boxes.
+      const int box_shift = block.stats_row(p, n, s.q0) % kFlatAlignElems;
+      s.lse = stats + s.stage * 2 * Traits::kStatsStride + box_shift;
+      s.delta = s.lse + Traits::kStatsStride;
+      ptx::mbarrier_wait(bar(bars.q_full[s.stage]), step_phase<kStages>(step));
+      // kSegments: whether one document holds the tile's queries and this warp's keys, asked
+      // here, before the products, which then hold none of its registers (asked under them
+      // with the ids in global memory, it spilled at head dim 128). The answer counts only
+      // where every pair is inside the lengths.
+      bool one_document = true;
+      if constexpr (Traits::kSegments)
+        one_document = cuda::one_segment<kBlockM>(ids.lane_key_id,
+                                                  smem.q_ids(s.stage) + ids.q_ids_skip, th.lane);
+
+      float s_acc[kQTiles][4], dp_acc[kQTiles][4];
+      issue_scores(th, s.stage, s_acc, dp_acc);
+      ptx::wgmma_wait<1>();
+      fence(s_acc);
+      // The elements of this thread's S^T that are hidden: element [j][e] is query
+      // q0 + 8 j + quad_col + e % 2, key key0 + quad_row + 8 (e / 2) of the warp's first key
+      // key0. Only tiles that straddle a length or window boundary (or, kSegments, whose
+      // queries and the warp's keys are not of one document) test elements. Written here, not
+      // as a function: as one, with the segment ids, ptxas numbered the accumulators'
+      // registers differently and the kernel's code changed.
+      HiddenBits hidden = 0;
+      {
+        const cuda::Visibility vis = block_visibility(p, block.b);
+        const int key0 = block.key0 + th.warp_key0;
+        if (!vis.all_visible(s.q0, s.q0 + kBlockM, key0, key0 + 16) || !one_document) {
+          const cuda::TileVisibility tile_vis = cuda::TileVisibility::make(
+              vis, s.q0 + th.quad_col, key0 + th.quad_row, kBlockM + 16);
+#pragma unroll
+          for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (!tile_vis.visible(8 * j + e % 2, 8 * (e / 2)))
+                hidden |= HiddenBits(1) << (4 * j + e);
+          if constexpr (Traits::kSegments) {
+            // The ids of every element (what the lengths hide stays hidden). One 8-query tile
+            // at a time: unrolled, the reads in flight together spill at head dim 128.
+            const uint32_t q_ids =
+                smem.q_ids(s.stage) + ids.q_ids_skip + uint32_t(th.quad_col) * 4;
+            int32_t key_id[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              key_id[h] = __shfl_sync(0xffffffff, ids.lane_key_id, th.quad_row + 8 * h);
+#pragma unroll 1
+            for (int j = 0; j < kQTiles; ++j) {
+              const int32_t query_id[2] = {int32_t(ptx::ld_shared_b32(q_ids + 32 * j)),
+                                           int32_t(ptx::ld_shared_b32(q_ids + 32 * j + 4))};
+#pragma unroll
+              for (int e = 0; e < 4; ++e)
+                if (query_id[e % 2] != key_id[e / 2]) hidden |= HiddenBits(1) << (4 * j + e);
+            }
+          }
+        }
+      }
+      probabilities(th, scores, s.lse, hidden, s_acc);
+      ptx::wgmma_wait<0>();
+      fence(dp_acc);
+      score_gradients(th, scores, s.lse, s.delta, s_acc, dp_acc);
+
+      uint32_t p_frag[kQSteps][4], ds_frag[kQSteps][4];
+      store_ds(th, s.ds_buffer, s_acc, dp_acc, p_frag, ds_frag);
+      issue_dv_dk(th, s.stage, p_frag, ds_frag, dv_acc, dk_acc);
+      wait_for_ds(th, dv_acc, dk_acc, p_frag, ds_frag);
+      float dq_acc[kDqTiles][4];
+      issue_dq(th, s.ds_buffer, k_dq_offset, dq_acc);
+
+      // dV and dK have read the stage's dO and Q (and lse / D were read above): release it.
+      ptx::wgmma_wait<1>();
+      fence(dv_acc);
+      fence(dk_acc);
+      fence(p_frag);
+      fence(ds_frag);
+      release(th, bar(bars.q_empty[s.stage]));
+
+      ptx::wgmma_wait<0>();
+      fence(dq_acc);
+      if constexpr (Traits::kDqStaged)
+        add_dq_staged(th, s, dq_acc);
+      else
+        add_dq_atomic(th, s, dq_acc);
+      if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
+    }
+
+    if constexpr (Traits::kDqStaged && !Traits::kDeterministic)
+      if (tid % 128 == 0) ptx::bulk_wait_group_read_all();  // the staging tiles outlive the reads
+    store_dk_dv<Elem, Traits>(p, maps, block, dk_acc, dv_acc, smem.k(), smem.v(),
+                              BackwardEpilogueThread{tid, consumer, th.wg_key0, th.warp_key0,
+                                                     th.quad_row, th.quad_col, th.dkv_span0});
+  }
+};
+
+}  // namespace jax_flashattn::wgmma

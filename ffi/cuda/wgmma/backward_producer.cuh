@@ -1,0 +1,93 @@
+// The Hopper backward's producer: one thread of warpgroup 0 issues every TMA load of a block. K
+// and V once; then per step (query head of the GQA group, query tile that can see the block's
+// keys: BackwardBlock) the Q and dO tiles with the tile's lse and D (and, with segment ids, its
+// query ids) into a ring of kStages buffers, each guarded by a full barrier (the loads landed)
+// and an empty barrier (every consumer warp is done with them).
+#pragma once
+
+#include <cstdint>
+
+#include "ffi/cuda/common/hopper_ptx.cuh"
+#include "ffi/cuda/common/id_box.cuh"
+#include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/swizzle_layout.h"
+#include "ffi/cuda/common/tensor_maps.h"
+#include "ffi/cuda/wgmma/backward_pipeline.cuh"
+#include "ffi/params.h"
+
+namespace jax_flashattn::wgmma {
+
+template <typename Traits>
+struct BackwardProducer {
+  static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  static constexpr int kStages = Traits::kStages, kSpans = Traits::kSpans;
+  static constexpr int kSpanElems = Traits::kSpanElems;
+  using Barriers = BackwardBarriers<Traits>;
+  using Layout = BackwardSmemLayout<Traits>;
+
+  const AttentionParams& p;
+  const BackwardMapsFor<Traits::kSegments>& maps;
+  const BackwardSmem<Traits>& smem;
+  const BackwardBlock<Traits>& block;
+
+  __device__ __forceinline__ static uint32_t bar(uint64_t& barrier) {
+    return ptx::smem_address(&barrier);
+  }
+  // The barriers are formed from the layout's offset where they are used, as before the kernel
+  // was split into its pieces: held as a member, or returned by a function, their addresses
+  // share one base and ptxas schedules the step loop differently.
+
+  // K and V of the block, once.
+  __device__ __forceinline__ void load_kv() {
+    auto& bars = *reinterpret_cast<Barriers*>(smem.start + Layout::kBarrierOffset);
+    ptx::mbarrier_arrive_expect_tx(bar(bars.kv_full), 2 * Traits::kKVBytes);
+    for (int span = 0; span < kSpans; ++span) {
+      ptx::tma_load_4d(smem.k() + span * kBlockN * kRowBytes, &maps.k,
+                       bar(bars.kv_full), span * kSpanElems, block.kv_head,
+                       block.key0, block.b);
+      ptx::tma_load_4d(smem.v() + span * kBlockN * kRowBytes, &maps.v,
+                       bar(bars.kv_full), span * kSpanElems, block.kv_head,
+                       block.key0, block.b);
+    }
+  }
+
+  // Q, dO, lse and D (and the query ids) of query tile `tile` of head n into the stage of step
+  // `step`, once the consumers have released it (from the ring's second round on).
+  __device__ __forceinline__ void load_step(int step, int n, int tile) {
+    const int stage = step % kStages;
+    auto& bars = *reinterpret_cast<Barriers*>(smem.start + Layout::kBarrierOffset);
+    if (step >= kStages)
+      ptx::mbarrier_wait(bar(bars.q_empty[stage]), step_phase<kStages>(step) ^ 1);
+    const uint32_t full = bar(bars.q_full[stage]);
+    ptx::mbarrier_arrive_expect_tx(full, 2 * Traits::kQBytes +
+                                             2 * Traits::kStatsBox * sizeof(float) +
+                                             Traits::QIdBox::kBytes);
+    for (int span = 0; span < kSpans; ++span) {
+      ptx::tma_load_4d(smem.q(stage) + span * kBlockM * kRowBytes, &maps.q, full,
+                       span * kSpanElems, n, tile * kBlockM, block.b);
+      ptx::tma_load_4d(smem.d_out(stage) + span * kBlockM * kRowBytes, &maps.d_out, full,
+                       span * kSpanElems, n, tile * kBlockM, block.b);
+    }
+    const int box0 = block.stats_row(p, n, tile * kBlockM) & -kFlatAlignElems;
+    ptx::tma_load_1d(smem.stats(stage), &maps.lse, full, box0);
+    ptx::tma_load_1d(smem.stats(stage) + Traits::kStatsStride * sizeof(float), &maps.delta,
+                     full, box0);
+    if constexpr (Traits::kSegments)
+      ptx::tma_load_1d(smem.q_ids(stage), &maps.q_ids, full,
+                       cuda::id_box_start(block.b, int(p.seqlen_q), tile * kBlockM));
+  }
+
+  // The steps heads outermost, in the consumers' order (BackwardBlock). (tile declared before
+  // n, which orders the two selects of the head change as the kernel had them before its split
+  // into pieces.)
+  __device__ __forceinline__ void run() {
+    if (block.steps > 0) load_kv();
+    int tile = block.tile_begin, n = block.head0;
+    for (int step = 0; step < block.steps; ++step) {
+      load_step(step, n, tile);
+      if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
+    }
+  }
+};
+
+}  // namespace jax_flashattn::wgmma
