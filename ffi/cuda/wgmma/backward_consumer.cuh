@@ -21,12 +21,11 @@
 // run() is the step loop; each part of a step but the test of hidden elements is a function
 // that takes its state as arguments: the thread's coordinates (BackwardConsumerThread), the
 // step's (BackwardStep), and the accumulators and fragments, which are local arrays of run().
-// The kernel's machine code is the same as before its split into pieces
-// (benchmarks/compare_sass.py), which rests on that: an object holding the dK / dV
-// accumulators stays in memory until unrolling is done, and the fences' memory clobbers then
-// keep loads of them. Smaller differences in how a value is reached (through one more
-// function) changed the optimizer's order, and with it ptxas's schedule; where that was so, a
-// comment says how the value is formed instead.
+// These forms keep the code ptxas schedules for the measured kernel (benchmarks/compare_sass.py
+// guards it): an object holding the dK / dV accumulators stays in memory until unrolling is
+// done, and the fences' memory clobbers then keep loads of them. Where reaching a value through
+// one more function changed the optimizer's order, and with it ptxas's schedule, a comment says
+// how the value is formed instead.
 #pragma once
 
 #include <cmath>

@@ -79,8 +79,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         write_dq_in_order<Traits>(p, maps, block, smem.writer_barriers(), smem.dq(0));
     return;
   }
-  // The consumer index from the warpgroup index formed above, as the kernel had it before its
-  // split into pieces (ptxas keeps it and what follows from it as it did).
+  // The consumer index from the warpgroup index formed above: formed from tid in the consumer,
+  // it changed the consumers' schedule (compare_sass).
   ptx::setmaxnreg_inc<Traits::kConsumerRegisters>();
   BackwardConsumer<Elem, Traits>{p, maps, smem, block}.run(tid, warpgroup - 1);
 #endif

@@ -33,9 +33,9 @@ struct BackwardProducer {
   __device__ __forceinline__ static uint32_t bar(uint64_t& barrier) {
     return ptx::smem_address(&barrier);
   }
-  // The barriers are formed from the layout's offset where they are used, as before the kernel
-  // was split into its pieces: held as a member, or returned by a function, their addresses
-  // share one base and ptxas schedules the step loop differently.
+  // The barriers are formed from the layout's offset where they are used: held as a member, or
+  // returned by a function, their addresses share one base and ptxas schedules the step loop
+  // differently (compare_sass).
 
   // K and V of the block, once.
   __device__ __forceinline__ void load_kv() {
@@ -78,8 +78,7 @@ struct BackwardProducer {
   }
 
   // The steps heads outermost, in the consumers' order (BackwardBlock). (tile declared before
-  // n, which orders the two selects of the head change as the kernel had them before its split
-  // into pieces.)
+  // n: the other order swaps the two selects of the head change, and the schedule with them.)
   __device__ __forceinline__ void run() {
     if (block.steps > 0) load_kv();
     int tile = block.tile_begin, n = block.head0;
