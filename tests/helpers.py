@@ -10,6 +10,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jax_flashattn
 from jax_flashattn import _validate, reference
@@ -193,6 +194,22 @@ def hopper():
     # Architectures as the build was given them: "90a", or with a suffix such as "90a-real".
     archs = {arch.split("-")[0] for arch in jax_flashattn.cuda_architectures()}
     return device.compute_capability == "9.0" and "90a" in archs
+
+
+def use_family(name: str, monkeypatch) -> str:
+    """Sends a GPU test's calls to kernel family `name` and returns the family's name as
+    forward_kernel and backward_kernel report it: "sm90" (the Hopper kernels; the test is
+    skipped off Hopper), or "sm80..." (the mma.sync family, through JAX_FLASHATTN_DISABLE_SM90;
+    "sm80_cp_async" also keeps its forward's K/V loads on cp.async on Hopper, any other suffix
+    is the caller's own)."""
+    if name == "sm90":
+        if not hopper():
+            pytest.skip("the Hopper kernels need an sm_90a build on an H100/H200")
+    else:
+        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    if name == "sm80_cp_async":
+        monkeypatch.setenv("JAX_FLASHATTN_SM80_CP_ASYNC", "1")
+    return name.split("_")[0]
 
 
 # Gradients against the float32 reference (the CPU tests' rules).

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_flashattn
-from helpers import check_cuda_forward, hopper, random_qkv
+from helpers import check_cuda_forward, random_qkv, use_family
 from test_gpu_backward import check_grads
 
 pytestmark = pytest.mark.gpu
@@ -17,12 +17,7 @@ BR = dict(diagonal_alignment="bottom_right")
 
 @pytest.fixture(params=["sm90", "sm80"])
 def family(request, monkeypatch):
-    if request.param == "sm90":
-        if not hopper():
-            pytest.skip("the Hopper kernels need an sm_90a build on an H100/H200")
-    else:
-        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
-    return request.param
+    return use_family(request.param, monkeypatch)
 
 
 OPTIONS = {

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_flashattn
-from helpers import check_cuda_forward, hopper, random_qkv
+from helpers import check_cuda_forward, hopper, random_qkv, use_family
 from test_gpu_backward import check_grads
 
 pytestmark = pytest.mark.gpu
@@ -23,14 +23,7 @@ pytestmark = pytest.mark.gpu
 def family(request, monkeypatch):
     """The forward family a case runs on: the Hopper kernel (skipped off Hopper), or the
     mma.sync one with K/V by TMA (cp.async off Hopper) or by cp.async."""
-    if request.param == "sm90":
-        if not hopper():
-            pytest.skip("the Hopper kernels need an sm_90a build on an H100/H200")
-    else:
-        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
-    if request.param == "sm80_cp_async":
-        monkeypatch.setenv("JAX_FLASHATTN_SM80_CP_ASYNC", "1")
-    return request.param.split("_")[0]
+    return use_family(request.param, monkeypatch)
 
 
 def check_forward_on(family, q, k, v, *args, **kwargs):
@@ -206,12 +199,7 @@ def deterministic(request):
 def backward_family(request, monkeypatch):
     """(family, deterministic): the Hopper backward (skipped off Hopper), or the mma.sync one
     with dQ by atomics or by its own pass."""
-    if request.param == "sm90":
-        if not hopper():
-            pytest.skip("the Hopper kernels need an sm_90a build on an H100/H200")
-    else:
-        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
-    return request.param.split("_")[0], request.param.endswith("deterministic")
+    return use_family(request.param, monkeypatch), request.param.endswith("deterministic")
 
 
 def check_grads_on(backward_family, rng, q, k, v, **kwargs):

@@ -10,19 +10,14 @@ import pytest
 
 import jax_flashattn
 from jax_flashattn import reference
-from helpers import check_cuda_forward, hopper, random_qkv
+from helpers import check_cuda_forward, random_qkv, use_family
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(params=["sm90", "sm80"])
 def family(request, monkeypatch):
-    if request.param == "sm90":
-        if not hopper():
-            pytest.skip("the Hopper kernels need an sm_90a build on an H100/H200")
-    else:
-        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
-    return request.param
+    return use_family(request.param, monkeypatch)
 
 
 OPTIONS = {

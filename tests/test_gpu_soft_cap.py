@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_flashattn
-from helpers import check_cuda_forward, hopper, random_qkv
+from helpers import check_cuda_forward, hopper, random_qkv, use_family
 from test_gpu_backward import check_grads
 
 pytestmark = pytest.mark.gpu
@@ -25,26 +25,14 @@ pytestmark = pytest.mark.gpu
 def family(request, monkeypatch):
     """The forward family a case runs on: the Hopper kernel (skipped off Hopper), or the
     mma.sync one with K/V by TMA (cp.async off Hopper) or by cp.async."""
-    if request.param == "sm90":
-        if not hopper():
-            pytest.skip("the Hopper kernels need an sm_90a build on an H100/H200")
-    else:
-        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
-    if request.param == "sm80_cp_async":
-        monkeypatch.setenv("JAX_FLASHATTN_SM80_CP_ASYNC", "1")
-    return request.param.split("_")[0]
+    return use_family(request.param, monkeypatch)
 
 
 @pytest.fixture(params=["sm90", "sm80"])
 def backward_family(request, monkeypatch):
     """The backward family a case runs on: the Hopper kernel (skipped off Hopper) or the
     mma.sync one."""
-    if request.param == "sm90":
-        if not hopper():
-            pytest.skip("the Hopper kernels need an sm_90a build on an H100/H200")
-    else:
-        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
-    return request.param
+    return use_family(request.param, monkeypatch)
 
 
 def capped_qkv(rng, b, t, s, n, kv, h, dtype):

@@ -14,22 +14,14 @@ from jax_flashattn import flax as jfa_flax
 from jax_flashattn import reference, sharding
 from helpers import (assert_attention_close, assert_grads_close, assert_lse_close,
                      random_qkv)
+from test_soft_cap import OPTIONS as SOFT_CAP_OPTIONS
 
 B, T, S, N, K, H = 2, 37, 70, 4, 2, 24
 
-OPTIONS = {
-    "plain": {},
-    "causal": dict(is_causal=True),
-    # Batch entry 1 sees no key (length 0): its rows' softmax is the sink's alone.
-    "window_lengths": dict(local_window_size=(9, 4),
-                           query_seq_lengths=np.array([37, 11], np.int32),
-                           key_value_seq_lengths=np.array([70, 0], np.int32)),
-    "segments": dict(query_segment_ids=np.arange(2 * T).reshape(2, T) // 15,
-                     key_value_segment_ids=np.arange(2 * S).reshape(2, S) * T // S // 15,
-                     is_causal=True),
-    "soft_cap_bottom_right": dict(logits_soft_cap=3.0, is_causal=True,
-                                  diagonal_alignment="bottom_right"),
-}
+# test_soft_cap's options, and the soft-cap with bottom-right alignment.
+OPTIONS = dict(SOFT_CAP_OPTIONS,
+               soft_cap_bottom_right=dict(logits_soft_cap=3.0, is_causal=True,
+                                          diagonal_alignment="bottom_right"))
 
 
 def draw_sinks(rng, n=N):
