@@ -16,6 +16,8 @@
 
 #include <cstdint>
 
+#include "ffi/cuda/common/ptx.cuh"  // smem_address
+
 namespace jax_flashattn::ptx {
 
 // ---- mbarrier: a shared-memory barrier that completes a phase when `count` threads have
@@ -443,6 +445,11 @@ __device__ __forceinline__ int32_t ld_acquire_gpu(const int32_t* address) {
 __device__ __forceinline__ void red_release_gpu_add(int32_t* address, int32_t value) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(address), "r"(value)
                : "memory");
+}
+
+// An mbarrier's 32-bit shared address, the form the mbarrier wrappers take.
+__device__ __forceinline__ uint32_t barrier_address(uint64_t& barrier) {
+  return smem_address(&barrier);
 }
 
 }  // namespace jax_flashattn::ptx

@@ -103,9 +103,6 @@ struct BackwardConsumer {
   const BackwardSmem<Traits>& smem;
   const BackwardBlock<Traits>& block;
 
-  __device__ __forceinline__ static uint32_t bar(uint64_t& barrier) {
-    return ptx::smem_address(&barrier);
-  }
   // One arrival per warp: __syncwarp orders every lane's accesses (its reads of a Q/dO stage,
   // its dQ stores or additions) before lane 0's arrival.
   __device__ __forceinline__ static void release(const Thread& th, uint32_t barrier) {
@@ -470,7 +467,7 @@ struct BackwardConsumer {
     if constexpr (Traits::kSegments) ids = key_ids(th);
 
     if (block.steps > 0) {
-      ptx::mbarrier_wait(bar(bars.kv_full), 0);
+      ptx::mbarrier_wait(ptx::barrier_address(bars.kv_full), 0);
       zero_kv_past_length(th);
     }
     int n = block.head0, tile = block.tile_begin;
@@ -483,7 +480,7 @@ struct BackwardConsumer {
       const int box_shift = block.stats_row(p, n, s.q0) % kFlatAlignElems;
       s.lse = stats + s.stage * 2 * Traits::kStatsStride + box_shift;
       s.delta = s.lse + Traits::kStatsStride;
-      ptx::mbarrier_wait(bar(bars.q_full[s.stage]), step_phase<kStages>(step));
+      ptx::mbarrier_wait(ptx::barrier_address(bars.q_full[s.stage]), step_phase<kStages>(step));
       // kSegments: whether one document holds the tile's queries and this warp's keys, asked
       // here, before the products, which then hold none of its registers (asked under them
       // with the ids in global memory, it spilled at head dim 128). The answer counts only
@@ -554,7 +551,7 @@ struct BackwardConsumer {
       fence(dk_acc);
       fence(p_frag);
       fence(ds_frag);
-      release(th, bar(bars.q_empty[s.stage]));
+      release(th, ptx::barrier_address(bars.q_empty[s.stage]));
 
       ptx::wgmma_wait<0>();
       fence(dq_acc);

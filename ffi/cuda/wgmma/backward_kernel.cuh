@@ -48,16 +48,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const BackwardSmem<Traits> smem{base, smem_raw + (base - raw_address)};
   // Formed here and in each piece from the layout's offset (BackwardProducer says why).
   auto& bars = *reinterpret_cast<BackwardBarriers<Traits>*>(smem.start + Layout::kBarrierOffset);
-  const auto bar = [](uint64_t& barrier) { return ptx::smem_address(&barrier); };
 
   const int tid = threadIdx.x;
   const BackwardBlock<Traits> block = BackwardBlock<Traits>::make(p);
 
   if (tid == 0) {
-    ptx::mbarrier_init(bar(bars.kv_full), 1);
+    ptx::mbarrier_init(ptx::barrier_address(bars.kv_full), 1);
     for (int s = 0; s < Traits::kStages; ++s) {
-      ptx::mbarrier_init(bar(bars.q_full[s]), 1);
-      ptx::mbarrier_init(bar(bars.q_empty[s]), Traits::kConsumerWarps);
+      ptx::mbarrier_init(ptx::barrier_address(bars.q_full[s]), 1);
+      ptx::mbarrier_init(ptx::barrier_address(bars.q_empty[s]), Traits::kConsumerWarps);
     }
     if constexpr (Traits::kDeterministic) {
       static_assert(sizeof(DqWriterBarriers) <= Traits::kWriterBarrierBytes, "barriers fit");

@@ -30,9 +30,6 @@ struct BackwardProducer {
   const BackwardSmem<Traits>& smem;
   const BackwardBlock<Traits>& block;
 
-  __device__ __forceinline__ static uint32_t bar(uint64_t& barrier) {
-    return ptx::smem_address(&barrier);
-  }
   // The barriers are formed from the layout's offset where they are used: held as a member, or
   // returned by a function, their addresses share one base and ptxas schedules the step loop
   // differently (compare_sass).
@@ -40,13 +37,13 @@ struct BackwardProducer {
   // K and V of the block, once.
   __device__ __forceinline__ void load_kv() {
     auto& bars = *reinterpret_cast<Barriers*>(smem.start + Layout::kBarrierOffset);
-    ptx::mbarrier_arrive_expect_tx(bar(bars.kv_full), 2 * Traits::kKVBytes);
+    ptx::mbarrier_arrive_expect_tx(ptx::barrier_address(bars.kv_full), 2 * Traits::kKVBytes);
     for (int span = 0; span < kSpans; ++span) {
       ptx::tma_load_4d(smem.k() + span * kBlockN * kRowBytes, &maps.k,
-                       bar(bars.kv_full), span * kSpanElems, block.kv_head,
+                       ptx::barrier_address(bars.kv_full), span * kSpanElems, block.kv_head,
                        block.key0, block.b);
       ptx::tma_load_4d(smem.v() + span * kBlockN * kRowBytes, &maps.v,
-                       bar(bars.kv_full), span * kSpanElems, block.kv_head,
+                       ptx::barrier_address(bars.kv_full), span * kSpanElems, block.kv_head,
                        block.key0, block.b);
     }
   }
@@ -57,8 +54,8 @@ struct BackwardProducer {
     const int stage = step % kStages;
     auto& bars = *reinterpret_cast<Barriers*>(smem.start + Layout::kBarrierOffset);
     if (step >= kStages)
-      ptx::mbarrier_wait(bar(bars.q_empty[stage]), step_phase<kStages>(step) ^ 1);
-    const uint32_t full = bar(bars.q_full[stage]);
+      ptx::mbarrier_wait(ptx::barrier_address(bars.q_empty[stage]), step_phase<kStages>(step) ^ 1);
+    const uint32_t full = ptx::barrier_address(bars.q_full[stage]);
     ptx::mbarrier_arrive_expect_tx(full, 2 * Traits::kQBytes +
                                              2 * Traits::kStatsBox * sizeof(float) +
                                              Traits::QIdBox::kBytes);

@@ -25,10 +25,7 @@ struct ForwardBarriers {
   alignas(16) uint32_t tile[8];
 };
 
-// An mbarrier's 32-bit shared address.
-__device__ __forceinline__ uint32_t barrier_address(uint64_t& barrier) {
-  return ptx::smem_address(&barrier);
-}
+using ptx::barrier_address;
 
 // Named barriers (0 is __syncthreads): 1 + c synchronises consumer warpgroup c, and kTurn + c
 // hands it the ping-pong turn.
