@@ -14,9 +14,8 @@ from jax_flashattn import flax as jfa_flax
 from jax_flashattn import reference, sharding
 from helpers import (assert_attention_close, assert_grads_close, assert_lse_close,
                      random_qkv)
-from test_soft_cap import OPTIONS as SOFT_CAP_OPTIONS
-
-B, T, S, N, K, H = 2, 37, 70, 4, 2, 24
+# test_soft_cap's shapes, which its options' segment ids and lengths are built for.
+from test_soft_cap import B, H, K, N, S, T, OPTIONS as SOFT_CAP_OPTIONS
 
 # test_soft_cap's options, and the soft-cap with bottom-right alignment.
 OPTIONS = dict(SOFT_CAP_OPTIONS,
@@ -183,3 +182,32 @@ def test_jax_nn_implementations_refuse_them(rng):
     q, k, v = random_qkv(rng, B, 5, 9, N, K, H, jnp.float32)
     with pytest.raises(ValueError, match="sinks.*jax.nn"):
         jax_flashattn.attention(q, k, v, sinks=jnp.zeros(N), implementation="xla")
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+@pytest.mark.parametrize("call", ["attention", "ring_attention"])
+def test_gradient_outside_shard_map_is_summed_once(rng, check_vma, call):
+    """Sinks replicated into shard_map (P()), the gradient taken outside it: each device's part
+    summed once, with shard_map's type checks on and off."""
+    devices = 4
+    q, k, v = random_qkv(rng, 4, 32, 32, N, K, 16, jnp.float32)
+    sinks = draw_sinks(rng)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:devices]), ("d",))
+    spec = P("d") if call == "attention" else P(None, "d")
+
+    def local(q, k, v, sinks):
+        if call == "attention":
+            return jax_flashattn.attention(q, k, v, is_causal=True, sinks=sinks)
+        return sharding.ring_attention(q, k, v, axis_name="d", is_causal=True, sinks=sinks)
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=spec,
+                            check_vma=check_vma)
+
+    def loss(fn):
+        return lambda q, k, v, s: jnp.sum(jnp.sin(fn(q, k, v, s)))
+    got = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    want = jax.grad(loss(lambda q, k, v, s: reference.attention(q, k, v, is_causal=True,
+                                                                sinks=s)),
+                    argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5,
+                                   err_msg=name)

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 
 def apply(out, lse, sinks):
     """(out [..., B, T, N, H], lse [..., B, N, T]) of the keys alone -> those with the sinks:
-    lse' = log(e^lse + e^sink), out' = out e^(lse - lse') (one pass over the output). A row
-    that sees no key keeps out 0 and gets lse' = sink. Unchanged without sinks."""
+    lse' = log(e^lse + e^sink), out' = out e^(lse - lse') (one pass over the output, rounded
+    to out's dtype a second time: up to 1 ulp, where the kernels' own epilogue would round
+    once). A row that sees no key keeps out 0 and gets lse' = sink. Unchanged without sinks."""
     if sinks is None:
         return out, lse
     merged = jnp.logaddexp(lse, sinks[:, None])  # [N, 1] against lse's [..., N, T]

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from jax_flashattn import _ffi, _sinks, _validate, reference, sharding
+from jax_flashattn import _ffi, _ops, _sinks, _validate, reference, sharding
 
 _UNSUPPORTED_DERIVATIVE = (
     "jax_flashattn.attention: forward-mode derivatives (jax.jvp, jax.jacfwd, jax.linearize) and "
@@ -52,6 +52,7 @@ def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, scale
     # arguments alone, nor behind stop_gradient).
     del deterministic  # a backward option
     dbias_needed = bias is not None and bias.perturbed
+    dsinks_needed = sinks is not None and sinks.perturbed
     q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks = (
         None if x is None else x.value
         for x in (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks))
@@ -60,14 +61,16 @@ def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, scale
     out, lse = _sinks.apply(*_first_order_only(kernel, q, k, v, bias, mask, q_lens, kv_lens,
                                                q_ids, kv_ids), sinks)
     # Only the inputs, the output and the log-sum-exp are saved: the backward recomputes P.
-    # Whether dbias is needed travels as the residuals' structure (() or None, no array).
-    return (out, lse), (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, out, lse,
+    # Whether dbias is needed travels as the residuals' structure (() or None, no array); the
+    # sinks are saved only where their gradient is (it reads out and dO once more).
+    return (out, lse), (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids,
+                        sinks if dsinks_needed else None, out, lse,
                         () if dbias_needed else None)
 
 
 def _flash_bwd(scale, soft_cap, window, deterministic, switches, residuals, cotangents):
     q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, out, lse, dbias_needed = (
-        residuals)
+        residuals)  # sinks: None unless their gradient is needed
     d_out, _ = cotangents  # the lse output is a residual with no gradient, as in jax.nn
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):  # only lse was used
         return (None,) * 10
@@ -252,10 +255,13 @@ def _call_kernels(args: _validate.Normalized, deterministic_backward: bool):
     lowered, with JAX's own TypeError.)"""
     if _has_jvp_tangent(args):
         raise TypeError(_UNSUPPORTED_DERIVATIVE)
+    # Inside shard_map the sinks (replicated) meet rows that vary over its axes: marked varying
+    # as those, so that their cotangent, each device's part, is summed by shard_map itself.
+    sinks, = _ops.vary_like((args.sinks,), (args.query, args.key, args.value))
     try:
         return _flash(args.query, args.key, args.value, args.bias, args.mask,
                       args.query_seq_lengths, args.key_value_seq_lengths,
-                      args.query_segment_ids, args.key_value_segment_ids, args.sinks,
+                      args.query_segment_ids, args.key_value_segment_ids, sinks,
                       args.scale, args.soft_cap, args.kernel_window, deterministic_backward,
                       _ffi.kernel_switches())
     except TypeError as e:

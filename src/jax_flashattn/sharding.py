@@ -80,11 +80,9 @@ def _ring_bwd(config, residuals, cotangents):
                                        soft_cap=config.soft_cap, window=config.window,
                                        schedule=config.schedule, axes=config.axes,
                                        switches=config.switches)
-    d_sinks = None
-    if sinks is not None:
-        # The rows are split over the ring's axes and the sinks are not: the devices' parts
-        # summed, a cotangent as invariant over those axes as the sinks themselves.
-        d_sinks = lax.psum(_sinks.gradient(sinks, out, lse, d_out), config.axes)
+    # This device's part: ring_attention marked the sinks varying over the ring's axes, so
+    # shard_map sums the parts.
+    d_sinks = None if sinks is None else _sinks.gradient(sinks, out, lse, d_out)
     return dq, dk, dv, None, None, None, None, d_sinks
 
 
@@ -145,7 +143,7 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
         logits_soft_cap and diagonal_alignment as there too (the bottom-right diagonal at the
         global S - T).
       sinks: [N] as in `jax_flashattn.attention`, for the local query heads, replicated over
-        `axis_name`; their gradient is summed over it.
+        `axis_name`; their gradient is summed over it (by shard_map).
       query_seq_lengths, key_value_seq_lengths: int [B] GLOBAL valid lengths (replicated over
         `axis_name`).
       query_segment_ids, key_value_segment_ids: int [B, T/D] and [B, S/D], the LOCAL shards of
@@ -179,9 +177,12 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                          load_balance)
     config = _RingConfig(args.scale, args.soft_cap, window, schedule, axes,
                          _ffi.kernel_switches())
+    # The sinks (replicated over the ring's axes) marked varying as the rows they meet, so that
+    # their cotangent, each device's part, is summed by shard_map itself.
+    sinks, = _ops.vary_like((args.sinks,), (args.query, args.key, args.value))
     out, lse = _ring_call(args.query, args.key, args.value, args.query_seq_lengths,
                           args.key_value_seq_lengths, args.query_segment_ids,
-                          args.key_value_segment_ids, args.sinks, config)
+                          args.key_value_segment_ids, sinks, config)
     out = out.reshape(args.out_shape)
     if not return_residual:
         return out
