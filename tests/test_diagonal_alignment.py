@@ -200,16 +200,29 @@ def test_bad_values_raise_naming_the_option(rng, value, error):
             fn(q, k, v, diagonal_alignment=value)
 
 
-def test_seq_lengths_with_a_moved_diagonal_raise(rng):
+def test_seq_lengths_with_a_causal_mask_or_window_raise(rng):
     """With lengths each batch entry's diagonal would sit at its own kv_len - q_len, which the
-    kernels do not take yet: a clear error, unless the alignment moves nothing."""
-    q, k, v = random_qkv(rng, 2, 5, 9, N, K, H, jnp.float32)
+    kernels do not take yet: a clear error with a causal mask or a window, T == S included (the
+    lengths are traced values); without either the alignment moves nothing."""
     lens = np.array([9, 4], np.int32)
-    with pytest.raises(ValueError, match="diagonal_alignment='bottom_right'.*lengths"):
-        jax_flashattn.attention(q, k, v, is_causal=True, key_value_seq_lengths=lens, **BR)
-    jax_flashattn.attention(q, k, v, key_value_seq_lengths=lens, **BR)  # moves nothing
-    q, k, v = random_qkv(rng, 2, 9, 9, N, K, H, jnp.float32)
-    np.testing.assert_array_equal(
-        np.asarray(jax_flashattn.attention(q, k, v, is_causal=True, key_value_seq_lengths=lens,
-                                           **BR)),
-        np.asarray(jax_flashattn.attention(q, k, v, is_causal=True, key_value_seq_lengths=lens)))
+    for t in (5, 9):
+        q, k, v = random_qkv(rng, 2, t, 9, N, K, H, jnp.float32)
+        for kwargs in (dict(is_causal=True), dict(local_window_size=(3, 2))):
+            for lengths in (dict(key_value_seq_lengths=lens),
+                            dict(query_seq_lengths=np.minimum(lens, t))):
+                with pytest.raises(ValueError, match="diagonal_alignment='bottom_right'.*lengths"):
+                    jax_flashattn.attention(q, k, v, **kwargs, **lengths, **BR)
+        np.testing.assert_array_equal(
+            np.asarray(jax_flashattn.attention(q, k, v, key_value_seq_lengths=lens, **BR)),
+            np.asarray(jax_flashattn.attention(q, k, v, key_value_seq_lengths=lens)))
+
+
+def test_ring_schedule_takes_the_alignment():
+    """ring_schedule plans the pairs a bottom-right causal call sees: row i of T = 32 against
+    S = 64 sees i + 33 keys."""
+    bottom = sharding.ring_schedule(4, 32, 64, is_causal=True, diagonal_alignment="bottom_right")
+    assert sum(bottom.work()) == sum(i + 33 for i in range(32))
+    top = sharding.ring_schedule(4, 32, 64, is_causal=True)
+    assert sum(top.work()) == sum(i + 1 for i in range(32))
+    with pytest.raises(ValueError, match="diagonal_alignment"):
+        sharding.ring_schedule(4, 32, 64, diagonal_alignment="bottom")

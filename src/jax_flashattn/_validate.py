@@ -368,11 +368,11 @@ def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         out_shape=out_shape, query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
         soft_cap=_soft_cap(logits_soft_cap),
         bottom_right=check_diagonal_alignment(diagonal_alignment), sinks=_sinks(sinks, n))
-    if args.aligned and (args.query_seq_lengths is not None
-                         or args.key_value_seq_lengths is not None):
-        # With lengths the diagonal sits at each entry's kv_len - q_len, one shift per batch
-        # entry, which the kernels' window (one per call) cannot express.
-        raise ValueError("diagonal_alignment='bottom_right' with query_seq_lengths or "
-                         "key_value_seq_lengths is not supported yet (it is with T != S and "
-                         "no lengths, and with T == S, where the two alignments agree)")
+    if (args.bottom_right and (args.is_causal or args.window is not None)
+            and (args.query_seq_lengths is not None or args.key_value_seq_lengths is not None)):
+        # With lengths the diagonal sits at each entry's kv_len - q_len (cuDNN's BOTTOM_RIGHT),
+        # one shift per batch entry, which the kernels' window (one per call) cannot express;
+        # the lengths are traced, so even T == S does not tell that the shift is 0.
+        raise ValueError("diagonal_alignment='bottom_right' with is_causal or local_window_size "
+                         "and query_seq_lengths or key_value_seq_lengths is not supported yet")
     return args

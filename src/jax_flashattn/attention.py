@@ -183,7 +183,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     key, and with T > S the first T - S queries of a causal call see none (cuDNN's
     BOTTOM_RIGHT, FlashAttention's convention). The kernels take it as a shifted window, so it
     costs nothing; with implementation="xla" or "cudnn" it becomes a boolean mask [T, S] for
-    jax.nn. With T != S it does not combine with the seq lengths yet (a ValueError).
+    jax.nn. With a causal mask or window it does not combine with the seq lengths yet (a
+    ValueError: each batch entry's diagonal would sit at its own kv_len - q_len).
 
     `sinks` (keyword-only, not in jax.nn): an array [N] of one logit per query head (float32
     or a real dtype, cast to float32), differentiable. Every row's softmax also takes a key of

@@ -95,7 +95,8 @@ def _axis_tuple(axis_name) -> tuple:
 
 def ring_schedule(num_devices: int, q_seq_len: int, kv_seq_len: int | None = None, *,
                   is_causal: bool = False, local_window_size=None, layout: str = "contiguous",
-                  load_balance: bool = True) -> _ring.Schedule:
+                  load_balance: bool = True,
+                  diagonal_alignment: str = "top_left") -> _ring.Schedule:
     """The static plan `ring_attention` runs for GLOBAL lengths over `num_devices`.
 
     `.work()` lists, per device, the (query, key) pairs its kernel calls cover; `.relayout`
@@ -108,7 +109,10 @@ def ring_schedule(num_devices: int, q_seq_len: int, kv_seq_len: int | None = Non
     left, right = window if window is not None else (None, None)
     if is_causal:
         right = 0 if right is None else min(right, 0)
-    return _schedule(num_devices, q_seq_len, kv_seq_len, (left, right), layout, load_balance)
+    shift = (kv_seq_len - q_seq_len
+             if _validate.check_diagonal_alignment(diagonal_alignment) else 0)
+    window = (None if left is None else left - shift, None if right is None else right + shift)
+    return _schedule(num_devices, q_seq_len, kv_seq_len, window, layout, load_balance)
 
 
 def _schedule(num_devices, q_seq_len, kv_seq_len, window, layout, load_balance):
