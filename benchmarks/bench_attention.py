@@ -149,6 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     chosen = [name for name in PRESETS if getattr(args, name)]
     if len(chosen) > 1:
         p.error(" and ".join(f"--{name}" for name in chosen) + " are presets: pick one")
+    if args.rows is not None and not args.variants:
+        p.error("--rows picks rows of the variants preset: it needs --variants")
     for name, preset in (("variants", VARIANTS), ("packed", PACKED)):
         if getattr(args, name):
             for key, value in preset.items():
@@ -172,6 +174,10 @@ def build_configs(args) -> list[_bench.Config]:
     if args.variants:
         configs = _bench.variants_grid(args.dtype, args.seqlen, args.head_dim, hidden=args.hidden)
         if args.rows:
+            unknown = [r for r in args.rows if not any(c.variant.startswith(r) for c in configs)]
+            if unknown:
+                raise SystemExit(f"--rows: no variants row starts with {unknown}; the rows are "
+                                 f"{sorted({c.variant for c in configs})}")
             configs = [c for c in configs if any(c.variant.startswith(r) for r in args.rows)]
         return configs
     if args.packed:

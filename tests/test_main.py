@@ -285,6 +285,11 @@ def test_bench_script_variants_preset_and_exclusive_with_decode():
     assert [c.soft_cap for c in configs] == [None] * 9 + [50.0, 50.0]
     rows = bench.build_configs(bench.parse_args(["--variants", "--rows", "full,causal,soft-cap"]))
     assert [c.variant for c in rows] == ["full", "causal", "soft-cap 50", "soft-cap 50, causal"]
+    with pytest.raises(SystemExit):  # --rows without the preset it picks from
+        bench.parse_args(["--rows", "full"])
+    with pytest.raises(SystemExit, match="no variants row starts with"):
+        bench.build_configs(bench.parse_args(["--variants", "--rows", "full,sof-cap"]))
+    assert all(c.soft_cap is None for c in _bench.variants_grid(soft_cap=None))
     assert {(c.dtype, c.batch, c.seqlen_q, c.seqlen_k, c.num_heads, c.head_dim)
             for c in configs} == {("bf16", 4, 4096, 4096, 16, 128)}
     by_name = {c.variant: c for c in configs}

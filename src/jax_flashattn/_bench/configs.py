@@ -228,7 +228,7 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
     (full), a boolean document mask [B, 1, T, S] (entry i packs 2**i documents, full), the
     same documents as segment ids, full and causal (other implementations than ours get
     them as that mask, built from the ids inside the timed call, as a jax.nn user would), and
-    logits soft-capped at `soft_cap`, full and causal (ours only)."""
+    logits soft-capped at `soft_cap`, full and causal (ours only; no such rows with None)."""
     configs = []
     for dtype in dtypes:
         for h in head_dims:
@@ -236,7 +236,6 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
             kv = max(1, n // kv_group)
             if n % kv:
                 raise ValueError(f"{n} heads do not split into groups of {kv_group}")
-            cap = soft_cap
             for t in seqlens:
                 base = Config(batch, t, t, n, n, h, dtype, False, kind="variants",
                               variant="full")
@@ -256,8 +255,12 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
                     dataclasses.replace(base, segment_docs=docs, variant="segment ids"),
                     dataclasses.replace(base, causal=True, segment_docs=docs,
                                         variant="segment ids, causal"),
-                    dataclasses.replace(base, soft_cap=cap, variant=f"soft-cap {cap:g}"),
-                    dataclasses.replace(base, causal=True, soft_cap=cap,
-                                        variant=f"soft-cap {cap:g}, causal"),
                 ]
+                if soft_cap is not None:
+                    configs += [
+                        dataclasses.replace(base, soft_cap=soft_cap,
+                                            variant=f"soft-cap {soft_cap:g}"),
+                        dataclasses.replace(base, causal=True, soft_cap=soft_cap,
+                                            variant=f"soft-cap {soft_cap:g}, causal"),
+                    ]
     return configs
