@@ -148,7 +148,7 @@ struct AttentionParams {
   }
   // A bias, a boolean mask, segment ids or the soft-cap: terms applied element by element,
   // which the decode kernels do not have (the mma.sync family has instantiations for them, the
-  // Hopper kernels for segment ids).
+  // Hopper kernels for segment ids and for the soft-cap).
   JAX_FLASHATTN_HOST_DEVICE bool has_elementwise_terms() const {
     return bias != nullptr || mask != nullptr || q_segment_ids != nullptr || soft_capped();
   }

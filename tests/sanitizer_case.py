@@ -60,9 +60,9 @@ def main():
         (jnp.bfloat16, 128, dict(is_causal=True, key_value_seq_lengths=lens,
                                  query_segment_ids=np.arange(2 * 77).reshape(2, 77) // 20,
                                  key_value_segment_ids=np.arange(2 * 93).reshape(2, 93) // 25)),
-        # Soft-capped logits: on Hopper the Hopper forward's instantiation for them (head dims
-        # 128 and 256), elsewhere and with a bias or mask the mma.sync forward's; the mma.sync
-        # backward's in both dQ modes; the CUDA-core kernels for float32.
+        # Soft-capped logits: on Hopper the Hopper kernels' instantiations for them (head dims
+        # 128 and 256, the backward in both dQ modes), elsewhere and with a bias or mask the
+        # mma.sync family's; the CUDA-core kernels for float32.
         (jnp.bfloat16, 128, dict(is_causal=True, key_value_seq_lengths=lens,
                                  logits_soft_cap=5.0)),
         (jnp.float16, 256, dict(local_window_size=(20, 5), logits_soft_cap=5.0,

@@ -3,17 +3,12 @@
 // MUFU.TANH, FMUL; two where the kernel folds c into its own FFMA (the Hopper kernels: the
 // softmax's, P^T's exponent).
 //
-// The forward's special-function unit is what the cap contends for: each score's exp2 already
-// takes one MUFU op, and at 16 ops per SM and clock one op per score takes half the time of the
-// score's tensor-core work at head dim 128 (4 H FLOPs at about 4096 per SM and clock). With tanh as 1 - 2 / (1 + 2^(2 y log2(e))) on ex2.approx and rcp.approx (two MUFU
-// ops, absolute error a few float32 ulps of c) the Hopper forward ran at 0.62-0.66x of the
-// uncapped call, with the reciprocal in three Newton steps on the FMA pipe at 0.61-0.64x, and
-// with tanh.approx at 0.76-0.81x; moving part of the softmax's exp2 to the FMA pipe as well
-// lost more (H200, bf16, H = 128, T = 2048 and 8192; docs/decisions/
-// soft-cap-on-the-cuda-kernels.md).
-// tanh.approx errs by at most about 1.1e-5 of x: at a cap of 50 and a logit at the cap, 8e-4
-// in x, 5.5e-4 relative in P, about twice fp16's rounding of P (half an ulp) and a quarter of
-// bf16's. The ends hold: +-inf give +-c, NaN stays NaN.
+// tanh.approx (MUFU.TANH) errs by at most about 1.1e-5 of x: at a cap of 50 and a logit at the
+// cap, 8e-4 in x, 5.5e-4 relative in P, about twice fp16's rounding of P (half an ulp) and a
+// quarter of bf16's. It is one special-function op per score beside the softmax's exp2, which
+// the forward's consumers contend for; the ulp-accurate forms (ex2 and rcp) took two and ran
+// slower (docs/decisions/soft-cap-on-the-cuda-kernels.md). The ends hold: +-inf give +-c, NaN
+// stays NaN.
 #pragma once
 
 #include "ffi/cuda/common/ptx.cuh"
