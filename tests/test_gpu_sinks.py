@@ -38,8 +38,10 @@ def sinks_for(rng, n):
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_forward(rng, family, dtype, head_dim, option):
     q, k, v = random_qkv(rng, 2, 150, 333, 4, 2, head_dim, dtype)
-    assert jax_flashattn.forward_kernel(q, k) == family
-    check_cuda_forward(q, k, v, sinks=sinks_for(rng, 4), **OPTIONS[option])
+    kwargs = OPTIONS[option]
+    cap = kwargs.get("logits_soft_cap")
+    assert jax_flashattn.forward_kernel(q, k, logits_soft_cap=cap) == family
+    check_cuda_forward(q, k, v, sinks=sinks_for(rng, 4), **kwargs)
 
 
 @pytest.mark.parametrize("t", [1, 16])
@@ -50,14 +52,30 @@ def test_decode_kernels(rng, t):
                        key_value_seq_lengths=np.array([4097, 1000], np.int32))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 def test_gradients(rng, family, dtype, option, deterministic):
-    q, k, v = random_qkv(rng, 2, 150, 333, 4, 2, 128, dtype)
-    sinks = sinks_for(rng, 4)
-    d_out = jnp.asarray(rng.standard_normal(q.shape), dtype)
     kwargs = OPTIONS[option]
+    q, k, v = random_qkv(rng, 2, 150, 333, 4, 2, 128, dtype)
+    assert jax_flashattn.backward_kernel(q, k, deterministic=deterministic,
+                                         logits_soft_cap=kwargs.get("logits_soft_cap")) == family
+    check_sinks_grads(rng, q, k, v, deterministic, kwargs)
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_gradients_float32(rng, option):
+    """The CUDA-core kernels."""
+    q, k, v = random_qkv(rng, 2, 150, 333, 4, 2, 64, jnp.float32)
+    assert jax_flashattn.backward_kernel(q, k) == "simt"
+    check_sinks_grads(rng, q, k, v, False, OPTIONS[option])
+
+
+def check_sinks_grads(rng, q, k, v, deterministic, kwargs):
+    """dq, dk, dv and d sinks through the CUDA kernels against the float32 reference."""
+    dtype = q.dtype
+    sinks = sinks_for(rng, q.shape[-2])
+    d_out = jnp.asarray(rng.standard_normal(q.shape), dtype)
 
     def grads(fn, *operands, **extra):
         def f(q, k, v, s):
