@@ -280,9 +280,11 @@ def test_bench_script_variants_preset_and_exclusive_with_decode():
     assert [c.variant for c in configs] == ["full", "causal", "window 1024", "lengths",
                                             "GQA 16/4", "bias [1,N,T,S]", "mask [B,1,T,S]",
                                             "segment ids", "segment ids, causal",
-                                            "soft-cap 50", "soft-cap 50, causal"]
-    assert [c.causal for c in configs[-4:]] == [False, True, False, True]
-    assert [c.soft_cap for c in configs] == [None] * 9 + [50.0, 50.0]
+                                            "soft-cap 50", "soft-cap 50, causal",
+                                            "sinks", "sinks, causal"]
+    assert [c.causal for c in configs[-6:]] == [False, True] * 3
+    assert [c.soft_cap for c in configs] == [None] * 9 + [50.0, 50.0, None, None]
+    assert [c.sinks for c in configs] == [False] * 11 + [True, True]
     rows = bench.build_configs(bench.parse_args(["--variants", "--rows", "full,causal,soft-cap"]))
     assert [c.variant for c in rows] == ["full", "causal", "soft-cap 50", "soft-cap 50, causal"]
     with pytest.raises(SystemExit):  # --rows without the preset it picks from
@@ -364,8 +366,8 @@ def test_variants_grid_runs_and_passes_the_gate(monkeypatch, mode):
     configs = _tiny_variants()
     settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
     records = _bench.run_benchmark(configs, ["ours", "xla"], [mode], settings, progress=False)
-    # jax.nn has no soft-capping: xla's soft-cap rows are reported, not run.
-    capped = {(c.variant, "xla") for c in configs if c.soft_cap is not None}
+    # jax.nn has no soft-capping and no sinks: xla's rows of those are reported, not run.
+    capped = {(c.variant, "xla") for c in configs if c.soft_cap is not None or c.sinks}
     assert capped and all(r["status"] == "unavailable" for r in records
                           if (r["variant"], r["impl"]) in capped)
     bad = [f"{r['variant']} {r['impl']}: {r['status']} {r.get('message', '')}"
@@ -388,7 +390,7 @@ def test_variants_grid_runs_and_passes_the_gate(monkeypatch, mode):
 
 @pytest.mark.parametrize("dropped", ["local_window_size", "key_value_seq_lengths",
                                      "query_seq_lengths", "bias", "mask", "segment_ids",
-                                     "soft_cap"])
+                                     "soft_cap", "sinks"])
 def test_variants_gate_checks_each_option(monkeypatch, dropped):
     """An implementation that ignores one of the options fails the check (query lengths: it
     leaves the padded rows nonzero, which the check covers)."""
@@ -405,7 +407,7 @@ def test_variants_gate_checks_each_option(monkeypatch, dropped):
     monkeypatch.setattr(_bench.impls, "attention_fn", ignoring)
     option = {"local_window_size": "window", "key_value_seq_lengths": "lengths",
               "query_seq_lengths": "lengths", "bias": "bias", "mask": "mask",
-              "segment_ids": "segment ids", "soft_cap": "soft-cap"}[dropped]
+              "segment_ids": "segment ids", "soft_cap": "soft-cap", "sinks": "sinks"}[dropped]
     cfg = [c for c in _tiny_variants() if c.variant.startswith(option)][0]
     settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
     record, = _bench.run_benchmark([cfg], ["ours"], ["fwd"], settings, progress=False)
@@ -425,10 +427,11 @@ def test_bench_script_variants_smoke(tmp_path, capsys):
                   "mask [B,1,T,S]", "segment ids", "soft-cap 50"):
         assert f"| 64 | {label} |" in printed
     report = json.loads((out / "results.json").read_text())
-    # Every row runs, but xla's soft-cap rows: jax.nn has no soft-capping.
+    # Every row runs, but xla's soft-cap and sinks rows: jax.nn has neither.
     assert {(r["status"], r["impl"]) for r in report["results"]
             if r["status"] != "ok"} == {("unavailable", "xla")}
-    assert all(r["status"] == "ok" for r in report["results"] if r["soft_cap"] is None)
+    assert all(r["status"] == "ok" for r in report["results"]
+               if r["soft_cap"] is None and not r["sinks"])
     assert {r["kind"] for r in report["results"]} == {"variants"}
     assert "window 16" in (out / "results.md").read_text()
     if importlib.util.find_spec("matplotlib") is not None:

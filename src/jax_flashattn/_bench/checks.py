@@ -108,9 +108,10 @@ class ReferenceSlice:
 
     def take_extras(self, cfg: "Config", extras: dict) -> dict:
         """The extras (`Inputs.extras`) of the slice: bias and mask [B or 1, N or 1, T, S] at
-        the checked batch entries, heads and query rows (every key), lengths and segment ids
-        at the batch entries (every position: _row_visibility picks the rows' ids). cuDNN's
-        lengths and offsets of the packed rows restate the segment ids and are left out."""
+        the checked batch entries, heads and query rows (every key), the sinks at the heads,
+        lengths and segment ids at the batch entries (every position: _row_visibility picks the
+        rows' ids). cuDNN's lengths and offsets of the packed rows restate the segment ids and
+        are left out."""
         heads = self.kv_heads * cfg.group
         sliced = {}
         for name, x in extras.items():
@@ -118,6 +119,8 @@ class ReferenceSlice:
                 continue
             if name in ("bias", "mask"):
                 sliced[name] = _take_logits_shaped(x, self.batch_index, self.rows, heads=heads)
+            elif name == "sinks":
+                sliced[name] = x[:heads]
             else:
                 sliced[name] = x[self.batch_index]
         return sliced
@@ -194,7 +197,7 @@ def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype, soft_cap
                            q_ids=extras.get("query_segment_ids"),
                            kv_ids=extras.get("key_value_segment_ids"))
     f = functools.partial(reference.attention, bias=extras.get("bias"), mask=mask,
-                          logits_soft_cap=soft_cap)
+                          logits_soft_cap=soft_cap, sinks=extras.get("sinks"))
     exact = f(q, k, v)
     rounded = f(q, k, v, p_dtype=DTYPES[dtype])
     magnitude = f(q, k, jnp.abs(v))

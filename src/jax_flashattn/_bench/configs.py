@@ -69,6 +69,7 @@ class Config:
     # entry may also be the lengths of its documents (a tuple summing to T: the packed preset).
     segment_docs: tuple[int | tuple[int, ...], ...] | None = None
     soft_cap: float | None = None  # logits_soft_cap (ours only: jax.nn has no soft-capping)
+    sinks: bool = False  # one sink logit per query head, drawn (ours only: jax.nn has none)
 
     @property
     def q_shape(self):
@@ -228,7 +229,8 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
     (full), a boolean document mask [B, 1, T, S] (entry i packs 2**i documents, full), the
     same documents as segment ids, full and causal (other implementations than ours get
     them as that mask, built from the ids inside the timed call, as a jax.nn user would), and
-    logits soft-capped at `soft_cap`, full and causal (ours only; no such rows with None)."""
+    logits soft-capped at `soft_cap`, full and causal (ours only; no such rows with None), and
+    attention sinks, full and causal (ours only)."""
     configs = []
     for dtype in dtypes:
         for h in head_dims:
@@ -263,4 +265,8 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
                         dataclasses.replace(base, causal=True, soft_cap=soft_cap,
                                             variant=f"soft-cap {soft_cap:g}, causal"),
                     ]
+                configs += [
+                    dataclasses.replace(base, sinks=True, variant="sinks"),
+                    dataclasses.replace(base, causal=True, sinks=True, variant="sinks, causal"),
+                ]
     return configs

@@ -91,7 +91,7 @@ def config_record(cfg: Config) -> dict:
         # The options, and the share of the B·T·S logits a call computes (FLOPs count those).
         record.update(variant=cfg.variant, window=cfg.window, q_lens=cfg.q_lens,
                       kv_lens=cfg.kv_lens, bias_shape=cfg.bias_shape, mask_docs=cfg.mask_docs,
-                      segment_docs=cfg.segment_docs, soft_cap=cfg.soft_cap,
+                      segment_docs=cfg.segment_docs, soft_cap=cfg.soft_cap, sinks=cfg.sinks,
                       visible=cfg.visible_pairs() / (cfg.batch * cfg.seqlen_q * cfg.seqlen_k))
     elif cfg.kind == "packed":
         record.update(packed_record(cfg))

@@ -71,6 +71,8 @@ def config_attention_fn(impl: str, cfg: Config) -> Callable:
     argument the other implementations do not see."""
     if impl == "cudnn-packed":
         return cudnn_packed_attention(cfg)
+    if cfg.sinks and impl not in ("ours", "ours-deterministic"):
+        raise Unavailable("jax.nn.dot_product_attention has no attention sinks")
     fn = attention_fn(impl, cfg.causal, cfg.window, cfg.soft_cap)
     return without_extra(fn) if cfg.kind == "packed" else fn
 
@@ -120,9 +122,10 @@ class Inputs:
     def _draw_extras(self) -> dict:
         """The config's extra arguments, by `attention`'s keyword: bias (standard normal, the
         input dtype), mask, query/key_value_segment_ids, query_seq_lengths and
-        key_value_seq_lengths (int32), and on the packed rows cuDNN's lengths and offsets
-        (CUDNN_PACKED_EXTRA, for "cudnn-packed" only). One copy for every set; never
-        donated."""
+        key_value_seq_lengths (int32), sinks (float32 [N], 2 + standard normal: a weight of
+        the order of a tenth of a row's at these sizes), and on the packed rows cuDNN's lengths
+        and offsets (CUDNN_PACKED_EXTRA, for "cudnn-packed" only). One copy for every set;
+        never donated."""
         cfg, extras = self.cfg, {}
         if cfg.bias_shape is not None:
             key = jax.random.fold_in(jax.random.key(self.seed), 1 << 20)
@@ -142,6 +145,9 @@ class Inputs:
             extras["query_seq_lengths"] = jnp.asarray(cfg.q_lens, jnp.int32)
         if cfg.kv_lens is not None:
             extras["key_value_seq_lengths"] = jnp.asarray(cfg.kv_lens, jnp.int32)
+        if cfg.sinks:
+            key = jax.random.fold_in(jax.random.key(self.seed), 1 << 21)
+            extras["sinks"] = 2.0 + _normal(key, (cfg.num_heads,), jnp.dtype(jnp.float32))
         return extras
 
     def _draw(self):
