@@ -28,10 +28,11 @@ local_window_size=(1024, 0), per-batch lengths (query and key/value lengths 4096
 [B, 1, T, S] of packed documents (1, 2, 4, 8 per batch entry), the same documents as
 segment ids, full and causal (jax.nn gets them as that mask, built inside the timed call),
 logits soft-capped at 50 (Gemma 2's cap), and attention sinks (gpt-oss's), each full and causal
-(ours only: jax.nn has neither); its FLOPs count only the visible logits. --seqlen, --dtype,
---head-dim and --hidden (N = hidden/H) override its sizes, --rows keeps some of its rows;
---causal and --tokens do not apply. Packed preset: bf16, N=16, H=128, causal, T in {8192,
-32768} at 32768 tokens per batch (B = 32768/T), rows packed
+(ours only: jax.nn has neither), and a prefill of T/16 queries against T keys, causal with the
+diagonal at the bottom right (jax.nn gets the mask it stands for); its FLOPs count only the
+visible logits. --seqlen, --dtype, --head-dim and --hidden (N = hidden/H) override its sizes,
+--rows keeps some of its rows; --causal and --tokens do not apply. Packed preset: bf16, N=16,
+H=128, causal, T in {8192, 32768} at 32768 tokens per batch (B = 32768/T), rows packed
 with documents whose lengths are drawn (fixed seed, each row its own draw) from a log-normal
 of mean 1024, and of mean 4096 (sigma 1 of the logarithm), the last one cut at T; FLOPs count
 each document's causal pairs. Each mean first gets a dense causal row at T = the mean (our
@@ -100,7 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", action="store_true",
                    help="the options preset (bf16, B=4, T=S=4096, N=16, H=128; full, causal, "
                         "window 1024, lengths, GQA 16/4, bias [1,N,T,S], mask [B,1,T,S], "
-                        "segment ids, soft-cap 50 and sinks, each full and causal) "
+                        "segment ids, soft-cap 50 and sinks, each full and causal; a "
+                        "bottom-right causal prefill of T/16 queries) "
                         "instead of the standard grid; FLOPs count visible logits only")
     p.add_argument("--rows", type=lambda text: [x for x in text.split(",") if x], default=None,
                    help="variants preset only: comma list of the rows to keep, each by the "

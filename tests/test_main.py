@@ -281,10 +281,13 @@ def test_bench_script_variants_preset_and_exclusive_with_decode():
                                             "GQA 16/4", "bias [1,N,T,S]", "mask [B,1,T,S]",
                                             "segment ids", "segment ids, causal",
                                             "soft-cap 50", "soft-cap 50, causal",
-                                            "sinks", "sinks, causal"]
-    assert [c.causal for c in configs[-6:]] == [False, True] * 3
-    assert [c.soft_cap for c in configs] == [None] * 9 + [50.0, 50.0, None, None]
-    assert [c.sinks for c in configs] == [False] * 11 + [True, True]
+                                            "sinks", "sinks, causal",
+                                            "prefill 256, bottom-right"]
+    assert [c.causal for c in configs[-7:]] == [False, True] * 3 + [True]
+    assert [c.soft_cap for c in configs] == [None] * 9 + [50.0, 50.0, None, None, None]
+    assert [c.sinks for c in configs] == [False] * 11 + [True, True, False]
+    assert [(c.bottom_right, c.seqlen_q, c.seqlen_k) for c in configs][-2:] == [
+        (False, 4096, 4096), (True, 256, 4096)]
     rows = bench.build_configs(bench.parse_args(["--variants", "--rows", "full,causal,soft-cap"]))
     assert [c.variant for c in rows] == ["full", "causal", "soft-cap 50", "soft-cap 50, causal"]
     with pytest.raises(SystemExit):  # --rows without the preset it picks from
@@ -293,7 +296,7 @@ def test_bench_script_variants_preset_and_exclusive_with_decode():
         bench.build_configs(bench.parse_args(["--variants", "--rows", "full,sof-cap"]))
     assert all(c.soft_cap is None for c in _bench.variants_grid(soft_cap=None))
     assert {(c.dtype, c.batch, c.seqlen_q, c.seqlen_k, c.num_heads, c.head_dim)
-            for c in configs} == {("bf16", 4, 4096, 4096, 16, 128)}
+            for c in configs[:-1]} == {("bf16", 4, 4096, 4096, 16, 128)}
     by_name = {c.variant: c for c in configs}
     assert by_name["window 1024"].window == (1024, 0) and by_name["window 1024"].causal
     assert by_name["lengths"].kv_lens == by_name["lengths"].q_lens == (4096, 3072, 2048, 1024)
@@ -315,7 +318,8 @@ def _brute_force_pairs(cfg) -> int:
     lens = [None if x is None else jnp.asarray(x, jnp.int32) for x in (cfg.q_lens, cfg.kv_lens)]
     keep = reference.visibility(cfg.seqlen_q, cfg.seqlen_k, batch=cfg.batch,
                                 is_causal=cfg.causal, window=cfg.window, q_lens=lens[0],
-                                kv_lens=lens[1], mask=mask)
+                                kv_lens=lens[1], mask=mask,
+                                shift=cfg.diagonal_shift if cfg.bottom_right else 0)
     return int(jnp.sum(keep, dtype=jnp.int32))
 
 
@@ -324,7 +328,8 @@ def test_variants_flops_count_the_visible_pairs():
     # lengths with causal, uneven documents), against a count over the reference's mask.
     preset = [c for c in _bench.variants_grid() if c.restricted]
     assert [c.variant for c in preset] == ["window 1024", "lengths", "mask [B,1,T,S]",
-                                           "segment ids", "segment ids, causal"]
+                                           "segment ids", "segment ids, causal",
+                                           "prefill 256, bottom-right"]
     odd = [_bench.Config(2, 48, 80, 2, 2, 16, "bf16", True, kind="variants", window=(7, 3),
                          q_lens=(48, 20), kv_lens=(80, 33)),
            _bench.Config(2, 48, 80, 2, 2, 16, "bf16", False, kind="variants", window=(5, 9)),
@@ -376,7 +381,7 @@ def test_variants_grid_runs_and_passes_the_gate(monkeypatch, mode):
     assert len(records) == 2 * len(configs)
     for cfg, r in zip([c for c in configs for _ in range(2)], records):
         assert r["variant"] == cfg.variant and r["flops"] == cfg.flops(mode)
-        assert r["visible"] == cfg.visible_pairs() / (4 * 64 * 64)
+        assert r["visible"] == cfg.visible_pairs() / (4 * cfg.seqlen_q * cfg.seqlen_k)
         if r["status"] == "ok":
             assert r["tflops"] == pytest.approx(cfg.flops(mode) / r["seconds"] / 1e12)
     (title, table), = _bench.markdown_tables(records, ["ours", "xla"])
@@ -390,16 +395,17 @@ def test_variants_grid_runs_and_passes_the_gate(monkeypatch, mode):
 
 @pytest.mark.parametrize("dropped", ["local_window_size", "key_value_seq_lengths",
                                      "query_seq_lengths", "bias", "mask", "segment_ids",
-                                     "soft_cap", "sinks"])
+                                     "soft_cap", "sinks", "bottom_right"])
 def test_variants_gate_checks_each_option(monkeypatch, dropped):
     """An implementation that ignores one of the options fails the check (query lengths: it
     leaves the padded rows nonzero, which the check covers)."""
     monkeypatch.setattr(_bench.checks, "FORWARD_CHECK_ROWS", 16)
     real = _bench.attention_fn
 
-    def ignoring(impl, causal, window=None, soft_cap=None):
+    def ignoring(impl, causal, window=None, soft_cap=None, bottom_right=False):
         fn = real(impl, causal, None if dropped == "local_window_size" else window,
-                  None if dropped == "soft_cap" else soft_cap)
+                  None if dropped == "soft_cap" else soft_cap,
+                  bottom_right and dropped != "bottom_right")
         return lambda q, k, v, **extras: fn(q, k, v, **{name: x for name, x in extras.items()
                                                         if not name.startswith(dropped)
                                                         and not name.endswith(dropped)})
@@ -407,7 +413,8 @@ def test_variants_gate_checks_each_option(monkeypatch, dropped):
     monkeypatch.setattr(_bench.impls, "attention_fn", ignoring)
     option = {"local_window_size": "window", "key_value_seq_lengths": "lengths",
               "query_seq_lengths": "lengths", "bias": "bias", "mask": "mask",
-              "segment_ids": "segment ids", "soft_cap": "soft-cap", "sinks": "sinks"}[dropped]
+              "segment_ids": "segment ids", "soft_cap": "soft-cap", "sinks": "sinks",
+              "bottom_right": "prefill"}[dropped]
     cfg = [c for c in _tiny_variants() if c.variant.startswith(option)][0]
     settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
     record, = _bench.run_benchmark([cfg], ["ours"], ["fwd"], settings, progress=False)

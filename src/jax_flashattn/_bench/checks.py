@@ -157,15 +157,16 @@ def _slice_plan(cfg: Config, budget: int, max_rows: int | None):
 
 
 def _row_visibility(rows, seqlen_k, *, causal, window, q_lens, kv_lens, mask, q_ids=None,
-                    kv_ids=None):
+                    kv_ids=None, shift=0):
     """bool [b or 1, 1 or n, r, S] (None where nothing is hidden): which keys query rows
-    `rows` (their true positions) see, by `reference.visibility`'s rules; q_lens, kv_lens,
-    mask and the segment ids are already sliced to the checked batch entries (and the mask to
-    the rows)."""
+    `rows` (their true positions, plus `shift` for the causal mask and the window: S - T with
+    bottom-right alignment) see, by `reference.visibility`'s rules; q_lens, kv_lens, mask and
+    the segment ids are already sliced to the checked batch entries (and the mask to the
+    rows)."""
     if not (causal or window is not None or q_lens is not None or kv_lens is not None
             or mask is not None or q_ids is not None):
         return None
-    t = rows[:, None]
+    t = rows[:, None] + shift
     s = jnp.arange(seqlen_k)[None, :]
     keep = jnp.ones((len(rows), seqlen_k), bool)
     if causal:
@@ -185,8 +186,9 @@ def _row_visibility(rows, seqlen_k, *, causal, window, q_lens, kv_lens, mask, q_
     return keep
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "window", "dtype", "soft_cap"))
-def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype, soft_cap):
+@functools.partial(jax.jit,
+                   static_argnames=("causal", "window", "dtype", "soft_cap", "shift"))
+def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype, soft_cap, shift):
     """Exact and P-rounded reference outputs for query rows `rows` (causal, window, lengths,
     mask and segment ids mask by the rows' true positions, as the full problem would; `extras`
     are sliced by `ReferenceSlice.take_extras`)."""
@@ -195,7 +197,7 @@ def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype, soft_cap
                            q_lens=extras.get("query_seq_lengths"),
                            kv_lens=extras.get("key_value_seq_lengths"), mask=extras.get("mask"),
                            q_ids=extras.get("query_segment_ids"),
-                           kv_ids=extras.get("key_value_segment_ids"))
+                           kv_ids=extras.get("key_value_segment_ids"), shift=shift)
     f = functools.partial(reference.attention, bias=extras.get("bias"), mask=mask,
                           logits_soft_cap=soft_cap, sinks=extras.get("sinks"))
     exact = f(q, k, v)
@@ -204,12 +206,14 @@ def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype, soft_cap
     return exact, rounded.astype(DTYPES[dtype]), magnitude
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "window", "dtype", "soft_cap"))
-def _reference_forward_backward(q, k, v, g, extras, *, causal, window, dtype, soft_cap):
+@functools.partial(jax.jit,
+                   static_argnames=("causal", "window", "dtype", "soft_cap", "alignment"))
+def _reference_forward_backward(q, k, v, g, extras, *, causal, window, dtype, soft_cap,
+                                alignment):
     """Every query row: the options go to `reference.attention` as its own arguments."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     f = functools.partial(reference.attention, is_causal=causal, local_window_size=window,
-                          logits_soft_cap=soft_cap, **extras)
+                          logits_soft_cap=soft_cap, diagonal_alignment=alignment, **extras)
     exact, vjp = jax.vjp(f, q, k, v)
     rounded = f(q, k, v, p_dtype=DTYPES[dtype])
     magnitude = f(q, k, jnp.abs(v))
@@ -243,12 +247,14 @@ def reference_slice(cfg: Config, inputs: Inputs, with_grads: bool,
     if with_grads:
         args = jax.device_put(sliced + (plan.take(cfg, inputs.g), extras), device)
         plan.exact, plan.rounded, plan.magnitude, plan.grads = _reference_forward_backward(
-            *args, causal=cfg.causal, window=cfg.window, dtype=cfg.dtype, soft_cap=cfg.soft_cap)
+            *args, causal=cfg.causal, window=cfg.window, dtype=cfg.dtype, soft_cap=cfg.soft_cap,
+            alignment="bottom_right" if cfg.bottom_right else "top_left")
     else:
         all_rows = np.arange(cfg.seqlen_q, dtype=np.int32) if rows is None else rows
         args = jax.device_put(sliced + (all_rows, extras), device)
         plan.exact, plan.rounded, plan.magnitude = _reference_forward(
-            *args, causal=cfg.causal, window=cfg.window, dtype=cfg.dtype, soft_cap=cfg.soft_cap)
+            *args, causal=cfg.causal, window=cfg.window, dtype=cfg.dtype, soft_cap=cfg.soft_cap,
+            shift=cfg.diagonal_shift if cfg.bottom_right else 0)
     jax.block_until_ready((plan.exact, plan.rounded, plan.grads))
     return plan
 

@@ -70,6 +70,9 @@ class Config:
     segment_docs: tuple[int | tuple[int, ...], ...] | None = None
     soft_cap: float | None = None  # logits_soft_cap (ours only: jax.nn has no soft-capping)
     sinks: bool = False  # one sink logit per query head, drawn (ours only: jax.nn has none)
+    # diagonal_alignment="bottom_right": query t at position t + S - T for causal and the window
+    # (jax.nn gets that as a mask).
+    bottom_right: bool = False
 
     @property
     def q_shape(self):
@@ -90,9 +93,9 @@ class Config:
     @property
     def restricted(self) -> bool:
         """Whether an option beyond `causal` hides logits (window, lengths, mask, segment
-        ids)."""
-        return any(x is not None for x in (self.window, self.q_lens, self.kv_lens,
-                                           self.mask_docs, self.segment_docs))
+        ids), or moves causal's diagonal (bottom-right alignment)."""
+        return self.bottom_right or any(x is not None for x in (
+            self.window, self.q_lens, self.kv_lens, self.mask_docs, self.segment_docs))
 
     def visible_pairs(self) -> float:
         """The (t, s) pairs whose logits a call computes, summed over the batch, per query
@@ -106,18 +109,24 @@ class Config:
             rows = t[:self.q_lens[b]] if self.q_lens is not None else t
             lo = np.zeros_like(rows)
             hi = np.full_like(rows, self.seqlen_k if self.kv_lens is None else self.kv_lens[b])
+            pos = rows + (self.diagonal_shift if self.bottom_right else 0)
             if self.causal:
-                hi = np.minimum(hi, rows + 1)
+                hi = np.minimum(hi, pos + 1)
             if self.window is not None:
                 left, right = self.window
-                lo = np.maximum(lo, rows - left)
-                hi = np.minimum(hi, rows + right + 1)
+                lo = np.maximum(lo, pos - left)
+                hi = np.minimum(hi, pos + right + 1)
             docs = self.mask_docs if self.mask_docs is not None else self.segment_docs
             if docs is not None:
                 starts, ends = _document_bounds(docs[b], self.mask_length, rows)
                 lo, hi = np.maximum(lo, starts), np.minimum(hi, ends)
             total += int(np.maximum(hi - lo, 0).sum())
         return float(total)
+
+    @property
+    def diagonal_shift(self) -> int:
+        """S - T: where bottom-right alignment puts query 0."""
+        return self.seqlen_k - self.seqlen_q
 
     @property
     def mask_length(self) -> int:
@@ -229,8 +238,9 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
     (full), a boolean document mask [B, 1, T, S] (entry i packs 2**i documents, full), the
     same documents as segment ids, full and causal (other implementations than ours get
     them as that mask, built from the ids inside the timed call, as a jax.nn user would), and
-    logits soft-capped at `soft_cap`, full and causal (ours only; no such rows with None), and
-    attention sinks, full and causal (ours only)."""
+    logits soft-capped at `soft_cap`, full and causal (ours only; no such rows with None),
+    attention sinks, full and causal (ours only), and a prefill of T / 16 queries against the T
+    keys, causal with the diagonal at the bottom right (jax.nn gets it as a mask)."""
     configs = []
     for dtype in dtypes:
         for h in head_dims:
@@ -265,8 +275,11 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
                         dataclasses.replace(base, causal=True, soft_cap=soft_cap,
                                             variant=f"soft-cap {soft_cap:g}, causal"),
                     ]
+                prefill = max(1, t // 16)
                 configs += [
                     dataclasses.replace(base, sinks=True, variant="sinks"),
                     dataclasses.replace(base, causal=True, sinks=True, variant="sinks, causal"),
+                    dataclasses.replace(base, seqlen_q=prefill, causal=True, bottom_right=True,
+                                        variant=f"prefill {prefill}, bottom-right"),
                 ]
     return configs

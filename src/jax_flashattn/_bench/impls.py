@@ -39,29 +39,42 @@ def available_impls(requested: Sequence[str]) -> list[str]:
 
 
 def attention_fn(impl: str, causal: bool, window: tuple[int, int] | None = None,
-                 soft_cap: float | None = None) -> Callable:
+                 soft_cap: float | None = None, bottom_right: bool = False) -> Callable:
     """(q, k, v, **extras) -> out for one implementation; `extras` are `Inputs.extras` (bias,
     mask, lengths), the same keywords for every implementation. A soft-cap only ours takes
-    (Unavailable for the others: jax.nn has no soft-capping)."""
+    (Unavailable for the others: jax.nn has no soft-capping); bottom-right alignment reaches
+    jax.nn as the causal mask it stands for."""
     options = dict(is_causal=causal)
     if window is not None:
         options["local_window_size"] = window
     if impl in ("ours", "ours-deterministic"):
         import jax_flashattn
+        alignment = "bottom_right" if bottom_right else "top_left"
         return functools.partial(jax_flashattn.attention, implementation=ours_implementation(),
                                  deterministic_backward=impl == "ours-deterministic",
-                                 logits_soft_cap=soft_cap, **options)
+                                 logits_soft_cap=soft_cap, diagonal_alignment=alignment,
+                                 **options)
     if soft_cap is not None:
         raise Unavailable("jax.nn.dot_product_attention has no soft-capping")
+    if bottom_right:
+        if window is not None:
+            raise Unavailable("a bottom-right window reaches jax.nn only as a mask, not built here")
+        options = dict(bottom_right_causal=causal)
     return functools.partial(_jax_nn, implementation=impl, **options)
 
 
-def _jax_nn(q, k, v, *, query_segment_ids=None, key_value_segment_ids=None, **kwargs):
-    """jax.nn.dot_product_attention; segment ids, which it does not take, as the boolean mask
-    [B, 1, T, S] they stand for, built inside the call."""
+def _jax_nn(q, k, v, *, query_segment_ids=None, key_value_segment_ids=None,
+            bottom_right_causal=False, **kwargs):
+    """jax.nn.dot_product_attention; segment ids, and a causal mask with the diagonal at the
+    bottom right, which it does not take, as the boolean masks they stand for ([B, 1, T, S],
+    [T, S]), built inside the call."""
     if query_segment_ids is not None:
         kwargs["mask"] = (query_segment_ids[:, None, :, None] ==
                           key_value_segment_ids[:, None, None, :])
+    if bottom_right_causal:
+        t, s = q.shape[-3], k.shape[-3]
+        keep = jnp.arange(s)[None, :] <= jnp.arange(t)[:, None] + (s - t)
+        kwargs["mask"] = keep if kwargs.get("mask") is None else kwargs["mask"] & keep
     return jax.nn.dot_product_attention(q, k, v, **kwargs)
 
 
@@ -73,7 +86,7 @@ def config_attention_fn(impl: str, cfg: Config) -> Callable:
         return cudnn_packed_attention(cfg)
     if cfg.sinks and impl not in ("ours", "ours-deterministic"):
         raise Unavailable("jax.nn.dot_product_attention has no attention sinks")
-    fn = attention_fn(impl, cfg.causal, cfg.window, cfg.soft_cap)
+    fn = attention_fn(impl, cfg.causal, cfg.window, cfg.soft_cap, cfg.bottom_right)
     return without_extra(fn) if cfg.kind == "packed" else fn
 
 
