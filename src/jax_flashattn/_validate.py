@@ -68,15 +68,22 @@ class Normalized:
     def kernel_window_at(self, shift: int) -> tuple[int | None, int | None]:
         """kernel_window with the queries at t + shift: for ring attention, whose shards'
         S - T is not the sequences'."""
-        left, right = self.window if self.window is not None else (None, None)
-        if self.is_causal:
-            right = 0 if right is None else min(right, 0)
-        return (None if left is None else left - shift, None if right is None else right + shift)
+        return kernel_window(self.window, self.is_causal, shift)
 
     @property
     def aligned(self) -> bool:
         """Whether the alignment moves any bound: bottom-right, T != S, causal or a window."""
         return self.diagonal_shift != 0 and (self.is_causal or self.window is not None)
+
+
+def kernel_window(window, is_causal: bool, shift: int = 0) -> tuple[int | None, int | None]:
+    """(left, right) as the kernels take it, None for an unbounded side, from a checked window
+    (or None) and is_causal, with the queries at t + shift: query t sees key s iff
+    t + shift - left <= s <= t + shift + right (causal: right <= 0 before the shift)."""
+    left, right = window if window is not None else (None, None)
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    return (None if left is None else left - shift, None if right is None else right + shift)
 
 
 def _as_array(x, name: str) -> jax.Array:

@@ -105,13 +105,9 @@ def ring_schedule(num_devices: int, q_seq_len: int, kv_seq_len: int | None = Non
     """
     if kv_seq_len is None:
         kv_seq_len = q_seq_len
-    window = _validate._window(local_window_size)
-    left, right = window if window is not None else (None, None)
-    if is_causal:
-        right = 0 if right is None else min(right, 0)
     shift = (kv_seq_len - q_seq_len
              if _validate.check_diagonal_alignment(diagonal_alignment) else 0)
-    window = (None if left is None else left - shift, None if right is None else right + shift)
+    window = _validate.kernel_window(_validate._window(local_window_size), is_causal, shift)
     return _schedule(num_devices, q_seq_len, kv_seq_len, window, layout, load_balance)
 
 
