@@ -246,6 +246,23 @@ def assert_grads_close(got, want, *, normwise=None, name=""):
         assert err <= bound, f"{name}: normwise error {err:.3g} exceeds {bound:.3g}"
 
 
+def assert_dsinks_close(got, q, k, v, bias, sinks, d_out, *, relative, **kwargs):
+    """Low-precision d sinks against the float32 reference. d sinks[n] = -sum over rows of
+    P_sink D, with D = dO . O of either sign: the terms cancel, so the rounding of O to
+    bf16/fp16 is measured against the sum of their magnitudes, not against the cancelled sum
+    (a missing or wrong gradient is off by about that sum)."""
+    f32 = [None if x is None else jnp.asarray(x, jnp.float32)
+           for x in (q, k, v, bias, sinks, d_out)]
+    want = jax.jit(lambda *a: jax.vjp(
+        lambda s: reference.attention(*a[:4], sinks=s, **kwargs), a[4])[1](a[5])[0])(*f32)
+    out, lse = reference.attention(*f32[:4], sinks=f32[4], return_residual=True, **kwargs)
+    delta = jnp.einsum("...tnh,...tnh->...tn", f32[5], out)
+    magnitude = jnp.sum(jnp.exp(f32[4] - lse) * jnp.abs(delta), axis=(0, 1))
+    error = np.linalg.norm(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+    bound = relative * np.linalg.norm(np.asarray(magnitude, np.float64))
+    assert error <= bound, f"dsinks: normwise error {error:.3g} exceeds {bound:.3g}"
+
+
 def jaxpr_sizes(jaxpr):
     """(elements of its largest output, primitive name) of every equation of a jaxpr and of the
     jaxprs inside them."""
