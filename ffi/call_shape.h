@@ -30,6 +30,10 @@ struct CallShape {
   bool has_q_seqlens = false;
   bool has_kv_seqlens = false;
   bool has_segment_ids = false;  // query and key/value segment ids, both
+  // A bias or mask of one key broadcast over S > 1 (its last dimension 1; the others are
+  // read key by key).
+  bool bias_broadcasts_keys = false;
+  bool mask_broadcasts_keys = false;
   // Backward only: gradients bit-identical across runs (AttentionParams::deterministic).
   bool deterministic = false;
   // The kernel switches (AttentionParams::disable_sm90, sm80_cp_async).

@@ -83,6 +83,8 @@ NB_MODULE(_jax_flashattn, m) {
       .def_rw("has_q_seqlens", &CallShape::has_q_seqlens)
       .def_rw("has_kv_seqlens", &CallShape::has_kv_seqlens)
       .def_rw("has_segment_ids", &CallShape::has_segment_ids)
+      .def_rw("bias_broadcasts_keys", &CallShape::bias_broadcasts_keys)
+      .def_rw("mask_broadcasts_keys", &CallShape::mask_broadcasts_keys)
       .def_rw("deterministic", &CallShape::deterministic)
       .def_rw("disable_sm90", &CallShape::disable_sm90)
       .def_rw("sm80_cp_async", &CallShape::sm80_cp_async);

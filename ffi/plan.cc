@@ -35,8 +35,14 @@ AttentionParams PlanningParams(const CallShape& s) {
     p.dq_semaphores = reinterpret_cast<int32_t*>(buffer);
     p.dq_semaphore_count = p.dq_semaphores_needed();
   }
-  if (s.has_bias) p.bias = buffer;
-  if (s.has_mask) p.mask = reinterpret_cast<const bool*>(buffer);
+  if (s.has_bias) {
+    p.bias = buffer;
+    p.bias_strides.col = s.bias_broadcasts_keys ? 0 : 1;
+  }
+  if (s.has_mask) {
+    p.mask = reinterpret_cast<const bool*>(buffer);
+    p.mask_strides.col = s.mask_broadcasts_keys ? 0 : 1;
+  }
   if (s.has_q_seqlens) p.q_seqlens = reinterpret_cast<const int32_t*>(buffer);
   if (s.has_kv_seqlens) p.kv_seqlens = reinterpret_cast<const int32_t*>(buffer);
   if (s.has_segment_ids)

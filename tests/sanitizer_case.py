@@ -137,6 +137,18 @@ def main():
     forward_case(rng, "segment ids", (2, 300, 700, 4, 2, 128), **ids_case)
     with switch("JAX_FLASHATTN_DISABLE_SM90"):
         forward_case(rng, "segment ids, mma.sync", (2, 300, 700, 4, 2, 128), **ids_case)
+    # A bias and a boolean mask on the Hopper forward (WithBiasAndMask; off Hopper the mma.sync
+    # family's): each thread's reads of its rows and the prefetches of the next key tile, at
+    # query and key tile edges, under a window and key lengths that cross tiles; a float32
+    # bias at head dim 128, a bf16 one at 256 (64-key tiles).
+    bias_case = dict(local_window_size=(90, 40),
+                     key_value_seq_lengths=jnp.array([238, 700], jnp.int32),
+                     mask=rng.random((2, 1, 300, 700)) < 0.8)
+    forward_case(rng, "bias and mask", (2, 300, 700, 4, 2, 128),
+                 bias=rng.standard_normal((1, 4, 300, 700)).astype(np.float32), **bias_case)
+    forward_case(rng, "bias and mask, head dim 256", (2, 300, 700, 4, 2, 256),
+                 bias=jnp.asarray(rng.standard_normal((2, 1, 300, 700)), jnp.bfloat16),
+                 **bias_case)
 
 
 @contextlib.contextmanager

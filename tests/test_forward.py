@@ -414,6 +414,24 @@ def test_plan_of_a_call():
         call.seqlen = 4
 
 
+def test_kernel_queries_flag_a_bias_of_one_key():
+    """forward_kernel / backward_kernel tell the planner whether a bias or mask is one key
+    broadcast over S > 1 keys (the Hopper forward reads keys at unit stride and leaves such
+    calls to the mma.sync family)."""
+    from jax_flashattn import _ffi
+    k = jax.ShapeDtypeStruct((2, 50, 4, 64), jnp.bfloat16)
+    one = jax.ShapeDtypeStruct((2, 1, 1), jnp.float32)
+    flags = _ffi._bias_and_mask(jnp.zeros((4, 10, 1)), jnp.zeros((50,), bool), k)
+    assert flags == dict(has_bias=True, has_mask=True, bias_broadcasts_keys=True,
+                         mask_broadcasts_keys=False)
+    assert _ffi._bias_and_mask(None, one, k)["mask_broadcasts_keys"]
+    single_key = jax.ShapeDtypeStruct((2, 1, 4, 64), jnp.bfloat16)
+    assert not _ffi._bias_and_mask(one, None, single_key)["bias_broadcasts_keys"]
+    shape = _ffi.call_shape((2, 10, 4, 64), k.shape, jnp.bfloat16, has_bias=True,
+                            bias_broadcasts_keys=True)
+    assert shape.bias_broadcasts_keys and not shape.mask_broadcasts_keys
+
+
 def _traced_switches(fn, *args):
     """{attribute: values} of the kernel switches in fn's lowered program, one value per
     custom call (the forward, and the backward when fn differentiates)."""

@@ -105,12 +105,12 @@ def test_scales(rng, dtype, scale):
 
 def test_dispatch_is_visible():
     """forward_kernel reports the family the dispatcher launches: the Hopper kernel on compute
-    capability 9.0 (when the install has sm_90a) without bias or mask, at every head dim."""
+    capability 9.0 (when the install has sm_90a), with a bias too, at every head dim."""
     q = jax.ShapeDtypeStruct((2, 100, 4, 128), jnp.bfloat16)
     big = jax.ShapeDtypeStruct((2, 100, 4, 256), jnp.bfloat16)
     hopper_kernels = hopper()
     assert jax_flashattn.forward_kernel(q, q) == ("sm90" if hopper_kernels else "sm80")
-    assert jax_flashattn.forward_kernel(q, q, bias=q) == "sm80"
+    assert jax_flashattn.forward_kernel(q, q, bias=q) == ("sm90" if hopper_kernels else "sm80")
     assert jax_flashattn.forward_kernel(big, big) == ("sm90" if hopper_kernels else "sm80")
     f32 = jax.ShapeDtypeStruct((2, 100, 4, 64), jnp.float32)
     assert jax_flashattn.forward_kernel(f32, f32) == "simt"

@@ -72,7 +72,8 @@ cudaError_t launch_tensor_core(const AttentionParams& p, BackwardKernel kernel,
 // The Hopper kernel's grid is one-dimensional: one block per (key block, kv head, batch). Its
 // deterministic mode needs the call's dQ semaphores and no segment ids (such calls keep the
 // mma.sync family's dQ pass). Soft-capped calls take the kernel's instantiations for them
-// (BackwardWithSoftCap), without segment ids (such calls take the mma.sync family's).
+// (BackwardWithSoftCap), without segment ids (such calls take the mma.sync family's). It has
+// no bias or boolean mask: those calls take the mma.sync family.
 bool sm90_applies(const AttentionParams& p, int device) {
   const int64_t max_head_dim = wgmma::kBackwardHeadDims[std::size(wgmma::kBackwardHeadDims) - 1];
   constexpr int64_t kBlockN = wgmma::kBackwardMinBlockN;
@@ -80,7 +81,9 @@ bool sm90_applies(const AttentionParams& p, int device) {
   const bool ordered_dq = p.dq_semaphores != nullptr && p.q_segment_ids == nullptr &&
                           p.dq_semaphore_count >= p.dq_semaphores_needed();
   const bool soft_cap_fits = !p.soft_capped() || p.q_segment_ids == nullptr;
-  return (!p.deterministic || ordered_dq) && soft_cap_fits && p.head_dim <= max_head_dim &&
+  const bool no_bias_or_mask = p.bias == nullptr && p.mask == nullptr;
+  return (!p.deterministic || ordered_dq) && soft_cap_fits && no_bias_or_mask &&
+         p.head_dim <= max_head_dim &&
          blocks <= 0x7fffffff &&
          wgmma::backward_tma_compatible(p) &&
          wgmma::segment_ids_tma_compatible(p) && wgmma::hopper_kernels_apply(p, device);

@@ -7,8 +7,9 @@
 // a split-KV decode kernel on every architecture, ahead of the others, when the call's
 // workspace holds its splits: on Hopper the wgmma one where it applies
 // (wgmma::decode_kernel_applies), else the mma.sync one; calls with a bias, boolean mask,
-// segment ids or a soft-cap keep the normal kernels. Soft-capped calls take the Hopper
-// kernel's instantiations for them (without segment ids) or the mma.sync family's. Why in this
+// segment ids or a soft-cap keep the normal kernels. Calls with one of a soft-cap, segment ids,
+// or a bias and mask take the Hopper kernel's instantiations for it; with two of them, the
+// mma.sync family. Why in this
 // order: docs/decisions/kernel-family-dispatch.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -115,8 +116,11 @@ bool decode_plan_with_merge(const AttentionParams& p, int device, ForwardKernel 
 
 bool sm90_applies(const AttentionParams& p, int device) {
   const int64_t max_head_dim = wgmma::kHeadDims[std::size(wgmma::kHeadDims) - 1];
-  const bool soft_cap_fits = !p.soft_capped() || p.q_segment_ids == nullptr;
-  return p.tile_counter != nullptr && soft_cap_fits && p.head_dim <= max_head_dim &&
+  // Instantiations for a soft-cap, for segment ids, and for a bias or mask; not for two of them.
+  const int variants = int(p.soft_capped()) + int(p.q_segment_ids != nullptr) +
+                       int(p.bias != nullptr || p.mask != nullptr);
+  return p.tile_counter != nullptr && variants <= 1 && wgmma::bias_and_mask_fit(p) &&
+         p.head_dim <= max_head_dim &&
          wgmma::tma_compatible(p) && wgmma::segment_ids_tma_compatible(p) &&
          wgmma::hopper_kernels_apply(p, device);
 }

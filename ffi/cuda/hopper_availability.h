@@ -26,14 +26,13 @@ inline bool device_is_sm90(int device) {
   });
 }
 
-// What both Hopper kernels need, beside their own head-dim and alignment rules: a build with an
-// sm_90a image (JAX_FLASHATTN_HAS_SM90A, set by cmake/cuda.cmake), no bias or boolean mask
-// (neither kernel has those terms; segment ids take instantiations of their own), keys, 32-bit
-// tile indices, the driver's tensor-map entry point, no disable_sm90 switch, and a compute
-// capability 9.0 device.
+// What both Hopper kernels need, beside their own head-dim and alignment rules and the terms
+// each has (the dispatchers ask those): a build with an sm_90a image (JAX_FLASHATTN_HAS_SM90A,
+// set by cmake/cuda.cmake), keys, 32-bit tile indices, the driver's tensor-map entry point, no
+// disable_sm90 switch, and a compute capability 9.0 device.
 inline bool hopper_kernels_apply(const AttentionParams& p, int device) {
 #ifdef JAX_FLASHATTN_HAS_SM90A
-  return p.bias == nullptr && p.mask == nullptr && p.seqlen_k > 0 && indices_fit_32_bits(p) &&
+  return p.seqlen_k > 0 && indices_fit_32_bits(p) &&
          tensor_maps_available() && !p.disable_sm90 && device_is_sm90(device);
 #else
   (void)p;

@@ -97,12 +97,13 @@ class CallPlan(NamedTuple):
 
 def call_shape(query_shape, key_shape, dtype, *, scale=None, has_bias=False, has_mask=False,
                has_q_seqlens=False, has_kv_seqlens=False, has_segment_ids=False,
-               deterministic=False, soft_cap=0.0, switches: KernelSwitches | None = None):
+               deterministic=False, soft_cap=0.0, bias_broadcasts_keys=False,
+               mask_broadcasts_keys=False, switches: KernelSwitches | None = None):
     """The extension's CallShape of a call with q [..., B, T, N, H] and k [..., B, S, K, H] of
     `dtype` (any dtype: one no kernel takes plans no workspace), `scale` (default H ** -0.5),
-    the optional operands it passes, its soft-cap (0: none), and `switches` (default: the
-    environment's now). Set by field name, so nothing depends on an argument order across the
-    boundary."""
+    the optional operands it passes (and whether the bias or mask is one key broadcast over
+    S > 1), its soft-cap (0: none), and `switches` (default: the environment's now). Set by
+    field name, so nothing depends on an argument order across the boundary."""
     *lead, t, n, h = query_shape
     if scale is None:
         scale = h ** -0.5 if h else 1.0
@@ -115,7 +116,8 @@ def call_shape(query_shape, key_shape, dtype, *, scale=None, has_bias=False, has
                   has_mask=bool(has_mask),
                   has_q_seqlens=bool(has_q_seqlens), has_kv_seqlens=bool(has_kv_seqlens),
                   has_segment_ids=bool(has_segment_ids), deterministic=bool(deterministic),
-                  **switches._asdict())
+                  bias_broadcasts_keys=bool(bias_broadcasts_keys),
+                  mask_broadcasts_keys=bool(mask_broadcasts_keys), **switches._asdict())
     for name, value in fields.items():
         setattr(shape, name, value)
     return shape
@@ -157,8 +159,7 @@ def forward_kernel(query, key, bias=None, mask=None, *, query_segment_ids=None,
     assumes the default scale; contiguous inputs as XLA lays them out are assumed. Segment ids
     count only as given or not (both are needed by `attention`; either one counts here), and
     `logits_soft_cap` as given (a number) or not."""
-    return _kernel_query(query, key, device, has_bias=bias is not None,
-                         has_mask=mask is not None,
+    return _kernel_query(query, key, device, **_bias_and_mask(bias, mask, key),
                          has_segment_ids=_has_segment_ids(query_segment_ids,
                                                           key_value_segment_ids),
                          soft_cap=_soft_cap_given(logits_soft_cap)).forward
@@ -187,11 +188,20 @@ def backward_kernel(query, key, bias=None, mask=None, *, deterministic=False,
     `deterministic_backward`. Reads only shapes and dtypes (arrays or jax.ShapeDtypeStruct) and
     the kernel switches in the environment now; assumes the default scale; contiguous inputs as
     XLA lays them out are assumed; segment ids and `logits_soft_cap` count as forward_kernel's."""
-    return _kernel_query(query, key, device, has_bias=bias is not None,
-                         has_mask=mask is not None, deterministic=deterministic,
+    return _kernel_query(query, key, device, **_bias_and_mask(bias, mask, key),
+                         deterministic=deterministic,
                          has_segment_ids=_has_segment_ids(query_segment_ids,
                                                           key_value_segment_ids),
                          soft_cap=_soft_cap_given(logits_soft_cap)).backward
+
+
+def _bias_and_mask(bias, mask, key) -> dict:
+    """The planner's flags for a bias and mask given as arrays (or shapes): whether each is
+    present, and whether it is one key broadcast over the S > 1 keys."""
+    def one_key(x):
+        return x is not None and len(x.shape) > 0 and x.shape[-1] == 1 and key.shape[-3] > 1
+    return dict(has_bias=bias is not None, has_mask=mask is not None,
+                bias_broadcasts_keys=one_key(bias), mask_broadcasts_keys=one_key(mask))
 
 
 def _has_segment_ids(query_segment_ids, key_value_segment_ids) -> bool:

@@ -33,6 +33,12 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
+// A hint that the 128-byte line holding `address` will be read soon: brought into L2, with no
+// register written and nothing to wait for. The address must lie inside an allocation.
+__device__ __forceinline__ void prefetch_l2(const void* address) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(address));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most `kPending` committed groups are still in flight.

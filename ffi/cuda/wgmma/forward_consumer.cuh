@@ -2,6 +2,8 @@
 // tile (query block) they compute
 //   S_j = Q K_j^T              wgmma, both operands in shared memory
 //   soft-cap                   (WithSoftCap) the landed scores become capped base-2 logits
+//   bias, mask                 (WithBiasAndMask) base-2 logits plus the bias, -inf where the
+//                              boolean mask (or a length or window boundary) hides them
 //   mask                       only on tiles that straddle a length or window boundary
 //   P_j = exp2(S_j - max)      online softmax, the scale folded into one FFMA; once a warp's
 //                              row maxima have settled, against those maxima (no max
@@ -37,6 +39,7 @@
 #include "ffi/cuda/common/softmax.cuh"
 #include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/cuda/common/tensor_maps.h"
+#include "ffi/cuda/wgmma/forward_bias_and_mask.cuh"
 #include "ffi/cuda/wgmma/forward_epilogue.cuh"
 #include "ffi/cuda/wgmma/forward_mma.cuh"
 #include "ffi/cuda/wgmma/forward_pipeline.cuh"
@@ -102,8 +105,9 @@ struct ForwardConsumer {
   const ForwardDescriptors<Traits> desc;
   // The softmax's factor on the scores: scale log2(e), or c = cap log2(e) where they are
   // tanh(s scale / cap) (kSoftCap: cap_scores as each tile lands; the capped base-2 logit is
-  // c times that, folded into the softmax's FFMA). Without the cap soft_cap is an empty type,
-  // which leaves the uncapped kernels' code as it was.
+  // c times that, folded into the softmax's FFMA), or 1 where they are base-2 logits already
+  // (kBiasAndMask: BiasAndMask::apply). Without the cap soft_cap is an empty type, which leaves
+  // the uncapped kernels' code as it was.
   const float softmax_scale;
   struct NoSoftCap {};
   using SoftCap = std::conditional_t<Traits::kSoftCap, cuda::SoftCapLogits, NoSoftCap>;
@@ -140,8 +144,9 @@ struct ForwardConsumer {
         wg_row0(consumer_index * 64), warp_row0(consumer_index * 64 + warp * 16),
         quad_row(lane / 4), quad_col(2 * (lane % 4)),
         desc(ForwardDescriptors<Traits>::make(layout)),
-        softmax_scale(Traits::kSoftCap ? variant::SoftCap::make(params).cap2
-                                       : params.scale * cuda::kLog2e),
+        softmax_scale(Traits::kSoftCap        ? variant::SoftCap::make(params).cap2
+                      : Traits::kBiasAndMask ? 1.f
+                                             : params.scale * cuda::kLog2e),
         soft_cap(make_soft_cap(params)),
         call_vis(variant::KeyWindow<int>::make(params)) {}
 
@@ -274,6 +279,11 @@ struct ForwardConsumer {
     else return NoSoftCap{};
   }
 
+  // kBiasAndMask: the terms as this thread reads them (forward_bias_and_mask.cuh).
+  __device__ __forceinline__ BiasAndMask<Traits> bias_and_mask() const {
+    return BiasAndMask<Traits>{p, warp_row0 + quad_row, quad_col, lane};
+  }
+
   // kSoftCap: the scores in s_acc as tanh(s scale / cap), before any mask (softmax_scale makes
   // them the capped base-2 logits).
   __device__ __forceinline__ void cap_scores() {
@@ -339,6 +349,10 @@ struct ForwardConsumer {
     const int stage = kv_ring.stage();
     bool interior = j >= w.interior_lo && j < w.interior_hi;
     if constexpr (Traits::kSegments) interior = interior && one_document(w, stage);
+    if constexpr (Traits::kBiasAndMask) {
+      if (j + 1 < w.wg_tiles) bias_and_mask().prefetch(w.t, j + 1);
+      bias_and_mask().apply(s_acc, w.t, j, interior);
+    }
     const bool settled = j > 0 && interior &&
                          __all_sync(0xffffffff, w.softmax.row_max[0][0] > -INFINITY &&
                                                     w.softmax.row_max[0][1] > -INFINITY);
@@ -350,7 +364,10 @@ struct ForwardConsumer {
       if (settled) {
         recompute_warp_scores<Elem, Traits>(s_acc, w.q_tile, smem, stage, lane, warp);
         cap_scores();
+        if constexpr (Traits::kBiasAndMask) bias_and_mask().apply(s_acc, w.t, j, interior);
       }
+      // kBiasAndMask: the bounds are applied already.
+      if constexpr (Traits::kBiasAndMask) interior = true;
       // A half-seen last tile (half_last) is masked and exponentiated on its first half
       // alone: no row of this warpgroup sees the rest, and its O += P V reads only the first
       // half of P. On a causal diagonal with 128-key tiles and 128-row blocks, that is
@@ -392,6 +409,7 @@ struct ForwardConsumer {
         w.half_last = key_hi - (t.tile_begin + w.wg_tiles - 1) * kBlockN <= kBlockN / 2;
       }
     }
+    if constexpr (Traits::kBiasAndMask) bias_and_mask().prefetch(t, 0);
     w.softmax.init();
     // Worked out once per query block: two compares per tile remain, and the tile's bounds
     // on the masked path (docs/decisions/int32-bounds-and-column-bits-masking.md).

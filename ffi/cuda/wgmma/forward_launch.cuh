@@ -52,9 +52,17 @@ cudaError_t launch_forward_sm90_segments(const AttentionParams& p, cudaStream_t 
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90_softcap(const AttentionParams& p, cudaStream_t stream);
 
+// Calls with a bias or a boolean mask (without segment ids or a soft-cap):
+// forward_bias_launch.cuh, in translation units of their own
+// (cuda/instantiations/forward_wgmma_bias.cu.in).
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_sm90_bias(const AttentionParams& p, cudaStream_t stream);
+
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   if (p.soft_capped()) return launch_forward_sm90_softcap<Elem, kHeadDim>(p, stream);
+  if (p.bias != nullptr || p.mask != nullptr)
+    return launch_forward_sm90_bias<Elem, kHeadDim>(p, stream);
   if (p.q_segment_ids != nullptr) return launch_forward_sm90_segments<Elem, kHeadDim>(p, stream);
   if constexpr (wgmma::kHasWideConfig<kHeadDim>) {
     if (wgmma::wide_config_pays<kHeadDim>(p))

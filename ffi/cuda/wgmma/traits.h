@@ -39,6 +39,8 @@ struct ForwardTraits {
   static constexpr bool kSegments = false;
   // Soft-capped logits (WithSoftCap below).
   static constexpr bool kSoftCap = false;
+  // An additive bias and a boolean mask, read element by element (WithBiasAndMask below).
+  static constexpr bool kBiasAndMask = false;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
   // setmaxnreg budgets (a configuration may trade some, register_budgets_fit() below):
@@ -175,6 +177,30 @@ struct WithSoftCap : Config {
   static_assert(!Config::kSegments, "soft-capped calls with segment ids take the mma.sync family");
   static constexpr bool kSoftCap = true;
 };
+
+// An additive bias and a boolean mask: each key tile's scores become base-2 logits with the bias
+// added, and -inf where the mask hides them, as they land; the softmax takes them with factor
+// 1. Each consumer thread reads its own elements from global memory (its two rows, 2 x kBlockN
+// / 8 pairs of keys: no shared memory is left for a bias tile at head dim 128), hit in L2 where
+// it prefetched them under the tile before. Instantiations of their own
+// (forward_bias_launch.cuh); calls that also have segment ids or a soft-cap run on the mma.sync
+// family.
+template <typename Config>
+struct WithBiasAndMask : Config {
+  static_assert(!Config::kSegments && !Config::kSoftCap,
+                "calls with a bias or mask and segment ids or a soft-cap take the mma.sync family");
+  static constexpr bool kBiasAndMask = true;
+};
+
+// Whether a call's bias and mask suit WithBiasAndMask: their keys contiguous, so that a thread
+// reads its row's elements at constant offsets from one pointer (with a stride per element,
+// the address arithmetic spills). A bias or mask broadcast over the keys takes the mma.sync
+// family.
+inline bool bias_and_mask_fit(const AttentionParams& p) {
+  const bool one_key = p.seqlen_k == 1;
+  return (p.bias == nullptr || p.bias_strides.col == 1 || one_key) &&
+         (p.mask == nullptr || p.mask_strides.col == 1 || one_key);
+}
 
 // setmaxnreg only moves registers within what the block was launched with: 168 per thread
 // at 384 threads, 128 at 512 (65536 / threads rounded down to a multiple of 8). A budget

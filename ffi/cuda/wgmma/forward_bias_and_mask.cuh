@@ -1,0 +1,126 @@
+// The Hopper forward's bias and boolean mask (WithBiasAndMask): as each key tile's scores land
+// in a consumer thread's accumulator (its two rows, 8 apart; kBlockN / 8 pairs of adjacent
+// keys each), they become base-2 logits with the bias added, and -inf where the mask hides
+// them. Each thread reads its own elements from global memory, at constant offsets from its
+// row's start (keys at unit stride: bias_and_mask_fit), having prefetched them into L2 while
+// the tile before computed. No shared memory is left beside the tiles for a bias tile at head
+// dim 128 (docs/decisions/hopper-forward-bias-and-mask.md).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "ffi/cuda/common/hopper_ptx.cuh"
+#include "ffi/cuda/common/mask.cuh"
+#include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/wgmma/tile_scheduler.cuh"
+#include "ffi/params.h"
+#include "ffi/variant.h"
+
+namespace jax_flashattn::wgmma {
+
+template <typename Traits>
+struct BiasAndMask {
+  static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  static constexpr int kNTiles = kBlockN / 8;  // 8-key column tiles of S
+
+  const AttentionParams& p;
+  const int row;       // this thread's first row of the block (the second is 8 below)
+  const int quad_col;  // its first key of each 8-key column tile
+  const int lane;
+
+  // The offset of element (row, key) of tile t's (batch, head) in a tensor that broadcasts to
+  // [batch, N, T, S] (a bias or mask) with unit stride along the keys, or a single key. Worked
+  // out for each key tile: the head's offsets held through the tile loop spill. 32-bit batch
+  // indices (indices_fit_32_bits).
+  __device__ __forceinline__ int64_t offset_of(const BroadcastStrides& st, const ForwardTile& t,
+                                               int64_t r, int64_t key) const {
+    const uint32_t inner = uint32_t(p.batch_inner > 0 ? p.batch_inner : 1), b = uint32_t(t.b);
+    return int64_t(b / inner) * st.batch_outer + int64_t(b % inner) * st.batch_inner +
+           int64_t(t.n) * st.head + r * st.row + key;
+  }
+
+  // The lines of key tile j's bias and mask that this thread will read (its two rows; the
+  // quad's four threads a quarter of the keys each), brought into L2. Clamped into [T, S],
+  // where the tensors lie.
+  __device__ __forceinline__ void prefetch(const ForwardTile& t, int j) const {
+    const int64_t key =
+        min(int64_t(t.tile_begin + j) * kBlockN + (lane % 4) * (kBlockN / 4), p.seqlen_k - 1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t r = min(int64_t(t.row0 + row + 8 * h), p.seqlen_q - 1);
+      if (p.bias != nullptr)
+        ptx::prefetch_l2(static_cast<const char*>(p.bias) +
+                         offset_of(p.bias_strides, t, r, key) *
+                             (p.bias_dtype == ElemType::kFloat32 ? 4 : 2));
+      if (p.mask != nullptr) ptx::prefetch_l2(p.mask + offset_of(p.mask_strides, t, r, key));
+    }
+  }
+
+  // Key tile j's scores s (this thread's accumulator) as base-2 logits plus the bias, -inf
+  // where the mask hides them or, on a tile a length or window boundary crosses for the warp
+  // (not interior), the bounds do. The bias and mask are read only at visible elements, which
+  // lie inside [T, S]. Bias of element type BiasElem; void: none.
+  template <typename BiasElem>
+  __device__ __forceinline__ void add(float (&s)[1][kNTiles][4], const ForwardTile& t, int j,
+                                      bool interior) const {
+    const int key0 = (t.tile_begin + j) * kBlockN;
+    cuda::TileVisibility tile_vis{};
+    if (!interior) {
+      const auto vis = variant::KeyWindow<int>::make(p, ptx::opaque(uint32_t(t.b)));
+      tile_vis = cuda::TileVisibility::make(vis, t.row0, key0, kBlockM + kBlockN);
+    }
+    const float scale_log2 = p.scale * cuda::kLog2e;
+    const bool has_mask = p.mask != nullptr;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t bits[(2 * kNTiles + 31) / 32];
+      if (interior) {
+#pragma unroll
+        for (uint32_t& word : bits) word = 0xffffffffu;
+      } else {
+        tile_vis.column_bits<kNTiles>(row + 8 * h, quad_col, bits);
+      }
+      const int64_t r = t.row0 + row + 8 * h;
+      const int64_t key = key0 + quad_col;
+      [[maybe_unused]] const BiasElem* bias = nullptr;
+      if constexpr (!std::is_void_v<BiasElem>)
+        bias = static_cast<const BiasElem*>(p.bias) + offset_of(p.bias_strides, t, r, key);
+      const bool* keep = p.mask + offset_of(p.mask_strides, t, r, key);
+#pragma unroll
+      for (int c = 0; c < kNTiles; ++c)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = 8 * c + e;
+          bool visible = cuda::TileVisibility::column_visible(bits, 2 * c + e);
+          if (has_mask && visible) visible = keep[col];
+          float& score = s[0][c][2 * h + e];
+          float logit = score * scale_log2;
+          if constexpr (!std::is_void_v<BiasElem>)
+            if (visible) logit = fmaf(cuda::kLog2e, to_float(bias[col]), logit);
+          score = visible ? logit : -INFINITY;
+        }
+    }
+  }
+
+  // add for the call's bias type, chosen once per tile.
+  __device__ __forceinline__ void apply(float (&s)[1][kNTiles][4], const ForwardTile& t, int j,
+                                        bool interior) const {
+    if (p.bias == nullptr) return add<void>(s, t, j, interior);
+    switch (p.bias_dtype) {
+      case ElemType::kBFloat16: return add<__nv_bfloat16>(s, t, j, interior);
+      case ElemType::kFloat16: return add<__half>(s, t, j, interior);
+      default: return add<float>(s, t, j, interior);
+    }
+  }
+
+  __device__ __forceinline__ static float to_float(float x) { return x; }
+  __device__ __forceinline__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+  __device__ __forceinline__ static float to_float(__half x) { return __half2float(x); }
+};
+
+}  // namespace jax_flashattn::wgmma

@@ -1,0 +1,141 @@
+"""Calls with an additive bias or a boolean mask on the Hopper forward (run with `pytest -m gpu`;
+skipped off an H100/H200): the dispatcher's choice, and out and lse against the float32
+reference over the bias's shapes and element types, masks, every bound (causal, windows,
+lengths), GQA, each head dim's tiles and their edges, and biases that move the row maxima.
+The mma.sync family's bias and mask kernels are tested in test_gpu_forward.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flashattn
+from helpers import (assert_grads_close, check_cuda_forward, grads, random_qkv, reference_grads,
+                     use_family)
+
+pytestmark = pytest.mark.gpu
+
+# 701 keys: several key tiles at every head dim (128 keys at 64 and 128, 64 at 256) and a last
+# one cut short; 300 queries: a last query block cut short.
+T, S = 300, 701
+
+
+def bias_of(rng, shape, dtype, magnitude=2.0):
+    return jnp.asarray(magnitude * rng.standard_normal(shape), dtype)
+
+
+def mask_of(rng, shape, keep=0.7):
+    return jnp.asarray(rng.random(shape) < keep)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("terms", ["bias f32", "bias bf16", "bias f16", "mask",
+                                   "bias f32 + mask"])
+def test_bias_and_mask(rng, monkeypatch, head_dim, dtype, terms):
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, S, 4, 2, head_dim, dtype)
+    bias_dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+    bias = (bias_of(rng, (1, 4, T, S), bias_dtype[terms.split()[1]])
+            if terms.startswith("bias") else None)
+    mask = mask_of(rng, (2, 1, T, S)) if "mask" in terms else None
+    assert jax_flashattn.forward_kernel(q, k, bias, mask) == "sm90"
+    check_cuda_forward(q, k, v, bias, mask)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("bounds", [dict(is_causal=True), dict(local_window_size=(70, 9)),
+                                    dict(local_window_size=17, is_causal=True),
+                                    dict(is_causal=True,
+                                         query_seq_lengths=jnp.array([300, 41], jnp.int32),
+                                         key_value_seq_lengths=jnp.array([650, 0], jnp.int32)),
+                                    dict(key_value_seq_lengths=jnp.array([129, 701], jnp.int32))])
+def test_bounds(rng, monkeypatch, head_dim, bounds):
+    """The bias and mask read only where the bounds leave a pair visible; the tiles a bound
+    crosses take their element test together with the terms."""
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, S, 4, 1, head_dim, jnp.bfloat16)
+    bias = bias_of(rng, (2, 1, T, S), jnp.bfloat16)
+    mask = mask_of(rng, (1, 4, T, S), keep=0.9)
+    check_cuda_forward(q, k, v, bias, mask, **bounds)
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 4, T, S), (1, 1, T, S), (2, 1, 1, S), (4, T, S),
+                                        (S,), (T, S)])
+@pytest.mark.parametrize("mask_shape", [None, (2, 4, T, S), (1, 1, 1, S), (T, S)])
+def test_broadcast_shapes(rng, monkeypatch, bias_shape, mask_shape):
+    """Broadcast dimensions (stride 0) of the batch, heads and queries."""
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, S, 4, 2, 128, jnp.float16)
+    bias = bias_of(rng, bias_shape, jnp.float32)
+    mask = None if mask_shape is None else mask_of(rng, mask_shape)
+    check_cuda_forward(q, k, v, bias, mask, is_causal=True)
+
+
+def test_one_key_broadcast_takes_mma_sync(rng, monkeypatch):
+    """A bias or mask of one key broadcast over the keys (shape [..., 1]) is read per row by
+    the mma.sync family, not the Hopper kernel, which reads keys at unit stride; the planner
+    reports what runs."""
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, S, 4, 2, 128, jnp.bfloat16)
+    bias = bias_of(rng, (4, T, 1), jnp.float32)
+    mask = mask_of(rng, (2, 1, T, 1))
+    assert jax_flashattn.forward_kernel(q, k, bias) == "sm80"
+    assert jax_flashattn.forward_kernel(q, k, None, mask) == "sm80"
+    assert jax_flashattn.forward_kernel(q, k, bias_of(rng, (4, T, S), jnp.float32)) == "sm90"
+    check_cuda_forward(q, k, v, bias, is_causal=True)
+    check_cuda_forward(q, k, v, None, mask, is_causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rows_that_see_no_key(rng, monkeypatch, head_dim):
+    """Rows and whole (batch, head) pairs the mask hides entirely: out 0, lse -inf, and the
+    rows beside them unchanged."""
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, S, 4, 2, head_dim, jnp.bfloat16)
+    mask = np.array(mask_of(rng, (2, 4, T, S)))
+    mask[0, 1] = False
+    mask[1, :, 5:70] = False
+    mask[1, 2, :, 128:] = False
+    check_cuda_forward(q, k, v, bias_of(rng, (1, 4, T, S), jnp.float32), jnp.asarray(mask))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("rise", ["ramp", "spikes"])
+def test_bias_moves_row_maxima(rng, monkeypatch, head_dim, rise):
+    """Biases that move the row maxima after they have settled. "ramp": the bias rises by 2
+    per key, so every tile outruns the maxima by far more than P may grow (those tiles'
+    scores are recomputed, and the bias added again). "spikes": two keys far along S with
+    bias 20 and 120 over the rest."""
+    use_family("sm90", monkeypatch)
+    t, s = 200, 2000
+    q, k, v = random_qkv(rng, 1, t, s, 2, 2, head_dim, jnp.bfloat16)
+    if rise == "ramp":
+        bias = jnp.broadcast_to(0.02 * jnp.arange(s, dtype=jnp.float32), (t, s))
+    else:
+        bias = np.zeros((t, s), np.float32)
+        bias[:, 3 * s // 8 + 1] = 20.0
+        bias[:, 3 * s // 4 + 1] = 120.0
+        bias = jnp.asarray(bias)
+    check_cuda_forward(q, k, v, bias)
+    check_cuda_forward(q, k, v, bias, is_causal=True)
+
+
+def test_grad_and_vmap(rng, monkeypatch):
+    """Gradients (q, k, v and the bias), whose backward runs on the mma.sync family from the
+    Hopper forward's out and lse; and vmap with the bias broadcast over the mapped axis."""
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, 130, 260, 4, 2, 64, jnp.bfloat16)
+    bias = bias_of(rng, (1, 4, 130, 260), jnp.float32)
+    d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+    ours = jax.jit(lambda *a: grads(jax_flashattn.attention, *a, is_causal=True,
+                                    implementation="cuda"))(q, k, v, bias, d_out)
+    want = reference_grads(q, k, v, bias, d_out, is_causal=True)
+    for name, got, ref in zip(["out", "dq", "dk", "dv", "dbias"], ours, want):
+        assert_grads_close(got, ref, normwise=3e-2, name=name)
+    batched = jax.jit(jax.vmap(lambda q, k, v: jax_flashattn.attention(
+        q, k, v, bias, implementation="cuda")))(*(x[None].repeat(2, 0) for x in (q, k, v)))
+    single = jax.jit(lambda q, k, v: jax_flashattn.attention(
+        q, k, v, bias, implementation="cuda"))(q, k, v)
+    np.testing.assert_array_equal(np.asarray(batched[1], np.float32),
+                                  np.asarray(single, np.float32))
