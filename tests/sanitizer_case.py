@@ -103,6 +103,14 @@ def main():
                  kernel=("decode", "decode_sm90"),
                  key_value_seq_lengths=jnp.array([1024, 0, 1, 300, 700, 555, 1023, 64],
                                                  jnp.int32))
+    # Soft-capped decoding calls on the decode kernels' instantiations for the cap: 64 rows per
+    # block (the wgmma kernel on Hopper) with lengths, and 3 rows with 4097 keys (the mma.sync
+    # kernel, its splits merged by the combine kernel).
+    forward_case(rng, "decode, soft-capped", (2, 16, 1001, 8, 2, 128),
+                 kernel=("decode", "decode_sm90"), logits_soft_cap=5.0,
+                 key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
+    forward_case(rng, "decode, soft-capped, combine", (2, 3, 4097, 8, 2, 64), kernel="decode",
+                 logits_soft_cap=5.0)
     # Forward with S >= 16384 and no causal or window bound (the Hopper kernel's 160-key tiles
     # and single Q buffer): 3 x 64 query tiles, more than the SMs, so blocks reuse the buffer.
     forward_case(rng, "wide key tiles", (1, 300, 16500, 64, 8, 128))

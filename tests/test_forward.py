@@ -405,6 +405,9 @@ def test_plan_of_a_call():
                                                                    "")
     call.has_bias = True  # the decode kernels take no bias: no workspace
     assert _ffi.plan(call).decode_workspace_floats == 0
+    call.has_bias = False
+    call.logits_soft_cap = 5.0  # the decode kernels have instantiations for the soft-cap
+    assert _ffi.plan(call).decode_workspace_floats == floats
     # A deterministic backward: one dQ semaphore per (batch entry, query head, 64 queries).
     wide = _ffi.call_shape((3, 130, 4, 64), (3, 200, 2, 64), jnp.bfloat16, deterministic=True)
     assert _ffi.plan(wide).dq_semaphores == 3 * 4 * 3

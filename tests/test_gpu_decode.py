@@ -271,8 +271,8 @@ def test_decode_gradients(rng, t):
 
 def test_decode_dispatch(monkeypatch):
     """forward_kernel reports a decode kernel for decoding shapes only: few query rows per kv
-    head (T * N / K <= 64), enough keys, bf16/fp16, no bias or mask; on Hopper the wgmma one
-    from 32 rows at head dims up to 128, unless JAX_FLASHATTN_DISABLE_SM90."""
+    head (T * N / K <= 64), enough keys, bf16/fp16, no bias or mask (a soft-cap too); on Hopper
+    the wgmma one from 32 rows at head dims up to 128, unless JAX_FLASHATTN_DISABLE_SM90."""
     monkeypatch.delenv("JAX_FLASHATTN_DISABLE_SM90", raising=False)
 
     def kernel(t, n, kv, s, h=128, dtype=jnp.bfloat16, **kwargs):
@@ -293,5 +293,6 @@ def test_decode_dispatch(monkeypatch):
     assert kernel(1, 32, 8, 65536, dtype=jnp.float32) == "simt"
     bias = jax.ShapeDtypeStruct((8, 32, 1, 65536), jnp.bfloat16)
     assert kernel(1, 32, 8, 65536, bias=bias) == ("sm90" if hopper() else "sm80")
+    assert kernel(16, 32, 8, 65536, logits_soft_cap=30.0) == wgmma
     monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
     assert kernel(16, 32, 8, 65536) == "decode"

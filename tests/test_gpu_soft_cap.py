@@ -4,9 +4,9 @@ against the float32 reference.
 Capped calls take the Hopper kernels' instantiations for them on an H100/H200 (without segment
 ids; the backward in both dQ modes), the mma.sync family's (bf16/fp16, head dims that are a
 multiple of 8 up to 256; the forward's K/V by TMA on Hopper, by cp.async elsewhere or with
-JAX_FLASHATTN_SM80_CP_ASYNC; the backward in both dQ modes) and the CUDA-core kernels (float32,
-other head dims). The split-KV decode kernels do not take them. Each case runs on the Hopper
-kernels and, with JAX_FLASHATTN_DISABLE_SM90, on the mma.sync family.
+JAX_FLASHATTN_SM80_CP_ASYNC; the backward in both dQ modes), the split-KV decode kernels' (the
+wgmma and the mma.sync one) and the CUDA-core kernels (float32, other head dims). Each case runs
+on the Hopper kernels and, with JAX_FLASHATTN_DISABLE_SM90, on the mma.sync family.
 """
 
 import jax
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_flashattn
-from helpers import check_cuda_forward, hopper, random_qkv, use_family
+from helpers import check_cuda_forward, random_qkv, use_family
 from test_gpu_backward import check_grads
 
 pytestmark = pytest.mark.gpu
@@ -89,13 +89,25 @@ def test_forward_with_bias_mask_and_segment_ids(rng):
                        key_value_segment_ids=ids)
 
 
-def test_decoding_shape_keeps_the_normal_kernels(rng):
-    """A shape the split-KV decode kernels would take: capped, it runs on the normal kernels."""
-    q, k, v = capped_qkv(rng, 2, 1, 4096, 8, 2, 128, jnp.bfloat16)
-    assert jax_flashattn.forward_kernel(q, k) in ("decode", "decode_sm90")
-    assert jax_flashattn.forward_kernel(q, k, logits_soft_cap=5.0) == ("sm90" if hopper()
-                                                                        else "sm80")
-    check_cuda_forward(q, k, v, logits_soft_cap=5.0)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("t,s", [(1, 4097), (3, 1001), (16, 2000)])
+@pytest.mark.parametrize("bounds", ["lengths", "causal_bottom_right"])
+@pytest.mark.parametrize("decode_family", ["default", "sm80"])
+def test_decode_kernels(rng, monkeypatch, dtype, head_dim, t, s, bounds, decode_family):
+    """Decoding shapes on the split-KV decode kernels' capped instantiations, the same kernel a
+    call without the cap takes: on Hopper the wgmma one from 32 rows per kv head (16 queries of
+    a group of 4; head dims up to 128), else and with JAX_FLASHATTN_DISABLE_SM90 ("sm80") the
+    mma.sync one; splits merged in their cluster, or (S = 4097) through the combine kernel."""
+    if decode_family == "sm80":
+        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    q, k, v = capped_qkv(rng, 2, t, s, 8, 2, head_dim, dtype)
+    kernel = jax_flashattn.forward_kernel(q, k, logits_soft_cap=5.0)
+    assert kernel == jax_flashattn.forward_kernel(q, k)
+    assert kernel in ("decode", "decode_sm90")
+    kwargs = (dict(key_value_seq_lengths=np.array([s, s // 3], np.int32))
+              if bounds == "lengths" else dict(is_causal=True, diagonal_alignment="bottom_right"))
+    check_cuda_forward(q, k, v, logits_soft_cap=5.0, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

@@ -217,6 +217,20 @@ def test_bench_script_decode_smoke(capsys):
         assert "device copy bandwidth (cudaMemcpy of 0.0625 GiB" in printed
 
 
+def test_bench_script_decode_soft_cap():
+    """--soft-cap caps every row of the decode preset, and only that preset."""
+    bench = _load_bench_script()
+    configs = bench.build_configs(bench.parse_args(["--decode", "--soft-cap", "30"]))
+    assert configs and {c.soft_cap for c in configs} == {30.0}
+    assert {c.soft_cap for c in bench.build_configs(bench.parse_args(["--decode"]))} == {None}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--soft-cap", "30"])
+    record = dict(_bench.config_record(configs[0]), impl="ours", mode="fwd", status="ok",
+                  seconds=1e-3, kv_tbps=3.4)
+    (title, _), = _bench.markdown_tables([record], ["ours"])
+    assert "logits soft-capped at 30;" in title
+
+
 def test_decode_table_divides_our_rate_by_the_copy_bandwidth():
     cfg = _bench.decode_grid(("bf16",), (1,), 256)[0]
     record = dict(_bench.config_record(cfg), impl="ours", mode="fwd", status="ok",

@@ -6,8 +6,9 @@
 // Decoding shapes (few query rows per kv head, a long key sequence; ffi/decode_plan.h) take
 // a split-KV decode kernel on every architecture, ahead of the others, when the call's
 // workspace holds its splits: on Hopper the wgmma one where it applies
-// (wgmma::decode_kernel_applies), else the mma.sync one; calls with a bias, boolean mask,
-// segment ids or a soft-cap keep the normal kernels. Calls with one of a soft-cap, segment ids,
+// (wgmma::decode_kernel_applies), else the mma.sync one (soft-capped calls on their
+// instantiations for the cap); calls with a bias, boolean mask or segment ids keep the normal
+// kernels. Calls with one of a soft-cap, segment ids,
 // or a bias and mask take the Hopper kernel's instantiations for it; with two of them, the
 // mma.sync family. Why in this
 // order: docs/decisions/kernel-family-dispatch.md.
@@ -48,7 +49,9 @@ cudaError_t launch_decode_sm90_for_head_dim(const AttentionParams& p,
                                             const mma_sync::DecodePlan& plan,
                                             cudaStream_t stream) {
   return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
-    return launch_forward_decode_sm90<Elem, decltype(h)::value>(p, plan, stream);
+    constexpr int kHeadDim = decltype(h)::value;
+    return p.soft_capped() ? launch_forward_decode_sm90_softcap<Elem, kHeadDim>(p, plan, stream)
+                           : launch_forward_decode_sm90<Elem, kHeadDim>(p, plan, stream);
   });
 }
 
@@ -62,21 +65,29 @@ template <typename Elem>
 cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                        cudaStream_t stream) {
   return for_head_dim<mma_sync::kDecodeHeadDims>(p.head_dim, [&](auto h) {
-    return launch_forward_decode<Elem, decltype(h)::value>(p, plan, stream);
+    constexpr int kHeadDim = decltype(h)::value;
+    return p.soft_capped() ? launch_forward_decode_softcap<Elem, kHeadDim>(p, plan, stream)
+                           : launch_forward_decode<Elem, kHeadDim>(p, plan, stream);
   });
 }
 
 // Whether the decode call (on the wgmma kernel with sm90) merges its splits in clusters on CUDA
-// device `device`, the current one.
+// device `device`, the current one: asked of the kernel the call runs (a soft-capped one has
+// instantiations of its own, whose residency may differ).
 template <typename Elem>
 bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const mma_sync::DecodePlan& plan,
                               int device) {
+  const bool capped = p.soft_capped();
   if (sm90)
     return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
-      return forward_decode_sm90_merges_in_cluster<Elem, decltype(h)::value>(plan, device);
+      constexpr int kHeadDim = decltype(h)::value;
+      return capped ? forward_decode_sm90_softcap_merges_in_cluster<Elem, kHeadDim>(plan, device)
+                    : forward_decode_sm90_merges_in_cluster<Elem, kHeadDim>(plan, device);
     });
   return for_head_dim<mma_sync::kDecodeHeadDims>(p.head_dim, [&](auto h) {
-    return forward_decode_merges_in_cluster<Elem, decltype(h)::value>(plan, device);
+    constexpr int kHeadDim = decltype(h)::value;
+    return capped ? forward_decode_softcap_merges_in_cluster<Elem, kHeadDim>(plan, device)
+                  : forward_decode_merges_in_cluster<Elem, kHeadDim>(plan, device);
   });
 }
 

@@ -36,8 +36,8 @@ template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm80(const AttentionParams& p, bool tma_kv, cudaStream_t stream);
 
 // TMA + wgmma forward for Hopper (an sm_90a build on a compute capability 9.0 device): bf16/fp16,
-// no bias or boolean mask, head dims that are a multiple of 8 up to kHeadDim, 16-byte aligned
-// tensors (wgmma::tma_compatible).
+// head dims that are a multiple of 8 up to kHeadDim, 16-byte aligned tensors
+// (wgmma::tma_compatible); at most one of segment ids, a soft-cap, and a bias or mask.
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream);
 
@@ -59,6 +59,20 @@ cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const mma_sync:
                                        cudaStream_t stream);
 template <typename Elem, int kHeadDim>
 bool forward_decode_sm90_merges_in_cluster(const mma_sync::DecodePlan& plan, int device);
+
+// The same for soft-capped calls, on the decode kernels' instantiations for them
+// (decode/softcap_launch.cuh).
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_decode_softcap(const AttentionParams& p,
+                                          const mma_sync::DecodePlan& plan, cudaStream_t stream);
+template <typename Elem, int kHeadDim>
+bool forward_decode_softcap_merges_in_cluster(const mma_sync::DecodePlan& plan, int device);
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_decode_sm90_softcap(const AttentionParams& p,
+                                               const mma_sync::DecodePlan& plan,
+                                               cudaStream_t stream);
+template <typename Elem, int kHeadDim>
+bool forward_decode_sm90_softcap_merges_in_cluster(const mma_sync::DecodePlan& plan, int device);
 
 // CUDA-core forward for any dtype and head dim (float32 arithmetic throughout).
 cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);

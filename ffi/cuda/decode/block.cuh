@@ -14,6 +14,7 @@
 
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/smem_tile.cuh"
+#include "ffi/cuda/common/soft_cap.cuh"
 #include "ffi/decode_plan.h"
 #include "ffi/params.h"
 
@@ -115,6 +116,36 @@ struct DecodeRows {
     }
   }
 };
+
+// A decode configuration for soft-capped calls: the scores of each step become
+// tanh(s scale / cap) as they land, before the row bounds mask them (cap_decode_scores), and
+// the softmax takes them with factor c = cap log2(e) (decode_softmax_scale). Instantiations of
+// their own (decode/softcap_launch.cuh), so that the uncapped kernels keep their code.
+template <typename Config>
+struct DecodeWithSoftCap : Config {
+  static constexpr bool kSoftCap = true;
+};
+
+// The softmax's factor on a decode kernel's scores: scale log2(e), or c = cap log2(e) with the
+// soft-cap.
+template <bool kSoftCap>
+__device__ __forceinline__ float decode_softmax_scale(const AttentionParams& p) {
+  if constexpr (kSoftCap) return variant::SoftCap::make(p).cap2;
+  else return p.scale * cuda::kLog2e;
+}
+
+// kSoftCap: a step's landed scores s as tanh(s scale / cap).
+template <bool kSoftCap, int kNTiles>
+__device__ __forceinline__ void cap_decode_scores(const AttentionParams& p,
+                                                  float (&s)[kNTiles][4]) {
+  if constexpr (kSoftCap) {
+    const cuda::SoftCapLogits cap = cuda::SoftCapLogits::make(p);
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = cap.tanh_of(s[nt][e]);
+  }
+}
 
 // A operand fragments (16 rows x head dim) of one slab of split `sp`'s rows, straight from
 // global memory: register i of k-step ks holds row lane / 4 + 8 (i % 2), columns

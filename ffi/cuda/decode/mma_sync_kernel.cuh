@@ -7,6 +7,7 @@
 // through a three-stage cp.async ring; per step (16 keys or a whole tile: decode/mma_sync_traits.h)
 // a warp computes
 //   S = Q K^T              (Q fragments in registers, loaded once from global memory)
+//   soft-cap               (DecodeWithSoftCap) tanh(s scale / cap), c = cap log2(e) the factor
 //   mask                   (per-row key bounds: lengths, causal, window)
 //   online softmax         (exp2 with the scale folded into one FFMA)
 //   O += P V               (P re-packed from the S accumulators, V via ldmatrix.trans)
@@ -94,7 +95,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   float o_acc[1][kDTiles][4] = {};
   cuda::OnlineSoftmax<1> softmax;
   softmax.init();
-  const float scale_log2 = p.scale * cuda::kLog2e;
+  const float scale_log2 = decode_softmax_scale<Traits::kSoftCap>(p);
 
   // ldmatrix lane addressing as in mma_sync/forward_kernel.cuh: K as B operand pairs (keys x k),
   // V transposed with keys as rows.
@@ -131,6 +132,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           ptx::ldmatrix_x4(k_frag, k_address(chunk0 + c, ks));
           mma_pair<Elem>(s_acc[0], c, q_frag[ks], k_frag);
         }
+      cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
       rows.mask(s_acc[0], key0, quad_col);
       softmax.update(s_acc, o_acc, scale_log2);
 

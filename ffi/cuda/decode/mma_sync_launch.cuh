@@ -147,23 +147,39 @@ auto with_decode_config(const mma_sync::DecodePlan& plan, F&& f) {
                                                    : f(DecodeChunkSteps<kHeadDim>{});
 }
 
-template <typename Elem, int kHeadDim>
-cudaError_t launch_forward_decode(const AttentionParams& p, const mma_sync::DecodePlan& plan,
-                                  cudaStream_t stream) {
+// A configuration as it is: the plain Variant of the launches below (the other is
+// mma_sync::DecodeWithSoftCap, decode/softcap_launch.cuh).
+template <typename Config>
+using PlainDecode = Config;
+
+template <typename Elem, int kHeadDim, template <typename> class Variant>
+cudaError_t launch_forward_decode_as(const AttentionParams& p, const mma_sync::DecodePlan& plan,
+                                     cudaStream_t stream) {
   return with_decode_config<kHeadDim>(plan, [&](auto config) {
-    using Traits = decltype(config);
+    using Traits = Variant<decltype(config)>;
     return launch_decode<Elem, mma_sync::decode_split_kernel<Elem, Traits>>(
         p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
   });
 }
 
-template <typename Elem, int kHeadDim>
-bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
+template <typename Elem, int kHeadDim, template <typename> class Variant>
+bool forward_decode_as_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
   return with_decode_config<kHeadDim>(plan, [&](auto config) {
-    using Traits = decltype(config);
+    using Traits = Variant<decltype(config)>;
     return cluster_merge_fits<mma_sync::decode_split_kernel<Elem, Traits>>(
         plan, Traits::kThreads, Traits::kSmemBytes, device);
   });
+}
+
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_decode(const AttentionParams& p, const mma_sync::DecodePlan& plan,
+                                  cudaStream_t stream) {
+  return launch_forward_decode_as<Elem, kHeadDim, PlainDecode>(p, plan, stream);
+}
+
+template <typename Elem, int kHeadDim>
+bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
+  return forward_decode_as_merges_in_cluster<Elem, kHeadDim, PlainDecode>(plan, device);
 }
 
 }  // namespace jax_flashattn::cuda

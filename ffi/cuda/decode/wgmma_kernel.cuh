@@ -10,6 +10,8 @@
 // the merge); per tile it computes
 //   S = Q K^T              wgmma, Q from registers (loaded once from global memory), K from
 //                          shared memory
+//   soft-cap               (mma_sync::DecodeWithSoftCap) tanh(s scale / cap), c = cap log2(e)
+//                          the softmax's factor
 //   mask                   per-row key bounds (lengths, causal, window), on the threads whose
 //                          rows do not see the whole tile
 //   online softmax         exp2 with the scale folded into one FFMA
@@ -154,7 +156,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   float o_acc[1][kDTiles][4] = {};
   cuda::OnlineSoftmax<1> softmax;
   softmax.init();
-  const float scale_log2 = p.scale * cuda::kLog2e;
+  const float scale_log2 = mma_sync::decode_softmax_scale<Traits::kSoftCap>(p);
 
   const auto desc = DecodeDescriptors<Traits>::make(base);
 
@@ -183,6 +185,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     ptx::fence_registers(s_acc[0]);
 
     const int key0 = tile * kBlockN;
+    mma_sync::cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
     if (!rows.sees_all(key0, kBlockN)) rows.mask(s_acc[0], key0, quad_col);
     softmax.update(s_acc, o_acc, scale_log2);
 

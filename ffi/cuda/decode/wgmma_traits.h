@@ -47,6 +47,8 @@ struct DecodeTraits {
   static constexpr int kWarpgroupThreads = 128;  // one 16-row slab per warp
   static constexpr int kThreads = kSplitsPerBlock * kWarpgroupThreads;
   static constexpr int kMinBlocks = 2 / kSplitsPerBlock;  // per SM, for __launch_bounds__
+  // Soft-capped logits (mma_sync::DecodeWithSoftCap, decode/block.cuh).
+  static constexpr bool kSoftCap = false;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile
   static constexpr int kStageBytes = 2 * kKVBytes;
   static constexpr int kRingBytes = kStages * kStageBytes;  // one warpgroup's

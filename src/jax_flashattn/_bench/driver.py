@@ -96,6 +96,8 @@ def config_record(cfg: Config) -> dict:
                       visible=cfg.visible_pairs() / (cfg.batch * cfg.seqlen_q * cfg.seqlen_k))
     elif cfg.kind == "packed":
         record.update(packed_record(cfg))
+    elif cfg.kind == "decode" and cfg.soft_cap is not None:
+        record.update(soft_cap=cfg.soft_cap)
     return record
 
 

@@ -108,9 +108,11 @@ def markdown_tables(records: Sequence[dict], impls: Sequence[str],
     for (kind, dtype, mode), rows_by_config in _group(records).items():
         first = next(iter(next(iter(rows_by_config.values())).values()))
         if kind == "decode":
+            capped = (f", logits soft-capped at {first['soft_cap']:g}"
+                      if first.get("soft_cap") is not None else "")
             title = (f"{dtype} decode {MODE_TITLES[mode]}: B={first['batch']}, "
                      f"N={first['num_heads']}, K={first['num_kv_heads']}, "
-                     f"H={first['head_dim']}; K/V read TB/s and time per call")
+                     f"H={first['head_dim']}{capped}; K/V read TB/s and time per call")
             header = (["T", "S"] + [f"{i} TB/s" for i in impls] + [f"{i} us" for i in impls])
             rows = []
             for (t, s, h, causal, *_), by_impl in rows_by_config.items():
