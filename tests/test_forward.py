@@ -428,6 +428,8 @@ def test_kernel_queries_flag_a_bias_of_one_key():
     assert flags == dict(has_bias=True, has_mask=True, bias_broadcasts_keys=True,
                          mask_broadcasts_keys=False)
     assert _ffi._bias_and_mask(None, one, k)["mask_broadcasts_keys"]
+    assert _ffi._bias_and_mask(jnp.float32(0.5), None, k)["bias_broadcasts_keys"]  # 0-d
+    assert _ffi._bias_and_mask(0.5, None, k)["bias_broadcasts_keys"]
     single_key = jax.ShapeDtypeStruct((2, 1, 4, 64), jnp.bfloat16)
     assert not _ffi._bias_and_mask(one, None, single_key)["bias_broadcasts_keys"]
     shape = _ffi.call_shape((2, 10, 4, 64), k.shape, jnp.bfloat16, has_bias=True,

@@ -165,7 +165,8 @@ def forward_kernel(query, key, bias=None, mask=None, *, query_segment_ids=None,
                          soft_cap=_soft_cap_given(logits_soft_cap)).forward
 
 
-def decode_layout(query, key, *, key_value_seq_lengths=False, device=None) -> tuple[int, str]:
+def decode_layout(query, key, *, key_value_seq_lengths=False, logits_soft_cap=None,
+                  device=None) -> tuple[int, str]:
     """(splits, merge) of a call without bias or mask on `device` (default: the first JAX
     device) that takes a split-KV decode kernel ("decode", "decode_sm90"): its key ranges per
     (batch entry, kv head), and "cluster" where they merge inside their thread block cluster
@@ -173,9 +174,12 @@ def decode_layout(query, key, *, key_value_seq_lengths=False, device=None) -> tu
     "paired_cluster" where each block runs two splits (one per warpgroup, "decode_sm90" only)
     and the blocks merge them in their cluster, or "combine" where they merge through a second
     kernel; (0, "") for any other call.
-    `key_value_seq_lengths`: whether the call passes them (it then aims at more splits). Shapes
-    and dtypes only, as forward_kernel."""
-    p = _kernel_query(query, key, device, has_kv_seqlens=bool(key_value_seq_lengths))
+    `key_value_seq_lengths`: whether the call passes them (it then aims at more splits);
+    `logits_soft_cap` as forward_kernel's (a capped call runs the decode kernels' instantiations
+    for the cap, whose clusters are asked on their own). Shapes and dtypes only, as
+    forward_kernel."""
+    p = _kernel_query(query, key, device, has_kv_seqlens=bool(key_value_seq_lengths),
+                      soft_cap=_soft_cap_given(logits_soft_cap))
     return p.decode_splits, p.decode_merge
 
 
@@ -198,8 +202,8 @@ def backward_kernel(query, key, bias=None, mask=None, *, deterministic=False,
 def _bias_and_mask(bias, mask, key) -> dict:
     """The planner's flags for a bias and mask given as arrays (or shapes): whether each is
     present, and whether it is one key broadcast over the S > 1 keys."""
-    def one_key(x):
-        return x is not None and len(x.shape) > 0 and x.shape[-1] == 1 and key.shape[-3] > 1
+    def one_key(x):  # a scalar broadcasts over the keys too
+        return x is not None and (np.ndim(x) == 0 or np.shape(x)[-1] == 1) and key.shape[-3] > 1
     return dict(has_bias=bias is not None, has_mask=mask is not None,
                 bias_broadcasts_keys=one_key(bias), mask_broadcasts_keys=one_key(mask))
 
