@@ -51,6 +51,8 @@ cudaError_t launch_backward_sm90_softcap(const AttentionParams& p, cudaStream_t 
 
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
+  // No Hopper backward has the bias and mask terms (it would ignore them).
+  if (p.bias != nullptr || p.mask != nullptr) return cudaErrorInvalidConfiguration;
   if (p.soft_capped()) return launch_backward_sm90_softcap<Elem, kHeadDim>(p, stream);
   if (p.q_segment_ids != nullptr) return launch_backward_sm90_segments<Elem, kHeadDim>(p, stream);
   if (p.deterministic) return launch_backward_sm90_deterministic<Elem, kHeadDim>(p, stream);

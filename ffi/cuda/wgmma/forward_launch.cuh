@@ -12,8 +12,11 @@ namespace jax_flashattn::cuda {
 
 template <typename Elem, typename Traits>
 cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stream) {
-  // A configuration without window tests must not see a window (it would ignore it).
+  // A configuration without window tests must not see a window, one without the bias and mask
+  // terms a bias or mask (it would ignore them).
   if (!Traits::kWindowed && !p.unwindowed()) return cudaErrorInvalidConfiguration;
+  if (!Traits::kBiasAndMask && (p.bias != nullptr || p.mask != nullptr))
+    return cudaErrorInvalidConfiguration;
   constexpr auto kernel = wgmma::forward_kernel<Elem, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   if (!wgmma::indices_fit_32_bits(p)) return cudaErrorInvalidConfiguration;
