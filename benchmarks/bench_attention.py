@@ -17,29 +17,28 @@ src/jax_flashattn/_bench/__init__.py.
 Most of the time goes to compiling (the XLA baseline above all) and to the correctness
 references, not to the timed runs; --mode both on the whole grid takes ~15 min.
 
-Standard grid: bf16 and fp16, B = tokens/T with 16384 tokens, N = 2048/H,
-H in {64, 128, 256}, T = S in {512, ..., 16384}, causal and full. Decode preset: B=8, N=32,
-K=8, H=128, T in {1, 8, 16}, S=65536; a decode run also measures the device's copy bandwidth
-before and after its cases and gives our K/V rate as a fraction of it (the decode target is
-0.85: docs/decisions/decode-benchmark-yardstick.md); --soft-cap CAP caps its rows (ours
-only). Variants preset: bf16, B=4, T=S=4096,
-N=16, H=128, one row per option users pass: full, causal, causal sliding window
-local_window_size=(1024, 0), per-batch lengths (query and key/value lengths 4096, 3072, 2048,
-1024), GQA (16 query heads over 4 kv heads, causal), bias [1, N, T, S], a boolean mask
-[B, 1, T, S] of packed documents (1, 2, 4, 8 per batch entry), the same documents as
+Standard grid: bf16 and fp16, B = tokens/T with 16384 tokens, N = 2048/H, H in {64,128,256}, T=S
+in {512, ..., 16384}, causal and full. Decode preset: B=8, N=32, K=8, H=128, T in {1,8,16},
+S=65536; a decode run also measures the device's copy bandwidth before and after its cases and
+gives our K/V rate as a fraction of it (the decode target is 0.85:
+docs/decisions/decode-benchmark-yardstick.md); --soft-cap CAP caps its rows (ours only).
+Variants preset: bf16, B=4, T=S=4096, N=16, H=128, one row per option users pass: full, causal,
+causal sliding window local_window_size=(1024, 0), per-batch lengths (query and key/value
+lengths 4096, 3072, 2048, 1024), GQA (16 query heads over 4 kv heads, causal), bias [1,N,T,S], a
+boolean mask [B,1,T,S] of packed documents (1, 2, 4, 8 per batch entry), the same documents as
 segment ids, full and causal (jax.nn gets them as that mask, built inside the timed call),
 logits soft-capped at 50 (Gemma 2's cap), and attention sinks (gpt-oss's), each full and causal
 (ours only: jax.nn has neither), and a prefill of T/16 queries against T keys, causal with the
 diagonal at the bottom right (jax.nn gets the mask it stands for); its FLOPs count only the
 visible logits. --seqlen, --dtype, --head-dim and --hidden (N = hidden/H) override its sizes,
 --rows keeps some of its rows; --causal and --tokens do not apply. Packed preset: bf16, N=16,
-H=128, causal, T in {8192, 32768} at 32768 tokens per batch (B = 32768/T), rows packed
-with documents whose lengths are drawn (fixed seed, each row its own draw) from a log-normal
-of mean 1024, and of mean 4096 (sigma 1 of the logarithm), the last one cut at T; FLOPs count
-each document's causal pairs. Each mean first gets a dense causal row at T = the mean (our
-yardstick for the packed rows: the ours/dense column; cudnn-packed sees one document per row
-there). Implementations: ours (segment ids), cudnn (jax.nn with the boolean mask [B, 1, T, T]
-of the documents) and cudnn-packed (cuDNN's packed path through
+H=128, causal, T in {8192, 32768} at 32768 tokens per batch (B = 32768/T), rows packed with
+documents whose lengths are drawn (fixed seed, each row its own draw) from a log-normal of mean
+1024, and of mean 4096 (sigma 1 of the logarithm), the last one cut at T; FLOPs count each
+document's causal pairs. Each mean first gets a dense causal row at T = the mean (our yardstick
+for the packed rows: the ours/dense column; cudnn-packed sees one document per row there).
+Implementations: ours (segment ids), cudnn (jax.nn with the boolean mask [B,1,T,T] of the
+documents) and cudnn-packed (cuDNN's packed path through
 jax._src.cudnn.fused_attention_stablehlo: per-document lengths and offsets, PADDING_CAUSAL;
 "unavailable" where this JAX lacks it). --seqlen, --tokens, --dtype, --head-dim and --hidden
 override its sizes; --causal does not apply.
@@ -78,6 +77,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 
@@ -136,7 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="N = hidden / H (default %d)" % _bench.STANDARD_HIDDEN)
     p.add_argument("--kv-len", type=int, default=None,
                    help="decode only: S (default %d)" % _bench.DECODE_SHAPE["kv_len"])
-    p.add_argument("--soft-cap", type=float, default=None,
+    p.add_argument("--soft-cap", type=_positive_float, default=None,
                    help="decode only: logits soft-capped at this cap (ours only: jax.nn has no "
                         "soft-capping)")
     p.add_argument("--copy-bytes", type=_positive, default=2 << 30,

@@ -257,7 +257,7 @@ def assert_dsinks_close(got, q, k, v, bias, sinks, d_out, *, relative, **kwargs)
         lambda s: reference.attention(*a[:4], sinks=s, **kwargs), a[4])[1](a[5])[0])(*f32)
     out, lse = reference.attention(*f32[:4], sinks=f32[4], return_residual=True, **kwargs)
     delta = jnp.einsum("...tnh,...tnh->...tn", f32[5], out)
-    magnitude = jnp.sum(jnp.exp(f32[4] - lse) * jnp.abs(delta), axis=(0, 1))
+    magnitude = jnp.sum(jnp.exp(f32[4] - lse) * jnp.abs(delta), axis=tuple(range(lse.ndim - 1)))
     error = np.linalg.norm(np.asarray(got, np.float64) - np.asarray(want, np.float64))
     bound = relative * np.linalg.norm(np.asarray(magnitude, np.float64))
     assert error <= bound, f"dsinks: normwise error {error:.3g} exceeds {bound:.3g}"

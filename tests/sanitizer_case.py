@@ -104,8 +104,8 @@ def main():
                  key_value_seq_lengths=jnp.array([1024, 0, 1, 300, 700, 555, 1023, 64],
                                                  jnp.int32))
     # Soft-capped decoding calls on the decode kernels' instantiations for the cap: 64 rows per
-    # block (the wgmma kernel on Hopper) with lengths, and 3 rows with 4097 keys (the mma.sync
-    # kernel, its splits merged by the combine kernel).
+    # block (the wgmma kernel on Hopper) with lengths, and 12 rows with 4097 keys (the mma.sync
+    # kernel, with as many splits as the uncapped "decode, combine" case above).
     forward_case(rng, "decode, soft-capped", (2, 16, 1001, 8, 2, 128),
                  kernel=("decode", "decode_sm90"), logits_soft_cap=5.0,
                  key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
@@ -176,7 +176,9 @@ def forward_case(rng, name, sizes, kernel=None, **kwargs):
     q, k, v = random_qkv(rng, *sizes, jnp.bfloat16)
     if kernel is not None:
         allowed = kernel if isinstance(kernel, tuple) else (kernel,)
-        assert jax_flashattn.forward_kernel(q, k) in allowed, name
+        assert jax_flashattn.forward_kernel(
+            q, k, kwargs.get("bias"), kwargs.get("mask"),
+            logits_soft_cap=kwargs.get("logits_soft_cap")) in allowed, name
     out = jax.jit(lambda q, k, v: jax_flashattn.attention(
         q, k, v, implementation="cuda", **kwargs))(q, k, v)
     assert np.isfinite(np.asarray(out, np.float32)).all(), name

@@ -69,6 +69,7 @@ def test_broadcast_shapes(rng, monkeypatch, bias_shape, mask_shape):
     q, k, v = random_qkv(rng, 2, T, S, 4, 2, 128, jnp.float16)
     bias = bias_of(rng, bias_shape, jnp.float32)
     mask = None if mask_shape is None else mask_of(rng, mask_shape)
+    assert jax_flashattn.forward_kernel(q, k, bias, mask) == "sm90"
     check_cuda_forward(q, k, v, bias, mask, is_causal=True)
 
 
@@ -103,10 +104,10 @@ def test_rows_that_see_no_key(rng, monkeypatch, head_dim):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("rise", ["ramp", "spikes"])
 def test_bias_moves_row_maxima(rng, monkeypatch, head_dim, rise):
-    """Biases that move the row maxima after they have settled. "ramp": the bias rises by 2
-    per key, so every tile outruns the maxima by far more than P may grow (those tiles'
-    scores are recomputed, and the bias added again). "spikes": two keys far along S with
-    bias 20 and 120 over the rest."""
+    """Biases that move the row maxima after they have settled. "ramp": the bias rises by 0.02
+    per key (2.56 per 128-key tile), so the maxima keep rising and tiles outrun them, some by
+    more than P may grow (those tiles' scores are recomputed, and the bias added again).
+    "spikes": two keys far along S with bias 20 and 120 over the rest."""
     use_family("sm90", monkeypatch)
     t, s = 200, 2000
     q, k, v = random_qkv(rng, 1, t, s, 2, 2, head_dim, jnp.bfloat16)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import jax_flashattn
+from jax_flashattn import _ffi
 from helpers import check_cuda_forward, random_qkv, use_family
 from test_gpu_backward import check_grads
 
@@ -98,13 +99,15 @@ def test_decode_kernels(rng, monkeypatch, dtype, head_dim, t, s, bounds, decode_
     """Decoding shapes on the split-KV decode kernels' capped instantiations, the same kernel a
     call without the cap takes: on Hopper the wgmma one from 32 rows per kv head (16 queries of
     a group of 4; head dims up to 128), else and with JAX_FLASHATTN_DISABLE_SM90 ("sm80") the
-    mma.sync one; splits merged in their cluster, or (S = 4097) through the combine kernel."""
+    mma.sync one; splits merged as the plan has it (in their cluster, or through the combine
+    kernel), the same plan as without the cap."""
     if decode_family == "sm80":
         monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
     q, k, v = capped_qkv(rng, 2, t, s, 8, 2, head_dim, dtype)
     kernel = jax_flashattn.forward_kernel(q, k, logits_soft_cap=5.0)
     assert kernel == jax_flashattn.forward_kernel(q, k)
     assert kernel in ("decode", "decode_sm90")
+    assert _ffi.decode_layout(q, k, logits_soft_cap=5.0)[0] == _ffi.decode_layout(q, k)[0]
     kwargs = (dict(key_value_seq_lengths=np.array([s, s // 3], np.int32))
               if bounds == "lengths" else dict(is_causal=True, diagonal_alignment="bottom_right"))
     check_cuda_forward(q, k, v, logits_soft_cap=5.0, **kwargs)

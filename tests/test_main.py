@@ -225,6 +225,8 @@ def test_bench_script_decode_soft_cap():
     assert {c.soft_cap for c in bench.build_configs(bench.parse_args(["--decode"]))} == {None}
     with pytest.raises(SystemExit):
         bench.parse_args(["--soft-cap", "30"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--decode", "--soft-cap", "0"])
     record = dict(_bench.config_record(configs[0]), impl="ours", mode="fwd", status="ok",
                   seconds=1e-3, kv_tbps=3.4)
     (title, _), = _bench.markdown_tables([record], ["ours"])
