@@ -83,10 +83,9 @@ bool sm90_applies(const AttentionParams& p, int device) {
   const bool soft_cap_fits = !p.soft_capped() || p.q_segment_ids == nullptr;
   const bool no_bias_or_mask = p.bias == nullptr && p.mask == nullptr;
   return (!p.deterministic || ordered_dq) && soft_cap_fits && no_bias_or_mask &&
-         p.head_dim <= max_head_dim &&
-         blocks <= 0x7fffffff &&
-         wgmma::backward_tma_compatible(p) &&
-         wgmma::segment_ids_tma_compatible(p) && wgmma::hopper_kernels_apply(p, device);
+         p.head_dim <= max_head_dim && blocks <= 0x7fffffff &&
+         wgmma::backward_tma_compatible(p) && wgmma::segment_ids_tma_compatible(p) &&
+         wgmma::hopper_kernels_apply(p, device);
 }
 
 }  // namespace

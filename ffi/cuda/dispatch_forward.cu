@@ -8,10 +8,9 @@
 // workspace holds its splits: on Hopper the wgmma one where it applies
 // (wgmma::decode_kernel_applies), else the mma.sync one (soft-capped calls on their
 // instantiations for the cap); calls with a bias, boolean mask or segment ids keep the normal
-// kernels. Calls with one of a soft-cap, segment ids,
-// or a bias and mask take the Hopper kernel's instantiations for it; with two of them, the
-// mma.sync family. Why in this
-// order: docs/decisions/kernel-family-dispatch.md.
+// kernels. Calls with one of a soft-cap, segment ids, or a bias or mask take the Hopper
+// kernel's instantiations for it; with two of them, the mma.sync family. Why in this order:
+// docs/decisions/kernel-family-dispatch.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

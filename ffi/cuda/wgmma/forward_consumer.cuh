@@ -106,8 +106,8 @@ struct ForwardConsumer {
   // The softmax's factor on the scores: scale log2(e), or c = cap log2(e) where they are
   // tanh(s scale / cap) (kSoftCap: cap_scores as each tile lands; the capped base-2 logit is
   // c times that, folded into the softmax's FFMA), or 1 where they are base-2 logits already
-  // (kBiasAndMask: BiasAndMask::apply). Without the cap soft_cap is an empty type, which leaves
-  // the uncapped kernels' code as it was.
+  // (kBiasAndMask: BiasAndMask::apply). Without the cap soft_cap is an empty type: the uncapped
+  // kernels' code does not depend on it.
   const float softmax_scale;
   struct NoSoftCap {};
   using SoftCap = std::conditional_t<Traits::kSoftCap, cuda::SoftCapLogits, NoSoftCap>;
