@@ -1,6 +1,6 @@
 // Per-element conversions between the kernels' storage types and float, and warp-wide
-// reductions: the scalar helpers of the CUDA-core kernels and of the backward's elementwise
-// steps.
+// reductions: the scalar helpers of the CUDA-core kernels, of the backward's elementwise steps
+// and of the Hopper forward's bias reads.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -17,6 +17,7 @@
 #include "ffi/cuda/common/hopper_ptx.cuh"
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/scalar.cuh"
 #include "ffi/cuda/wgmma/tile_scheduler.cuh"
 #include "ffi/params.h"
 #include "ffi/variant.h"
@@ -101,7 +102,7 @@ struct BiasAndMask {
           float& score = s[0][c][2 * h + e];
           float logit = score * scale_log2;
           if constexpr (!std::is_void_v<BiasElem>)
-            if (visible) logit = fmaf(cuda::kLog2e, to_float(bias[col]), logit);
+            if (visible) logit = fmaf(cuda::kLog2e, cuda::to_float(bias[col]), logit);
           score = visible ? logit : -INFINITY;
         }
     }
@@ -117,10 +118,6 @@ struct BiasAndMask {
       default: return add<float>(s, t, j, interior);
     }
   }
-
-  __device__ __forceinline__ static float to_float(float x) { return x; }
-  __device__ __forceinline__ static float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-  __device__ __forceinline__ static float to_float(__half x) { return __half2float(x); }
 };
 
 }  // namespace jax_flashattn::wgmma
