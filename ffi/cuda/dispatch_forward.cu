@@ -49,7 +49,7 @@ cudaError_t launch_decode_sm90_for_head_dim(const AttentionParams& p,
                                             cudaStream_t stream) {
   return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
     constexpr int kHeadDim = decltype(h)::value;
-    return p.soft_capped() ? launch_forward_decode_sm90_softcap<Elem, kHeadDim>(p, plan, stream)
+    return p.soft_capped() ? launch_forward_decode_sm90<Elem, kHeadDim, true>(p, plan, stream)
                            : launch_forward_decode_sm90<Elem, kHeadDim>(p, plan, stream);
   });
 }
@@ -65,7 +65,7 @@ cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const mma_sync:
                                        cudaStream_t stream) {
   return for_head_dim<mma_sync::kDecodeHeadDims>(p.head_dim, [&](auto h) {
     constexpr int kHeadDim = decltype(h)::value;
-    return p.soft_capped() ? launch_forward_decode_softcap<Elem, kHeadDim>(p, plan, stream)
+    return p.soft_capped() ? launch_forward_decode<Elem, kHeadDim, true>(p, plan, stream)
                            : launch_forward_decode<Elem, kHeadDim>(p, plan, stream);
   });
 }
@@ -80,12 +80,12 @@ bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const mma_syn
   if (sm90)
     return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
       constexpr int kHeadDim = decltype(h)::value;
-      return capped ? forward_decode_sm90_softcap_merges_in_cluster<Elem, kHeadDim>(plan, device)
+      return capped ? forward_decode_sm90_merges_in_cluster<Elem, kHeadDim, true>(plan, device)
                     : forward_decode_sm90_merges_in_cluster<Elem, kHeadDim>(plan, device);
     });
   return for_head_dim<mma_sync::kDecodeHeadDims>(p.head_dim, [&](auto h) {
     constexpr int kHeadDim = decltype(h)::value;
-    return capped ? forward_decode_softcap_merges_in_cluster<Elem, kHeadDim>(plan, device)
+    return capped ? forward_decode_merges_in_cluster<Elem, kHeadDim, true>(plan, device)
                   : forward_decode_merges_in_cluster<Elem, kHeadDim>(plan, device);
   });
 }

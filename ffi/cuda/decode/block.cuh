@@ -120,7 +120,8 @@ struct DecodeRows {
 // A decode configuration for soft-capped calls: the scores of each step become
 // tanh(s scale / cap) as they land, before the row bounds mask them (cap_decode_scores), and
 // the softmax takes them with factor c = cap log2(e) (decode_softmax_scale). Instantiations of
-// their own (decode/softcap_launch.cuh): the uncapped kernels' code does not depend on them.
+// their own (the launches' kSoftCap, decode/mma_sync_launch.cuh, in the *_softcap.cu.in
+// translation units): the uncapped kernels' code does not depend on them.
 template <typename Config>
 struct DecodeWithSoftCap : Config {
   static constexpr bool kSoftCap = true;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <array>
+#include <type_traits>
 #include <utility>
 
 #include "ffi/cuda/decode/cluster_merge.cuh"
@@ -147,39 +148,27 @@ auto with_decode_config(const mma_sync::DecodePlan& plan, F&& f) {
                                                    : f(DecodeChunkSteps<kHeadDim>{});
 }
 
-// A configuration as it is: the plain Variant of the launches below (the other is
-// mma_sync::DecodeWithSoftCap, decode/softcap_launch.cuh).
-template <typename Config>
-using PlainDecode = Config;
+// A decode configuration, with the soft-cap's terms where kSoftCap.
+template <typename Config, bool kSoftCap>
+using DecodeVariant = std::conditional_t<kSoftCap, mma_sync::DecodeWithSoftCap<Config>, Config>;
 
-template <typename Elem, int kHeadDim, template <typename> class Variant>
-cudaError_t launch_forward_decode_as(const AttentionParams& p, const mma_sync::DecodePlan& plan,
-                                     cudaStream_t stream) {
+template <typename Elem, int kHeadDim, bool kSoftCap>
+cudaError_t launch_forward_decode(const AttentionParams& p, const mma_sync::DecodePlan& plan,
+                                  cudaStream_t stream) {
   return with_decode_config<kHeadDim>(plan, [&](auto config) {
-    using Traits = Variant<decltype(config)>;
+    using Traits = DecodeVariant<decltype(config), kSoftCap>;
     return launch_decode<Elem, mma_sync::decode_split_kernel<Elem, Traits>>(
         p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
   });
 }
 
-template <typename Elem, int kHeadDim, template <typename> class Variant>
-bool forward_decode_as_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
+template <typename Elem, int kHeadDim, bool kSoftCap>
+bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
   return with_decode_config<kHeadDim>(plan, [&](auto config) {
-    using Traits = Variant<decltype(config)>;
+    using Traits = DecodeVariant<decltype(config), kSoftCap>;
     return cluster_merge_fits<mma_sync::decode_split_kernel<Elem, Traits>>(
         plan, Traits::kThreads, Traits::kSmemBytes, device);
   });
-}
-
-template <typename Elem, int kHeadDim>
-cudaError_t launch_forward_decode(const AttentionParams& p, const mma_sync::DecodePlan& plan,
-                                  cudaStream_t stream) {
-  return launch_forward_decode_as<Elem, kHeadDim, PlainDecode>(p, plan, stream);
-}
-
-template <typename Elem, int kHeadDim>
-bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
-  return forward_decode_as_merges_in_cluster<Elem, kHeadDim, PlainDecode>(plan, device);
 }
 
 }  // namespace jax_flashattn::cuda

@@ -20,35 +20,24 @@ auto with_sm90_decode_config(const mma_sync::DecodePlan& plan, F&& f) {
                                     : f(wgmma::DecodeConfig<kHeadDim, 1>{});
 }
 
-template <typename Elem, int kHeadDim, template <typename> class Variant>
-cudaError_t launch_forward_decode_sm90_as(const AttentionParams& p,
-                                          const mma_sync::DecodePlan& plan, cudaStream_t stream) {
+template <typename Elem, int kHeadDim, bool kSoftCap>
+cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const mma_sync::DecodePlan& plan,
+                                       cudaStream_t stream) {
   if (plan.splits % plan.splits_per_block != 0) return cudaErrorInvalidValue;
   return with_sm90_decode_config<kHeadDim>(plan, [&](auto config) {
-    using Traits = Variant<decltype(config)>;
+    using Traits = DecodeVariant<decltype(config), kSoftCap>;
     return launch_decode<Elem, wgmma::decode_split_kernel<Elem, Traits>>(
         p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
   });
 }
 
-template <typename Elem, int kHeadDim, template <typename> class Variant>
-bool forward_decode_sm90_as_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
+template <typename Elem, int kHeadDim, bool kSoftCap>
+bool forward_decode_sm90_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
   return with_sm90_decode_config<kHeadDim>(plan, [&](auto config) {
-    using Traits = Variant<decltype(config)>;
+    using Traits = DecodeVariant<decltype(config), kSoftCap>;
     return cluster_merge_fits<wgmma::decode_split_kernel<Elem, Traits>>(
         plan, Traits::kThreads, Traits::kSmemBytes, device);
   });
-}
-
-template <typename Elem, int kHeadDim>
-cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const mma_sync::DecodePlan& plan,
-                                       cudaStream_t stream) {
-  return launch_forward_decode_sm90_as<Elem, kHeadDim, PlainDecode>(p, plan, stream);
-}
-
-template <typename Elem, int kHeadDim>
-bool forward_decode_sm90_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
-  return forward_decode_sm90_as_merges_in_cluster<Elem, kHeadDim, PlainDecode>(plan, device);
 }
 
 }  // namespace jax_flashattn::cuda
