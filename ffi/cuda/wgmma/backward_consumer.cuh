@@ -81,6 +81,10 @@ struct BackwardConsumer {
   static constexpr int kDTiles = Traits::kDkvCols / 8;  // 8-wide column tiles of dK, dV
   static constexpr int kDqTiles = Traits::kDqCols / 8;  // 8-wide column tiles of dQ
   static constexpr bool kSplit = Traits::kSplitHeadDim;
+  // S^T of the next step issued before this step's dQ is added (run()). With the head dim
+  // split, S^T beside dK, dV and dQ (224 accumulator registers) spills and serializes the
+  // wgmma chain (ptxas, CUDA 13.0), so there each step issues its own.
+  static constexpr bool kScoresAhead = !kSplit;
   static constexpr int kConsumersBarrier = BackwardNamedBarriers::kConsumers;
   static constexpr int kWarpgroupBarrier = BackwardNamedBarriers::kWarpgroup;
   static constexpr int kConsumerThreads = 128 * Traits::kConsumers;
@@ -164,29 +168,37 @@ struct BackwardConsumer {
     }
   }
 
-  // S^T = K_wg Q^T and dP^T = V_wg dO^T (64 keys x kBlockM queries each), as two commit groups,
-  // so that P^T is computed while dP^T is still running. The K, V and dQ-K descriptors are the
-  // same on every step: without an opaque copy of their base per step ptxas hoists all of them
-  // out of the step loop (64-bit each: 48 registers at head dim 128, which spills); rebuilt per
-  // step they cost two integer ops each (docs/decisions/hopper-kernels-without-spills.md).
+  // S^T = K_wg Q^T (kS) and dP^T = V_wg dO^T (kDp), 64 keys x kBlockM queries each, each a
+  // commit group of its own, so that P^T is computed while dP^T is still running; with
+  // kScoresAhead S^T is issued while the step before adds its dQ, dP^T at the step's start.
+  // kSSteps < kKSteps: the first k-steps of S^T only, a product whose result is discarded
+  // (run()). The K, V and dQ-K descriptors are the same on every step: without an opaque copy
+  // of their base per step ptxas hoists all of them out of the step loop (64-bit each: 48
+  // registers at head dim 128, which spills); rebuilt per step they cost two integer ops each
+  // (docs/decisions/hopper-kernels-without-spills.md).
+  template <bool kS, bool kDp, int kSSteps = kKSteps>
   __device__ __forceinline__ void issue_scores(const Thread& th, int stage,
                                                float (&s_acc)[kQTiles][4],
                                                float (&dp_acc)[kQTiles][4]) const {
     const uint32_t k_tile = ptx::opaque(smem.k() + th.wg_key0 * kRowBytes);
     const uint32_t v_tile = ptx::opaque(smem.v() + th.wg_key0 * kRowBytes);
-    fence(s_acc);
-    fence(dp_acc);
+    if constexpr (kS) fence(s_acc);
+    if constexpr (kDp) fence(dp_acc);
     ptx::wgmma_fence();
+    if constexpr (kS) {
 #pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks)
-      ptx::wgmma_ss<kBlockM, Elem>(s_acc, Desc::k_major(k_tile, kBlockN, ks),
-                                   Desc::k_major(smem.q(stage), kBlockM, ks), ks > 0);
-    ptx::wgmma_commit_group();
+      for (int ks = 0; ks < kSSteps; ++ks)
+        ptx::wgmma_ss<kBlockM, Elem>(s_acc, Desc::k_major(k_tile, kBlockN, ks),
+                                     Desc::k_major(smem.q(stage), kBlockM, ks), ks > 0);
+      ptx::wgmma_commit_group();
+    }
+    if constexpr (kDp) {
 #pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks)
-      ptx::wgmma_ss<kBlockM, Elem>(dp_acc, Desc::k_major(v_tile, kBlockN, ks),
-                                   Desc::k_major(smem.d_out(stage), kBlockM, ks), ks > 0);
-    ptx::wgmma_commit_group();
+      for (int ks = 0; ks < kKSteps; ++ks)
+        ptx::wgmma_ss<kBlockM, Elem>(dp_acc, Desc::k_major(v_tile, kBlockN, ks),
+                                     Desc::k_major(smem.d_out(stage), kBlockM, ks), ks > 0);
+      ptx::wgmma_commit_group();
+    }
   }
 
   __device__ __forceinline__ Scores score_factors() const {
@@ -419,6 +431,14 @@ struct BackwardConsumer {
     if constexpr (Traits::kDeterministic) release(th, smem.dq_done(th.consumer));
   }
 
+  __device__ __forceinline__ void add_dq(const Thread& th, const BackwardStep& s,
+                                         const float (&dq_acc)[kDqTiles][4]) const {
+    if constexpr (Traits::kDqStaged)
+      add_dq_staged(th, s, dq_acc);
+    else
+      add_dq_atomic(th, s, dq_acc);
+  }
+
   // Before dQ reads the step's dS^T: both consumers have stored theirs, or with the head dim
   // split this one's warps have. The thread that issues this warpgroup's dQ reductions first
   // waits for the last one to have read its staging tile, which the warpgroup overwrites after
@@ -471,6 +491,14 @@ struct BackwardConsumer {
       zero_kv_past_length(th);
     }
     int n = block.head0, tile = block.tile_begin;
+    // kScoresAhead: each step's S^T is issued by the step before (the first step's here), before
+    // that step adds its dQ, so that the tensor cores have work while dQ is staged.
+    float s_acc[kQTiles][4];
+    if constexpr (kScoresAhead)
+      if (block.steps > 0) {
+        ptx::mbarrier_wait(ptx::barrier_address(bars.q_full[0]), 0);
+        issue_scores<true, false>(th, 0, s_acc, s_acc);
+      }
     for (int step = 0; step < block.steps; ++step) {
       BackwardStep s;
       s.step = step, s.n = n, s.q0 = tile * kBlockM;
@@ -480,7 +508,9 @@ struct BackwardConsumer {
       const int box_shift = block.stats_row(p, n, s.q0) % kFlatAlignElems;
       s.lse = stats + s.stage * 2 * Traits::kStatsStride + box_shift;
       s.delta = s.lse + Traits::kStatsStride;
-      ptx::mbarrier_wait(ptx::barrier_address(bars.q_full[s.stage]), step_phase<kStages>(step));
+      if constexpr (!kScoresAhead)
+        ptx::mbarrier_wait(ptx::barrier_address(bars.q_full[s.stage]),
+                           step_phase<kStages>(step));
       // kSegments: whether one document holds the tile's queries and this warp's keys, asked
       // here, before the products, which then hold none of its registers (asked under them
       // with the ids in global memory, it spilled at head dim 128). The answer counts only
@@ -490,10 +520,19 @@ struct BackwardConsumer {
         one_document = cuda::one_segment<kBlockM>(ids.lane_key_id,
                                                   smem.q_ids(s.stage) + ids.q_ids_skip, th.lane);
 
-      float s_acc[kQTiles][4], dp_acc[kQTiles][4];
-      issue_scores(th, s.stage, s_acc, dp_acc);
-      ptx::wgmma_wait<1>();
-      fence(s_acc);
+      float dp_acc[kQTiles][4];
+      if constexpr (kScoresAhead) {
+        // S^T, in flight since the step before: a wait for all groups, as ptxas serializes
+        // every wgmma of the kernel (C7514) where a group issued before the loop's back edge is
+        // retired by a wait that leaves a later one in flight.
+        ptx::wgmma_wait<0>();
+        fence(s_acc);
+        issue_scores<false, true>(th, s.stage, dp_acc, dp_acc);
+      } else {
+        issue_scores<true, true>(th, s.stage, s_acc, dp_acc);
+        ptx::wgmma_wait<1>();
+        fence(s_acc);
+      }
       // The elements of this thread's S^T that are hidden: element [j][e] is query
       // q0 + 8 j + quad_col + e % 2, key key0 + quad_row + 8 (e / 2) of the warp's first key
       // key0. Only tiles that straddle a length or window boundary (or, kSegments, whose
@@ -553,15 +592,29 @@ struct BackwardConsumer {
       fence(ds_frag);
       release(th, ptx::barrier_address(bars.q_empty[s.stage]));
 
-      ptx::wgmma_wait<0>();
+      // kScoresAhead: the next step's S^T goes in flight before this step's dQ is waited for
+      // and added. The last step issues one k-step of S^T instead, from its own stage (which no
+      // load replaces any more), and discards it: with S^T in flight on one path into the
+      // loop's back edge and not on the other, ptxas serializes every wgmma (C7515).
+      if constexpr (kScoresAhead) {
+        if (step + 1 < block.steps) {
+          const int next_stage = (step + 1) % kStages;
+          ptx::mbarrier_wait(ptx::barrier_address(bars.q_full[next_stage]),
+                             step_phase<kStages>(step + 1));
+          issue_scores<true, false>(th, next_stage, s_acc, s_acc);
+        } else {
+          issue_scores<true, false, 1>(th, s.stage, s_acc, s_acc);
+        }
+        ptx::wgmma_wait<1>();
+      } else {
+        ptx::wgmma_wait<0>();
+      }
       fence(dq_acc);
-      if constexpr (Traits::kDqStaged)
-        add_dq_staged(th, s, dq_acc);
-      else
-        add_dq_atomic(th, s, dq_acc);
+      add_dq(th, s, dq_acc);
       if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
     }
 
+    if constexpr (kScoresAhead) ptx::wgmma_wait<0>();  // the discarded S^T, before K is reused
     if constexpr (Traits::kDqStaged && !Traits::kDeterministic)
       if (tid % 128 == 0) ptx::bulk_wait_group_read_all();  // the staging tiles outlive the reads
     store_dk_dv<Elem, Traits>(p, maps, block, dk_acc, dv_acc, smem.k(), smem.v(),
