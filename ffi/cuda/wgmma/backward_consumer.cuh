@@ -85,6 +85,12 @@ struct BackwardConsumer {
   // split, S^T beside dK, dV and dQ (224 accumulator registers) spills and serializes the
   // wgmma chain (ptxas, CUDA 13.0), so there each step issues its own.
   static constexpr bool kScoresAhead = !kSplit;
+  // dV += P^T dO issued as soon as P^T is packed, under dS^T's computation, dK once dS^T is
+  // (kDvFirst). S^T, dP^T, the P^T fragments and dK + dV are live together then: 208 registers
+  // at head dim 128; at 64 (128-query tiles) 224, which spills 48-104 B and serializes the
+  // wgmma chain (ptxas C7512), so there dV and dK go together once dS^T is stored.
+  static constexpr int kDvFirstRegisters = 2 * kQTiles * 4 + kQSteps * 4 + 2 * kDTiles * 4;
+  static constexpr bool kDvFirst = !kSplit && kDvFirstRegisters <= 208;
   static constexpr int kConsumersBarrier = BackwardNamedBarriers::kConsumers;
   static constexpr int kWarpgroupBarrier = BackwardNamedBarriers::kWarpgroup;
   static constexpr int kConsumerThreads = 128 * Traits::kConsumers;
@@ -282,6 +288,7 @@ struct BackwardConsumer {
   // tiles 2 kk, 2 kk + 1 are k-step kk), and dS^T into dS^T buffer `buffer` for dQ,
   // [key][query] rows in spans of 64 queries with chunk c of row r at chunk c ^ (r % 8) (the
   // 128-byte swizzle).
+  template <bool kPackP = true>
   __device__ __forceinline__ void store_ds(const Thread& th, int buffer,
                                            const float (&s_acc)[kQTiles][4],
                                            const float (&dp_acc)[kQTiles][4],
@@ -289,7 +296,7 @@ struct BackwardConsumer {
                                            uint32_t (&ds_frag)[kQSteps][4]) const {
 #pragma unroll
     for (int kk = 0; kk < kQSteps; ++kk) {
-      mma_sync::pack_a<Elem>(p_frag[kk], s_acc, kk);
+      if constexpr (kPackP) mma_sync::pack_a<Elem>(p_frag[kk], s_acc, kk);
       mma_sync::pack_a<Elem>(ds_frag[kk], dp_acc, kk);
     }
     // The offset of 8-query tile j in a dS^T row: chunk j % 8 of span j / 8; 64-query tiles
@@ -319,21 +326,24 @@ struct BackwardConsumer {
 
   // dV += P^T dO and dK += dS^T Q over this warpgroup's keys x its kDkvCols head-dim columns,
   // reducing over the tile's queries, from `stage`.
+  template <bool kDv = true, bool kDk = true>
   __device__ __forceinline__ void issue_dv_dk(const Thread& th, int stage,
                                               uint32_t (&p_frag)[kQSteps][4],
                                               uint32_t (&ds_frag)[kQSteps][4],
                                               float (&dv_acc)[kDTiles][4],
                                               float (&dk_acc)[kDTiles][4]) const {
     const uint32_t dkv_offset = th.dkv_span0 * kBlockM * kRowBytes;
-    fence(dv_acc);
-    fence(dk_acc);
+    if constexpr (kDv) fence(dv_acc);
+    if constexpr (kDk) fence(dk_acc);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kQSteps; ++kk) {
-      ptx::wgmma_rs<Traits::kDkvCols, Elem>(dv_acc, p_frag[kk],
-                                            Desc::query_tile(smem.d_out(stage) + dkv_offset, kk));
-      ptx::wgmma_rs<Traits::kDkvCols, Elem>(dk_acc, ds_frag[kk],
-                                            Desc::query_tile(smem.q(stage) + dkv_offset, kk));
+      if constexpr (kDv)
+        ptx::wgmma_rs<Traits::kDkvCols, Elem>(
+            dv_acc, p_frag[kk], Desc::query_tile(smem.d_out(stage) + dkv_offset, kk));
+      if constexpr (kDk)
+        ptx::wgmma_rs<Traits::kDkvCols, Elem>(
+            dk_acc, ds_frag[kk], Desc::query_tile(smem.q(stage) + dkv_offset, kk));
     }
     ptx::wgmma_commit_group();
   }
@@ -573,13 +583,20 @@ struct BackwardConsumer {
         }
       }
       probabilities(th, scores, s.lse, hidden, s_acc);
-      ptx::wgmma_wait<0>();
+      uint32_t p_frag[kQSteps][4], ds_frag[kQSteps][4];
+      if constexpr (kDvFirst) {
+#pragma unroll
+        for (int kk = 0; kk < kQSteps; ++kk) mma_sync::pack_a<Elem>(p_frag[kk], s_acc, kk);
+        issue_dv_dk<true, false>(th, s.stage, p_frag, ds_frag, dv_acc, dk_acc);
+        ptx::wgmma_wait<1>();
+      } else {
+        ptx::wgmma_wait<0>();
+      }
       fence(dp_acc);
       score_gradients(th, scores, s.lse, s.delta, s_acc, dp_acc);
 
-      uint32_t p_frag[kQSteps][4], ds_frag[kQSteps][4];
-      store_ds(th, s.ds_buffer, s_acc, dp_acc, p_frag, ds_frag);
-      issue_dv_dk(th, s.stage, p_frag, ds_frag, dv_acc, dk_acc);
+      store_ds<!kDvFirst>(th, s.ds_buffer, s_acc, dp_acc, p_frag, ds_frag);
+      issue_dv_dk<!kDvFirst, true>(th, s.stage, p_frag, ds_frag, dv_acc, dk_acc);
       wait_for_ds(th, dv_acc, dk_acc, p_frag, ds_frag);
       float dq_acc[kDqTiles][4];
       issue_dq(th, s.ds_buffer, k_dq_offset, dq_acc);
