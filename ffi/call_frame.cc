@@ -167,6 +167,7 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   shape.logits_soft_cap = attrs.logits_soft_cap;
   shape.window_left = attrs.window_left;
   shape.window_right = attrs.window_right;
+  shape.align_window_to_lengths = attrs.align_window_to_lengths != 0;
   shape.deterministic = attrs.deterministic != 0;
   shape.disable_sm90 = attrs.disable_sm90 != 0;
   shape.sm80_cp_async = attrs.sm80_cp_async != 0;

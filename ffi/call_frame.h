@@ -18,6 +18,8 @@ struct CallAttrs {
   float logits_soft_cap;
   int64_t window_left;
   int64_t window_right;
+  // Nonzero: the window moves per batch entry (AttentionParams::align_window_to_lengths).
+  int32_t align_window_to_lengths;
   int32_t has_bias;
   int32_t has_mask;
   int32_t has_q_seqlens;
@@ -107,6 +109,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_flashattn::CallAttrs,
                                       xla::ffi::StructMember<float>("logits_soft_cap"),
                                       xla::ffi::StructMember<int64_t>("window_left"),
                                       xla::ffi::StructMember<int64_t>("window_right"),
+                                      xla::ffi::StructMember<int32_t>("align_window_to_lengths"),
                                       xla::ffi::StructMember<int32_t>("has_bias"),
                                       xla::ffi::StructMember<int32_t>("has_mask"),
                                       xla::ffi::StructMember<int32_t>("has_q_seqlens"),

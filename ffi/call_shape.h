@@ -23,6 +23,7 @@ struct CallShape {
   float logits_soft_cap = 0.0f;  // AttentionParams::logits_soft_cap
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;
+  bool align_window_to_lengths = false;  // AttentionParams::align_window_to_lengths
   // Which optional operands the call passes (read by the planner; the handlers take them from
   // the operands themselves).
   bool has_bias = false;
@@ -63,6 +64,7 @@ inline void SetLayout(const CallShape& s, AttentionParams& p) {
   p.logits_soft_cap = s.logits_soft_cap;
   p.window_left = s.window_left;
   p.window_right = s.window_right;
+  p.align_window_to_lengths = s.align_window_to_lengths;
   p.deterministic = s.deterministic;
   p.disable_sm90 = s.disable_sm90;
   p.sm80_cp_async = s.sm80_cp_async;

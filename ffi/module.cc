@@ -78,6 +78,7 @@ NB_MODULE(_jax_flashattn, m) {
       .def_rw("logits_soft_cap", &CallShape::logits_soft_cap)
       .def_rw("window_left", &CallShape::window_left)
       .def_rw("window_right", &CallShape::window_right)
+      .def_rw("align_window_to_lengths", &CallShape::align_window_to_lengths)
       .def_rw("has_bias", &CallShape::has_bias)
       .def_rw("has_mask", &CallShape::has_mask)
       .def_rw("has_q_seqlens", &CallShape::has_q_seqlens)

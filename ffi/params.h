@@ -99,9 +99,16 @@ struct AttentionParams {
   // bias and every mask); 0: none (variant::SoftCap).
   float logits_soft_cap = 0.0f;
   // Query t sees key s iff t - window_left <= s <= t + window_right (each side unbounded when
-  // kUnboundedWindow). Causal attention is window_right == 0.
+  // kUnboundedWindow; moved per batch entry by align_window_to_lengths). Causal attention is
+  // window_right == 0.
   int64_t window_left = kUnboundedWindow;
   int64_t window_right = kUnboundedWindow;
+  // Bottom-right alignment at each batch entry's lengths (cuDNN's BOTTOM_RIGHT with padding):
+  // query t of entry b sits at t + d_b for the window, d_b = kv_len_b - q_len_b from the
+  // lengths below clamped to [0, S] and [0, T] (S and T where absent), so entry b's sides are
+  // window_left - d_b and window_right + d_b. Those are variant::KeyWindow::make(p, b)'s;
+  // the two fields above alone say only which sides are bounded, which no shift changes.
+  bool align_window_to_lengths = false;
 
   // Backward only.
   const void* d_out = nullptr;  // like q
@@ -153,7 +160,8 @@ struct AttentionParams {
     return bias != nullptr || mask != nullptr || q_segment_ids != nullptr;
   }
   JAX_FLASHATTN_HOST_DEVICE bool soft_capped() const { return logits_soft_cap != 0.0f; }
-  // No causal or window bound: every query sees every key up to the lengths.
+  // No causal or window bound: every query sees every key up to the lengths (so too with
+  // align_window_to_lengths, which moves bounded sides only).
   JAX_FLASHATTN_HOST_DEVICE bool unwindowed() const {
     return window_left == kUnboundedWindow && window_right == kUnboundedWindow;
   }

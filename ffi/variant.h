@@ -43,16 +43,28 @@ JAX_FLASHATTN_HOST_DEVICE inline int64_t clamp_length(const int32_t* lengths, in
   return length < 0 ? 0 : (length > size ? size : length);
 }
 
+// Window side w (left or right, kUnboundedWindow for an open one) with the queries moved d
+// positions towards the keys' end: left - d, right + d (AttentionParams::align_window_to_lengths,
+// |d| <= max(T, S)). A bounded side first saturates at +-2^62, beyond which it hides all or
+// nothing of any call, so the sum cannot overflow.
+JAX_FLASHATTN_HOST_DEVICE inline int64_t moved_side(int64_t w, int64_t d) {
+  if (w == kUnboundedWindow) return w;
+  constexpr int64_t kFar = int64_t(1) << 62;
+  return (w > kFar ? kFar : (w < -kFar ? -kFar : w)) + d;
+}
+
 // Sequence lengths and the local window of one batch entry: query t sees key s iff t < q_len,
-// s < kv_len and t - left <= s <= t + right (causal is right = 0).
+// s < kv_len and t - left <= s <= t + right (causal is right = 0). With
+// p.align_window_to_lengths the call's sides move by the entry's kv_len - q_len
+// (align_to_lengths), here and in KeyWindow<int64_t> alike.
 //
 // The bounds are clamped so that no side is "unbounded" and no test branches on one: a query
 // t < T and a key s < S have -T < s - t < S, so a left bound of T or more hides no key and one
 // of -S or less hides every key (the right bound the same, mirrored). Clamped to [-S, T] (left)
-// and [-T, S] (right), each side decides every pair as the call's bound does, and every sum
-// below of a row, a key, a block of either (<= 1024) and a bound stays within T + S + 1024 in
-// magnitude. For calls where that fits in int32 (the wgmma forward and decode kernels:
-// indices_fit_32_bits); KeyWindow<int64_t> below serves every call.
+// and [-T, S] (right), after any move, each side decides every pair as the unclamped one
+// does, and every sum below of a row, a key, a block of either (<= 1024) and a bound stays
+// within T + S + 1024 in magnitude. For calls where that fits in int32 (the wgmma forward and
+// decode kernels: indices_fit_32_bits); KeyWindow<int64_t> below serves every call.
 template <typename Index>
 struct KeyWindow {
   Index q_len, kv_len;  // rows t >= q_len see nothing, keys s >= kv_len are hidden
@@ -60,15 +72,12 @@ struct KeyWindow {
 
   // The call's windows with the call's lengths (make(p, b) has batch entry b's).
   JAX_FLASHATTN_HOST_DEVICE static KeyWindow make(const AttentionParams& p) {
-    const auto clamp = [](int64_t w, int64_t hides_all, int64_t hides_none) {
-      if (w == kUnboundedWindow || w > hides_none) return Index(hides_none);
-      return Index(w < hides_all ? hides_all : w);
-    };
     KeyWindow v;
     v.q_len = Index(p.seqlen_q);
     v.kv_len = Index(p.seqlen_k);
-    v.left = clamp(p.window_left, -p.seqlen_k, p.seqlen_q);
-    v.right = clamp(p.window_right, -p.seqlen_q, p.seqlen_k);
+    v.left = clamp_left(p, p.window_left);
+    v.right = clamp_right(p, p.window_right);
+    if (p.align_window_to_lengths) v.align_to_lengths(p);
     return v;
   }
 
@@ -76,7 +85,17 @@ struct KeyWindow {
     KeyWindow v = make(p);
     if (p.q_seqlens != nullptr) v.q_len = Index(clamp_length(p.q_seqlens, b, p.seqlen_q));
     if (p.kv_seqlens != nullptr) v.kv_len = Index(clamp_length(p.kv_seqlens, b, p.seqlen_k));
+    if (p.align_window_to_lengths) v.align_to_lengths(p);
     return v;
+  }
+
+  // With p.align_window_to_lengths: the sides of an entry with this window's lengths, moved
+  // from the call's as given (clamped after the move: clamped first, an open side would move
+  // into a bound), for code that sets the lengths itself (the Hopper forward's tile slot).
+  JAX_FLASHATTN_HOST_DEVICE void align_to_lengths(const AttentionParams& p) {
+    const int64_t d = int64_t(kv_len) - int64_t(q_len);
+    left = clamp_left(p, moved_side(p.window_left, -d));
+    right = clamp_right(p, moved_side(p.window_right, d));
   }
 
   // Keys [lo, hi) that rows [row_begin, row_end) may see; hi <= lo when none. lo may exceed
@@ -108,12 +127,27 @@ struct KeyWindow {
     lo = Index((Unsigned(key_lo) + kBlockN - 1) / kBlockN) - tile_begin;
     hi = Index(Unsigned(key_hi) / kBlockN) - tile_begin;
   }
+
+ private:
+  // A side clamped to [hides_all, hides_none] (above); kUnboundedWindow hides none.
+  JAX_FLASHATTN_HOST_DEVICE static Index clamp_side(int64_t w, int64_t hides_all,
+                                                    int64_t hides_none) {
+    if (w == kUnboundedWindow || w > hides_none) return Index(hides_none);
+    return Index(w < hides_all ? hides_all : w);
+  }
+  JAX_FLASHATTN_HOST_DEVICE static Index clamp_left(const AttentionParams& p, int64_t w) {
+    return clamp_side(w, -p.seqlen_k, p.seqlen_q);
+  }
+  JAX_FLASHATTN_HOST_DEVICE static Index clamp_right(const AttentionParams& p, int64_t w) {
+    return clamp_side(w, -p.seqlen_q, p.seqlen_k);
+  }
 };
 
 // The same rule in 64 bits for calls whose indices may not fit int32 (the CPU, CUDA-core,
-// mma.sync and Hopper backward kernels), with each window side as given: an unbounded side
-// (kUnboundedWindow) is a branch around its test instead of a clamped bound. Those kernels
-// were measured slower with clamped 64-bit bounds (docs/decisions/variant-policies.md).
+// mma.sync and Hopper backward kernels), with each window side as given (moved per entry
+// under align_window_to_lengths): an unbounded side (kUnboundedWindow) is a branch around its
+// test instead of a clamped bound. Those kernels were measured slower with clamped 64-bit
+// bounds (docs/decisions/variant-policies.md).
 template <>
 struct KeyWindow<int64_t> {
   int64_t q_len, kv_len;              // rows t >= q_len see nothing, keys s >= kv_len are hidden
@@ -127,6 +161,10 @@ struct KeyWindow<int64_t> {
     if (p.kv_seqlens != nullptr) v.kv_len = clamp_length(p.kv_seqlens, b, p.seqlen_k);
     v.window_left = p.window_left;
     v.window_right = p.window_right;
+    if (p.align_window_to_lengths) {
+      v.window_left = moved_side(p.window_left, v.q_len - v.kv_len);
+      v.window_right = moved_side(p.window_right, v.kv_len - v.q_len);
+    }
     return v;
   }
 

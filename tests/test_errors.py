@@ -312,7 +312,7 @@ FLAGS = dict(has_bias=np.int32(0), has_mask=np.int32(0), has_q_seqlens=np.int32(
              has_kv_seqlens=np.int32(0), has_segment_ids=np.int32(0))
 ATTRS = dict(scale=np.float32(0.25), logits_soft_cap=np.float32(0),
              window_left=np.int64(_ops.UNBOUNDED_WINDOW),
-             window_right=np.int64(_ops.UNBOUNDED_WINDOW),
+             window_right=np.int64(_ops.UNBOUNDED_WINDOW), align_window_to_lengths=np.int32(0),
              deterministic=np.int32(0), **_ffi.KernelSwitches().attrs())
 
 

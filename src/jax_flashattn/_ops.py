@@ -33,13 +33,15 @@ UNBOUNDED_WINDOW = np.iinfo(np.int64).min
 
 
 def _attrs(scale: float, window: tuple[int | None, int | None],
-           switches: _ffi.KernelSwitches, deterministic: bool = False, soft_cap: float = 0.0):
-    """window: (left, right), None for an unbounded side; soft_cap: 0 for none."""
+           switches: _ffi.KernelSwitches, deterministic: bool = False, soft_cap: float = 0.0,
+           align_window_to_lengths: bool = False):
+    """window: (left, right), None for an unbounded side; soft_cap: 0 for none;
+    align_window_to_lengths: the window moves by kv_len - q_len per batch entry (ffi/params.h)."""
     left, right = (UNBOUNDED_WINDOW if w is None else w for w in window)
     return dict(scale=np.float32(scale), logits_soft_cap=np.float32(soft_cap),
-                window_left=np.int64(left),
-                window_right=np.int64(right), deterministic=np.int32(deterministic),
-                **switches.attrs())
+                window_left=np.int64(left), window_right=np.int64(right),
+                align_window_to_lengths=np.int32(align_window_to_lengths),
+                deterministic=np.int32(deterministic), **switches.attrs())
 
 
 def _varying_axes(x) -> frozenset:
@@ -71,9 +73,12 @@ def vary_like(outs, operands):
 
 
 def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, scale: float,
-            window: tuple, switches: _ffi.KernelSwitches, soft_cap: float = 0.0):
+            window: tuple, switches: _ffi.KernelSwitches, soft_cap: float = 0.0,
+            align_window_to_lengths: bool = False):
     """(out [..., B, T, N, H] in q's dtype, lse [..., B, N, T] float32). `switches`: the
-    kernel switches the public function read (_ffi.KernelSwitches).
+    kernel switches the public function read (_ffi.KernelSwitches). `align_window_to_lengths`:
+    query t of batch entry b sits at t + kv_len_b - q_len_b for the window (its lengths, T and
+    S where absent), which then moves per entry.
 
     The call's third and fourth results are the CUDA kernels' workspaces, so that XLA owns
     their memory: an int32 the Hopper kernel's blocks claim tiles from (zeroed on the stream
@@ -96,13 +101,15 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, sc
          jax.ShapeDtypeStruct((decode_floats,), jnp.float32)),
         vmap_method="broadcast_all")
     out, lse, _, _ = call(q, k, v, *optional, **flags,
-                          **_attrs(scale, window, switches, soft_cap=soft_cap))
+                          **_attrs(scale, window, switches, soft_cap=soft_cap,
+                                   align_window_to_lengths=align_window_to_lengths))
     return vary_like((out, lse), (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids))
 
 
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *,
              scale: float, window: tuple, switches: _ffi.KernelSwitches,
-             deterministic: bool = False, dbias: bool = False, soft_cap: float = 0.0):
+             deterministic: bool = False, dbias: bool = False, soft_cap: float = 0.0,
+             align_window_to_lengths: bool = False):
     """(dq, dk, dv, dbias) where dbias is the float32 gradient of the logits' bias, or None
     without bias or without `dbias` (its cotangent not needed: the call then has no such result
     and allocates nothing for it). The kernels sum it over the bias's broadcast dims into the
@@ -116,6 +123,7 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, 
     their memory: a float32 dQ accumulator shaped like q, D = rowsum(dO * O) float32
     [..., B, N, T] and the int32 dQ semaphores of the deterministic mode (_ffi.plan; empty
     otherwise); they are dropped here (the CPU kernels leave them untouched).
+    `align_window_to_lengths`: as in `forward`.
     """
     *lead, t, n, _ = q.shape
     s = k.shape[-3]
@@ -133,6 +141,7 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, 
         results.append(jax.ShapeDtypeStruct(shape, jnp.float32))
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
     grads = call(q, k, v, out, lse, d_out, *optional, **flags,
-                 **_attrs(scale, window, switches, deterministic, soft_cap))
+                 **_attrs(scale, window, switches, deterministic, soft_cap,
+                          align_window_to_lengths))
     return vary_like((*grads[:3], grads[6] if with_dbias else None),
                      (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids, kv_ids))

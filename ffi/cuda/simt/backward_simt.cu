@@ -137,11 +137,10 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
   __syncwarp();
 
-  // Rows t that may see key s: s in [t - window_left, t + window_right].
-  int64_t t_lo = 0, t_hi = p.seqlen_q;
-  if (p.window_right != kUnboundedWindow && s - p.window_right > t_lo) t_lo = s - p.window_right;
-  if (p.window_left != kUnboundedWindow && s + p.window_left + 1 < t_hi)
-    t_hi = s + p.window_left + 1;
+  // Rows t that may see key s: its entry's lengths and window (moved per entry under
+  // align_window_to_lengths); prob() tests each row again.
+  int64_t t_lo, t_hi;
+  variant::KeyWindow<int64_t>::make(p, b).query_range(s, s + 1, t_lo, t_hi);
   variant::SegmentSpans::rows_of_keys(p, b).narrow(s, s + 1, t_lo, t_hi);  // segment ids
   const int64_t group = p.group_size();
   for (int64_t n = kv_head * group; n < (kv_head + 1) * group; ++n) {

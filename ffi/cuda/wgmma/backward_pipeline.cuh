@@ -55,6 +55,8 @@ __device__ __forceinline__ cuda::Visibility block_visibility(const AttentionPara
 // for one that cannot start while the waiting blocks hold every SM: this rests on the hardware
 // dispatching a grid's blocks in blockIdx order, which CUDA does not promise but every
 // architecture so far does (FlashAttention-3's deterministic mode rests on it too).
+// The call's side decides for every batch entry: align_window_to_lengths moves a bounded side
+// per entry (dq_turn counts with the entry's) and leaves an open one open.
 __device__ __forceinline__ bool dq_order_descending(const AttentionParams& p) {
   return p.window_right != kUnboundedWindow;
 }

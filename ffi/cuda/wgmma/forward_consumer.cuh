@@ -112,7 +112,8 @@ struct ForwardConsumer {
   struct NoSoftCap {};
   using SoftCap = std::conditional_t<Traits::kSoftCap, cuda::SoftCapLogits, NoSoftCap>;
   const SoftCap soft_cap;
-  const variant::KeyWindow<int> call_vis;  // the call's windows, for every tile read
+  // The call's windows, for every tile read (moved to the entry's by tile_window).
+  const variant::KeyWindow<int> call_vis;
 
   float s_acc[1][kNTiles][4];
   float o_acc[1][kDTiles][4];
@@ -382,9 +383,22 @@ struct ForwardConsumer {
     release(bars.k_empty[stage]);
   }
 
+  // Tile t's window: the slot's lengths with the call's sides (TileSlot::load), moved to the
+  // entry's under align_window_to_lengths (an option of windowed calls, which the unwindowed
+  // configuration never sees). Moved where it is used rather than as the slot is read: that is
+  // under the last O += P V, where the two sides' registers spill (three consumers at head
+  // dim 64). t.vis itself keeps the call's sides: read its lengths only.
+  __device__ __forceinline__ variant::KeyWindow<int> tile_window(const ForwardTile& t) const {
+    variant::KeyWindow<int> vis = t.vis;
+    if constexpr (Traits::kWindowed)
+      if (p.align_window_to_lengths) vis.align_to_lengths(p);
+    return vis;
+  }
+
   // What this warpgroup works out at the start of tile t, whose Q is in stage q_stage.
   __device__ __forceinline__ void begin_tile(ConsumerTile& w) {
     const ForwardTile& t = w.t;
+    const variant::KeyWindow<int> vis = tile_window(t);
     // kSegments: loaded before the tile's first product so that the product hides its
     // latency: the masking takes the rows' ids from it by shuffles.
     w.lane_row_id = 0;
@@ -402,7 +416,7 @@ struct ForwardConsumer {
     w.half_last = false;
     if constexpr (Traits::kWindowed) {
       int key_lo, key_hi;
-      t.vis.key_range(t.row0 + wg_row0, t.row0 + wg_row0 + 64, key_lo, key_hi);
+      vis.key_range(t.row0 + wg_row0, t.row0 + wg_row0 + 64, key_lo, key_hi);
       if (key_hi > key_lo) {
         const int last = int(unsigned(key_hi - 1) / kBlockN) - t.tile_begin;
         if (last + 1 < w.wg_tiles) w.wg_tiles = last + 1;
@@ -413,8 +427,8 @@ struct ForwardConsumer {
     w.softmax.init();
     // Worked out once per query block: two compares per tile remain, and the tile's bounds
     // on the masked path (docs/decisions/int32-bounds-and-column-bits-masking.md).
-    t.vis.all_visible_tiles<kBlockN>(t.row0 + warp_row0, t.row0 + warp_row0 + 16, t.tile_begin,
-                                     w.interior_lo, w.interior_hi);
+    vis.all_visible_tiles<kBlockN>(t.row0 + warp_row0, t.row0 + warp_row0 + 16, t.tile_begin,
+                                   w.interior_lo, w.interior_hi);
     w.q_tile = smem.q(w.q_stage) + wg_row0 * kRowBytes;
   }
 
@@ -527,7 +541,7 @@ struct ForwardConsumer {
       // (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
       [[maybe_unused]] bool sees_nothing = false;
       if constexpr (Traits::kSegments)
-        sees_nothing = sees_no_keys_of_its_documents(p, t.vis, t, wg_row0);
+        sees_nothing = sees_no_keys_of_its_documents(p, tile_window(t), t, wg_row0);
       if (__all_sync(0xffffffff, t.row0 + wg_row0 >= t.vis.q_len || sees_nothing)) {
         idle_tile(t, w.q_stage);
         more = read_tile(w.t);

@@ -38,11 +38,12 @@ struct TileSlot {
   __device__ static void store_end(uint32_t address) {
     ptx::st_shared_v4_b32(address, uint32_t(-1), 0, 0, 0);
   }
-  // The tile in the slot, with the windows of `call` (KeyWindow<int>::make(p), made once);
-  // false when the slot says there is none. Every lane loads the same
-  // words; a warp reduction of each says so to ptxas, which then keeps the tile in uniform
-  // registers and its loop bounds' branches uniform (loaded plainly, the eight words take
-  // vector registers; docs/decisions/hopper-forward-tile-hand-over.md).
+  // The tile in the slot, with the windows of `call` (KeyWindow<int>::make(p), made once; the
+  // consumers move them to the entry's under AttentionParams::align_window_to_lengths:
+  // ForwardConsumer::tile_window); false when the slot says there is none. Every lane loads
+  // the same words; a warp reduction of each says so to ptxas, which then keeps the tile in
+  // uniform registers and its loop bounds' branches uniform (loaded plainly, the eight words
+  // take vector registers; docs/decisions/hopper-forward-tile-hand-over.md).
   __device__ static bool load(uint32_t address, const variant::KeyWindow<int>& call,
                               ForwardTile& t) {
     uint32_t w[4], x[4];
