@@ -80,7 +80,9 @@ def reference_attention(query, key, value, *args, return_residual=False, p_dtype
         key_value_seq_lengths=entry(a.key_value_seq_lengths, i),
         query_segment_ids=entry(a.query_segment_ids, i),
         key_value_segment_ids=entry(a.key_value_segment_ids, i),
-        logits_soft_cap=a.soft_cap or None, return_residual=True, p_dtype=p_dtype)
+        logits_soft_cap=a.soft_cap or None, sinks=a.sinks,
+        diagonal_alignment="bottom_right" if a.bottom_right else "top_left",
+        return_residual=True, p_dtype=p_dtype)
         for i in range(b)]
     out = jnp.concatenate([o for o, _ in parts]).reshape(a.out_shape)
     if not return_residual:
