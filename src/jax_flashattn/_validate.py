@@ -40,7 +40,8 @@ class Normalized:
     # The logits' soft-cap, cap tanh(s / cap) before bias and masks; 0.0 for none.
     soft_cap: float = 0.0
     # diagonal_alignment="bottom_right": query t sits at position t + S - T for the causal
-    # mask and the window (the diagonal_shift below).
+    # mask and the window (the diagonal_shift below), with seq lengths at t + kv_len - q_len of
+    # its batch entry (diagonal_shifts).
     bottom_right: bool = False
     # float32 [N]: one logit per query head that every row's softmax takes as a key with value
     # 0 (attention sinks).
@@ -55,15 +56,40 @@ class Normalized:
 
     @property
     def diagonal_shift(self) -> int:
-        """S - T with bottom-right alignment, 0 with top-left: query t's position."""
+        """S - T with bottom-right alignment, 0 with top-left: query t's position (without
+        seq lengths; with them, align_window_to_lengths)."""
         return self.key.shape[1] - self.query.shape[1] if self.bottom_right else 0
+
+    @property
+    def align_window_to_lengths(self) -> bool:
+        """Whether the window moves per batch entry: bottom-right alignment of a causal mask
+        or a window with seq lengths puts query t of entry b at t + kv_len_b - q_len_b (cuDNN's
+        BOTTOM_RIGHT), which the kernels take as an option of the call (ffi/params.h). The
+        lengths are traced, so even T == S does not say that the shift is 0."""
+        return (self.bottom_right and (self.is_causal or self.window is not None)
+                and (self.query_seq_lengths is not None
+                     or self.key_value_seq_lengths is not None))
+
+    def diagonal_shifts(self):
+        """Query t's position is t plus this: int32 [B] kv_len - q_len under
+        align_window_to_lengths (the lengths clamped to [0, S] and [0, T] as the kernels take
+        them, S or T where absent), else the int diagonal_shift."""
+        if not self.align_window_to_lengths:
+            return self.diagonal_shift
+        b, t = self.query.shape[:2]
+        s = self.key.shape[1]
+        q_len = t if self.query_seq_lengths is None else jnp.clip(self.query_seq_lengths, 0, t)
+        kv_len = (s if self.key_value_seq_lengths is None
+                  else jnp.clip(self.key_value_seq_lengths, 0, s))
+        return jnp.broadcast_to(jnp.asarray(kv_len - q_len, jnp.int32), (b,))
 
     @property
     def kernel_window(self) -> tuple[int | None, int | None]:
         """(left, right) with None for an unbounded side, as the kernels take it (query t sees
         key s iff t - left <= s <= t + right): causal attention is right <= 0, and bottom-right
-        alignment moves both bounded sides by diagonal_shift (the left one may go negative)."""
-        return self.kernel_window_at(self.diagonal_shift)
+        alignment moves both bounded sides by diagonal_shift (the left one may go negative),
+        except under align_window_to_lengths, where the kernels move them per batch entry."""
+        return self.kernel_window_at(0 if self.align_window_to_lengths else self.diagonal_shift)
 
     def kernel_window_at(self, shift: int) -> tuple[int | None, int | None]:
         """kernel_window with the queries at t + shift: for ring attention, whose shards'
@@ -72,8 +98,10 @@ class Normalized:
 
     @property
     def aligned(self) -> bool:
-        """Whether the alignment moves any bound: bottom-right, T != S, causal or a window."""
-        return self.diagonal_shift != 0 and (self.is_causal or self.window is not None)
+        """Whether the alignment may move any bound: bottom-right, causal or a window, and
+        T != S or seq lengths."""
+        return ((self.diagonal_shift != 0 and (self.is_causal or self.window is not None))
+                or self.align_window_to_lengths)
 
 
 def kernel_window(window, is_causal: bool, shift: int = 0) -> tuple[int | None, int | None]:
@@ -367,7 +395,7 @@ def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     q_ids, kv_ids = segment_ids(query_segment_ids, key_value_segment_ids, batch=b, q_len=t,
                                 kv_len=s, unbatched=unbatched)
 
-    args = Normalized(
+    return Normalized(
         query=query, key=key, value=value, bias=bias, mask=mask,
         query_seq_lengths=_seq_lengths(query_seq_lengths, "query_seq_lengths", b),
         key_value_seq_lengths=_seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", b),
@@ -375,11 +403,3 @@ def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         out_shape=out_shape, query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
         soft_cap=_soft_cap(logits_soft_cap),
         bottom_right=check_diagonal_alignment(diagonal_alignment), sinks=_sinks(sinks, n))
-    if (args.bottom_right and (args.is_causal or args.window is not None)
-            and (args.query_seq_lengths is not None or args.key_value_seq_lengths is not None)):
-        # With lengths the diagonal sits at each entry's kv_len - q_len (cuDNN's BOTTOM_RIGHT),
-        # one shift per batch entry, which the kernels' window (one per call) cannot express;
-        # the lengths are traced, so even T == S does not tell that the shift is 0.
-        raise ValueError("diagonal_alignment='bottom_right' with is_causal or local_window_size "
-                         "and query_seq_lengths or key_value_seq_lengths is not supported yet")
-    return args

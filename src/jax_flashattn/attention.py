@@ -37,16 +37,19 @@ def _first_order_only_jvp(kernel_call, primals, tangents):
 
 # switches: the kernel switches (_ffi.KernelSwitches), read by `attention` each time it runs or
 # is traced and passed down as static data, so that no cached trace below keeps a stale one.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14))
+# window: the kernels' (left, right) and whether it moves per batch entry with the lengths
+# (_validate.Normalized.kernel_window, align_window_to_lengths).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14, 15))
 def _flash(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, scale, soft_cap, window,
-           deterministic, switches):
+           aligned, deterministic, switches):
     out, lse = sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids,
-                                scale=scale, soft_cap=soft_cap, window=window, switches=switches)
+                                scale=scale, soft_cap=soft_cap, window=window,
+                                align_window_to_lengths=aligned, switches=switches)
     return _sinks.apply(out, lse, sinks)
 
 
 def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, scale, soft_cap,
-               window, deterministic, switches):
+               window, aligned, deterministic, switches):
     # With symbolic zeros, each array argument comes as CustomVJPPrimal(value, perturbed):
     # perturbed says whether its gradient is asked for (not under jax.grad of the other
     # arguments alone, nor behind stop_gradient).
@@ -57,7 +60,7 @@ def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, scale
         None if x is None else x.value
         for x in (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks))
     kernel = functools.partial(sharding.forward, scale=scale, soft_cap=soft_cap, window=window,
-                               switches=switches)
+                               align_window_to_lengths=aligned, switches=switches)
     out, lse = _sinks.apply(*_first_order_only(kernel, q, k, v, bias, mask, q_lens, kv_lens,
                                                q_ids, kv_ids), sinks)
     # Only the inputs, the output and the log-sum-exp are saved: the backward recomputes P.
@@ -68,14 +71,16 @@ def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, scale
                         () if dbias_needed else None)
 
 
-def _flash_bwd(scale, soft_cap, window, deterministic, switches, residuals, cotangents):
+def _flash_bwd(scale, soft_cap, window, aligned, deterministic, switches, residuals,
+               cotangents):
     q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, out, lse, dbias_needed = (
         residuals)  # sinks: None unless their gradient is needed
     d_out, _ = cotangents  # the lse output is a residual with no gradient, as in jax.nn
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):  # only lse was used
         return (None,) * 10
     kernel = functools.partial(sharding.backward, scale=scale, soft_cap=soft_cap, window=window,
-                               switches=switches, deterministic=deterministic,
+                               align_window_to_lengths=aligned, switches=switches,
+                               deterministic=deterministic,
                                dbias=dbias_needed is not None)
     dq, dk, dv, dbias = _first_order_only(kernel, q, k, v, out, lse, d_out, bias, mask, q_lens,
                                           kv_lens, q_ids, kv_ids)
@@ -181,10 +186,13 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     "bottom_right": query i sits at position i + S - T for `is_causal` and
     `local_window_size`, so with T < S (a prefill against a cache) the last query sees every
     key, and with T > S the first T - S queries of a causal call see none (cuDNN's
-    BOTTOM_RIGHT, FlashAttention's convention). The kernels take it as a shifted window, so it
-    costs nothing; with implementation="xla" or "cudnn" it becomes a boolean mask [T, S] for
-    jax.nn. With a causal mask or window it does not combine with the seq lengths yet (a
-    ValueError: each batch entry's diagonal would sit at its own kv_len - q_len).
+    BOTTOM_RIGHT, FlashAttention's convention). With seq lengths query i of batch entry b sits
+    at i + kv_len_b - q_len_b instead (each length T or S where not given, and clamped to
+    [0, T] and [0, S]). The kernels take it as a shifted window, moved per batch entry with
+    lengths, so it costs nothing; with implementation="xla" or "cudnn" it becomes a boolean
+    mask [T, S] for jax.nn ([B, 1, T, S] with lengths). A call with lengths runs unsplit
+    along a sharded sequence (gathered, as for a bias that varies along it), and
+    `sharding.ring_attention` refuses it.
 
     `sinks` (keyword-only, not in jax.nn): an array [N] of one logit per query head (float32
     or a real dtype, cast to float32), differentiable. Every row's softmax also takes a key of
@@ -263,7 +271,8 @@ def _call_kernels(args: _validate.Normalized, deterministic_backward: bool):
         return _flash(args.query, args.key, args.value, args.bias, args.mask,
                       args.query_seq_lengths, args.key_value_seq_lengths,
                       args.query_segment_ids, args.key_value_segment_ids, sinks,
-                      args.scale, args.soft_cap, args.kernel_window, deterministic_backward,
+                      args.scale, args.soft_cap, args.kernel_window,
+                      args.align_window_to_lengths, deterministic_backward,
                       _ffi.kernel_switches())
     except TypeError as e:
         if _JAX_JVP_OF_CUSTOM_VJP not in str(e):
@@ -284,7 +293,8 @@ def _has_jvp_tangent(args: _validate.Normalized) -> bool:
 
 def _jax_nn_mask(args: _validate.Normalized, mask):
     """The caller's mask (as given), and for jax.nn what it has no option for: the segment
-    ids' [B, 1, T, S] equality, and a bottom-right causal mask or window as [T, S]."""
+    ids' [B, 1, T, S] equality, and a bottom-right causal mask or window as [T, S] ([B, 1, T, S]
+    with seq lengths, each entry's at its kv_len - q_len)."""
     unbatched = len(args.out_shape) == 3  # jax.nn broadcasts a [1, T, S] mask there
     if args.query_segment_ids is not None:
         same = (args.query_segment_ids[:, None, :, None] ==
@@ -292,10 +302,13 @@ def _jax_nn_mask(args: _validate.Normalized, mask):
         same = same[0] if unbatched else same
         mask = same if mask is None else jnp.logical_and(mask, same)
     if args.aligned:
-        t, s = args.query.shape[1], args.key.shape[1]
-        keep = reference.visibility(t, s, batch=1, is_causal=args.is_causal,
-                                    window=_bounded_window(args), q_lens=None, kv_lens=None,
-                                    mask=None, shift=args.diagonal_shift)[0, 0]
+        b, t = args.query.shape[:2]
+        per_entry = args.align_window_to_lengths  # [B, 1, T, S], else one [T, S]
+        keep = reference.visibility(t, args.key.shape[1], batch=b if per_entry else 1,
+                                    is_causal=args.is_causal, window=_bounded_window(args),
+                                    q_lens=None, kv_lens=None, mask=None,
+                                    shift=args.diagonal_shifts())
+        keep = (keep[0] if unbatched else keep) if per_entry else keep[0, 0]
         mask = keep if mask is None else jnp.logical_and(mask, keep)
     return mask
 
@@ -334,7 +347,7 @@ def _zero_size_lse(args: _validate.Normalized) -> jax.Array:
                                 kv_lens=args.key_value_seq_lengths, mask=args.mask,
                                 q_segment_ids=args.query_segment_ids,
                                 kv_segment_ids=args.key_value_segment_ids,
-                                shift=args.diagonal_shift)
+                                shift=args.diagonal_shifts())
     logits = jnp.zeros((), jnp.float32) if args.bias is None else args.bias.astype(jnp.float32)
     logits = jnp.broadcast_to(jnp.where(keep, logits, -jnp.inf), (b, n, t, s))
     lse = jax.nn.logsumexp(logits, axis=-1)

@@ -21,17 +21,17 @@ def visibility(t_size: int, s_size: int, *, batch: int, is_causal: bool, window,
                shift: int = 0) -> jax.Array:
     """Boolean [B, N or 1, T, S]: True where query t may attend to key s. `shift`: query t's
     position for the causal mask and the window is t + shift (S - T for bottom-right
-    alignment)."""
-    t = jnp.arange(t_size)[:, None] + shift
-    s = jnp.arange(s_size)[None, :]
-    keep = jnp.ones((t_size, s_size), bool)
+    alignment), an int or one per batch entry ([B], _validate.Normalized.diagonal_shifts)."""
+    t = jnp.arange(t_size)[None, :, None] + jnp.reshape(jnp.asarray(shift), (-1, 1, 1))
+    s = jnp.arange(s_size)[None, None, :]
+    keep = jnp.ones((1, t_size, s_size), bool)
     if is_causal:
         keep &= s <= t
     if window is not None:
         left, right = window
         keep &= s >= t - left
         keep &= s <= t + right
-    keep = jnp.broadcast_to(keep, (batch, 1, t_size, s_size))
+    keep = jnp.broadcast_to(keep[:, None], (batch, 1, t_size, s_size))
     if q_lens is not None:
         keep &= (jnp.arange(t_size)[None, :] < q_lens[:, None])[:, None, :, None]
     if kv_lens is not None:
@@ -61,7 +61,7 @@ def _softmax(args: _validate.Normalized, precision_dtype):
     keep = visibility(t_size, s_size, batch=b, is_causal=args.is_causal, window=args.window,
                       q_lens=args.query_seq_lengths, kv_lens=args.key_value_seq_lengths,
                       mask=args.mask, q_segment_ids=args.query_segment_ids,
-                      kv_segment_ids=args.key_value_segment_ids, shift=args.diagonal_shift)
+                      kv_segment_ids=args.key_value_segment_ids, shift=args.diagonal_shifts())
     keep = jnp.broadcast_to(keep, logits.shape)
     if args.sinks is not None:  # a last key of logit sinks[n], always visible (value 0)
         sink = jnp.broadcast_to(args.sinks.astype(precision_dtype)[None, :, None, None],

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -141,7 +142,8 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
       axis_name: the mesh axis (or tuple of axes) the sequence is split over.
       scale, is_causal, local_window_size: as in `jax_flashattn.attention`, in GLOBAL positions;
         logits_soft_cap and diagonal_alignment as there too (the bottom-right diagonal at the
-        global S - T).
+        global S - T; with the seq lengths and a causal mask or window a ValueError, as each
+        entry's would sit at its own kv_len - q_len).
       sinks: [N] as in `jax_flashattn.attention`, for the local query heads, replicated over
         `axis_name`; their gradient is summed over it (by shard_map).
       query_seq_lengths, key_value_seq_lengths: int [B] GLOBAL valid lengths (replicated over
@@ -170,6 +172,16 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                                key_value_segment_ids=key_value_segment_ids,
                                logits_soft_cap=logits_soft_cap,
                                diagonal_alignment=diagonal_alignment, sinks=sinks)
+    if args.align_window_to_lengths:
+        # Each batch entry's window would move by its global kv_len - q_len, and a ring
+        # block's kernel call sees the block's lengths only.
+        raise ValueError(
+            "ring_attention: diagonal_alignment='bottom_right' with is_causal or "
+            "local_window_size and query_seq_lengths or key_value_seq_lengths (each batch "
+            "entry's diagonal at its own kv_len - q_len) is not supported on sequence shards; "
+            "call jax_flashattn.attention on the sharded arrays instead (it gathers the "
+            "sequences for such a call), or drop the lengths (the diagonal then sits at the "
+            "global S - T)")
     t_local, s_local = args.query.shape[1], args.key.shape[1]
     # The shards split T and S evenly: the global S - T is the local one times the devices.
     window = args.kernel_window_at(devices * args.diagonal_shift)
@@ -228,23 +240,26 @@ def _flags(*optional):
 
 
 def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, scale: float,
-            window, switches: _ffi.KernelSwitches, soft_cap: float = 0.0):
-    """`_ops.forward` that partitions under jit: (out, lse [..., N, T] float32)."""
+            window, switches: _ffi.KernelSwitches, soft_cap: float = 0.0,
+            align_window_to_lengths: bool = False):
+    """`_ops.forward` that partitions under jit: (out, lse [..., N, T] float32). With
+    `align_window_to_lengths` the sequences are never split (_make_plan)."""
     optional = (bias, mask, q_lens, kv_lens, q_ids, kv_ids)
-    op = _partitioned("fwd", _flags(*optional), float(scale), float(soft_cap), tuple(window),
-                      False, switches)
+    op = _partitioned("fwd", _flags(*optional), float(scale), float(soft_cap),
+                      _Window(tuple(window), bool(align_window_to_lengths)), False, switches)
     return tuple(op(q, k, v, *_present(*optional)))
 
 
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *,
              scale: float, window, switches: _ffi.KernelSwitches, deterministic: bool = False,
-             dbias: bool = False, soft_cap: float = 0.0):
+             dbias: bool = False, soft_cap: float = 0.0, align_window_to_lengths: bool = False):
     """`_ops.backward` that partitions under jit: (dq, dk, dv, dbias), where dbias is float32
     already summed to bias's shape (None without bias or without `dbias`, whose cotangent is
     then not computed). `deterministic`: see _ops.backward."""
     optional = (bias, mask, q_lens, kv_lens, q_ids, kv_ids)
     with_dbias = bias is not None and bool(dbias)
-    op = _partitioned("bwd", _flags(*optional), float(scale), float(soft_cap), tuple(window),
+    op = _partitioned("bwd", _flags(*optional), float(scale), float(soft_cap),
+                      _Window(tuple(window), bool(align_window_to_lengths)),
                       bool(deterministic), switches, with_dbias)
     grads = op(q, k, v, out, lse, d_out, *_present(*optional))
     return (*grads[:3], grads[3] if with_dbias else None)
@@ -313,8 +328,17 @@ def _typed_like(x, like, dims=None):
     return jax.sharding.reshard(x, NamedSharding(sharding.mesh, P(*spec)))
 
 
+class _Window(NamedTuple):
+    """A call's kernel window: `sides` (left, right), None for an open side, and `aligned`,
+    whether it moves per batch entry by kv_len - q_len (align_window_to_lengths in _ops). A
+    sequence split cannot take an aligned one: each block would need the global lengths'
+    difference, and the kernels see the block's."""
+    sides: tuple
+    aligned: bool
+
+
 @functools.lru_cache(maxsize=None)
-def _partitioned(kind, flags, scale, soft_cap, window, deterministic, switches,
+def _partitioned(kind, flags, scale, soft_cap, window: _Window, deterministic, switches,
                  with_dbias=False):
     """The partitioned forward or backward op; `with_dbias`: the backward also returns the
     bias's gradient (a result only then)."""
@@ -323,14 +347,16 @@ def _partitioned(kind, flags, scale, soft_cap, window, deterministic, switches,
         if kind == "fwd":
             out, lse = _ops.forward(a.q, a.k, a.v, a.bias, a.mask, a.q_lens, a.kv_lens,
                                     _replicated(a.q_ids), _replicated(a.kv_ids), scale=scale,
-                                    soft_cap=soft_cap, window=window, switches=switches)
+                                    soft_cap=soft_cap, window=window.sides,
+                                    align_window_to_lengths=window.aligned, switches=switches)
             lead = tuple(range(a.q.ndim - 3))
             return (_typed_like(out, a.q),
                     _typed_like(lse, a.q, lead + (a.q.ndim - 2, a.q.ndim - 3)))
         dq, dk, dv, dbias = _ops.backward(a.q, a.k, a.v, a.out, a.lse, a.d_out, a.bias,
                                           a.mask, a.q_lens, a.kv_lens, _replicated(a.q_ids),
                                           _replicated(a.kv_ids),
-                                          scale=scale, soft_cap=soft_cap, window=window,
+                                          scale=scale, soft_cap=soft_cap, window=window.sides,
+                                          align_window_to_lengths=window.aligned,
                                           switches=switches, deterministic=deterministic,
                                           dbias=with_dbias)
         grads = (_typed_like(dq, a.q), _typed_like(dk, a.k), _typed_like(dv, a.v))
@@ -437,7 +463,7 @@ def _entry(axes):
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def _make_plan(kind, flags, window, mesh, arg_shapes) -> _Plan:
+def _make_plan(kind, flags, window: _Window, mesh, arg_shapes) -> _Plan:
     a = _unpack(kind, flags, arg_shapes)
     q_shape, k_shape = a.q.shape, a.k.shape
     ndim = len(q_shape)
@@ -463,9 +489,11 @@ def _make_plan(kind, flags, window, mesh, arg_shapes) -> _Plan:
     kv_heads_split = kv_heads % head_split == 0
 
     t_len, s_len = q_shape[-3], k_shape[-3]
+    # A bias or mask that varies along the sequences, or a window aligned to the lengths
+    # (_Window), keeps them whole: gathered where they are split.
     varies = [x.shape[-2:] != (1, 1) for x in (a.bias, a.mask) if x is not None]
     seq_axes, schedule = (), None
-    if not any(varies):
+    if not any(varies) and not window.aligned:
         t_axes = take(q_axes[-3], t_len)
         if t_axes:
             devices = math.prod(sizes[x] for x in t_axes)
@@ -476,7 +504,7 @@ def _make_plan(kind, flags, window, mesh, arg_shapes) -> _Plan:
             devices = math.prod(sizes[x] for x in s_axes) if s_axes else 1
             mode, seq_axes = _ring.KV_SPLIT, s_axes
         if seq_axes:
-            schedule = _ring.balanced_schedule(mode, devices, t_len, s_len, window)
+            schedule = _ring.balanced_schedule(mode, devices, t_len, s_len, window.sides)
     return _Plan(batch, heads, kv_heads_split, num_heads, kv_heads, num_heads // head_split,
                  seq_axes, schedule)
 
@@ -578,10 +606,12 @@ def _unselect_kv_heads(plan: _Plan, *grads):
     return out
 
 
-def _local(kind, flags, scale, soft_cap, window, deterministic, switches, with_dbias,
+def _local(kind, flags, scale, soft_cap, window: _Window, deterministic, switches, with_dbias,
            plan: _Plan, bias_shape, *xs):
-    """The per-device computation of one partitioned call."""
+    """The per-device computation of one partitioned call (a ring schedule only for a window
+    that is not aligned to the lengths: _make_plan)."""
     a = _unpack(kind, flags, xs)
+    aligned, window = window.aligned, window.sides
     k, v = a.k, a.v
     if not plan.kv_heads_split:
         k, v = _select_kv_heads(plan, k, v)
@@ -590,7 +620,7 @@ def _local(kind, flags, scale, soft_cap, window, deterministic, switches, with_d
         if schedule is None:
             return _ops.forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
                                 a.kv_ids, scale=scale, soft_cap=soft_cap, window=window,
-                                switches=switches)
+                                align_window_to_lengths=aligned, switches=switches)
         return _ring.seq_forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
                                  a.kv_ids, scale=scale, soft_cap=soft_cap, window=window,
                                  schedule=schedule, axes=plan.seq_axes, switches=switches)
@@ -598,8 +628,8 @@ def _local(kind, flags, scale, soft_cap, window, deterministic, switches, with_d
         dq, dk, dv, dbias = _ops.backward(a.q, k, v, a.out, a.lse, a.d_out, a.bias,
                                           a.mask, a.q_lens, a.kv_lens, a.q_ids, a.kv_ids,
                                           scale=scale, soft_cap=soft_cap, window=window,
-                                          switches=switches, deterministic=deterministic,
-                                          dbias=with_dbias)
+                                          align_window_to_lengths=aligned, switches=switches,
+                                          deterministic=deterministic, dbias=with_dbias)
         if dbias is not None:
             dbias = _ring.reduce_to(dbias, a.bias.shape)
     else:
