@@ -11,10 +11,10 @@ buffers runs every case to the end:
     XLA_FLAGS="--xla_gpu_autotune_level=0 --xla_gpu_force_compilation_parallelism=1 \
     --xla_gpu_enable_command_buffer=" compute-sanitizer --tool memcheck ...
 
-Shapes are odd (tile edges), with GQA, causal, windows, lengths and soft-caps, so every
-predicated path runs (and two long forwards take the wide Hopper tiles of head dims 128 and
-64), and the tensor-core backward runs in both dQ modes (atomics and deterministic); the
-script exits non-zero if a result is not finite.
+Shapes are odd (tile edges), with GQA, causal, windows, lengths (bottom-right aligned at them
+too) and soft-caps, so every predicated path runs (and two long forwards take the wide Hopper
+tiles of head dims 128 and 64), and the tensor-core backward runs in both dQ modes (atomics
+and deterministic); the script exits non-zero if a result is not finite.
 """
 
 import contextlib
@@ -31,6 +31,7 @@ from helpers import random_qkv  # tests/ is this script's directory, so it is on
 def main():
     rng = np.random.default_rng(0)
     lens = jnp.array([37, 0], jnp.int32)
+    q_lens = jnp.array([60, 77], jnp.int32)
     cases = [
         (jnp.bfloat16, 128, dict(is_causal=True)),
         (jnp.float16, 72, dict(local_window_size=(20, 5), key_value_seq_lengths=lens)),
@@ -70,6 +71,15 @@ def main():
         (jnp.bfloat16, 64, dict(bias=np.ones((4, 77, 1), np.float32),
                                 mask=np.arange(93) % 3 != 1, logits_soft_cap=3.0)),
         (jnp.float32, 36, dict(is_causal=True, logits_soft_cap=5.0)),
+        # Bottom-right alignment with seq lengths (each entry's window moved by its own
+        # kv_len - q_len; an entry with more queries than keys): the tensor-core families in
+        # both dQ modes and the CUDA-core kernels.
+        (jnp.bfloat16, 128, dict(is_causal=True, query_seq_lengths=q_lens,
+                                 key_value_seq_lengths=lens, diagonal_alignment="bottom_right")),
+        (jnp.float16, 64, dict(local_window_size=(20, 5), query_seq_lengths=q_lens,
+                               diagonal_alignment="bottom_right", deterministic_backward=True)),
+        (jnp.float32, 36, dict(is_causal=True, key_value_seq_lengths=lens,
+                               diagonal_alignment="bottom_right")),
     ]
     for dtype, head_dim, kwargs in cases:
         q, k, v = random_qkv(rng, 2, 77, 93, 4, 2, head_dim, dtype)
@@ -111,6 +121,13 @@ def main():
                  key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
     forward_case(rng, "decode, soft-capped, combine", (2, 3, 4097, 8, 2, 64), kernel="decode",
                  logits_soft_cap=5.0)
+    # Decoding with bottom-right alignment at each entry's lengths: a causal window whose
+    # per-entry shift moves the split's key range.
+    forward_case(rng, "decode, bottom-right at the lengths", (2, 16, 1001, 8, 2, 128),
+                 kernel=("decode", "decode_sm90"), is_causal=True, local_window_size=(400, 0),
+                 query_seq_lengths=jnp.array([16, 5], jnp.int32),
+                 key_value_seq_lengths=jnp.array([1001, 300], jnp.int32),
+                 diagonal_alignment="bottom_right")
     # Forward with S >= 16384 and no causal or window bound (the Hopper kernel's 160-key tiles
     # and single Q buffer): 3 x 64 query tiles, more than the SMs, so blocks reuse the buffer.
     forward_case(rng, "wide key tiles", (1, 300, 16500, 64, 8, 128))
@@ -136,6 +153,15 @@ def main():
     with switch("JAX_FLASHATTN_DISABLE_SM90"):
         forward_case(rng, "lengths inside a key tile, mma.sync", (2, 300, 700, 4, 2, 128),
                      **lengths_case)
+    # The same with bottom-right alignment at each entry's lengths: the Hopper forward's
+    # consumers move the window to each tile's entry (two entries, shifts 400 and -62).
+    aligned_case = dict(lengths_case, query_seq_lengths=jnp.array([300, 300], jnp.int32),
+                        diagonal_alignment="bottom_right")
+    forward_case(rng, "bottom-right at the lengths", (2, 300, 700, 4, 2, 128), **aligned_case)
+    forward_case(rng, "bottom-right at the lengths, causal", (2, 300, 700, 4, 2, 64),
+                 is_causal=True, query_seq_lengths=jnp.array([300, 100], jnp.int32),
+                 key_value_seq_lengths=jnp.array([238, 700], jnp.int32),
+                 diagonal_alignment="bottom_right")
     # Segment ids, causal, with key lengths: 64-row halves of query blocks whose documents no
     # key carries (idle warpgroups), key tiles narrowed to each block's documents, tiles inside
     # one document and tiles across a boundary.
