@@ -255,7 +255,8 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, 
              dbias: bool = False, soft_cap: float = 0.0, align_window_to_lengths: bool = False):
     """`_ops.backward` that partitions under jit: (dq, dk, dv, dbias), where dbias is float32
     already summed to bias's shape (None without bias or without `dbias`, whose cotangent is
-    then not computed). `deterministic`: see _ops.backward."""
+    then not computed). `deterministic`: see _ops.backward; `align_window_to_lengths`: as in
+    `forward`."""
     optional = (bias, mask, q_lens, kv_lens, q_ids, kv_ids)
     with_dbias = bias is not None and bool(dbias)
     op = _partitioned("bwd", _flags(*optional), float(scale), float(soft_cap),
