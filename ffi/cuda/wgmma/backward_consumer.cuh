@@ -12,6 +12,9 @@
 //                                   queries) over all 128 keys; staged in shared memory and
 //                                   added into the float32 accumulator (which other key
 //                                   blocks add to as well) by a TMA reduction
+// Up to head dim 128 the products overlap the next step's and the elementwise work: a step's
+// S^T is issued by the step before, before that step waits for its dQ and stages it
+// (kScoresAhead), and at 128 dV is issued as soon as P^T is packed, under dS^T (kDvFirst).
 // Keys on the rows of S^T make P^T and dS^T the A operands of dV and dK as they are computed;
 // dQ needs them transposed, which the MN-major descriptor does for free, so dS^T is stored as it
 // lies. One named barrier per step publishes both consumers' dS^T (double-buffered, so the same
