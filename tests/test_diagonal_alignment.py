@@ -70,6 +70,27 @@ def random_lengths(rng, t, s, b=4):
     return q_lens.astype(np.int32), kv_lens.astype(np.int32)
 
 
+def out_and_grads(fn):
+    """fn's output and its vjp of d_out with respect to q, k, v, as one function."""
+    def f(q, k, v, d_out):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(d_out)
+    return f
+
+
+def check_partitioned(kwargs, want, operands, devices):
+    """attention(**kwargs) on operands (q, k, v, d_out) split over `devices` devices along the
+    batch, then along the sequence: values and gradients as `want`. Returns the mesh."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:devices]), ("d",))
+    attention = jax.jit(out_and_grads(lambda q, k, v: jax_flashattn.attention(q, k, v,
+                                                                              **kwargs)))
+    for spec in (P("d"), P(None, "d")):
+        got = attention(*(jax.device_put(x, NamedSharding(mesh, spec)) for x in operands))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    return mesh
+
+
 LENGTHS = ["both", "query", "key_value"]
 # Left-only and two-sided windows, with and without a causal mask.
 LENGTH_OPTIONS = dict(OPTIONS, left=dict(local_window_size=(6, 0)))
@@ -300,21 +321,9 @@ def test_sharded_batch_sequence_and_ring_attention(rng, layout):
     d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     kwargs = dict(is_causal=True, local_window_size=(40, 0), **BR)
 
-    def out_and_grads(fn):
-        def f(q, k, v, d_out):
-            out, vjp = jax.vjp(fn, q, k, v)
-            return out, vjp(d_out)
-        return f
-
     want = jax.jit(out_and_grads(lambda q, k, v: reference.attention(q, k, v, **kwargs)))(
         q, k, v, d_out)
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:devices]), ("d",))
-    attention = jax.jit(out_and_grads(lambda q, k, v: jax_flashattn.attention(q, k, v,
-                                                                              **kwargs)))
-    for spec in (P("d"), P(None, "d")):
-        got = attention(*(jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, d_out)))
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    mesh = check_partitioned(kwargs, want, (q, k, v, d_out), devices)
 
     spec = P(None, "d")
     ring = jax.jit(jax.shard_map(out_and_grads(
@@ -408,22 +417,10 @@ def test_seq_lengths_on_sharded_sequences_and_ring_attention(rng):
     kwargs = dict(is_causal=True, local_window_size=(40, 0), query_seq_lengths=q_lens,
                   key_value_seq_lengths=kv_lens, **BR)
 
-    def out_and_grads(fn):
-        def f(q, k, v, d_out):
-            out, vjp = jax.vjp(fn, q, k, v)
-            return out, vjp(d_out)
-        return f
-
     mask = jnp.asarray(lengths_mask(t, s, q_lens, kv_lens, True, (40, 0)))
     want = jax.jit(out_and_grads(lambda q, k, v: reference.attention(q, k, v, None, mask)))(
         q, k, v, d_out)
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:devices]), ("d",))
-    attention = jax.jit(out_and_grads(lambda q, k, v: jax_flashattn.attention(q, k, v,
-                                                                              **kwargs)))
-    for spec in (P("d"), P(None, "d")):
-        got = attention(*(jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, d_out)))
-        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    mesh = check_partitioned(kwargs, want, (q, k, v, d_out), devices)
 
     spec = P(None, "d")
     ring = jax.jit(jax.shard_map(

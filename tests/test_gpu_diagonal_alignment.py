@@ -13,7 +13,7 @@ import pytest
 import jax_flashattn
 from helpers import (assert_attention_close, assert_lse_close, check_cuda_forward, hopper,
                      random_qkv, run_cuda_forward, use_family)
-from test_diagonal_alignment import lengths_mask, random_lengths
+from test_diagonal_alignment import lengths_case, lengths_mask
 from test_gpu_backward import NORMWISE, check_grads, cuda_grads, reference_grads
 
 pytestmark = pytest.mark.gpu
@@ -77,23 +77,9 @@ def test_float32_and_soft_cap(rng):
 # ----------------------------------------------------------------------------------------------
 # With seq lengths: each entry's diagonal at its own kv_len - q_len. The lengths hold the full
 # lengths, an entry without queries, one without keys, one with more queries than keys (rows
-# that see nothing: out 0, lse -inf, never NaN) and drawn ones (random_lengths).
+# that see nothing: out 0, lse -inf, never NaN) and drawn ones (lengths_case).
 
 LENGTH_OPTIONS = dict(OPTIONS, left=dict(local_window_size=(40, 0)))
-
-
-def lengths_of(rng, kind, t, s, b=4):
-    """(attention's length kwargs, q_lens, kv_lens for lengths_mask); kind: "both", "query" or
-    "key_value" (the other one absent)."""
-    q_lens, kv_lens = random_lengths(rng, t, s, b)
-    q_lens = None if kind == "key_value" else q_lens
-    kv_lens = None if kind == "query" else kv_lens
-    kwargs = {}
-    if q_lens is not None:
-        kwargs["query_seq_lengths"] = jnp.asarray(q_lens)
-    if kv_lens is not None:
-        kwargs["key_value_seq_lengths"] = jnp.asarray(kv_lens)
-    return kwargs, q_lens, kv_lens
 
 
 def mask_of(t, s, q_lens, kv_lens, option):
@@ -142,7 +128,7 @@ def check_grads_with_lengths(rng, q, k, v, mask, *, deterministic=False, **kwarg
 def test_forward_with_lengths(rng, family, dtype, kind, head_dim, t, s, option):
     q, k, v = random_qkv(rng, 4, t, s, 4, 2, head_dim, dtype)
     assert jax_flashattn.forward_kernel(q, k) == family
-    lengths, q_lens, kv_lens = lengths_of(rng, kind, t, s)
+    lengths, q_lens, kv_lens = lengths_case(rng, kind, t, s)
     check_forward_with_lengths(q, k, v, mask_of(t, s, q_lens, kv_lens, LENGTH_OPTIONS[option]),
                                **LENGTH_OPTIONS[option], **lengths)
 
@@ -157,7 +143,7 @@ def test_gradients_with_lengths(rng, family, dtype, head_dim, option, determinis
     for t, s in ((150, 333), (333, 150)):
         q, k, v = random_qkv(rng, 4, t, s, 4, 2, head_dim, dtype)
         assert jax_flashattn.backward_kernel(q, k, deterministic=deterministic) == family
-        lengths, q_lens, kv_lens = lengths_of(rng, "both", t, s)
+        lengths, q_lens, kv_lens = lengths_case(rng, "both", t, s)
         check_grads_with_lengths(rng, q, k, v,
                                  mask_of(t, s, q_lens, kv_lens, LENGTH_OPTIONS[option]),
                                  deterministic=deterministic, **LENGTH_OPTIONS[option],
@@ -171,7 +157,7 @@ def test_cp_async_loads_with_lengths(rng, monkeypatch, option):
     use_family("sm80_cp_async", monkeypatch)
     t, s = 190, 411
     q, k, v = random_qkv(rng, 4, t, s, 4, 2, 128, jnp.bfloat16)
-    lengths, q_lens, kv_lens = lengths_of(rng, "both", t, s)
+    lengths, q_lens, kv_lens = lengths_case(rng, "both", t, s)
     check_forward_with_lengths(q, k, v, mask_of(t, s, q_lens, kv_lens, LENGTH_OPTIONS[option]),
                                **LENGTH_OPTIONS[option], **lengths)
 
@@ -185,7 +171,7 @@ def test_decode_kernels_with_lengths(rng, family, t, kind):
     s = 4097
     q, k, v = random_qkv(rng, 4, t, s, 16, 4, 128, jnp.bfloat16)
     assert jax_flashattn.forward_kernel(q, k) in ("decode", "decode_sm90")
-    lengths, q_lens, kv_lens = lengths_of(rng, kind, t, s)
+    lengths, q_lens, kv_lens = lengths_case(rng, kind, t, s)
     for option in (dict(is_causal=True), dict(is_causal=True, local_window_size=(1000, 0)),
                    dict(local_window_size=(300, 2))):
         check_forward_with_lengths(q, k, v, mask_of(t, s, q_lens, kv_lens, option), **option,
@@ -203,7 +189,7 @@ def test_cuda_core_kernels_with_lengths(rng, head_dim):
         assert jax_flashattn.forward_kernel(q, k) == "simt"
         assert jax_flashattn.backward_kernel(q, k) == "simt"
         for option in (dict(is_causal=True), dict(local_window_size=(9, 4))):
-            lengths, q_lens, kv_lens = lengths_of(rng, "both", t, s)
+            lengths, q_lens, kv_lens = lengths_case(rng, "both", t, s)
             mask = mask_of(t, s, q_lens, kv_lens, option)
             check_forward_with_lengths(q, k, v, mask, **option, **lengths)
             check_grads_with_lengths(rng, q, k, v, mask, **option, **lengths)
