@@ -86,18 +86,89 @@ struct DecodeDescriptors {
   }
 };
 
+// A warpgroup's parts of the tile loop, each a function of the state it takes (the kernel
+// holds the fragments and accumulators as local arrays, which keeps ptxas's schedule of the
+// kernel written as one function: every decode kernel's SASS is the same).
+template <typename Elem, typename Traits>
+struct DecodeWarpgroup {
+  static constexpr int kStages = Traits::kStages;
+  static constexpr int kKSteps = Traits::kHeadDim / 16;  // k16 steps of S = Q K^T
+  static constexpr int kPSteps = Traits::kBlockN / 16;   // k16 steps of O += P V
+  static constexpr int kNTiles = Traits::kBlockN / 8;    // 8-key column tiles of S
+  static constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of O
+
+  // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
+  __device__ __forceinline__ static void start_loads(const DecodeRing<Elem, Traits>& ring,
+                                                     const AttentionParams& p,
+                                                     const mma_sync::DecodeSplit& sp,
+                                                     int group_tid) {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (sp.tile_begin + s < sp.tile_end) ring.load(p, sp, sp.tile_begin + s, s, group_tid);
+      ptx::cp_async_commit();
+    }
+  }
+
+  // Waits for key tile `tile` (the split's j-th) and refills the stage of tile j - 1 with tile
+  // j + kStages - 1; returns tile j's stage. This thread's copies of tile j have landed; the
+  // proxy fence makes them visible to wgmma, which reads shared memory through the async
+  // proxy, and the barrier makes every thread's of the warpgroup visible, and tells that every
+  // warp is done with tile j - 1, whose stage the load refills (its products were waited for).
+  __device__ __forceinline__ static int next_tile(const DecodeRing<Elem, Traits>& ring,
+                                                  const AttentionParams& p,
+                                                  const mma_sync::DecodeSplit& sp, int tile,
+                                                  int warpgroup, int group_tid) {
+    const int j = tile - sp.tile_begin;
+    ptx::cp_async_wait<kStages - 2>();
+    ptx::fence_proxy_async_shared();
+    sync_decode_warpgroup<Traits>(warpgroup);
+    if (tile + kStages - 1 < sp.tile_end)
+      ring.load(p, sp, tile + kStages - 1, (j + kStages - 1) % kStages, group_tid);
+    ptx::cp_async_commit();
+    return j % kStages;
+  }
+
+  // S = Q K^T of the tile in `stage`, waited for.
+  __device__ __forceinline__ static void scores(float (&s_acc)[kNTiles][4],
+                                                const uint32_t (&q_frag)[kKSteps][4],
+                                                const DecodeDescriptors<Traits>& desc,
+                                                int stage) {
+    ptx::fence_registers(s_acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      ptx::wgmma_rs_k_major<Traits::kBlockN, Elem>(s_acc, q_frag[ks], desc.k(stage, ks), ks > 0);
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait<0>();
+    ptx::fence_registers(s_acc);
+  }
+
+  // O += P V of the tile in `stage`, P re-packed from the S accumulators, waited for.
+  __device__ __forceinline__ static void add_pv(float (&o_acc)[kDTiles][4],
+                                                const float (&s_acc)[kNTiles][4],
+                                                const DecodeDescriptors<Traits>& desc,
+                                                int stage) {
+    uint32_t p_frag[kPSteps][4];
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk) mma_sync::pack_a<Elem>(p_frag[kk], s_acc, kk);
+    ptx::fence_registers(o_acc);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kPSteps; ++kk)
+      ptx::wgmma_rs<Traits::kHeadDim, Elem>(o_acc, p_frag[kk], desc.v(stage, kk));
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait<0>();
+    ptx::fence_registers(o_acc);
+  }
+};
+
 template <typename Elem, typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_split_kernel(const __grid_constant__ AttentionParams p,
                         const mma_sync::DecodePlan plan) {
 #ifdef JAX_FLASHATTN_SM90_BODY
+  using Warpgroup = DecodeWarpgroup<Elem, Traits>;
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
-  constexpr int kStages = Traits::kStages;
-  constexpr int kKSteps = kHeadDim / 16;  // k16 steps of S = Q K^T
-  constexpr int kPSteps = kBlockN / 16;   // k16 steps of O += P V
-  constexpr int kNTiles = kBlockN / 8;    // 8-key column tiles of S
-  constexpr int kDTiles = kHeadDim / 8;   // 8-wide column tiles of O
-
   constexpr int kSplitsPerBlock = Traits::kSplitsPerBlock;
   constexpr int kGroupThreads = Traits::kWarpgroupThreads;
   static_assert(kSplitsPerBlock <= 2, "one named barrier per warpgroup (sync_decode_warpgroup)");
@@ -123,12 +194,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int block = int(blockIdx.x);
   const mma_sync::DecodeSplit sp = mma_sync::DecodeSplit::make<kBlockN>(
       p, plan, block / blocks_per_unit, block % blocks_per_unit * kSplitsPerBlock + warpgroup);
-  // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (sp.tile_begin + s < sp.tile_end) ring.load(p, sp, sp.tile_begin + s, s, group_tid);
-    ptx::cp_async_commit();
-  }
+  Warpgroup::start_loads(ring, p, sp, group_tid);
 
   // Where the split's result goes: the workspace, or its ring's shared memory (drained) for the
   // cluster merge, which finds the block's splits' partials a ring apart.
@@ -151,55 +217,24 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   const mma_sync::DecodeRows rows =
       mma_sync::DecodeRows::make(sp.vis, warp, lane, int(plan.rows), sp.group);
-  uint32_t q_frag[kKSteps][4];
+  uint32_t q_frag[Warpgroup::kKSteps][4];
   mma_sync::load_q_fragments<Elem>(q_frag, p, sp, rows, plan.rows, quad_col);
-  float o_acc[1][kDTiles][4] = {};
+  float o_acc[1][Warpgroup::kDTiles][4] = {};
   cuda::OnlineSoftmax<1> softmax;
   softmax.init();
   const float scale_log2 = mma_sync::decode_softmax_scale<Traits::kSoftCap>(p);
 
   const auto desc = DecodeDescriptors<Traits>::make(base);
 
-  float s_acc[1][kNTiles][4];
+  float s_acc[1][Warpgroup::kNTiles][4];
   for (int tile = sp.tile_begin; tile < sp.tile_end; ++tile) {
-    const int j = tile - sp.tile_begin;
-    ptx::cp_async_wait<kStages - 2>();
-    // This thread's copies of tile j have landed; the proxy fence makes them visible to wgmma,
-    // which reads shared memory through the async proxy, and the barrier makes every thread's
-    // of the warpgroup visible, and tells that every warp is done with tile j - 1, whose stage
-    // the load below refills (its products were waited for).
-    ptx::fence_proxy_async_shared();
-    sync_decode_warpgroup<Traits>(warpgroup);
-    if (tile + kStages - 1 < sp.tile_end)
-      ring.load(p, sp, tile + kStages - 1, (j + kStages - 1) % kStages, group_tid);
-    ptx::cp_async_commit();
-    const int stage = j % kStages;
-
-    ptx::fence_registers(s_acc[0]);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kKSteps; ++ks)
-      ptx::wgmma_rs_k_major<kBlockN, Elem>(s_acc[0], q_frag[ks], desc.k(stage, ks), ks > 0);
-    ptx::wgmma_commit_group();
-    ptx::wgmma_wait<0>();
-    ptx::fence_registers(s_acc[0]);
-
+    const int stage = Warpgroup::next_tile(ring, p, sp, tile, warpgroup, group_tid);
+    Warpgroup::scores(s_acc[0], q_frag, desc, stage);
     const int key0 = tile * kBlockN;
     mma_sync::cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
     if (!rows.sees_all(key0, kBlockN)) rows.mask(s_acc[0], key0, quad_col);
     softmax.update(s_acc, o_acc, scale_log2);
-
-    uint32_t p_frag[kPSteps][4];
-#pragma unroll
-    for (int kk = 0; kk < kPSteps; ++kk) mma_sync::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
-    ptx::fence_registers(o_acc[0]);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kPSteps; ++kk)
-      ptx::wgmma_rs<kHeadDim, Elem>(o_acc[0], p_frag[kk], desc.v(stage, kk));
-    ptx::wgmma_commit_group();
-    ptx::wgmma_wait<0>();
-    ptx::fence_registers(o_acc[0]);
+    Warpgroup::add_pv(o_acc[0], s_acc[0], desc, stage);
   }
   ptx::cp_async_wait<0>();
 
