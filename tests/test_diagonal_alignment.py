@@ -60,13 +60,17 @@ def lengths_mask(t, s, q_lens, kv_lens, is_causal=False, window=None):
 
 
 def random_lengths(rng, t, s, b=4):
-    """Per-entry (q_lens, kv_lens): the full lengths, an entry with no queries, one with no
-    keys, one with more queries than keys (q_len > kv_len: its first rows see nothing under a
-    causal mask), the rest drawn."""
+    """Per-entry (q_lens, kv_lens): the full lengths; an entry without queries or one without
+    keys (drawn which); both lengths drawn, each at least 1, so that a shift kv_len - q_len of
+    either sign meets a query length below T; more queries than keys, both drawn (where T > 1:
+    the first rows see nothing under a causal mask); the rest drawn."""
     q_lens = rng.integers(0, t + 1, b)
     kv_lens = rng.integers(0, s + 1, b)
-    q_lens[:4] = t, 0, rng.integers(1, t + 1), t
-    kv_lens[:4] = s, rng.integers(1, s + 1), 0, max(1, min(s, t // 2))
+    no_queries = rng.integers(2) == 0
+    q_more = int(rng.integers(min(2, t), t + 1))
+    q_lens[:4] = t, 0 if no_queries else rng.integers(1, t + 1), rng.integers(1, t + 1), q_more
+    kv_lens[:4] = (s, rng.integers(1, s + 1) if no_queries else 0, rng.integers(1, s + 1),
+                   rng.integers(1, max(1, min(s, q_more - 1)) + 1))
     return q_lens.astype(np.int32), kv_lens.astype(np.int32)
 
 

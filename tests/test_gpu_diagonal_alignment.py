@@ -76,8 +76,8 @@ def test_float32_and_soft_cap(rng):
 
 # ----------------------------------------------------------------------------------------------
 # With seq lengths: each entry's diagonal at its own kv_len - q_len. The lengths hold the full
-# lengths, an entry without queries, one without keys, one with more queries than keys (rows
-# that see nothing: out 0, lse -inf, never NaN) and drawn ones (lengths_case).
+# lengths, an entry without queries or without keys, one with both drawn, one with more queries
+# than keys (rows that see nothing: out 0, lse -inf, never NaN) (lengths_case).
 
 LENGTH_OPTIONS = dict(OPTIONS, left=dict(local_window_size=(40, 0)))
 
