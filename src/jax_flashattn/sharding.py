@@ -617,6 +617,8 @@ def _local(kind, flags, scale, soft_cap, window: _Window, deterministic, switche
     if not plan.kv_heads_split:
         k, v = _select_kv_heads(plan, k, v)
     schedule = plan.schedule
+    # The ring's blocks see their own lengths only: _make_plan gathers the sequences instead.
+    assert schedule is None or not aligned, "a window aligned to the lengths took a ring"
     if kind == "fwd":
         if schedule is None:
             return _ops.forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
