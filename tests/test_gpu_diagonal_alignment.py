@@ -87,13 +87,17 @@ def mask_of(t, s, q_lens, kv_lens, option):
                                     option.get("local_window_size")))
 
 
+def without_bounds(kwargs):
+    """kwargs less the bounds that `mask` (from lengths_mask) stands for in the reference."""
+    return {key: x for key, x in kwargs.items() if key not in
+            ("is_causal", "local_window_size", "query_seq_lengths", "key_value_seq_lengths")}
+
+
 def check_forward_with_lengths(q, k, v, mask, *args, **kwargs):
     """Our kernels (poisoned outputs, every element written and finite) against the top-left
     reference with `mask` (and the other options in args, kwargs that it takes)."""
     out, lse = run_cuda_forward(q, k, v, *args, **kwargs, **BR)
-    ref_kwargs = {key: x for key, x in kwargs.items() if key not in
-                  ("is_causal", "local_window_size", "query_seq_lengths",
-                   "key_value_seq_lengths")}
+    ref_kwargs = without_bounds(kwargs)
     bias = args[0] if args else None
     keep = mask if len(args) < 2 else jnp.logical_and(mask, args[1])
     assert_lse_close(lse, assert_attention_close(out, q, k, v, bias, keep, **ref_kwargs))
@@ -106,9 +110,7 @@ def check_grads_with_lengths(rng, q, k, v, mask, *, deterministic=False, **kwarg
     """Our gradients against those of the top-left reference with `mask`."""
     d_out = jnp.asarray(rng.standard_normal(q.shape, dtype=np.float32), q.dtype)
     ours = cuda_grads(q, k, v, None, d_out, deterministic=deterministic, **kwargs, **BR)
-    ref_kwargs = {key: x for key, x in kwargs.items() if key not in
-                  ("is_causal", "local_window_size", "query_seq_lengths",
-                   "key_value_seq_lengths")}
+    ref_kwargs = without_bounds(kwargs)
     ref = reference_grads(q, k, v, None, d_out, mask, **ref_kwargs)
     tol = NORMWISE[jnp.dtype(q.dtype)]
     for name, x, a, r in zip(("dq", "dk", "dv"), (q, k, v), ours, ref):
