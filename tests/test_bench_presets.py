@@ -1,0 +1,441 @@
+"""The benchmark's presets on the CPU at tiny size: decode (with its copy-bandwidth
+yardstick), variants and packed: their grids, FLOP counts, gates, tables and scripts."""
+
+import importlib.util
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_flashattn import _bench, reference
+from helpers import load_benchmark_script
+
+
+def _load_bench_script():
+    return load_benchmark_script("bench_attention")
+
+
+# ----------------------------------------------------------------------------- decode preset
+
+
+def test_bench_script_decode_smoke(capsys):
+    bench = _load_bench_script()
+    status = bench.main(["--decode", "--seqlen", "2", "--kv-len", "64", "--dtype", "bf16",
+                         "--impls", "ours", "--no-progress", "--repeats", "2",
+                         "--copy-bytes", str(64 << 20)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    if _bench.copy_bandwidth(1 << 20) is None:
+        assert "| T | S | ours TB/s | ours us |" in printed and "ours/copy" not in printed
+    else:
+        assert "| T | S | ours TB/s | ours us | ours/copy |" in printed
+        assert "device copy bandwidth (cudaMemcpy of 0.0625 GiB" in printed
+
+
+def test_bench_script_decode_soft_cap():
+    """--soft-cap caps every row of the decode preset, and only that preset."""
+    bench = _load_bench_script()
+    configs = bench.build_configs(bench.parse_args(["--decode", "--soft-cap", "30"]))
+    assert configs and {c.soft_cap for c in configs} == {30.0}
+    assert {c.soft_cap for c in bench.build_configs(bench.parse_args(["--decode"]))} == {None}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--soft-cap", "30"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--decode", "--soft-cap", "0"])
+    record = dict(_bench.config_record(configs[0]), impl="ours", mode="fwd", status="ok",
+                  seconds=1e-3, kv_tbps=3.4)
+    (title, _), = _bench.markdown_tables([record], ["ours"])
+    assert "logits soft-capped at 30;" in title
+
+
+def test_decode_table_divides_our_rate_by_the_copy_bandwidth():
+    cfg = _bench.decode_grid(("bf16",), (1,), 256)[0]
+    record = dict(_bench.config_record(cfg), impl="ours", mode="fwd", status="ok",
+                  seconds=1e-3, kv_tbps=3.4)
+    (_, table), = _bench.markdown_tables([record], ["ours"], copy_tbps=4.0)
+    assert table.splitlines()[0] == "| T | S | ours TB/s | ours us | ours/copy |"
+    assert table.splitlines()[2] == "| 1 | 256 | 3.4 | 1000 | 0.85 |"
+    (_, table), = _bench.markdown_tables([record], ["ours"])
+    assert "copy" not in table
+
+
+def test_copy_bandwidth_warns_and_gives_none_when_the_copy_fails(monkeypatch):
+    import types
+    import jax_flashattn
+    from jax_flashattn import _ffi
+
+    def fail(device, nbytes, runs):
+        raise RuntimeError("copy bandwidth: cudaMalloc: out of memory")
+
+    monkeypatch.setattr(_bench.timing, "on_gpu", lambda: True)
+    monkeypatch.setattr(jax_flashattn, "cuda_built", lambda: True)
+    monkeypatch.setattr(_ffi, "_ext", types.SimpleNamespace(cuda_copy_bandwidth=fail))
+    with pytest.warns(UserWarning, match="not measured: copy bandwidth: cudaMalloc"):
+        assert _bench.copy_bandwidth(1 << 20) is None
+
+
+@pytest.mark.gpu
+def test_copy_bandwidth_on_the_device():
+    from jax_flashattn import _ffi
+    device = jax.devices()[0].local_hardware_id
+    median, best = _ffi._ext.cuda_copy_bandwidth(device, 256 << 20, 5)
+    # Read plus written bytes per second: far above PCIe, below any HBM there is.
+    assert 1e11 < median <= best < 2e13
+    with pytest.raises(ValueError, match="positive"):
+        _ffi._ext.cuda_copy_bandwidth(device, 0, 5)
+    with pytest.raises(RuntimeError, match="cudaSetDevice"):
+        _ffi._ext.cuda_copy_bandwidth(jax.device_count() + 64, 1 << 20, 1)
+
+
+# --------------------------------------------------------------------------- variants preset
+
+
+def test_bench_script_variants_preset_and_exclusive_with_decode():
+    bench = _load_bench_script()
+    configs = bench.build_configs(bench.parse_args(["--variants"]))
+    assert [c.variant for c in configs] == ["full", "causal", "window 1024", "lengths",
+                                            "GQA 16/4", "bias [1,N,T,S]", "mask [B,1,T,S]",
+                                            "segment ids", "segment ids, causal",
+                                            "soft-cap 50", "soft-cap 50, causal",
+                                            "sinks", "sinks, causal",
+                                            "prefill 256, bottom-right"]
+    assert [c.causal for c in configs[-7:]] == [False, True] * 3 + [True]
+    assert [c.soft_cap for c in configs] == [None] * 9 + [50.0, 50.0, None, None, None]
+    assert [c.sinks for c in configs] == [False] * 11 + [True, True, False]
+    assert [(c.bottom_right, c.seqlen_q, c.seqlen_k) for c in configs][-2:] == [
+        (False, 4096, 4096), (True, 256, 4096)]
+    rows = bench.build_configs(bench.parse_args(["--variants", "--rows", "full,causal,soft-cap"]))
+    assert [c.variant for c in rows] == ["full", "causal", "soft-cap 50", "soft-cap 50, causal"]
+    with pytest.raises(SystemExit):  # --rows without the preset it picks from
+        bench.parse_args(["--rows", "full"])
+    with pytest.raises(SystemExit, match="no variants row starts with"):
+        bench.build_configs(bench.parse_args(["--variants", "--rows", "full,sof-cap"]))
+    assert all(c.soft_cap is None for c in _bench.variants_grid(soft_cap=None))
+    assert {(c.dtype, c.batch, c.seqlen_q, c.seqlen_k, c.num_heads, c.head_dim)
+            for c in configs[:-1]} == {("bf16", 4, 4096, 4096, 16, 128)}
+    by_name = {c.variant: c for c in configs}
+    assert by_name["window 1024"].window == (1024, 0) and by_name["window 1024"].causal
+    assert by_name["lengths"].kv_lens == by_name["lengths"].q_lens == (4096, 3072, 2048, 1024)
+    assert by_name["GQA 16/4"].num_kv_heads == 4 and by_name["GQA 16/4"].causal
+    assert by_name["bias [1,N,T,S]"].bias_shape == (1, 16, 4096, 4096)
+    assert by_name["segment ids"].segment_docs == by_name["mask [B,1,T,S]"].mask_docs
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--variants", "--decode"])
+
+
+def _brute_force_pairs(cfg) -> int:
+    """The visible (t, s) pairs of one head, summed over the batch, from the reference's own
+    visibility mask."""
+    mask = None
+    docs = cfg.mask_docs if cfg.mask_docs is not None else cfg.segment_docs
+    if docs is not None:
+        ids = np.stack([_bench.document_ids(d, cfg.mask_length) for d in docs])
+        mask = jnp.asarray(ids[:, None, :cfg.seqlen_q, None] == ids[:, None, None, :cfg.seqlen_k])
+    lens = [None if x is None else jnp.asarray(x, jnp.int32) for x in (cfg.q_lens, cfg.kv_lens)]
+    keep = reference.visibility(cfg.seqlen_q, cfg.seqlen_k, batch=cfg.batch,
+                                is_causal=cfg.causal, window=cfg.window, q_lens=lens[0],
+                                kv_lens=lens[1], mask=mask,
+                                shift=cfg.diagonal_shift if cfg.bottom_right else 0)
+    return int(jnp.sum(keep, dtype=jnp.int32))
+
+
+def test_variants_flops_count_the_visible_pairs():
+    # The preset's restricted rows, at full size, and odd shapes (T != S, a right window,
+    # lengths with causal, uneven documents), against a count over the reference's mask.
+    preset = [c for c in _bench.variants_grid() if c.restricted]
+    assert [c.variant for c in preset] == ["window 1024", "lengths", "mask [B,1,T,S]",
+                                           "segment ids", "segment ids, causal",
+                                           "prefill 256, bottom-right"]
+    odd = [_bench.Config(2, 48, 80, 2, 2, 16, "bf16", True, kind="variants", window=(7, 3),
+                         q_lens=(48, 20), kv_lens=(80, 33)),
+           _bench.Config(2, 48, 80, 2, 2, 16, "bf16", False, kind="variants", window=(5, 9)),
+           _bench.Config(3, 40, 56, 2, 2, 16, "bf16", False, kind="variants",
+                         mask_docs=(1, 3, 5), q_lens=(40, 17, 3), kv_lens=(1, 56, 30)),
+           _bench.Config(2, 37, 37, 2, 2, 16, "bf16", True, kind="variants", mask_docs=(2, 7)),
+           _bench.Config(2, 37, 50, 2, 2, 16, "bf16", True, kind="variants",
+                         segment_docs=(3, 5))]
+    for cfg in preset + odd:
+        pairs = _brute_force_pairs(cfg)
+        assert cfg.visible_pairs() == pairs, cfg.label()
+        forward = 4 * cfg.num_heads * cfg.head_dim * pairs
+        assert cfg.flops("fwd") == forward and cfg.flops("fwdbwd") == 3.5 * forward
+    window = next(c for c in preset if c.window)
+    # Closed form: row t sees min(t, 1024) + 1 keys.
+    t = np.arange(4096)
+    assert window.visible_pairs() == 4 * np.sum(np.minimum(t, 1024) + 1)
+    # Rows without a restriction keep the standard grid's counts (causal: T*S/2).
+    for cfg in _bench.variants_grid():
+        if not cfg.restricted:
+            assert cfg.flops() == _bench.attention_flops(cfg.batch, cfg.num_heads, cfg.seqlen_q,
+                                                         cfg.seqlen_k, cfg.head_dim, cfg.causal)
+
+
+def _tiny_variants():
+    # T = 64, B = 4, N = 4 (K = 1 for GQA), H = 16: window 16, lengths 64, 48, 32, 16; a cap of
+    # 1 that bends the logits (standard normal here), so that a dropped cap fails the check.
+    return _bench.variants_grid(seqlens=(64,), head_dims=(16,), batch=4, hidden=64,
+                                soft_cap=1.0)
+
+
+_TINY_SETTINGS = dict(repeats=1, min_repeats=1, target_s=1e-4, time_budget_s=0.0)
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
+def test_variants_grid_runs_and_passes_the_gate(monkeypatch, mode):
+    # The forward check takes 8 + 8 of the 64 query rows: every option is sliced by rows.
+    monkeypatch.setattr(_bench.checks, "FORWARD_CHECK_ROWS", 16)
+    configs = _tiny_variants()
+    settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
+    records = _bench.run_benchmark(configs, ["ours", "xla"], [mode], settings, progress=False)
+    # jax.nn has no soft-capping and no sinks: xla's rows of those are reported, not run.
+    capped = {(c.variant, "xla") for c in configs if c.soft_cap is not None or c.sinks}
+    assert capped and all(r["status"] == "unavailable" for r in records
+                          if (r["variant"], r["impl"]) in capped)
+    bad = [f"{r['variant']} {r['impl']}: {r['status']} {r.get('message', '')}"
+           for r in records if r["status"] != "ok" and (r["variant"], r["impl"]) not in capped]
+    assert not bad, "\n".join(bad)
+    assert len(records) == 2 * len(configs)
+    for cfg, r in zip([c for c in configs for _ in range(2)], records):
+        assert r["variant"] == cfg.variant and r["flops"] == cfg.flops(mode)
+        assert r["visible"] == cfg.visible_pairs() / (4 * cfg.seqlen_q * cfg.seqlen_k)
+        if r["status"] == "ok":
+            assert r["tflops"] == pytest.approx(cfg.flops(mode) / r["seconds"] / 1e12)
+    (title, table), = _bench.markdown_tables(records, ["ours", "xla"])
+    assert "visible logits only" in title
+    lines = table.splitlines()
+    assert lines[0] == ("| T | variant | causal | visible | ours TFLOP/s | xla TFLOP/s | "
+                        "ours ms | xla ms | ours/xla |")
+    assert [line.split(" | ")[1] for line in lines[2:]] == [c.variant for c in configs]
+    assert lines[4].startswith("| 64 | window 16 | yes | 0.23 |")  # sum_t min(t, 16) + 1
+
+
+@pytest.mark.parametrize("dropped", ["local_window_size", "key_value_seq_lengths",
+                                     "query_seq_lengths", "bias", "mask", "segment_ids",
+                                     "soft_cap", "sinks", "bottom_right"])
+def test_variants_gate_checks_each_option(monkeypatch, dropped):
+    """An implementation that ignores one of the options fails the check (query lengths: it
+    leaves the padded rows nonzero, which the check covers)."""
+    monkeypatch.setattr(_bench.checks, "FORWARD_CHECK_ROWS", 16)
+    real = _bench.attention_fn
+
+    def ignoring(impl, causal, window=None, soft_cap=None, bottom_right=False):
+        fn = real(impl, causal, None if dropped == "local_window_size" else window,
+                  None if dropped == "soft_cap" else soft_cap,
+                  bottom_right and dropped != "bottom_right")
+        return lambda q, k, v, **extras: fn(q, k, v, **{name: x for name, x in extras.items()
+                                                        if not name.startswith(dropped)
+                                                        and not name.endswith(dropped)})
+
+    monkeypatch.setattr(_bench.impls, "attention_fn", ignoring)
+    option = {"local_window_size": "window", "key_value_seq_lengths": "lengths",
+              "query_seq_lengths": "lengths", "bias": "bias", "mask": "mask",
+              "segment_ids": "segment ids", "soft_cap": "soft-cap", "sinks": "sinks",
+              "bottom_right": "prefill"}[dropped]
+    cfg = [c for c in _tiny_variants() if c.variant.startswith(option)][0]
+    settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
+    record, = _bench.run_benchmark([cfg], ["ours"], ["fwd"], settings, progress=False)
+    assert record["status"] == "FAIL", record
+
+
+def test_bench_script_variants_smoke(tmp_path, capsys):
+    bench = _load_bench_script()
+    out = tmp_path / "variants"
+    status = bench.main(["--variants", "--seqlen", "64", "--head-dim", "16", "--hidden", "64",
+                         "--impls", "ours,xla", "--out", str(out), "--no-progress",
+                         "--repeats", "1", "--target-ms", "0.1"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "| T | variant | causal | visible | ours TFLOP/s | xla TFLOP/s |" in printed
+    for label in ("full", "causal", "window 16", "lengths", "GQA 4/1", "bias [1,N,T,S]",
+                  "mask [B,1,T,S]", "segment ids", "soft-cap 50"):
+        assert f"| 64 | {label} |" in printed
+    report = json.loads((out / "results.json").read_text())
+    # Every row runs, but xla's soft-cap and sinks rows: jax.nn has neither.
+    assert {(r["status"], r["impl"]) for r in report["results"]
+            if r["status"] != "ok"} == {("unavailable", "xla")}
+    assert all(r["status"] == "ok" for r in report["results"]
+               if r["soft_cap"] is None and not r["sinks"])
+    assert {r["kind"] for r in report["results"]} == {"variants"}
+    assert "window 16" in (out / "results.md").read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "variants_bf16_fwd.png").stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------- packed preset
+
+
+def test_bench_script_packed_preset_and_exclusive_with_the_others():
+    bench = _load_bench_script()
+    configs = bench.build_configs(bench.parse_args(["--packed"]))
+    assert [(c.variant, c.seqlen_q, c.batch) for c in configs] == [
+        ("dense causal", 1024, 32), ("packed, mean 1024", 8192, 4),
+        ("packed, mean 1024", 32768, 1), ("dense causal", 4096, 8),
+        ("packed, mean 4096", 8192, 4), ("packed, mean 4096", 32768, 1)]
+    assert {(c.kind, c.dtype, c.num_heads, c.num_kv_heads, c.head_dim, c.causal)
+            for c in configs} == {("packed", "bf16", 16, 16, 128, True)}
+    for cfg in configs:
+        assert cfg.seqlen_k == cfg.seqlen_q
+        if cfg.variant == "dense causal":
+            assert cfg.segment_docs is None and not cfg.restricted
+            continue
+        assert len(cfg.segment_docs) == cfg.batch
+        for row in cfg.segment_docs:
+            assert sum(row) == cfg.seqlen_q and min(row) >= 1
+        if cfg.batch > 1:  # each row its own draw
+            assert len(set(cfg.segment_docs)) == cfg.batch
+    # A fixed seed: the same documents every time.
+    assert bench.build_configs(bench.parse_args(["--packed"])) == configs
+    for other in ("--variants", "--decode"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--packed", other])
+
+
+def test_packed_documents_are_log_normal_draws_of_their_mean():
+    # Long rows, so that few documents are cut: the drawn lengths average about the mean.
+    rows = _bench.draw_documents(4, 1 << 20, 1024)
+    lengths = np.concatenate([row[:-1] for row in rows])  # the last of a row is cut
+    assert abs(lengths.mean() / 1024 - 1) < 0.05
+    assert abs(np.log(lengths).std() - _bench.PACKED_SIGMA) < 0.05
+    assert rows == _bench.draw_documents(4, 1 << 20, 1024)
+    assert rows != _bench.draw_documents(4, 1 << 20, 1024, seed=1)
+
+
+def _tiny_packed(**overrides):
+    # T = 64 at 128 tokens (B = 2), N = 2, H = 16; documents of mean 8 and 32, and dense
+    # causal rows at T = 8 (B = 16) and T = 32 (B = 4).
+    options = dict(seqlens=(64,), head_dims=(16,), tokens=128, hidden=32, means=(8, 32))
+    return _bench.packed_grid(**dict(options, **overrides))
+
+
+def test_packed_flops_count_each_documents_causal_pairs():
+    for cfg in _tiny_packed() + _bench.packed_grid():
+        if cfg.segment_docs is None:  # the dense rows keep the standard grid's count
+            assert cfg.flops() == _bench.attention_flops(cfg.batch, cfg.num_heads, cfg.seqlen_q,
+                                                         cfg.seqlen_k, cfg.head_dim, True)
+            continue
+        pairs = sum(n * (n + 1) // 2 for row in cfg.segment_docs for n in row)
+        assert cfg.visible_pairs() == pairs, cfg.label()
+        if cfg.seqlen_q <= 64:
+            assert _brute_force_pairs(cfg) == pairs
+        forward = 4 * cfg.num_heads * cfg.head_dim * pairs
+        assert cfg.flops("fwd") == forward and cfg.flops("fwdbwd") == 3.5 * forward
+
+
+def test_cudnn_packed_arrays_pad_lengths_with_0_and_offsets_with_the_end_then_minus_1():
+    rows = ((3, 5), (8,), (1, 2, 4, 1))
+    lengths, offsets = _bench.cudnn_packed_arrays(rows, 8)
+    assert lengths.dtype == offsets.dtype == np.int32
+    np.testing.assert_array_equal(lengths, [[3, 5, 0, 0], [8, 0, 0, 0], [1, 2, 4, 1]])
+    np.testing.assert_array_equal(offsets, [[0, 3, 8, 8, -1], [0, 8, 8, 8, -1],
+                                            [0, 1, 3, 7, -1]])
+    # A count of equal documents, as the variants preset gives them, works too.
+    lengths, offsets = _bench.cudnn_packed_arrays((2, 1), 6)
+    np.testing.assert_array_equal(lengths, [[3, 3], [6, 0]])
+    np.testing.assert_array_equal(offsets, [[0, 3, -1], [0, 6, -1]])
+    # One document per row (the dense rows): still two slots, for jax's packed path.
+    lengths, offsets = _bench.cudnn_packed_arrays((1, 1), 4)
+    np.testing.assert_array_equal(lengths, [[4, 0], [4, 0]])
+    np.testing.assert_array_equal(offsets, [[0, 4, -1], [0, 4, -1]])
+
+
+def test_cudnn_packed_arrays_survive_jaxs_own_rearrangement():
+    """What cuDNN sees: jax's packed path flattens lengths and offsets and moves their
+    non-negative entries to the front (`_fix_seqlen_offsets`); document i must then be
+    (lengths[i], offsets[i]) = (its length, b * T + its start), the unused slots empty."""
+    module = pytest.importorskip("jax._src.cudnn.fused_attention_stablehlo")
+    fix = getattr(module, "_fix_seqlen_offsets", None)
+    if fix is None:
+        pytest.skip("this JAX rearranges the packed arrays elsewhere")
+    _bench.cudnn_packed_api()  # the arguments the benchmark passes exist in this JAX
+    n, h = 2, 4
+    for cfg in _tiny_packed(means=(8,)):  # a dense row (one document per row), a packed one
+        rows = _bench.packed.packed_rows(cfg)
+        t = cfg.seqlen_q
+        lengths, offsets = (jnp.asarray(x) for x in _bench.cudnn_packed_arrays(rows, t))
+        q = jnp.zeros((cfg.batch, t, n, h), jnp.bfloat16)
+        seen_lengths, _, seen_offsets, _ = fix(lengths, lengths, offsets, offsets, q, q)
+        seen = [(int(length), int(offset) // (n * h)) for length, offset in
+                zip(np.ravel(seen_lengths), np.ravel(seen_offsets)) if length > 0]
+        bounds = [_bench.document_bounds(row, t) for row in rows]
+        expected = [(int(end - start), b * t + int(start)) for b, row in enumerate(bounds)
+                    for start, end in zip(row[:-1], row[1:])]
+        assert seen == expected
+        assert int(np.ravel(seen_offsets)[lengths.size]) // (n * h) == cfg.batch * t
+    # The packed row's documents (the loop's last case) with each row's end after its starts,
+    # then -1, and the lengths padded with 0 or -1: from the second row on, documents get
+    # other documents' offsets (wrong rows on an H200, and no error).
+    for pad in (0, -1):
+        ends = np.full(offsets.shape, -1, np.int32)
+        for b, row in enumerate(bounds):
+            ends[b, :len(row)] = row
+        padded = jnp.where(lengths > 0, lengths, pad)
+        seen_lengths, _, seen_offsets, _ = fix(padded, padded, jnp.asarray(ends),
+                                               jnp.asarray(ends), q, q)
+        seen = [(int(length), int(offset) // (n * h)) for length, offset in
+                zip(np.ravel(seen_lengths), np.ravel(seen_offsets)) if length > 0]
+        assert seen[:len(bounds[0]) - 1] == expected[:len(bounds[0]) - 1]
+        assert seen != expected
+
+
+def test_cudnn_packed_is_unavailable_off_the_packed_rows():
+    cfg = _bench.Config(1, 32, 32, 2, 2, 32, "bf16", True)
+    with pytest.raises(_bench.Unavailable, match="packed preset"):
+        _bench.impls.config_attention_fn("cudnn-packed", cfg)
+    settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
+    ours, packed = _bench.run_benchmark([cfg], ["ours", "cudnn-packed"], ["fwd"], settings,
+                                        progress=False)
+    assert ours["status"] == "ok"
+    assert packed["status"] == "unavailable" and "packed preset" in packed["message"]
+    assert not _bench.failures([ours, packed])
+    assert _bench.available_impls(["ours", "cudnn-packed"]) == (
+        ["ours", "cudnn-packed"] if _bench.on_gpu() else ["ours"])
+
+
+def test_packed_grid_runs_and_passes_the_gate(monkeypatch):
+    monkeypatch.setattr(_bench.checks, "FORWARD_CHECK_ROWS", 16)
+    configs = _tiny_packed()
+    settings = _bench.TimingSettings.for_backend(**_TINY_SETTINGS)
+    records = _bench.run_benchmark(configs, ["ours", "xla"], ["fwd", "fwdbwd"], settings,
+                                   progress=False)
+    bad = [f"{r['variant']} {r['mode']} {r['impl']}: {r['status']} {r.get('message', '')}"
+           for r in records if r["status"] != "ok"]
+    assert not bad, "\n".join(bad)
+    for r in records:
+        assert r["kind"] == "packed"
+        assert r["doc_mean"] == (None if r["variant"] == "dense causal"
+                                 else int(r["variant"].rsplit(" ", 1)[1]))
+    tables = _bench.markdown_tables(records, ["ours", "xla"])
+    assert [title.split(" TFLOP/s")[0] for title, _ in tables] == ["bf16 forward",
+                                                                   "bf16 forward+backward"]
+    lines = tables[0][1].splitlines()
+    assert lines[0] == ("| T | B | documents | docs per row | visible | ours TFLOP/s | xla TFLOP/s "
+                        "| ours ms | xla ms | ours/xla | ours/dense at T=mean |")
+    assert [line.split(" | ")[2] for line in lines[2:]] == [c.variant for c in configs]
+    dense, packed = lines[2].split(" | "), lines[3].split(" | ")
+    assert dense[0] == "| 8" and dense[-1] == "- |"
+    ours = {(r["variant"], r["seqlen_q"]): r["tflops"] for r in records
+            if r["mode"] == "fwd" and r["impl"] == "ours"}
+    ratio = ours[("packed, mean 8", 64)] / ours[("dense causal", 8)]
+    assert packed[-1] == f"{ratio:.2f} |"
+
+
+def test_bench_script_packed_smoke(tmp_path, capsys):
+    bench = _load_bench_script()
+    out = tmp_path / "packed"
+    status = bench.main(["--packed", "--seqlen", "256", "--tokens", "512", "--impls", "ours",
+                         "--out", str(out), "--no-progress", "--repeats", "1",
+                         "--target-ms", "0.1"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "| T | B | documents | docs per row | visible | ours TFLOP/s | ours ms |" in printed
+    assert "| 256 | 2 | packed, mean 1024 |" in printed
+    assert "| 256 | 2 | packed, mean 4096 |" in printed
+    assert "log-normal (sigma 1 of the logarithm" in printed
+    report = json.loads((out / "results.json").read_text())
+    assert {r["status"] for r in report["results"]} == {"ok"}
+    assert {(r["kind"], r["batch"], r["num_heads"], r["head_dim"], r["causal"])
+            for r in report["results"]} == {("packed", 2, 16, 128, True)}
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "packed_bf16_fwd.png").stat().st_size > 0
