@@ -12,9 +12,10 @@ buffers runs every case to the end:
     --xla_gpu_enable_command_buffer=" compute-sanitizer --tool memcheck ...
 
 Shapes are odd (tile edges), with GQA, causal, windows, lengths (bottom-right aligned at them
-too) and soft-caps, so every predicated path runs (and two long forwards take the wide Hopper
-tiles of head dims 128 and 64), and the tensor-core backward runs in both dQ modes (atomics
-and deterministic); the script exits non-zero if a result is not finite.
+too), soft-caps, biases and masks (with dbias), so every predicated path runs (and two long
+forwards take the wide Hopper tiles of head dims 128 and 64), and the tensor-core backward runs
+in both dQ modes (atomics and deterministic); the script exits non-zero if a result is not
+finite.
 """
 
 import contextlib
@@ -71,6 +72,13 @@ def main():
         (jnp.bfloat16, 64, dict(bias=np.ones((4, 77, 1), np.float32),
                                 mask=np.arange(93) % 3 != 1, logits_soft_cap=3.0)),
         (jnp.float32, 36, dict(is_causal=True, logits_soft_cap=5.0)),
+        # A bias and mask at unit stride along the keys: on Hopper the Hopper kernels'
+        # instantiations for them (dbias summed over the batch by atomic adds; then one writer
+        # per element under a window), elsewhere the mma.sync family's.
+        (jnp.bfloat16, 128, dict(bias=np.ones((4, 77, 93), np.float32),
+                                 mask=np.arange(93) % 3 != 1, is_causal=True)),
+        (jnp.float16, 64, dict(bias=np.ones((2, 4, 77, 93), np.float32),
+                               local_window_size=(20, 5), key_value_seq_lengths=lens)),
         # Bottom-right alignment with seq lengths (each entry's window moved by its own
         # kv_len - q_len; an entry with more queries than keys): the tensor-core families in
         # both dQ modes and the CUDA-core kernels.
@@ -92,6 +100,21 @@ def main():
         for x in (value, *grads):
             assert np.isfinite(np.asarray(x, np.float32)).all(), (dtype, head_dim, kwargs)
         print(f"ok: {jnp.dtype(dtype).name} H={head_dim} {sorted(kwargs)}")
+
+    # dbias (the cases above take no gradient of their bias), from the tensor-core backward:
+    # summed over the batch by atomic adds, then one writer per element under a window.
+    for bias_shape, kwargs in [((4, 77, 93), dict(is_causal=True, mask=np.arange(93) % 3 != 1)),
+                               ((2, 4, 77, 93), dict(local_window_size=(20, 5),
+                                                     key_value_seq_lengths=lens))]:
+        q, k, v = random_qkv(rng, 2, 77, 93, 4, 2, 128, jnp.bfloat16)
+
+        def bias_loss(bias):
+            out = jax_flashattn.attention(q, k, v, bias, implementation="cuda", **kwargs)
+            return jnp.sum(out.astype(jnp.float32))
+
+        dbias = jax.jit(jax.grad(bias_loss))(jnp.ones(bias_shape, jnp.float32))
+        assert np.isfinite(np.asarray(dbias)).all(), (bias_shape, kwargs)
+        print(f"ok: dbias {bias_shape} {sorted(kwargs)}")
 
     # The split-KV decode kernel: 3 queries, GQA 4:1, 1000 odd keys, lengths. 4 splits per kv
     # head, which on Hopper merge in their thread block cluster (distributed shared memory);

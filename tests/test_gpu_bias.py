@@ -1,8 +1,9 @@
-"""Calls with an additive bias or a boolean mask on the Hopper forward (run with `pytest -m gpu`;
-skipped off an H100/H200): the dispatcher's choice, and out and lse against the float32
-reference over the bias's shapes and element types, masks, every bound (causal, windows,
-lengths), GQA, each head dim's tiles and their edges, and biases that move the row maxima.
-The mma.sync family's bias and mask kernels are tested in test_gpu_forward.py."""
+"""Calls with an additive bias or a boolean mask on the Hopper kernels (run with `pytest -m gpu`;
+skipped off an H100/H200): the dispatcher's choice, out and lse against the float32 reference
+over the bias's shapes and element types, masks, every bound (causal, windows, lengths), GQA,
+each head dim's tiles and their edges, and biases that move the row maxima; then the Hopper
+backward's gradients (dbias of every broadcast shape included). The mma.sync family's bias and
+mask kernels are tested in test_gpu_forward.py and test_gpu_backward.py."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import jax_flashattn
+from jax_flashattn import reference
 from helpers import (assert_grads_close, check_cuda_forward, grads, random_qkv, reference_grads,
                      use_family)
 
@@ -123,8 +125,8 @@ def test_bias_moves_row_maxima(rng, monkeypatch, head_dim, rise):
 
 
 def test_grad_and_vmap(rng, monkeypatch):
-    """Gradients (q, k, v and the bias), whose backward runs on the mma.sync family from the
-    Hopper forward's out and lse; and vmap with the bias broadcast over the mapped axis."""
+    """Gradients (q, k, v and the bias) from the Hopper forward's out and lse; and vmap with the
+    bias broadcast over the mapped axis."""
     use_family("sm90", monkeypatch)
     q, k, v = random_qkv(rng, 2, 130, 260, 4, 2, 64, jnp.bfloat16)
     bias = bias_of(rng, (1, 4, 130, 260), jnp.float32)
@@ -140,3 +142,95 @@ def test_grad_and_vmap(rng, monkeypatch):
         q, k, v, bias, implementation="cuda"))(q, k, v)
     np.testing.assert_array_equal(np.asarray(batched[1], np.float32),
                                   np.asarray(single, np.float32))
+
+
+# The Hopper backward with the terms: each consumer thread reads its elements of the bias and
+# mask as S^T lands and writes its elements of dS^T into dbias.
+
+def seen_by_bias(q, k, v, bias, mask, **kwargs):
+    """Which elements of the bias feed a pair the reference's softmax weighs (P > 0): the
+    gradient of the finite lse with respect to the bias is P summed over its broadcast dims
+    (dS = P (dP - D) is no test: a row that sees one key has dS = 0 there)."""
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, bias)]
+
+    def total_lse(b):
+        _, lse = reference.attention(*f32[:3], b, mask, return_residual=True, **kwargs)
+        return jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+    return np.nan_to_num(np.asarray(jax.jit(jax.grad(total_lse))(f32[3]))) > 0
+
+
+def check_backward(rng, q, k, v, bias, mask, **kwargs):
+    """Gradients of a call on the Hopper backward against the float32 reference; dbias also
+    exactly 0 at the elements that feed no visible pair (a bound, a length or the mask hides
+    them; the kernel does not write them, the dispatcher zeroes dbias for them)."""
+    assert jax_flashattn.backward_kernel(q, k, bias, mask) == "sm90"
+    d_out = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+    ours = jax.jit(lambda *a: grads(jax_flashattn.attention, *a, mask=mask,
+                                    implementation="cuda", **kwargs))(q, k, v, bias, d_out)
+    want = reference_grads(q, k, v, bias, d_out, mask=mask, **kwargs)
+    for name, got, ref in zip(["out", "dq", "dk", "dv", "dbias"], ours, want):
+        if ref is not None:
+            assert_grads_close(got, ref, normwise=3e-2, name=name)
+    if bias is not None:
+        unseen = ~seen_by_bias(q, k, v, bias, mask, **kwargs)
+        assert (np.asarray(ours[4], np.float32)[unseen] == 0).all(), "dbias: unseen pairs"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("terms", ["bias f32", "bias bf16", "mask", "bias f16 + mask"])
+def test_backward(rng, monkeypatch, head_dim, dtype, terms):
+    """GQA (4 query heads over 2), T != S with last tiles cut short; a bias over the heads,
+    whose dbias sums over the batch (atomic adds), and a mask per batch entry."""
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, S, 4, 2, head_dim, dtype)
+    bias_dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+    bias = (bias_of(rng, (1, 4, T, S), bias_dtype[terms.split()[1]])
+            if terms.startswith("bias") else None)
+    mask = mask_of(rng, (2, 1, T, S)) if "mask" in terms else None
+    check_backward(rng, q, k, v, bias, mask)
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 4, T, S), (1, 1, T, S), (2, 1, 1, S), (4, T, S),
+                                        (S,), (T, S)])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_backward_dbias_shapes(rng, monkeypatch, bias_shape, is_causal):
+    """dbias of every broadcast: one writer per element (the full shape; zeroed first where a
+    bound hides pairs), sums over the batch, heads or queries by atomic adds, one per key and
+    quad where every query shares the bias."""
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, S, 4, 2, 128, jnp.bfloat16)
+    check_backward(rng, q, k, v, bias_of(rng, bias_shape, jnp.float32), None,
+                   is_causal=is_causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("bounds", [dict(is_causal=True), dict(local_window_size=(70, 9)),
+                                    dict(is_causal=True,
+                                         query_seq_lengths=jnp.array([300, 41], jnp.int32),
+                                         key_value_seq_lengths=jnp.array([650, 0], jnp.int32)),
+                                    dict(key_value_seq_lengths=jnp.array([129, 701], jnp.int32)),
+                                    dict(is_causal=True, diagonal_alignment="bottom_right",
+                                         query_seq_lengths=jnp.array([77, 300], jnp.int32),
+                                         key_value_seq_lengths=jnp.array([600, 129], jnp.int32))])
+def test_backward_bounds(rng, monkeypatch, head_dim, bounds):
+    """The terms read only where the bounds leave a pair visible; dbias with one writer per
+    element is 0 at the pairs the bounds and the mask hide and the blocks do not visit."""
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, S, 4, 1, head_dim, jnp.bfloat16)
+    check_backward(rng, q, k, v, bias_of(rng, (2, 4, T, S), jnp.bfloat16),
+                   mask_of(rng, (1, 4, T, S), keep=0.9), **bounds)
+
+
+def test_backward_takes_mma_sync_beside_other_options(rng, monkeypatch):
+    """With deterministic_backward, a soft-cap, segment ids or a bias broadcast over the keys,
+    a call with a bias or mask keeps the mma.sync backward."""
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, S, 4, 2, 128, jnp.bfloat16)
+    bias, mask = bias_of(rng, (1, 4, T, S), jnp.float32), mask_of(rng, (2, 1, T, S))
+    ids = np.zeros((2, T), np.int32), np.zeros((2, S), np.int32)
+    assert jax_flashattn.backward_kernel(q, k, bias, mask, deterministic=True) == "sm80"
+    assert jax_flashattn.backward_kernel(q, k, bias, logits_soft_cap=5.0) == "sm80"
+    assert jax_flashattn.backward_kernel(q, k, None, mask, query_segment_ids=ids[0],
+                                         key_value_segment_ids=ids[1]) == "sm80"
+    assert jax_flashattn.backward_kernel(q, k, bias_of(rng, (4, T, 1), jnp.float32)) == "sm80"

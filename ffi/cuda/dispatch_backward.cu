@@ -72,8 +72,9 @@ cudaError_t launch_tensor_core(const AttentionParams& p, BackwardKernel kernel,
 // The Hopper kernel's grid is one-dimensional: one block per (key block, kv head, batch). Its
 // deterministic mode needs the call's dQ semaphores and no segment ids (such calls keep the
 // mma.sync family's dQ pass). Soft-capped calls take the kernel's instantiations for them
-// (BackwardWithSoftCap), without segment ids (such calls take the mma.sync family's). It has
-// no bias or boolean mask: those calls take the mma.sync family.
+// (BackwardWithSoftCap), without segment ids (such calls take the mma.sync family's). Calls with
+// a bias or boolean mask take its instantiations for them (BackwardWithBiasAndMask) where the
+// tensors have unit stride along the keys, without ids, a soft-cap or deterministic_backward.
 bool sm90_applies(const AttentionParams& p, int device) {
   const int64_t max_head_dim = wgmma::kBackwardHeadDims[std::size(wgmma::kBackwardHeadDims) - 1];
   constexpr int64_t kBlockN = wgmma::kBackwardMinBlockN;
@@ -81,8 +82,11 @@ bool sm90_applies(const AttentionParams& p, int device) {
   const bool ordered_dq = p.dq_semaphores != nullptr && p.q_segment_ids == nullptr &&
                           p.dq_semaphore_count >= p.dq_semaphores_needed();
   const bool soft_cap_fits = !p.soft_capped() || p.q_segment_ids == nullptr;
-  const bool no_bias_or_mask = p.bias == nullptr && p.mask == nullptr;
-  return (!p.deterministic || ordered_dq) && soft_cap_fits && no_bias_or_mask &&
+  const bool bias_or_mask_fits =
+      (p.bias == nullptr && p.mask == nullptr) ||
+      (p.q_segment_ids == nullptr && !p.soft_capped() && !p.deterministic &&
+       wgmma::bias_and_mask_fit(p));
+  return (!p.deterministic || ordered_dq) && soft_cap_fits && bias_or_mask_fits &&
          p.head_dim <= max_head_dim && blocks <= 0x7fffffff &&
          wgmma::backward_tma_compatible(p) && wgmma::segment_ids_tma_compatible(p) &&
          wgmma::hopper_kernels_apply(p, device);
@@ -108,16 +112,24 @@ BackwardKernel choose_backward_kernel(const AttentionParams& p, int device) {
 }
 
 cudaError_t launch_backward(const AttentionParams& p, cudaStream_t stream) {
-  if (p.dbias_accumulates) {  // the kernels add into it (params.h)
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  const BackwardKernel kernel = choose_backward_kernel(p, device);
+  // dbias is zeroed where the kernels add into it (params.h), and for the Hopper kernel, which
+  // stores dS only at the pairs it visits and sees, wherever some pair inside [T, S] may be
+  // neither: with a bound, lengths or a mask (the mma.sync family visits every query tile and
+  // stores 0 at hidden pairs).
+  const bool sm90_skips_pairs = kernel == BackwardKernel::kSm90 &&
+                                (p.mask != nullptr || !p.unwindowed() ||
+                                 p.q_seqlens != nullptr || p.kv_seqlens != nullptr);
+  if (p.dbias != nullptr && (p.dbias_accumulates || sm90_skips_pairs)) {
     const cudaError_t e =
         cudaMemsetAsync(p.dbias, 0, size_t(p.dbias_elements) * sizeof(float), stream);
     if (e != cudaSuccess) return e;
   }
   if (p.batch == 0 || p.num_heads == 0 || p.seqlen_q == 0) return cudaSuccess;
   const bool bf16 = p.dtype == ElemType::kBFloat16;
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  switch (const BackwardKernel kernel = choose_backward_kernel(p, device)) {
+  switch (kernel) {
     case BackwardKernel::kSm90:
     case BackwardKernel::kSm80:
       return bf16 ? launch_tensor_core<__nv_bfloat16>(p, kernel, stream)

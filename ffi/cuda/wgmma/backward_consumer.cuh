@@ -45,6 +45,7 @@
 #include "ffi/cuda/common/softmax.cuh"  // kLog2e
 #include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/cuda/common/tensor_maps.h"
+#include "ffi/cuda/wgmma/backward_bias_and_mask.cuh"
 #include "ffi/cuda/wgmma/backward_dq_add.cuh"
 #include "ffi/cuda/wgmma/backward_epilogue.cuh"
 #include "ffi/cuda/wgmma/backward_mma.cuh"
@@ -72,9 +73,11 @@ struct BackwardConsumer {
   // dV += P^T dO issued as soon as P^T is packed, under dS^T's computation, dK once dS^T is
   // (kDvFirst). S^T, dP^T, the P^T fragments and dK + dV are live together then: 208 registers
   // at head dim 128; at 64 (128-query tiles) 224, which spills 48-104 B and serializes the
-  // wgmma chain (ptxas C7512), so there dV and dK go together once dS^T is stored.
+  // wgmma chain (ptxas C7512), so there dV and dK go together once dS^T is stored; and with a
+  // bias or mask (whose reads and dbias stores spill 56 B at 128 with dV first, none without).
   static constexpr int kDvFirstRegisters = 2 * kQTiles * 4 + kQSteps * 4 + 2 * kDTiles * 4;
-  static constexpr bool kDvFirst = !kSplit && kDvFirstRegisters <= 208;
+  static constexpr bool kDvFirst =
+      !kSplit && kDvFirstRegisters <= 208 && !Traits::kBiasAndMask;
   static constexpr int kConsumersBarrier = BackwardNamedBarriers::kConsumers;
   static constexpr int kWarpgroupBarrier = BackwardNamedBarriers::kWarpgroup;
   static constexpr int kConsumerThreads = 128 * Traits::kConsumers;
@@ -86,7 +89,8 @@ struct BackwardConsumer {
   using Barriers = BackwardBarriers<Traits>;
   using Layout = BackwardSmemLayout<Traits>;
   // The factor on the scores in P^T's exponent: scale log2(e), or c = cap log2(e) where they
-  // are tanh(s scale / cap) (kSoftCap; the capped base-2 logit is c times that).
+  // are tanh(s scale / cap) (kSoftCap; the capped base-2 logit is c times that), or 1 where
+  // they are base-2 logits with the bias added already (kBiasAndMask).
   struct Scores {
     cuda::SoftCapLogits soft_cap;
     float scale;
@@ -188,8 +192,17 @@ struct BackwardConsumer {
   __device__ __forceinline__ Scores score_factors() const {
     Scores scores;
     scores.soft_cap = Traits::kSoftCap ? cuda::SoftCapLogits::make(p) : cuda::SoftCapLogits{};
-    scores.scale = Traits::kSoftCap ? scores.soft_cap.cap2 : p.scale * cuda::kLog2e;
+    scores.scale = Traits::kSoftCap        ? scores.soft_cap.cap2
+                   : Traits::kBiasAndMask ? 1.f
+                                          : p.scale * cuda::kLog2e;
     return scores;
+  }
+
+  // kBiasAndMask: this thread's reads of the bias and mask and writes of dbias.
+  __device__ __forceinline__ BackwardBiasAndMask<Traits, HiddenBits> bias_and_mask(
+      const Thread& th) const {
+    return {p, block.b, int64_t(block.key0) + th.warp_key0 + th.quad_row, th.quad_col,
+            th.consumer};
   }
 
   // kSegments: the id of this warp's key lane % 16 (the last key's past S), read once per
@@ -475,6 +488,8 @@ struct BackwardConsumer {
           }
         }
       }
+      if constexpr (Traits::kBiasAndMask)
+        bias_and_mask(th).apply(s, p.scale * cuda::kLog2e, hidden, s_acc);
       probabilities(th, scores, s.lse, hidden, s_acc);
       uint32_t p_frag[kQSteps][4], ds_frag[kQSteps][4];
       if constexpr (kDvFirst) {
@@ -487,6 +502,7 @@ struct BackwardConsumer {
       }
       fence(dp_acc);
       score_gradients(th, scores, s.lse, s.delta, s_acc, dp_acc);
+      if constexpr (Traits::kBiasAndMask) bias_and_mask(th).store_dbias(s, hidden, dp_acc);
 
       store_ds<!kDvFirst>(th, s.ds_buffer, s_acc, dp_acc, p_frag, ds_frag);
       issue_dv_dk<!kDvFirst, true>(th, s.stage, p_frag, ds_frag, dv_acc, dk_acc);

@@ -47,6 +47,8 @@ struct BackwardTraits {
   static constexpr bool kSegments = false;  // segment ids (BackwardWithSegmentIds below)
   static constexpr bool kDeterministic = false;  // dQ in a fixed order (BackwardDeterministic)
   static constexpr bool kSoftCap = false;  // soft-capped logits (BackwardWithSoftCap below)
+  // An additive bias and / or a boolean mask (BackwardWithBiasAndMask below).
+  static constexpr bool kBiasAndMask = false;
   // setmaxnreg budgets, as in the forward: 128 x 24 + 256 x 240 = 64512, all that the block
   // is launched with (register_budgets_fit in traits.h).
   static constexpr int kProducerRegisters = 24;
@@ -176,6 +178,18 @@ template <typename Config>
 struct BackwardWithSoftCap : Config {
   static_assert(!Config::kSegments, "soft-capped calls with segment ids take the mma.sync family");
   static constexpr bool kSoftCap = true;
+};
+
+// A configuration for calls with an additive bias and / or a boolean mask, and dbias: each
+// consumer thread reads its elements of S^T's bias and mask from global memory as the scores
+// land and writes its elements of dS^T into dbias (backward_bias_and_mask.cuh). Instantiated in
+// translation units of their own (cuda/instantiations/backward_wgmma_bias.cu.in); calls that
+// also have segment ids, a soft-cap or deterministic_backward take the mma.sync family.
+template <typename Config>
+struct BackwardWithBiasAndMask : Config {
+  static_assert(!Config::kSegments && !Config::kSoftCap && !Config::kDeterministic,
+                "the bias and mask's calls have neither ids, nor a soft-cap, nor ordered dQ");
+  static constexpr bool kBiasAndMask = true;
 };
 
 // The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one
