@@ -4,7 +4,7 @@
 // them. Each thread reads its own elements from global memory, at constant offsets from its
 // row's start (keys at unit stride: bias_and_mask_fit), having prefetched them into L2 while
 // the tile before computed. No shared memory is left beside the tiles for a bias tile at head
-// dim 128 (docs/decisions/hopper-forward-bias-and-mask.md).
+// dim 128 (docs/decisions/hopper-bias-and-mask.md).
 #pragma once
 
 #include <cuda_bf16.h>
