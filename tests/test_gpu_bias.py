@@ -30,6 +30,15 @@ def mask_of(rng, shape, keep=0.7):
     return jnp.asarray(rng.random(shape) < keep)
 
 
+def terms_of(rng, terms):
+    """(bias, mask) of a test's terms, e.g. "bias f32 + mask": a bias [1, 4, T, S] over the
+    heads of the named element type, a mask [2, 1, T, S] per batch entry, or None for each."""
+    bias_dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+    bias = (bias_of(rng, (1, 4, T, S), bias_dtype[terms.split()[1]])
+            if terms.startswith("bias") else None)
+    return bias, mask_of(rng, (2, 1, T, S)) if "mask" in terms else None
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("terms", ["bias f32", "bias bf16", "bias f16", "mask",
@@ -37,10 +46,7 @@ def mask_of(rng, shape, keep=0.7):
 def test_bias_and_mask(rng, monkeypatch, head_dim, dtype, terms):
     use_family("sm90", monkeypatch)
     q, k, v = random_qkv(rng, 2, T, S, 4, 2, head_dim, dtype)
-    bias_dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
-    bias = (bias_of(rng, (1, 4, T, S), bias_dtype[terms.split()[1]])
-            if terms.startswith("bias") else None)
-    mask = mask_of(rng, (2, 1, T, S)) if "mask" in terms else None
+    bias, mask = terms_of(rng, terms)
     assert jax_flashattn.forward_kernel(q, k, bias, mask) == "sm90"
     check_cuda_forward(q, k, v, bias, mask)
 
@@ -184,10 +190,7 @@ def test_backward(rng, monkeypatch, head_dim, dtype, terms):
     whose dbias sums over the batch (atomic adds), and a mask per batch entry."""
     use_family("sm90", monkeypatch)
     q, k, v = random_qkv(rng, 2, T, S, 4, 2, head_dim, dtype)
-    bias_dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
-    bias = (bias_of(rng, (1, 4, T, S), bias_dtype[terms.split()[1]])
-            if terms.startswith("bias") else None)
-    mask = mask_of(rng, (2, 1, T, S)) if "mask" in terms else None
+    bias, mask = terms_of(rng, terms)
     check_backward(rng, q, k, v, bias, mask)
 
 
