@@ -27,16 +27,21 @@ OPTIONS = {
 }
 
 
-def bottom_right_mask(t, s, is_causal=False, window=None):
-    """[T, S]: key j visible from query i at position i + S - T, built with numpy."""
-    pos = np.arange(t)[:, None] + s - t
+def shifted_mask(t, s, shift, is_causal=False, window=None):
+    """[T, S] with numpy: key j visible from query i at position i + shift."""
+    pos = np.arange(t)[:, None] + shift
     j = np.arange(s)[None, :]
     keep = np.ones((t, s), bool)
     if is_causal:
         keep &= j <= pos
     if window is not None:
-        keep &= (j >= pos - window[0]) & (j <= pos + window[1])
+        keep &= (pos - window[0] <= j) & (j <= pos + window[1])
     return keep
+
+
+def bottom_right_mask(t, s, is_causal=False, window=None):
+    """[T, S]: key j visible from query i at position i + S - T, built with numpy."""
+    return shifted_mask(t, s, s - t, is_causal, window)
 
 
 def lengths_mask(t, s, q_lens, kv_lens, is_causal=False, window=None):
@@ -48,14 +53,8 @@ def lengths_mask(t, s, q_lens, kv_lens, is_causal=False, window=None):
     for e in range(b):
         q_len = t if q_lens is None else min(max(int(q_lens[e]), 0), t)
         kv_len = s if kv_lens is None else min(max(int(kv_lens[e]), 0), s)
-        pos = np.arange(q_len)[:, None] + kv_len - q_len
-        j = np.arange(kv_len)[None, :]
-        seen = np.ones((q_len, kv_len), bool)
-        if is_causal:
-            seen &= j <= pos
-        if window is not None:
-            seen &= (pos - window[0] <= j) & (j <= pos + window[1])
-        keep[e, 0, :q_len, :kv_len] = seen
+        keep[e, 0, :q_len, :kv_len] = shifted_mask(q_len, kv_len, kv_len - q_len, is_causal,
+                                                   window)
     return keep
 
 
