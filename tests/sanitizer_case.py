@@ -44,8 +44,8 @@ def main():
         (jnp.bfloat16, 64, dict(bias=np.ones((4, 77, 1), np.float32),
                                 mask=np.arange(93) % 3 != 1, is_causal=True)),
         # The tensor-core backward's deterministic mode (the cases above use its atomics): on
-        # Hopper the Hopper kernel's ordered dQ additions, with a bias or mask and elsewhere the
-        # mma.sync family's dQ pass.
+        # Hopper the Hopper kernel's ordered dQ additions, with a bias broadcast over the keys
+        # and elsewhere the mma.sync family's dQ pass.
         (jnp.bfloat16, 128, dict(is_causal=True, deterministic_backward=True)),
         (jnp.float16, 96, dict(local_window_size=(20, 5), query_seq_lengths=lens,
                                deterministic_backward=True)),
@@ -102,10 +102,13 @@ def main():
         print(f"ok: {jnp.dtype(dtype).name} H={head_dim} {sorted(kwargs)}")
 
     # dbias (the cases above take no gradient of their bias), from the tensor-core backward:
-    # summed over the batch by atomic adds, then one writer per element under a window.
+    # summed over the batch by atomic adds, then one writer per element under a window, then
+    # deterministic (the full dbias, one writer per element; on Hopper dQ in the tiles' turns).
     for bias_shape, kwargs in [((4, 77, 93), dict(is_causal=True, mask=np.arange(93) % 3 != 1)),
                                ((2, 4, 77, 93), dict(local_window_size=(20, 5),
-                                                     key_value_seq_lengths=lens))]:
+                                                     key_value_seq_lengths=lens)),
+                               ((4, 77, 93), dict(is_causal=True, mask=np.arange(93) % 3 != 1,
+                                                  deterministic_backward=True))]:
         q, k, v = random_qkv(rng, 2, 77, 93, 4, 2, 128, jnp.bfloat16)
 
         def bias_loss(bias):

@@ -76,8 +76,8 @@ def test_deterministic(rng):
 # The tensor-core backward (bf16/fp16, head dims multiple of 8 up to 256, above 128 where the
 # device has 163 KiB of shared memory per block; float32 runs on the CUDA-core kernels), over
 # the forward tests' shape and mask matrix, in both dQ modes: float32 atomics (default) and the
-# deterministic mode (on Hopper dQ added in a fixed order of key blocks, elsewhere and with a
-# bias or mask the mma.sync family's dQ pass).
+# deterministic mode (on Hopper dQ added in a fixed order of key blocks, elsewhere the mma.sync
+# family's dQ pass).
 
 LOW_PRECISION = [jnp.bfloat16, jnp.float16]
 # Normwise relative error against the float32 reference: P and dS are rounded to the input
@@ -386,9 +386,10 @@ def test_tc_vmap_of_grads(rng, deterministic):
 
 
 # ----------------------------------------------------------------------------------------------
-# The Hopper backward (TMA + wgmma, one pass for dK, dV and the atomic dQ): bf16/fp16, head dims
-# a multiple of 8 up to 256, no bias or mask, atomic dQ, on compute capability 9.0 with an sm_90a
-# build. Everywhere else these run the mma.sync family and still check the gradients.
+# The Hopper backward (TMA + wgmma, one pass for dK, dV and dQ): bf16/fp16, head dims a multiple
+# of 8 up to 256, on compute capability 9.0 with an sm_90a build (its bias and mask calls in
+# test_gpu_bias.py). Everywhere else these run the mma.sync family and still check the
+# gradients.
 
 
 def tensor_core_family(head_dim):

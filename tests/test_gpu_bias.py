@@ -165,14 +165,15 @@ def seen_by_bias(q, k, v, bias, mask, **kwargs):
     return np.nan_to_num(np.asarray(jax.jit(jax.grad(total_lse))(f32[3]))) > 0
 
 
-def check_backward(rng, q, k, v, bias, mask, **kwargs):
+def check_backward(rng, q, k, v, bias, mask, deterministic=False, **kwargs):
     """Gradients of a call on the Hopper backward against the float32 reference; dbias also
     exactly 0 at the elements that feed no visible pair (a bound, a length or the mask hides
     them; the kernel does not write them, the dispatcher zeroes dbias for them)."""
-    assert jax_flashattn.backward_kernel(q, k, bias, mask) == "sm90"
+    assert jax_flashattn.backward_kernel(q, k, bias, mask, deterministic=deterministic) == "sm90"
     d_out = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
     ours = jax.jit(lambda *a: grads(jax_flashattn.attention, *a, mask=mask,
-                                    implementation="cuda", **kwargs))(q, k, v, bias, d_out)
+                                    implementation="cuda", deterministic_backward=deterministic,
+                                    **kwargs))(q, k, v, bias, d_out)
     want = reference_grads(q, k, v, bias, d_out, mask=mask, **kwargs)
     for name, got, ref in zip(["out", "dq", "dk", "dv", "dbias"], ours, want):
         if ref is not None:
@@ -225,14 +226,32 @@ def test_backward_bounds(rng, monkeypatch, head_dim, bounds):
                    mask_of(rng, (1, 4, T, S), keep=0.9), **bounds)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("bias_shape", [(1, 4, T, S), (2, 1, 1, S)])
+def test_backward_deterministic(rng, monkeypatch, head_dim, bias_shape):
+    """deterministic_backward: dQ added in a fixed order of key blocks and dbias at the full
+    [B, N, T, S] (one writer per element, summed to the bias's shape after), against the
+    reference and with the same bits on every run."""
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, S, 4, 2, head_dim, jnp.bfloat16)
+    bias, mask = bias_of(rng, bias_shape, jnp.float32), mask_of(rng, (2, 1, T, S))
+    check_backward(rng, q, k, v, bias, mask, deterministic=True, is_causal=True)
+    d_out = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+    run = jax.jit(lambda *a: grads(jax_flashattn.attention, *a, mask=mask, is_causal=True,
+                                   implementation="cuda", deterministic_backward=True))
+    first = run(q, k, v, bias, d_out)
+    for _ in range(3):
+        for a, b in zip(first, run(q, k, v, bias, d_out)):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_backward_takes_mma_sync_beside_other_options(rng, monkeypatch):
-    """With deterministic_backward, a soft-cap, segment ids or a bias broadcast over the keys,
-    a call with a bias or mask keeps the mma.sync backward."""
+    """With a soft-cap, segment ids or a bias broadcast over the keys, a call with a bias or mask
+    keeps the mma.sync backward."""
     use_family("sm90", monkeypatch)
     q, k, v = random_qkv(rng, 2, T, S, 4, 2, 128, jnp.bfloat16)
     bias, mask = bias_of(rng, (1, 4, T, S), jnp.float32), mask_of(rng, (2, 1, T, S))
     ids = np.zeros((2, T), np.int32), np.zeros((2, S), np.int32)
-    assert jax_flashattn.backward_kernel(q, k, bias, mask, deterministic=True) == "sm80"
     assert jax_flashattn.backward_kernel(q, k, bias, logits_soft_cap=5.0) == "sm80"
     assert jax_flashattn.backward_kernel(q, k, None, mask, query_segment_ids=ids[0],
                                          key_value_segment_ids=ids[1]) == "sm80"

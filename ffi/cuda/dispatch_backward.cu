@@ -74,7 +74,8 @@ cudaError_t launch_tensor_core(const AttentionParams& p, BackwardKernel kernel,
 // mma.sync family's dQ pass). Soft-capped calls take the kernel's instantiations for them
 // (BackwardWithSoftCap), without segment ids (such calls take the mma.sync family's). Calls with
 // a bias or boolean mask take its instantiations for them (BackwardWithBiasAndMask) where the
-// tensors have unit stride along the keys, without ids, a soft-cap or deterministic_backward.
+// tensors have unit stride along the keys, without ids or a soft-cap, and in deterministic mode
+// only where each element of dbias has one writer (its red.global.add has no fixed order).
 bool sm90_applies(const AttentionParams& p, int device) {
   const int64_t max_head_dim = wgmma::kBackwardHeadDims[std::size(wgmma::kBackwardHeadDims) - 1];
   constexpr int64_t kBlockN = wgmma::kBackwardMinBlockN;
@@ -84,8 +85,8 @@ bool sm90_applies(const AttentionParams& p, int device) {
   const bool soft_cap_fits = !p.soft_capped() || p.q_segment_ids == nullptr;
   const bool bias_or_mask_fits =
       (p.bias == nullptr && p.mask == nullptr) ||
-      (p.q_segment_ids == nullptr && !p.soft_capped() && !p.deterministic &&
-       wgmma::bias_and_mask_fit(p));
+      (p.q_segment_ids == nullptr && !p.soft_capped() &&
+       !(p.deterministic && p.dbias_accumulates) && wgmma::bias_and_mask_fit(p));
   return (!p.deterministic || ordered_dq) && soft_cap_fits && bias_or_mask_fits &&
          p.head_dim <= max_head_dim && blocks <= 0x7fffffff &&
          wgmma::backward_tma_compatible(p) && wgmma::segment_ids_tma_compatible(p) &&

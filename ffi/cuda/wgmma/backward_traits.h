@@ -183,12 +183,13 @@ struct BackwardWithSoftCap : Config {
 // A configuration for calls with an additive bias and / or a boolean mask, and dbias: each
 // consumer thread reads its elements of S^T's bias and mask from global memory as the scores
 // land and writes its elements of dS^T into dbias (backward_bias_and_mask.cuh). Instantiated in
-// translation units of their own (cuda/instantiations/backward_wgmma_bias.cu.in); calls that
-// also have segment ids, a soft-cap or deterministic_backward take the mma.sync family.
+// translation units of their own (cuda/instantiations/backward_wgmma_bias.cu.in), in both dQ
+// modes (BackwardDeterministic<BackwardWithBiasAndMask<...>>: its dbias is one writer's per
+// element); calls that also have segment ids or a soft-cap take the mma.sync family.
 template <typename Config>
 struct BackwardWithBiasAndMask : Config {
   static_assert(!Config::kSegments && !Config::kSoftCap && !Config::kDeterministic,
-                "the bias and mask's calls have neither ids, nor a soft-cap, nor ordered dQ");
+                "the bias and mask's calls have neither ids nor a soft-cap; ordered dQ wraps it");
   static constexpr bool kBiasAndMask = true;
 };
 
