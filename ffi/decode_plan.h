@@ -78,13 +78,15 @@ inline int64_t decode_rows(const AttentionParams& p) { return p.seqlen_q * p.gro
 
 // Whether the call's shape, dtype and options fit the decode kernel (before any workspace or
 // device question): bf16/fp16, scale > 0 (the softmax folds the scale after the row max), a
-// head dim multiple of 8 up to 256, no bias, boolean mask or segment ids (those keep the normal
-// kernels: has_elementwise_terms; a soft-cap has the decode kernels' instantiations for it),
-// few query rows per kv head and enough keys to split.
+// head dim multiple of 8 up to 256, no segment ids (those keep the normal kernels), a soft-cap
+// or a bias and / or boolean mask but not both (each has the decode kernels' instantiations for
+// it), few query rows per kv head and enough keys to split.
 inline bool decode_shape_fits(const AttentionParams& p) {
   const bool tensor_core_dtype = p.dtype == ElemType::kBFloat16 || p.dtype == ElemType::kFloat16;
+  const bool one_variant =
+      p.q_segment_ids == nullptr && !(p.soft_capped() && (p.bias != nullptr || p.mask != nullptr));
   return tensor_core_dtype && p.scale > 0.f && p.head_dim > 0 && p.head_dim % 8 == 0 &&
-         p.head_dim <= kDecodeMaxHeadDim && !p.has_elementwise_terms() &&
+         p.head_dim <= kDecodeMaxHeadDim && one_variant &&
          p.num_kv_heads > 0 && p.seqlen_q > 0 &&
          decode_rows(p) <= kDecodeMaxRows && p.seqlen_k >= kDecodeMinKeys &&
          p.seqlen_k <= kDecodeMaxKeys;

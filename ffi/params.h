@@ -153,12 +153,6 @@ struct AttentionParams {
   JAX_FLASHATTN_HOST_DEVICE int64_t dq_semaphores_needed() const {
     return batch * num_heads * ((seqlen_q + kDqSemaphoreRows - 1) / kDqSemaphoreRows);
   }
-  // A bias, a boolean mask or segment ids: operands read element by element, which the decode
-  // kernels do not have (the mma.sync family has instantiations for them, the Hopper forward
-  // for segment ids and for a bias or mask).
-  JAX_FLASHATTN_HOST_DEVICE bool has_elementwise_terms() const {
-    return bias != nullptr || mask != nullptr || q_segment_ids != nullptr;
-  }
   JAX_FLASHATTN_HOST_DEVICE bool soft_capped() const { return logits_soft_cap != 0.0f; }
   // No causal or window bound: every query sees every key up to the lengths (so too with
   // align_window_to_lengths, which moves bounded sides only).

@@ -147,6 +147,15 @@ def main():
                  key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
     forward_case(rng, "decode, soft-capped, combine", (2, 3, 4097, 8, 2, 64), kernel="decode",
                  logits_soft_cap=5.0)
+    # A serving bias and a cache's mask on the decode kernels' instantiations for them: 64 rows
+    # per block (the wgmma kernel on Hopper) with lengths, and 12 rows with 4097 keys (the
+    # mma.sync kernel, the combine); each thread reads only the keys its rows see.
+    forward_case(rng, "decode, bias and mask", (2, 16, 1001, 8, 2, 128),
+                 kernel=("decode", "decode_sm90"), bias=np.ones((2, 8, 1, 1001), np.float32),
+                 mask=np.arange(1001) % 3 != 1,
+                 key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
+    forward_case(rng, "decode, bias, combine", (2, 3, 4097, 8, 2, 64), kernel="decode",
+                 bias=np.ones((8, 3, 4097), np.float16))
     # Decoding with bottom-right alignment at each entry's lengths: a causal window whose
     # per-entry shift moves the split's key range.
     forward_case(rng, "decode, bottom-right at the lengths", (2, 16, 1001, 8, 2, 128),

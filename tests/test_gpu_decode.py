@@ -28,16 +28,17 @@ def decode_kernel(q, k):
     return "decode_sm90" if wgmma else "decode"
 
 
-def check_decode(q, k, v, **kwargs):
+def check_decode(q, k, v, *args, **kwargs):
     """check_cuda_forward() for a shape the dispatcher must send to a split-KV decode kernel (decode_kernel);
     also poisons out, lse and the decode workspace, so a split partial the combine reads without
-    it having been written, or a row neither merge writes, shows up as NaN."""
-    assert jax_flashattn.forward_kernel(q, k) == decode_kernel(q, k)
+    it having been written, or a row neither merge writes, shows up as NaN. args: the bias and
+    mask, if any."""
+    assert jax_flashattn.forward_kernel(q, k, *args) == decode_kernel(q, k)
     *lead, t, n, _ = q.shape
     floats = _ffi.plan(_ffi.call_shape(q.shape, k.shape, q.dtype)).decode_workspace_floats
     poison(jax.ShapeDtypeStruct((floats,), jnp.float32),
            jax.ShapeDtypeStruct((*lead, n, t), jnp.float32), jax.ShapeDtypeStruct(q.shape, q.dtype))
-    check_cuda_forward(q, k, v, **kwargs)
+    check_cuda_forward(q, k, v, *args, **kwargs)
 
 
 # "sm80" sends every decoding shape to the mma.sync decode kernel (on Hopper the wgmma one
@@ -269,10 +270,47 @@ def test_decode_gradients(rng, t):
         assert err < 3e-2, f"d{name}: relative error {err:.3g}"
 
 
+# A serving bias and a cache's mask, on the decode kernels' instantiations for them: each
+# thread reads its two rows' elements at the keys they see. (bias shape, bias dtype, mask
+# shape) with B = 2, N = 8, T, S; None for an absent term.
+DECODE_TERMS = {
+    "bias [B,N,1,S] f32": ((2, 8, 1, "S"), jnp.float32, None),
+    "bias [1,N,T,S] bf16": ((1, 8, "T", "S"), jnp.bfloat16, None),
+    "mask [B,1,1,S]": (None, None, (2, 1, 1, "S")),
+    "bias [N,1,S] f16 + mask [B,1,T,S]": ((8, 1, "S"), jnp.float16, (2, 1, "T", "S")),
+}
+
+
+@pytest.mark.parametrize("family", DECODE_FAMILIES)
+@pytest.mark.parametrize("t,head_dim", [(1, 128), (16, 64), (16, 128), (3, 256)])
+@pytest.mark.parametrize("terms", DECODE_TERMS)
+@pytest.mark.parametrize("s,kwargs", [
+    (700, dict()),
+    (4097, dict(is_causal=True, key_value_seq_lengths=np.array([4097, 1500], np.int32))),
+], ids=["cluster", "combine_lengths"])
+def test_decode_bias_and_mask(rng, monkeypatch, family, t, head_dim, terms, s, kwargs):
+    """Both merges, GQA 4:1, a mask that keeps about 70% of the keys and hides every key of
+    the second batch entry's first query (its row 0 with lse -inf), against the reference."""
+    pick_decode_family(monkeypatch, family)
+    q, k, v = random_qkv(rng, 2, t, s, 8, 2, head_dim, jnp.bfloat16)
+    bias_shape, bias_dtype, mask_shape = DECODE_TERMS[terms]
+    size = {"T": t, "S": s}
+    bias = mask = None
+    if bias_shape is not None:
+        shape = tuple(size.get(d, d) for d in bias_shape)
+        bias = jnp.asarray(2.0 * rng.standard_normal(shape), bias_dtype)
+    if mask_shape is not None:
+        keep = rng.random(tuple(size.get(d, d) for d in mask_shape)) < 0.7
+        keep[1, :, 0] = False
+        mask = jnp.asarray(keep)
+    check_decode(q, k, v, bias, mask, **kwargs)
+
+
 def test_decode_dispatch(monkeypatch):
     """forward_kernel reports a decode kernel for decoding shapes only: few query rows per kv
-    head (T * N / K <= 64), enough keys, bf16/fp16, no bias or mask (a soft-cap too); on Hopper
-    the wgmma one from 32 rows at head dims up to 128, unless JAX_FLASHATTN_DISABLE_SM90."""
+    head (T * N / K <= 64), enough keys, bf16/fp16, a soft-cap or a bias and mask but not both,
+    no segment ids; on Hopper the wgmma one from 32 rows at head dims up to 128, unless
+    JAX_FLASHATTN_DISABLE_SM90."""
     monkeypatch.delenv("JAX_FLASHATTN_DISABLE_SM90", raising=False)
 
     def kernel(t, n, kv, s, h=128, dtype=jnp.bfloat16, **kwargs):
@@ -292,7 +330,14 @@ def test_decode_dispatch(monkeypatch):
     assert kernel(1, 32, 8, 100) != "decode"  # too few keys to split
     assert kernel(1, 32, 8, 65536, dtype=jnp.float32) == "simt"
     bias = jax.ShapeDtypeStruct((8, 32, 1, 65536), jnp.bfloat16)
-    assert kernel(1, 32, 8, 65536, bias=bias) == ("sm90" if hopper() else "sm80")
+    mask = jax.ShapeDtypeStruct((8, 1, 16, 65536), jnp.bool_)
+    assert kernel(1, 32, 8, 65536, bias=bias) == "decode"
+    assert kernel(16, 32, 8, 65536, bias=bias, mask=mask) == wgmma
     assert kernel(16, 32, 8, 65536, logits_soft_cap=30.0) == wgmma
+    normal = "sm90" if hopper() else "sm80"
+    assert kernel(1, 32, 8, 65536, bias=bias, logits_soft_cap=30.0) == "sm80"
+    ids = jax.ShapeDtypeStruct((8, 1), jnp.int32), jax.ShapeDtypeStruct((8, 65536), jnp.int32)
+    assert kernel(1, 32, 8, 65536, query_segment_ids=ids[0],
+                  key_value_segment_ids=ids[1]) == normal
     monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
     assert kernel(16, 32, 8, 65536) == "decode"

@@ -6,9 +6,9 @@
 // Decoding shapes (few query rows per kv head, a long key sequence; ffi/decode_plan.h) take
 // a split-KV decode kernel on every architecture, ahead of the others, when the call's
 // workspace holds its splits: on Hopper the wgmma one where it applies
-// (wgmma::decode_kernel_applies), else the mma.sync one (soft-capped calls on their
-// instantiations for the cap); calls with a bias, boolean mask or segment ids keep the normal
-// kernels. Calls with one of a soft-cap, segment ids, or a bias or mask take the Hopper
+// (wgmma::decode_kernel_applies), else the mma.sync one (soft-capped calls, and calls with a
+// bias or boolean mask, on their instantiations for those); calls with segment ids, or with a
+// soft-cap beside a bias or mask, keep the normal kernels. Calls with one of a soft-cap, segment ids, or a bias or mask take the Hopper
 // kernel's instantiations for it; with two of them, the mma.sync family. Why in this order:
 // docs/decisions/kernel-family-dispatch.md.
 #include <cuda_bf16.h>
@@ -49,8 +49,10 @@ cudaError_t launch_decode_sm90_for_head_dim(const AttentionParams& p,
                                             cudaStream_t stream) {
   return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
     constexpr int kHeadDim = decltype(h)::value;
-    return p.soft_capped() ? launch_forward_decode_sm90<Elem, kHeadDim, true>(p, plan, stream)
-                           : launch_forward_decode_sm90<Elem, kHeadDim>(p, plan, stream);
+    if (p.soft_capped()) return launch_forward_decode_sm90<Elem, kHeadDim, true>(p, plan, stream);
+    if (p.bias != nullptr || p.mask != nullptr)
+      return launch_forward_decode_sm90<Elem, kHeadDim, false, true>(p, plan, stream);
+    return launch_forward_decode_sm90<Elem, kHeadDim>(p, plan, stream);
   });
 }
 
@@ -65,28 +67,34 @@ cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const mma_sync:
                                        cudaStream_t stream) {
   return for_head_dim<mma_sync::kDecodeHeadDims>(p.head_dim, [&](auto h) {
     constexpr int kHeadDim = decltype(h)::value;
-    return p.soft_capped() ? launch_forward_decode<Elem, kHeadDim, true>(p, plan, stream)
-                           : launch_forward_decode<Elem, kHeadDim>(p, plan, stream);
+    if (p.soft_capped()) return launch_forward_decode<Elem, kHeadDim, true>(p, plan, stream);
+    if (p.bias != nullptr || p.mask != nullptr)
+      return launch_forward_decode<Elem, kHeadDim, false, true>(p, plan, stream);
+    return launch_forward_decode<Elem, kHeadDim>(p, plan, stream);
   });
 }
 
 // Whether the decode call (on the wgmma kernel with sm90) merges its splits in clusters on CUDA
-// device `device`, the current one: asked of the kernel the call runs (a soft-capped one has
-// instantiations of its own, whose residency may differ).
+// device `device`, the current one: asked of the kernel the call runs (soft-capped calls and
+// calls with a bias or mask have instantiations of their own, whose residency may differ).
 template <typename Elem>
 bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const mma_sync::DecodePlan& plan,
                               int device) {
   const bool capped = p.soft_capped();
+  const bool terms = p.bias != nullptr || p.mask != nullptr;
   if (sm90)
     return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
       constexpr int kHeadDim = decltype(h)::value;
-      return capped ? forward_decode_sm90_merges_in_cluster<Elem, kHeadDim, true>(plan, device)
-                    : forward_decode_sm90_merges_in_cluster<Elem, kHeadDim>(plan, device);
+      if (capped) return forward_decode_sm90_merges_in_cluster<Elem, kHeadDim, true>(plan, device);
+      if (terms)
+        return forward_decode_sm90_merges_in_cluster<Elem, kHeadDim, false, true>(plan, device);
+      return forward_decode_sm90_merges_in_cluster<Elem, kHeadDim>(plan, device);
     });
   return for_head_dim<mma_sync::kDecodeHeadDims>(p.head_dim, [&](auto h) {
     constexpr int kHeadDim = decltype(h)::value;
-    return capped ? forward_decode_merges_in_cluster<Elem, kHeadDim, true>(plan, device)
-                  : forward_decode_merges_in_cluster<Elem, kHeadDim>(plan, device);
+    if (capped) return forward_decode_merges_in_cluster<Elem, kHeadDim, true>(plan, device);
+    if (terms) return forward_decode_merges_in_cluster<Elem, kHeadDim, false, true>(plan, device);
+    return forward_decode_merges_in_cluster<Elem, kHeadDim>(plan, device);
   });
 }
 

@@ -13,10 +13,12 @@
 #include <cstdint>
 
 #include "ffi/cuda/common/mask.cuh"
+#include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/smem_tile.cuh"
 #include "ffi/cuda/common/soft_cap.cuh"
 #include "ffi/decode_plan.h"
 #include "ffi/params.h"
+#include "ffi/variant.h"
 
 namespace jax_flashattn::mma_sync {
 
@@ -117,6 +119,76 @@ struct DecodeRows {
   }
 };
 
+// kBiasAndMask: the bias and mask of this thread's two rows (DecodeRows; row r is query
+// t = r / group of head kv_head group + r % group, padding rows clamped to the last query), as
+// offsets of each row's key 0 in the bias's and the mask's buffers (the strides and pointers
+// stay in the kernel's parameters). Read only at the keys a row sees, which lie inside [T, S];
+// each tile's lines are prefetched into L2 while the tile before computes.
+struct DecodeBiasAndMask {
+  int64_t bias_row[2], mask_row[2];
+
+  __device__ static DecodeBiasAndMask make(const AttentionParams& p, const DecodeSplit& sp,
+                                           const DecodeRows& rows) {
+    DecodeBiasAndMask m;
+    const int64_t inner = p.batch_inner > 0 ? p.batch_inner : 1;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = min(rows.row[h] / sp.group, int(p.seqlen_q) - 1);
+      const int n = sp.kv_head * sp.group + rows.row[h] % sp.group;
+      m.bias_row[h] = p.bias_strides.offset(sp.b, inner, n, t, 0);
+      m.mask_row[h] = p.mask_strides.offset(sp.b, inner, n, t, 0);
+    }
+    return m;
+  }
+
+  // Into L2, the lines of keys [key0, key0 + keys) of this thread's rows: the quad's four
+  // threads a quarter of the keys each (clamped to S, where the tensors end).
+  __device__ __forceinline__ void prefetch(const AttentionParams& p, int key0, int keys,
+                                           int lane) const {
+    const int64_t key = min(key0 + (lane % 4) * (keys / 4), int(p.seqlen_k) - 1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (p.bias != nullptr)
+        ptx::prefetch_l2(static_cast<const char*>(p.bias) +
+                         (bias_row[h] + key * p.bias_strides.col) *
+                             (p.bias_dtype == ElemType::kFloat32 ? 4 : 2));
+      if (p.mask != nullptr) ptx::prefetch_l2(p.mask + mask_row[h] + key * p.mask_strides.col);
+    }
+  }
+
+  // Scores s of keys [key0, key0 + 8 kNTiles) as base-2 logits with the bias added, -inf where
+  // the mask hides them; the keys a row does not see keep a score, which DecodeRows::mask then
+  // hides. The bias's element type is asked per element: a copy of the loop per type (a switch
+  // once per step) spilled 32-152 bytes beside the decode kernels' accumulators.
+  template <int kNTiles>
+  __device__ __forceinline__ void apply(const AttentionParams& p, const DecodeRows& rows,
+                                        float (&s)[kNTiles][4], int key0, int quad_col) const {
+    const float scale_log2 = p.scale * cuda::kLog2e;
+    const int bias_col = int(p.bias_strides.col), mask_col = int(p.mask_strides.col);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t key = key0 + quad_col;
+      const int64_t bias_at = bias_row[h] + key * bias_col;
+      const bool* keep = p.mask + mask_row[h] + key * mask_col;
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[nt][2 * h + e];
+          x *= scale_log2;
+          const int c = nt * 8 + e;
+          if (key0 + quad_col + c < rows.key_lo[h] || key0 + quad_col + c >= rows.key_hi[h])
+            continue;
+          if (p.bias != nullptr)
+            x = fmaf(cuda::kLog2e,
+                     variant::AdditiveBias::element(p.bias, p.bias_dtype, bias_at + c * bias_col),
+                     x);
+          if (p.mask != nullptr && !keep[c * mask_col]) x = -INFINITY;
+        }
+    }
+  }
+};
+
 // A decode configuration for soft-capped calls: the scores of each step become
 // tanh(s scale / cap) as they land, before the row bounds mask them (cap_decode_scores), and
 // the softmax takes them with factor c = cap log2(e) (decode_softmax_scale). Instantiations of
@@ -127,11 +199,23 @@ struct DecodeWithSoftCap : Config {
   static constexpr bool kSoftCap = true;
 };
 
-// The softmax's factor on a decode kernel's scores: scale log2(e), or c = cap log2(e) with the
-// soft-cap.
-template <bool kSoftCap>
+// A decode configuration for calls with an additive bias and / or a boolean mask (a serving
+// bias [B, N, 1, S], a cache's mask): the scores of each step become base-2 logits with the bias
+// added, -inf where the mask hides them (DecodeBiasAndMask), before the row bounds mask them,
+// and the softmax takes them with factor 1. Instantiations of their own (the launches'
+// kBiasAndMask, in the *_bias.cu.in translation units); with a soft-cap or segment ids too a
+// call takes the normal kernels (decode_shape_fits).
+template <typename Config>
+struct DecodeWithBiasAndMask : Config {
+  static constexpr bool kBiasAndMask = true;
+};
+
+// The softmax's factor on a decode kernel's scores: scale log2(e), c = cap log2(e) with the
+// soft-cap, or 1 where the bias's terms have made them base-2 logits already.
+template <typename Traits>
 __device__ __forceinline__ float decode_softmax_scale(const AttentionParams& p) {
-  if constexpr (kSoftCap) return variant::SoftCap::make(p).cap2;
+  if constexpr (Traits::kSoftCap) return variant::SoftCap::make(p).cap2;
+  else if constexpr (Traits::kBiasAndMask) return 1.f;
   else return p.scale * cuda::kLog2e;
 }
 

@@ -8,6 +8,8 @@
 // a warp computes
 //   S = Q K^T              (Q fragments in registers, loaded once from global memory)
 //   soft-cap               (DecodeWithSoftCap) tanh(s scale / cap), c = cap log2(e) the factor
+//   bias and mask          (DecodeWithBiasAndMask) s scale log2(e) + bias log2(e), -inf where
+//                          the mask hides it; the softmax's factor 1
 //   mask                   (per-row key bounds: lengths, causal, window)
 //   online softmax         (exp2 with the scale folded into one FFMA)
 //   O += P V               (P re-packed from the S accumulators, V via ldmatrix.trans)
@@ -95,7 +97,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   float o_acc[1][kDTiles][4] = {};
   cuda::OnlineSoftmax<1> softmax;
   softmax.init();
-  const float scale_log2 = decode_softmax_scale<Traits::kSoftCap>(p);
+  const float scale_log2 = decode_softmax_scale<Traits>(p);
+  [[maybe_unused]] DecodeBiasAndMask terms;
+  if constexpr (Traits::kBiasAndMask) {
+    terms = DecodeBiasAndMask::make(p, sp, rows);
+    terms.prefetch(p, tile_begin * kBlockN, kBlockN, lane);
+  }
 
   // ldmatrix lane addressing as in mma_sync/forward_kernel.cuh: K as B operand pairs (keys x k),
   // V transposed with keys as rows.
@@ -110,6 +117,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     if (tile + kStages - 1 < tile_end) load_stage(tile + kStages - 1, (j + kStages - 1) % kStages);
     ptx::cp_async_commit();
     if (!computes) continue;
+    if constexpr (Traits::kBiasAndMask)
+      if (tile + 1 < tile_end) terms.prefetch(p, (tile + 1) * kBlockN, kBlockN, lane);
 
     const int stage = j % kStages;
     using Address = LdmatrixAddress<SwizzledRows<kSmemDim>>;
@@ -133,6 +142,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           mma_pair<Elem>(s_acc[0], c, q_frag[ks], k_frag);
         }
       cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
+      if constexpr (Traits::kBiasAndMask) terms.apply(p, rows, s_acc[0], key0, quad_col);
       rows.mask(s_acc[0], key0, quad_col);
       softmax.update(s_acc, o_acc, scale_log2);
 

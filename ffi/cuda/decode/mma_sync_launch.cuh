@@ -148,24 +148,27 @@ auto with_decode_config(const mma_sync::DecodePlan& plan, F&& f) {
                                                    : f(DecodeChunkSteps<kHeadDim>{});
 }
 
-// A decode configuration, with the soft-cap's terms where kSoftCap.
-template <typename Config, bool kSoftCap>
-using DecodeVariant = std::conditional_t<kSoftCap, mma_sync::DecodeWithSoftCap<Config>, Config>;
+// A decode configuration, with the soft-cap's terms where kSoftCap, the bias's and the mask's
+// where kBiasAndMask (not both: decode_shape_fits).
+template <typename Config, bool kSoftCap, bool kBiasAndMask>
+using DecodeVariant = std::conditional_t<
+    kSoftCap, mma_sync::DecodeWithSoftCap<Config>,
+    std::conditional_t<kBiasAndMask, mma_sync::DecodeWithBiasAndMask<Config>, Config>>;
 
-template <typename Elem, int kHeadDim, bool kSoftCap>
+template <typename Elem, int kHeadDim, bool kSoftCap, bool kBiasAndMask>
 cudaError_t launch_forward_decode(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                   cudaStream_t stream) {
   return with_decode_config<kHeadDim>(plan, [&](auto config) {
-    using Traits = DecodeVariant<decltype(config), kSoftCap>;
+    using Traits = DecodeVariant<decltype(config), kSoftCap, kBiasAndMask>;
     return launch_decode<Elem, mma_sync::decode_split_kernel<Elem, Traits>>(
         p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
   });
 }
 
-template <typename Elem, int kHeadDim, bool kSoftCap>
+template <typename Elem, int kHeadDim, bool kSoftCap, bool kBiasAndMask>
 bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
   return with_decode_config<kHeadDim>(plan, [&](auto config) {
-    using Traits = DecodeVariant<decltype(config), kSoftCap>;
+    using Traits = DecodeVariant<decltype(config), kSoftCap, kBiasAndMask>;
     return cluster_merge_fits<mma_sync::decode_split_kernel<Elem, Traits>>(
         plan, Traits::kThreads, Traits::kSmemBytes, device);
   });

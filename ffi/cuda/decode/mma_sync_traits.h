@@ -59,6 +59,8 @@ struct DecodeTraits {
   static constexpr int kStepChunks = kStepChunks_;  // 16-key chunks of one warp step
   static constexpr int kStepsPerTile = kChunksPerTile / kStepChunks;
   static constexpr bool kSoftCap = false;  // soft-capped logits (DecodeWithSoftCap, block.cuh)
+  // A bias and / or mask (DecodeWithBiasAndMask, block.cuh).
+  static constexpr bool kBiasAndMask = false;
   static constexpr int kSmemDim = smem_dim_for(kHeadDim);
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row that hold data
   static constexpr int kElemBytes = 2;

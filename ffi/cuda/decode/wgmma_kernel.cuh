@@ -12,6 +12,8 @@
 //                          shared memory
 //   soft-cap               (mma_sync::DecodeWithSoftCap) tanh(s scale / cap), c = cap log2(e)
 //                          the softmax's factor
+//   bias and mask          (mma_sync::DecodeWithBiasAndMask) s scale log2(e) + bias log2(e),
+//                          -inf where the mask hides it; the softmax's factor 1
 //   mask                   per-row key bounds (lengths, causal, window), on the threads whose
 //                          rows do not see the whole tile
 //   online softmax         exp2 with the scale folded into one FFMA
@@ -222,16 +224,24 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   float o_acc[1][Warpgroup::kDTiles][4] = {};
   cuda::OnlineSoftmax<1> softmax;
   softmax.init();
-  const float scale_log2 = mma_sync::decode_softmax_scale<Traits::kSoftCap>(p);
+  const float scale_log2 = mma_sync::decode_softmax_scale<Traits>(p);
+  [[maybe_unused]] mma_sync::DecodeBiasAndMask terms;
+  if constexpr (Traits::kBiasAndMask) {
+    terms = mma_sync::DecodeBiasAndMask::make(p, sp, rows);
+    terms.prefetch(p, sp.tile_begin * kBlockN, kBlockN, lane);
+  }
 
   const auto desc = DecodeDescriptors<Traits>::make(base);
 
   float s_acc[1][Warpgroup::kNTiles][4];
   for (int tile = sp.tile_begin; tile < sp.tile_end; ++tile) {
     const int stage = Warpgroup::next_tile(ring, p, sp, tile, warpgroup, group_tid);
+    if constexpr (Traits::kBiasAndMask)
+      if (tile + 1 < sp.tile_end) terms.prefetch(p, (tile + 1) * kBlockN, kBlockN, lane);
     Warpgroup::scores(s_acc[0], q_frag, desc, stage);
     const int key0 = tile * kBlockN;
     mma_sync::cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
+    if constexpr (Traits::kBiasAndMask) terms.apply(p, rows, s_acc[0], key0, quad_col);
     if (!rows.sees_all(key0, kBlockN)) rows.mask(s_acc[0], key0, quad_col);
     softmax.update(s_acc, o_acc, scale_log2);
     Warpgroup::add_pv(o_acc[0], s_acc[0], desc, stage);

@@ -20,21 +20,21 @@ auto with_sm90_decode_config(const mma_sync::DecodePlan& plan, F&& f) {
                                     : f(wgmma::DecodeConfig<kHeadDim, 1>{});
 }
 
-template <typename Elem, int kHeadDim, bool kSoftCap>
+template <typename Elem, int kHeadDim, bool kSoftCap, bool kBiasAndMask>
 cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                        cudaStream_t stream) {
   if (plan.splits % plan.splits_per_block != 0) return cudaErrorInvalidValue;
   return with_sm90_decode_config<kHeadDim>(plan, [&](auto config) {
-    using Traits = DecodeVariant<decltype(config), kSoftCap>;
+    using Traits = DecodeVariant<decltype(config), kSoftCap, kBiasAndMask>;
     return launch_decode<Elem, wgmma::decode_split_kernel<Elem, Traits>>(
         p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
   });
 }
 
-template <typename Elem, int kHeadDim, bool kSoftCap>
+template <typename Elem, int kHeadDim, bool kSoftCap, bool kBiasAndMask>
 bool forward_decode_sm90_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
   return with_sm90_decode_config<kHeadDim>(plan, [&](auto config) {
-    using Traits = DecodeVariant<decltype(config), kSoftCap>;
+    using Traits = DecodeVariant<decltype(config), kSoftCap, kBiasAndMask>;
     return cluster_merge_fits<wgmma::decode_split_kernel<Elem, Traits>>(
         plan, Traits::kThreads, Traits::kSmemBytes, device);
   });
