@@ -21,7 +21,8 @@ Standard grid: bf16 and fp16, B = tokens/T with 16384 tokens, N = 2048/H, H in {
 in {512, ..., 16384}, causal and full. Decode preset: B=8, N=32, K=8, H=128, T in {1,8,16},
 S=65536; a decode run also measures the device's copy bandwidth before and after its cases and
 gives our K/V rate as a fraction of it (the decode target is 0.85:
-docs/decisions/decode-benchmark-yardstick.md); --soft-cap CAP caps its rows (ours only).
+docs/decisions/decode-benchmark-yardstick.md); --soft-cap CAP caps its rows (ours only), --bias
+adds a serving bias [B, N, 1, S] to them (every implementation).
 Variants preset: bf16, B=4, T=S=4096, N=16, H=128, one row per option users pass: full, causal,
 causal sliding window local_window_size=(1024, 0), per-batch lengths (query and key/value
 lengths 4096, 3072, 2048, 1024), GQA (16 query heads over 4 kv heads, causal), bias [1,N,T,S], a
@@ -142,6 +143,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="N = hidden / H (default %d)" % _bench.STANDARD_HIDDEN)
     p.add_argument("--kv-len", type=int, default=None,
                    help="decode only: S (default %d)" % _bench.DECODE_SHAPE["kv_len"])
+    p.add_argument("--bias", action="store_true",
+                   help="decode only: an additive bias [B, N, 1, S] of the rows' dtype, given "
+                        "to every implementation")
     p.add_argument("--soft-cap", type=_positive_float, default=None,
                    help="decode only: logits soft-capped at this cap (ours only: jax.nn has no "
                         "soft-capping)")
@@ -166,6 +170,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--rows picks rows of the variants preset: it needs --variants")
     if args.soft_cap is not None and not args.decode:
         p.error("--soft-cap caps the decode preset's rows: it needs --decode")
+    if args.bias and not args.decode:
+        p.error("--bias adds a bias to the decode preset's rows: it needs --decode")
     for name, preset in (("variants", VARIANTS), ("packed", PACKED)):
         if getattr(args, name):
             for key, value in preset.items():
@@ -186,7 +192,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_configs(args) -> list[_bench.Config]:
     if args.decode:
         configs = _bench.decode_grid(args.dtype, args.seqlen or _bench.DECODE_SEQLENS, args.kv_len)
-        return [dataclasses.replace(c, soft_cap=args.soft_cap) for c in configs]
+        return [dataclasses.replace(c, soft_cap=args.soft_cap,
+                                    bias_shape=((c.batch, c.num_heads, 1, c.seqlen_k)
+                                                if args.bias else None))
+                for c in configs]
     if args.variants:
         configs = _bench.variants_grid(args.dtype, args.seqlen, args.head_dim, hidden=args.hidden)
         if args.rows:

@@ -50,6 +50,20 @@ def test_bench_script_decode_soft_cap():
     assert "logits soft-capped at 30;" in title
 
 
+def test_bench_script_decode_bias():
+    """--bias gives every row of the decode preset a bias [B, N, 1, S], and only that preset."""
+    bench = _load_bench_script()
+    configs = bench.build_configs(bench.parse_args(["--decode", "--bias", "--seqlen", "1,8"]))
+    assert [c.bias_shape for c in configs] == [(8, 32, 1, 65536)] * 4
+    assert {c.bias_shape for c in bench.build_configs(bench.parse_args(["--decode"]))} == {None}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--bias"])
+    record = dict(_bench.config_record(configs[0]), impl="ours", mode="fwd", status="ok",
+                  seconds=1e-3, kv_tbps=3.4)
+    (title, _), = _bench.markdown_tables([record], ["ours"])
+    assert ", bias [B,N,1,S];" in title
+
+
 def test_decode_table_divides_our_rate_by_the_copy_bandwidth():
     cfg = _bench.decode_grid(("bf16",), (1,), 256)[0]
     record = dict(_bench.config_record(cfg), impl="ours", mode="fwd", status="ok",

@@ -96,8 +96,11 @@ def config_record(cfg: Config) -> dict:
                       visible=cfg.visible_pairs() / (cfg.batch * cfg.seqlen_q * cfg.seqlen_k))
     elif cfg.kind == "packed":
         record.update(packed_record(cfg))
-    elif cfg.kind == "decode" and cfg.soft_cap is not None:
-        record.update(soft_cap=cfg.soft_cap)
+    elif cfg.kind == "decode":
+        if cfg.soft_cap is not None:
+            record.update(soft_cap=cfg.soft_cap)
+        if cfg.bias_shape is not None:
+            record.update(bias_shape=cfg.bias_shape)
     return record
 
 

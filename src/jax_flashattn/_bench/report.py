@@ -110,6 +110,8 @@ def markdown_tables(records: Sequence[dict], impls: Sequence[str],
         if kind == "decode":
             capped = (f", logits soft-capped at {first['soft_cap']:g}"
                       if first.get("soft_cap") is not None else "")
+            if first.get("bias_shape") is not None:
+                capped += ", bias [B,N,1,S]"
             title = (f"{dtype} decode {MODE_TITLES[mode]}: B={first['batch']}, "
                      f"N={first['num_heads']}, K={first['num_kv_heads']}, "
                      f"H={first['head_dim']}{capped}; K/V read TB/s and time per call")
