@@ -8,9 +8,9 @@
 // workspace holds its splits: on Hopper the wgmma one where it applies
 // (wgmma::decode_kernel_applies), else the mma.sync one (soft-capped calls, and calls with a
 // bias or boolean mask, on their instantiations for those); calls with segment ids, or with a
-// soft-cap beside a bias or mask, keep the normal kernels. Calls with one of a soft-cap, segment ids, or a bias or mask take the Hopper
-// kernel's instantiations for it; with two of them, the mma.sync family. Why in this order:
-// docs/decisions/kernel-family-dispatch.md.
+// soft-cap beside a bias or mask, keep the normal kernels. Calls with one of a soft-cap,
+// segment ids, or a bias or mask take the Hopper kernel's instantiations for it; with two of
+// them, the mma.sync family. Why in this order: docs/decisions/kernel-family-dispatch.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
