@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 
 #include <iterator>
+#include <type_traits>
 
 #include "ffi/cuda/common/tensor_maps.h"
 #include "ffi/cuda/decode/mma_sync_traits.h"
@@ -43,16 +44,24 @@ cudaError_t launch_sm90_for_head_dim(const AttentionParams& p, cudaStream_t stre
   });
 }
 
+// Calls f(capped, terms), two std::bool_constant, with the decode instantiation the call takes:
+// the soft-cap's, the bias and mask's (never both: decode_shape_fits), or the plain one.
+template <typename F>
+auto with_decode_variant(const AttentionParams& p, F&& f) {
+  if (p.soft_capped()) return f(std::true_type{}, std::false_type{});
+  if (p.bias != nullptr || p.mask != nullptr) return f(std::false_type{}, std::true_type{});
+  return f(std::false_type{}, std::false_type{});
+}
+
 template <typename Elem>
 cudaError_t launch_decode_sm90_for_head_dim(const AttentionParams& p,
                                             const mma_sync::DecodePlan& plan,
                                             cudaStream_t stream) {
   return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
-    constexpr int kHeadDim = decltype(h)::value;
-    if (p.soft_capped()) return launch_forward_decode_sm90<Elem, kHeadDim, true>(p, plan, stream);
-    if (p.bias != nullptr || p.mask != nullptr)
-      return launch_forward_decode_sm90<Elem, kHeadDim, false, true>(p, plan, stream);
-    return launch_forward_decode_sm90<Elem, kHeadDim>(p, plan, stream);
+    return with_decode_variant(p, [&](auto capped, auto terms) {
+      return launch_forward_decode_sm90<Elem, decltype(h)::value, decltype(capped)::value,
+                                        decltype(terms)::value>(p, plan, stream);
+    });
   });
 }
 
@@ -66,11 +75,10 @@ template <typename Elem>
 cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                        cudaStream_t stream) {
   return for_head_dim<mma_sync::kDecodeHeadDims>(p.head_dim, [&](auto h) {
-    constexpr int kHeadDim = decltype(h)::value;
-    if (p.soft_capped()) return launch_forward_decode<Elem, kHeadDim, true>(p, plan, stream);
-    if (p.bias != nullptr || p.mask != nullptr)
-      return launch_forward_decode<Elem, kHeadDim, false, true>(p, plan, stream);
-    return launch_forward_decode<Elem, kHeadDim>(p, plan, stream);
+    return with_decode_variant(p, [&](auto capped, auto terms) {
+      return launch_forward_decode<Elem, decltype(h)::value, decltype(capped)::value,
+                                   decltype(terms)::value>(p, plan, stream);
+    });
   });
 }
 
@@ -80,21 +88,17 @@ cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const mma_sync:
 template <typename Elem>
 bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const mma_sync::DecodePlan& plan,
                               int device) {
-  const bool capped = p.soft_capped();
-  const bool terms = p.bias != nullptr || p.mask != nullptr;
-  if (sm90)
-    return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
-      constexpr int kHeadDim = decltype(h)::value;
-      if (capped) return forward_decode_sm90_merges_in_cluster<Elem, kHeadDim, true>(plan, device);
-      if (terms)
-        return forward_decode_sm90_merges_in_cluster<Elem, kHeadDim, false, true>(plan, device);
-      return forward_decode_sm90_merges_in_cluster<Elem, kHeadDim>(plan, device);
+  return with_decode_variant(p, [&](auto capped, auto terms) {
+    constexpr bool kSoftCap = decltype(capped)::value, kTerms = decltype(terms)::value;
+    if (sm90)
+      return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
+        return forward_decode_sm90_merges_in_cluster<Elem, decltype(h)::value, kSoftCap, kTerms>(
+            plan, device);
+      });
+    return for_head_dim<mma_sync::kDecodeHeadDims>(p.head_dim, [&](auto h) {
+      return forward_decode_merges_in_cluster<Elem, decltype(h)::value, kSoftCap, kTerms>(plan,
+                                                                                          device);
     });
-  return for_head_dim<mma_sync::kDecodeHeadDims>(p.head_dim, [&](auto h) {
-    constexpr int kHeadDim = decltype(h)::value;
-    if (capped) return forward_decode_merges_in_cluster<Elem, kHeadDim, true>(plan, device);
-    if (terms) return forward_decode_merges_in_cluster<Elem, kHeadDim, false, true>(plan, device);
-    return forward_decode_merges_in_cluster<Elem, kHeadDim>(plan, device);
   });
 }
 
