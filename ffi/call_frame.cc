@@ -111,6 +111,20 @@ ffi::Error SegmentSpans(const ffi::AnyBuffer& x, const ffi::AnyBuffer& ids, cons
   return ffi::Error::Success();
 }
 
+// A float32 value per (batch, query head), [..., B, N] with the batch dims of q: the ALiBi slopes
+// and their gradient.
+ffi::Error CheckHeadValues(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q, const char* name) {
+  auto xd = x.dimensions();
+  auto qd = q.dimensions();
+  bool fits = x.element_type() == ffi::DataType::F32 && xd.size() + 2 == qd.size();
+  for (size_t i = 0; fits && i + 1 < xd.size(); ++i) fits = xd[i] == qd[i];
+  if (fits) fits = xd.back() == qd[qd.size() - 2];
+  if (!fits)
+    return Invalid(std::string(name) + " must be float32 [..., B, N] for query " +
+                   ShapeString(q) + ", got " + ShapeString(x));
+  return ffi::Error::Success();
+}
+
 ffi::Error CheckLike(const ffi::AnyBuffer& buffer, const ffi::AnyBuffer& like, const char* what) {
   auto a = buffer.dimensions();
   auto b = like.dimensions();
@@ -178,7 +192,8 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
 
   const size_t expected = size_t(attrs.has_bias != 0) + size_t(attrs.has_mask != 0) +
                           size_t(attrs.has_q_seqlens != 0) + size_t(attrs.has_kv_seqlens != 0) +
-                          4 * size_t(attrs.has_segment_ids != 0);
+                          4 * size_t(attrs.has_segment_ids != 0) +
+                          size_t(attrs.has_alibi != 0);
   if (optional.size() != expected)
     return Invalid("expected " + std::to_string(expected) + " optional operands, got " +
                    std::to_string(optional.size()));
@@ -232,6 +247,13 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     if (ffi::Error e = SegmentSpans(*kv_spans, *kv_ids, "key_query_spans", p.kv_query_spans);
         e.failure())
       return e;
+  }
+  if (attrs.has_alibi) {
+    auto slopes = optional.get<ffi::AnyBuffer>(next++);
+    if (!slopes.has_value()) return slopes.error();
+    if (ffi::Error e = CheckHeadValues(*slopes, q, "alibi_slopes"); e.failure()) return e;
+    p.alibi_slopes = static_cast<const float*>(slopes->untyped_data());
+    p.alibi_shift = attrs.alibi_shift;
   }
   return ffi::Error::Success();
 }
@@ -306,10 +328,21 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   p.dq_semaphores = p.dq_semaphore_count > 0
                         ? static_cast<int32_t*>(dq_semaphores->untyped_data())
                         : nullptr;
-  // The bias gradient is a result only where the caller needs it (never without a bias).
-  if (dbias.size() > size_t(p.bias != nullptr))
+  // The bias's and the slopes' gradients are results only where the caller needs them (never
+  // without a bias, or without the slopes): dbias first, then dslopes.
+  const bool want_dslopes = attrs.want_dslopes != 0;
+  if (want_dslopes && p.alibi_slopes == nullptr)
+    return Invalid("expected a dslopes result only where ALiBi slopes are given");
+  const size_t dbias_results = dbias.size() - size_t(want_dslopes);
+  if (dbias.size() < size_t(want_dslopes) || dbias_results > size_t(p.bias != nullptr))
     return Invalid("expected a dbias result only where a bias is given");
-  if (dbias.size() == 1) {
+  if (want_dslopes) {
+    auto result = dbias.get<ffi::AnyBuffer>(dbias_results);
+    if (!result.has_value()) return result.error();
+    if (ffi::Error e = CheckHeadValues(**result, q, "dslopes"); e.failure()) return e;
+    p.dslopes = static_cast<float*>((**result).untyped_data());
+  }
+  if (dbias_results == 1) {
     auto result = dbias.get<ffi::AnyBuffer>(0);
     if (!result.has_value()) return result.error();
     ffi::AnyBuffer grad = **result;

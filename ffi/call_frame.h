@@ -27,8 +27,14 @@ struct CallAttrs {
   // q_segment_ids, kv_segment_ids and their spans q_key_spans, kv_query_spans, after the
   // lengths
   int32_t has_segment_ids;
+  // ALiBi slopes (float32 [..., B, N]) after the segment ids' operands, and the static part of
+  // their diagonal (AttentionParams::alibi_shift).
+  int32_t has_alibi;
+  int64_t alibi_shift;
   // Backward only (the forward passes 0): dQ without atomics, bit-identical across runs.
   int32_t deterministic;
+  // Backward only: the slopes' gradient is a result (after dbias, if any).
+  int32_t want_dslopes;
   // The kernel switches (AttentionParams::disable_sm90, sm80_cp_async).
   int32_t disable_sm90;
   int32_t sm80_cp_async;
@@ -36,8 +42,8 @@ struct CallAttrs {
 
 // Fills every field of p for a forward call: inputs, the optional inputs (which follow the fixed
 // operands in `optional`, in the order bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
-// kv_segment_ids, q_key_spans, kv_query_spans, each only when flagged), out, lse and the
-// workspaces. Returns InvalidArgument naming the operand when a shape is wrong.
+// kv_segment_ids, q_key_spans, kv_query_spans, alibi_slopes, each only when flagged), out, lse
+// and the workspaces. Returns InvalidArgument naming the operand when a shape is wrong.
 ffi::Error DecodeForward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                          const ffi::AnyBuffer& v, const ffi::RemainingArgs& optional,
                          ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& lse,
@@ -46,7 +52,8 @@ ffi::Error DecodeForward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                          AttentionParams& p);
 
 // The same for a backward call: also out, lse, d_out, dq, dk, dv, the workspaces dq_accum and
-// delta, and dbias where the caller needs the bias gradient (only with a bias).
+// delta, dbias where the caller needs the bias gradient (only with a bias) and dslopes where it
+// needs the ALiBi slopes' (want_dslopes, only with them).
 ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                           const ffi::AnyBuffer& v, const ffi::AnyBuffer& out,
                           const ffi::AnyBuffer& lse, const ffi::AnyBuffer& d_out,
@@ -68,7 +75,7 @@ auto BindForward(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // v [..., B, S, K, H]
       .RemainingArgs()                 // bias?, mask?, q_seqlens?, kv_seqlens?,
                                        // q_segment_ids?, kv_segment_ids?,
-                                       // q_key_spans?, kv_query_spans?
+                                       // q_key_spans?, kv_query_spans?, alibi_slopes?
       .template Ret<ffi::AnyBuffer>()  // out [..., B, T, N, H]
       .template Ret<ffi::AnyBuffer>()  // lse float32 [..., B, N, T]
       .template Ret<ffi::AnyBuffer>()  // workspace: int32 [..., 1], the Hopper tile counter
@@ -88,7 +95,7 @@ auto BindBackward(Binding binding) {
       .template Arg<ffi::AnyBuffer>()  // d_out, like out
       .RemainingArgs()                 // bias?, mask?, q_seqlens?, kv_seqlens?,
                                        // q_segment_ids?, kv_segment_ids?,
-                                       // q_key_spans?, kv_query_spans?
+                                       // q_key_spans?, kv_query_spans?, alibi_slopes?
       .template Ret<ffi::AnyBuffer>()  // dq, like q
       .template Ret<ffi::AnyBuffer>()  // dk, like k
       .template Ret<ffi::AnyBuffer>()  // dv, like v
@@ -98,7 +105,8 @@ auto BindBackward(Binding binding) {
                                        // kernel's deterministic mode (D may be 0; ffi/plan.h)
       .RemainingRets()                 // dbias? float32 broadcastable to [..., B, N, T, S]
                                        // (the bias's shape, or the full one in
-                                       // deterministic mode), where needed
+                                       // deterministic mode), where needed; dslopes?
+                                       // float32 [..., B, N] (want_dslopes)
       .template Attrs<CallAttrs>();
 }
 
@@ -115,7 +123,10 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_flashattn::CallAttrs,
                                       xla::ffi::StructMember<int32_t>("has_q_seqlens"),
                                       xla::ffi::StructMember<int32_t>("has_kv_seqlens"),
                                       xla::ffi::StructMember<int32_t>("has_segment_ids"),
+                                      xla::ffi::StructMember<int32_t>("has_alibi"),
+                                      xla::ffi::StructMember<int64_t>("alibi_shift"),
                                       xla::ffi::StructMember<int32_t>("deterministic"),
+                                      xla::ffi::StructMember<int32_t>("want_dslopes"),
                                       xla::ffi::StructMember<int32_t>("disable_sm90"),
                                       xla::ffi::StructMember<int32_t>("sm80_cp_async"));
 

@@ -31,6 +31,7 @@ struct CallShape {
   bool has_q_seqlens = false;
   bool has_kv_seqlens = false;
   bool has_segment_ids = false;  // query and key/value segment ids, both
+  bool has_alibi = false;        // ALiBi slopes (AttentionParams::alibi_slopes)
   // A bias or mask of one key broadcast over S > 1 (its last dimension 1; the others are
   // read key by key).
   bool bias_broadcasts_keys = false;

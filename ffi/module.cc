@@ -84,6 +84,7 @@ NB_MODULE(_jax_flashattn, m) {
       .def_rw("has_q_seqlens", &CallShape::has_q_seqlens)
       .def_rw("has_kv_seqlens", &CallShape::has_kv_seqlens)
       .def_rw("has_segment_ids", &CallShape::has_segment_ids)
+      .def_rw("has_alibi", &CallShape::has_alibi)
       .def_rw("bias_broadcasts_keys", &CallShape::bias_broadcasts_keys)
       .def_rw("mask_broadcasts_keys", &CallShape::mask_broadcasts_keys)
       .def_rw("deterministic", &CallShape::deterministic)

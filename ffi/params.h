@@ -94,6 +94,13 @@ struct AttentionParams {
   const int32_t* q_key_spans = nullptr;
   const int32_t* kv_query_spans = nullptr;
 
+  // ALiBi (variant::Alibi): float32 [batch, N] slopes, contiguous; nullptr when absent. The
+  // logit of query t and key s of entry b, head n gains -alibi_slopes[b N + n] |t + d - s|,
+  // d = alibi_shift plus, with align_window_to_lengths, the entry's kv_len - q_len: the
+  // diagonal the window is aligned to.
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_shift = 0;
+
   float scale = 1.0f;  // logits = scale * q.k + bias
   // > 0: logits = cap * tanh(scale * q.k / cap) + bias (Gemma 2's soft-capping, before the
   // bias and every mask); 0: none (variant::SoftCap).
@@ -127,6 +134,9 @@ struct AttentionParams {
   // (0 where hidden) and nothing is zeroed. The CPU kernels always zero it and add, in a
   // fixed order (ffi/cpu/backward.cc).
   bool dbias_accumulates = false;
+  // float32 [batch, N] like alibi_slopes: the slopes' gradient, -|t + d - s| dS summed over the
+  // entry's pairs of the head; nullptr without ALiBi or where its cotangent is not needed.
+  float* dslopes = nullptr;
   // Workspaces (results of the call, so XLA owns them; the CPU kernels ignore them).
   float* dq_accum = nullptr;  // like q, float32: dQ summed over key blocks before rounding
   float* delta = nullptr;     // [batch, N, T] float32: D_t = dO_t . O_t

@@ -7,6 +7,7 @@
 //   ElementMask       the boolean mask: keeps(t, s)
 //   SoftCap           logit soft-capping, cap tanh(s / cap) before the bias and the masks
 //   AdditiveBias      the bias operand, added to scale q.k
+//   Alibi             ALiBi: -slope |t + d - s| added to scale q.k, d the aligned diagonal
 //   SegmentIds        packed sequences: keeps(t, s), may_share() for tiles to skip
 //   SegmentSpans      the positions a block may see through the ids: narrow() a tile range
 //
@@ -353,6 +354,38 @@ struct SoftCap {
   JAX_FLASHATTN_HOST_DEVICE float slope(float capped) const {
     const float t = capped / cap2;
     return 1.0f - t * t;
+  }
+};
+
+// ALiBi of one (batch, head): the logit of query t and key s gains -slope |t + shift - s|,
+// with the bias, after scaling and any soft-cap. shift is the diagonal the window is aligned
+// to: the call's alibi_shift, plus kv_len - q_len of the entry's lengths (clamped as the
+// window's) under align_window_to_lengths.
+struct Alibi {
+  float slope = 0.0f;
+  int64_t shift = 0;
+  bool on = false;
+
+  JAX_FLASHATTN_HOST_DEVICE static Alibi make(const AttentionParams& p, int64_t b, int64_t n) {
+    Alibi a;
+    if (p.alibi_slopes != nullptr) {
+      a.on = true;
+      a.slope = p.alibi_slopes[b * p.num_heads + n];
+      a.shift = p.alibi_shift;
+      if (p.align_window_to_lengths)
+        a.shift += clamp_length(p.kv_seqlens, b, p.seqlen_k) -
+                   clamp_length(p.q_seqlens, b, p.seqlen_q);
+    }
+    return a;
+  }
+  JAX_FLASHATTN_HOST_DEVICE bool present() const { return on; }
+  // |t + shift - s|: the distance the slope multiplies.
+  JAX_FLASHATTN_HOST_DEVICE float distance(int64_t t, int64_t s) const {
+    const int64_t d = t + shift - s;
+    return float(d < 0 ? -d : d);
+  }
+  JAX_FLASHATTN_HOST_DEVICE float term(int64_t t, int64_t s) const {
+    return -slope * distance(t, s);
   }
 };
 

@@ -13,6 +13,8 @@
 // That costs the pass its parallelism over those dims (a [1, 1, 1, S] bias leaves one task
 // per key tile, a bias broadcast over the keys one task per outer batch entry): the price of
 // memory that does not grow with T * S and of gradients that are bit-identical across runs.
+// The ALiBi slopes' gradient, -|t + d - s| dS summed over a head's pairs, comes from the dQ
+// pass: each query tile's part in a slot of its own, summed in order after it.
 // Q is scaled by scale log2(e) as in the forward (base-2 logits), so dK comes out scaled by
 // log2(e) and dQ's dS K lacks the scale; both are fixed when stored.
 #include <algorithm>
@@ -175,9 +177,11 @@ void key_tile_task(const AttentionParams& p, int64_t b, int64_t kv_head, int64_t
   }
 }
 
-// dQ of rows [r0, r0 + kTileRows) of head n of batch element b.
+// dQ of rows [r0, r0 + kTileRows) of head n of batch element b; with dslopes, also the ALiBi
+// slope's gradient from these rows, -|t + d - s| dS summed over their pairs, into *dslope.
 JAX_FLASHATTN_CPU_TASK
-void query_tile_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0) {
+void query_tile_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0,
+                     double* dslope) {
   const int64_t h = p.head_dim, hp = round_up(h, kMatCols);
   const int64_t kv_head = n / p.group_size();
   const auto window = variant::KeyWindow<int64_t>::make(p, b);
@@ -206,6 +210,15 @@ void query_tile_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0)
       load_key_rows(p, p.k, b, kv_head, k0, count, k_rows.data(), hp, kt.data());
       load_key_rows(p, p.v, b, kv_head, k0, count, v_rows.data(), hp, vt.data());
       tiles.compute(logits, r0, k0, kt.data(), vt.data());
+      if (dslope != nullptr) {  // dS of the logits the slope's term is added to (after a cap)
+        double sum = 0.0;
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = 0; j < count; ++j) {
+            const float ds = tiles.ds[i * kTileKeys + j];
+            if (ds != 0.0f) sum -= double(ds) * logits.alibi().distance(r0 + i, k0 + j);
+          }
+        *dslope += sum;
+      }
       tiles.through_soft_cap(logits);
       matmul(tiles.ds.data(), kTileKeys, k_rows.data(), hp, dq.data(), hp, kTileRows,
              kTileKeys, hp, true);
@@ -223,6 +236,7 @@ void query_tile_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0)
 
 void backward(const AttentionParams& p) {
   if (p.dbias != nullptr) std::fill(p.dbias, p.dbias + p.dbias_elements, 0.0f);
+  if (p.dslopes != nullptr) std::fill(p.dslopes, p.dslopes + p.batch * p.num_heads, 0.0f);
   if (p.num_heads <= 0 || p.num_kv_heads <= 0) return;
   parallel_for(p.batch * p.num_heads,
                [&p](int64_t task) { delta_task(p, task / p.num_heads, task % p.num_heads); });
@@ -242,11 +256,22 @@ void backward(const AttentionParams& p) {
         for (int64_t s = tile; s < key_tiles; s += tile_tasks)
           key_tile_task(p, b, kv, s * kTileKeys);
   });
+  // dslopes: each query tile's part in a slot of its own, summed per head in tile order after
+  // the pass, so that the sum does not depend on the threads.
   const int64_t row_tiles = (p.seqlen_q + kTileRows - 1) / kTileRows;
-  parallel_for(p.batch * p.num_heads * row_tiles, [&p, row_tiles](int64_t task) {
+  std::vector<double> dslope_parts(p.dslopes != nullptr ? p.batch * p.num_heads * row_tiles : 0,
+                                   0.0);
+  parallel_for(p.batch * p.num_heads * row_tiles, [&p, row_tiles, &dslope_parts](int64_t task) {
     const int64_t bn = task / row_tiles;
-    query_tile_task(p, bn / p.num_heads, bn % p.num_heads, (task % row_tiles) * kTileRows);
+    query_tile_task(p, bn / p.num_heads, bn % p.num_heads, (task % row_tiles) * kTileRows,
+                    dslope_parts.empty() ? nullptr : &dslope_parts[task]);
   });
+  if (p.dslopes == nullptr) return;
+  for (int64_t bn = 0; bn < p.batch * p.num_heads; ++bn) {
+    double sum = 0.0;
+    for (int64_t tile = 0; tile < row_tiles; ++tile) sum += dslope_parts[bn * row_tiles + tile];
+    p.dslopes[bn] = float(sum);
+  }
 }
 
 }  // namespace jax_flashattn::cpu

@@ -55,9 +55,9 @@ inline void load_key_rows(const AttentionParams& p, const void* base, int64_t b,
   }
 }
 
-// Base-2 logits of a tile of head n of batch element b: x = (softcap(scale q.k) + bias) log2(e)
-// for the keys a row sees (window, lengths, mask, segment ids), -inf for the others, where x
-// holds scale log2(e) q.k on entry (Q was scaled).
+// Base-2 logits of a tile of head n of batch element b: x = (softcap(scale q.k) + bias + ALiBi)
+// log2(e) for the keys a row sees (window, lengths, mask, segment ids), -inf for the others,
+// where x holds scale log2(e) q.k on entry (Q was scaled).
 // The policies of ffi/variant.h, applied a row at a time: the bias row is converted in one pass.
 class TileLogits {
  public:
@@ -67,7 +67,10 @@ class TileLogits {
         mask_(variant::ElementMask::make(p, b, n)),
         segments_(variant::SegmentIds::make(p, b)),
         bias_(variant::AdditiveBias::make(p, b, n)),
+        alibi_(variant::Alibi::make(p, b, n)),
         softcap_(variant::SoftCap::make(p)) {}
+
+  const variant::Alibi& alibi() const { return alibi_; }
 
   bool soft_capped() const { return softcap_.present(); }
 
@@ -100,6 +103,8 @@ class TileLogits {
                bias_.slice.col);
       for (int64_t j = j0; j < j1; ++j) x[j] += bias_row[j - j0] * kLog2e;
     }
+    if (alibi_.present())
+      for (int64_t j = j0; j < j1; ++j) x[j] += alibi_.term(t, k0 + j) * kLog2e;
     if (mask_.present()) {
       const variant::ElementMask row = mask_.from(t, k0);
       for (int64_t j = j0; j < j1; ++j)
@@ -116,6 +121,7 @@ class TileLogits {
   variant::ElementMask mask_;
   variant::SegmentIds segments_;
   variant::AdditiveBias bias_;
+  variant::Alibi alibi_;
   variant::SoftCap softcap_;
 };
 

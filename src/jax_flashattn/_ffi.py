@@ -97,7 +97,7 @@ class CallPlan(NamedTuple):
 
 def call_shape(query_shape, key_shape, dtype, *, scale=None, has_bias=False, has_mask=False,
                has_q_seqlens=False, has_kv_seqlens=False, has_segment_ids=False,
-               deterministic=False, soft_cap=0.0, bias_broadcasts_keys=False,
+               has_alibi=False, deterministic=False, soft_cap=0.0, bias_broadcasts_keys=False,
                mask_broadcasts_keys=False, switches: KernelSwitches | None = None):
     """The extension's CallShape of a call with q [..., B, T, N, H] and k [..., B, S, K, H] of
     `dtype` (any dtype: one no kernel takes plans no workspace), `scale` (default H ** -0.5),
@@ -115,7 +115,8 @@ def call_shape(query_shape, key_shape, dtype, *, scale=None, has_bias=False, has
                   scale=float(scale), logits_soft_cap=float(soft_cap), has_bias=bool(has_bias),
                   has_mask=bool(has_mask),
                   has_q_seqlens=bool(has_q_seqlens), has_kv_seqlens=bool(has_kv_seqlens),
-                  has_segment_ids=bool(has_segment_ids), deterministic=bool(deterministic),
+                  has_segment_ids=bool(has_segment_ids), has_alibi=bool(has_alibi),
+                  deterministic=bool(deterministic),
                   bias_broadcasts_keys=bool(bias_broadcasts_keys),
                   mask_broadcasts_keys=bool(mask_broadcasts_keys), **switches._asdict())
     for name, value in fields.items():

@@ -1,8 +1,8 @@
 """`jax.ffi.ffi_call` wrappers: the only place that knows the FFI targets' operands.
 
 Optional inputs (bias, mask, query and key/value lengths, query and key/value segment ids with
-the spans the kernels narrow their tiles to, segments.spans) are passed only when present, in
-that order, and flagged by attributes (one flag for the ids and their spans). The
+the spans the kernels narrow their tiles to, segments.spans, ALiBi slopes) are passed only when
+present, in that order, and flagged by attributes (one flag for the ids and their spans). The
 handlers treat every dimension before [T, N, H] as batch, so operands may carry extra leading
 dims (all of them the same ones, in front, as `vmap_method="broadcast_all"` gives a vmapped
 call): it stays one custom call.
@@ -18,14 +18,17 @@ from jax import lax
 from jax_flashattn import _ffi, segments
 
 
-def _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids):
+def _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi, alibi_shift):
     present = [x for x in (bias, mask, q_lens, kv_lens, q_ids, kv_ids) if x is not None]
     if q_ids is not None:
         present.extend(segments.spans(q_ids, kv_ids))
+    if alibi is not None:
+        present.append(alibi)
     flags = dict(has_bias=bias is not None, has_mask=mask is not None,
                  has_q_seqlens=q_lens is not None, has_kv_seqlens=kv_lens is not None,
-                 has_segment_ids=q_ids is not None)
-    return present, {k: np.int32(v) for k, v in flags.items()}
+                 has_segment_ids=q_ids is not None, has_alibi=alibi is not None)
+    flags = {k: np.int32(v) for k, v in flags.items()}
+    return present, dict(flags, alibi_shift=np.int64(alibi_shift))
 
 
 # ffi/params.h's kUnboundedWindow: any other value, negative ones too, is a real bound.
@@ -34,14 +37,16 @@ UNBOUNDED_WINDOW = np.iinfo(np.int64).min
 
 def _attrs(scale: float, window: tuple[int | None, int | None],
            switches: _ffi.KernelSwitches, deterministic: bool = False, soft_cap: float = 0.0,
-           align_window_to_lengths: bool = False):
+           align_window_to_lengths: bool = False, want_dslopes: bool = False):
     """window: (left, right), None for an unbounded side; soft_cap: 0 for none;
-    align_window_to_lengths: the window moves by kv_len - q_len per batch entry (ffi/params.h)."""
+    align_window_to_lengths: the window (and ALiBi's diagonal) moves by kv_len - q_len per batch
+    entry (ffi/params.h); want_dslopes: the backward returns the ALiBi slopes' gradient."""
     left, right = (UNBOUNDED_WINDOW if w is None else w for w in window)
     return dict(scale=np.float32(scale), logits_soft_cap=np.float32(soft_cap),
                 window_left=np.int64(left), window_right=np.int64(right),
                 align_window_to_lengths=np.int32(align_window_to_lengths),
-                deterministic=np.int32(deterministic), **switches.attrs())
+                deterministic=np.int32(deterministic), want_dslopes=np.int32(want_dslopes),
+                **switches.attrs())
 
 
 def _varying_axes(x) -> frozenset:
@@ -72,13 +77,14 @@ def vary_like(outs, operands):
     return tuple(None if x is None else vary(x) for x in outs)
 
 
-def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, scale: float,
-            window: tuple, switches: _ffi.KernelSwitches, soft_cap: float = 0.0,
-            align_window_to_lengths: bool = False):
+def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, alibi=None, *,
+            scale: float, window: tuple, switches: _ffi.KernelSwitches, soft_cap: float = 0.0,
+            align_window_to_lengths: bool = False, alibi_shift: int = 0):
     """(out [..., B, T, N, H] in q's dtype, lse [..., B, N, T] float32). `switches`: the
     kernel switches the public function read (_ffi.KernelSwitches). `align_window_to_lengths`:
-    query t of batch entry b sits at t + kv_len_b - q_len_b for the window (its lengths, T and
-    S where absent), which then moves per entry.
+    query t of batch entry b sits at t + kv_len_b - q_len_b for the window and ALiBi (its
+    lengths, T and S where absent), which then move per entry. `alibi`: float32 [..., B, N]
+    slopes, whose term is -slope |t + alibi_shift - s| (plus that per-entry move).
 
     The call's third and fourth results are the CUDA kernels' workspaces, so that XLA owns
     their memory: an int32 the Hopper kernel's blocks claim tiles from (zeroed on the stream
@@ -86,12 +92,13 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, sc
     empty when the call cannot take it). Both are dropped here: only out and lse leave.
     """
     *lead, t, n, _ = q.shape
-    optional, flags = _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids)
+    optional, flags = _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi,
+                                         alibi_shift)
     shape = _ffi.call_shape(q.shape, k.shape, q.dtype, scale=scale, has_bias=bias is not None,
                             has_mask=mask is not None, has_q_seqlens=q_lens is not None,
                             has_kv_seqlens=kv_lens is not None,
-                            has_segment_ids=q_ids is not None, soft_cap=soft_cap,
-                            switches=switches)
+                            has_segment_ids=q_ids is not None, has_alibi=alibi is not None,
+                            soft_cap=soft_cap, switches=switches)
     decode_floats = _ffi.plan(shape).decode_workspace_floats
     call = jax.ffi.ffi_call(
         _ffi.FORWARD_TARGET,
@@ -103,18 +110,21 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, sc
     out, lse, _, _ = call(q, k, v, *optional, **flags,
                           **_attrs(scale, window, switches, soft_cap=soft_cap,
                                    align_window_to_lengths=align_window_to_lengths))
-    return vary_like((out, lse), (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids))
+    return vary_like((out, lse), (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi))
 
 
-def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *,
-             scale: float, window: tuple, switches: _ffi.KernelSwitches,
+def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None,
+             alibi=None, *, scale: float, window: tuple, switches: _ffi.KernelSwitches,
              deterministic: bool = False, dbias: bool = False, soft_cap: float = 0.0,
-             align_window_to_lengths: bool = False):
-    """(dq, dk, dv, dbias) where dbias is the float32 gradient of the logits' bias, or None
-    without bias or without `dbias` (its cotangent not needed: the call then has no such result
-    and allocates nothing for it). The kernels sum it over the bias's broadcast dims into the
-    bias's shape; with `deterministic` it is the full [..., B, N, T, S] instead, for the caller
-    to sum (the CUDA kernels would sum it with float32 atomics, whose order varies).
+             align_window_to_lengths: bool = False, alibi_shift: int = 0,
+             dslopes: bool = False):
+    """(dq, dk, dv, dbias, dslopes) where dbias is the float32 gradient of the logits' bias, or
+    None without bias or without `dbias` (its cotangent not needed: the call then has no such
+    result and allocates nothing for it), and dslopes the float32 [..., B, N] gradient of the
+    ALiBi slopes likewise (with `alibi` and `dslopes`). The kernels sum dbias over the bias's
+    broadcast dims into the bias's shape; with `deterministic` it is the full [..., B, N, T, S]
+    instead, for the caller to sum (the CUDA kernels would sum it with float32 atomics, whose
+    order varies).
 
     `deterministic` makes the CUDA kernels' gradients bit-identical across runs (the CPU
     kernels' always are): the Hopper kernel adds each query tile's dQ in a fixed order of key
@@ -127,7 +137,8 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, 
     """
     *lead, t, n, _ = q.shape
     s = k.shape[-3]
-    optional, flags = _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids)
+    optional, flags = _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi,
+                                         alibi_shift)
     semaphores = _ffi.plan(_ffi.call_shape(q.shape, k.shape, q.dtype, scale=scale,
                                            deterministic=deterministic, soft_cap=soft_cap,
                                            switches=switches)).dq_semaphores
@@ -139,9 +150,14 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, 
     if with_dbias:
         shape = (*lead, n, t, s) if deterministic else bias.shape
         results.append(jax.ShapeDtypeStruct(shape, jnp.float32))
+    with_dslopes = alibi is not None and dslopes
+    if with_dslopes:
+        results.append(jax.ShapeDtypeStruct(alibi.shape, jnp.float32))
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
     grads = call(q, k, v, out, lse, d_out, *optional, **flags,
                  **_attrs(scale, window, switches, deterministic, soft_cap,
-                          align_window_to_lengths))
-    return vary_like((*grads[:3], grads[6] if with_dbias else None),
-                     (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids, kv_ids))
+                          align_window_to_lengths, with_dslopes))
+    return vary_like((*grads[:3], grads[6] if with_dbias else None,
+                      grads[-1] if with_dslopes else None),
+                     (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids, kv_ids,
+                      alibi))

@@ -46,6 +46,9 @@ class Normalized:
     # float32 [N]: one logit per query head that every row's softmax takes as a key with value
     # 0 (attention sinks).
     sinks: jax.Array | None = None
+    # float32 [B, N]: ALiBi, whose term -slope |t + shift - s| joins the bias (shift as the
+    # window's: diagonal_shifts).
+    alibi_slopes: jax.Array | None = None
 
     @property
     def zero_size(self) -> bool:
@@ -62,11 +65,13 @@ class Normalized:
 
     @property
     def align_window_to_lengths(self) -> bool:
-        """Whether the window moves per batch entry: bottom-right alignment of a causal mask
-        or a window with seq lengths puts query t of entry b at t + kv_len_b - q_len_b (cuDNN's
-        BOTTOM_RIGHT), which the kernels take as an option of the call (ffi/params.h). The
-        lengths are traced, so even T == S does not say that the shift is 0."""
-        return (self.bottom_right and (self.is_causal or self.window is not None)
+        """Whether the window (and ALiBi's diagonal) moves per batch entry: bottom-right
+        alignment of a causal mask, a window or ALiBi with seq lengths puts query t of entry b
+        at t + kv_len_b - q_len_b (cuDNN's BOTTOM_RIGHT), which the kernels take as an option of
+        the call (ffi/params.h). The lengths are traced, so even T == S does not say that the
+        shift is 0."""
+        return (self.bottom_right
+                and (self.is_causal or self.window is not None or self.alibi_slopes is not None)
                 and (self.query_seq_lengths is not None
                      or self.key_value_seq_lengths is not None))
 
@@ -95,6 +100,12 @@ class Normalized:
         """kernel_window with the queries at t + shift: for ring attention, whose shards'
         S - T is not the sequences'."""
         return kernel_window(self.window, self.is_causal, shift)
+
+    @property
+    def alibi_shift(self) -> int:
+        """The diagonal ALiBi measures from, as the kernels take it: diagonal_shift, or 0 where
+        the kernels move it per batch entry (align_window_to_lengths)."""
+        return 0 if self.align_window_to_lengths else self.diagonal_shift
 
     @property
     def aligned(self) -> bool:
@@ -348,11 +359,29 @@ def _sinks(sinks, num_heads: int) -> jax.Array | None:
     return sinks.astype(jnp.float32)
 
 
+def _alibi_slopes(slopes, batch: int, num_heads: int, unbatched: bool) -> jax.Array | None:
+    """ALiBi slopes as float32 [B, N]: a real array of one slope per query head, [N] or (with a
+    batched query) [B, N]."""
+    if slopes is None:
+        return None
+    slopes = _as_array(slopes, "alibi_slopes")
+    if not (jnp.issubdtype(slopes.dtype, jnp.floating)
+            or jnp.issubdtype(slopes.dtype, jnp.integer)):
+        raise TypeError(f"alibi_slopes must be a real array of one slope per query head, got "
+                        f"{_describe(slopes)}")
+    shapes = [(num_heads,)] + ([] if unbatched else [(batch, num_heads)])
+    if slopes.shape not in shapes:
+        allowed = " or ".join(f"{list(x)}" for x in shapes)
+        raise ValueError(f"alibi_slopes must have shape [N] or [B, N] = {allowed}, one slope "
+                         f"per query head, got {_describe(slopes)}")
+    return jnp.broadcast_to(slopes.astype(jnp.float32), (batch, num_heads))
+
+
 def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
               query_seq_lengths=None, key_value_seq_lengths=None,
               local_window_size=None, allow_empty=False, query_segment_ids=None,
               key_value_segment_ids=None, logits_soft_cap=None,
-              diagonal_alignment="top_left", sinks=None) -> Normalized:
+              diagonal_alignment="top_left", sinks=None, alibi_slopes=None) -> Normalized:
     """`allow_empty`: accept T, S, N or H = 0 (B = 0 is always accepted), for a caller that
     answers such inputs without the kernels (`attention`'s Normalized.zero_size path)."""
     query, key, value = (_as_array(x, n) for x, n in
@@ -402,4 +431,5 @@ def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         scale=_scale(scale, h), is_causal=bool(is_causal), window=_window(local_window_size),
         out_shape=out_shape, query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
         soft_cap=_soft_cap(logits_soft_cap),
-        bottom_right=check_diagonal_alignment(diagonal_alignment), sinks=_sinks(sinks, n))
+        bottom_right=check_diagonal_alignment(diagonal_alignment), sinks=_sinks(sinks, n),
+        alibi_slopes=_alibi_slopes(alibi_slopes, b, n, unbatched))

@@ -39,60 +39,64 @@ def _first_order_only_jvp(kernel_call, primals, tangents):
 # is traced and passed down as static data, so that no cached trace below keeps a stale one.
 # window: the kernels' (left, right) and whether it moves per batch entry with the lengths
 # (_validate.Normalized.kernel_window, align_window_to_lengths).
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13, 14, 15))
-def _flash(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, scale, soft_cap, window,
-           aligned, deterministic, switches):
-    out, lse = sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids,
+# alibi_shift: ALiBi's static diagonal (_validate.Normalized.alibi_shift).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(11, 12, 13, 14, 15, 16, 17))
+def _flash(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, alibi, scale, soft_cap,
+           window, aligned, alibi_shift, deterministic, switches):
+    out, lse = sharding.forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi,
                                 scale=scale, soft_cap=soft_cap, window=window,
-                                align_window_to_lengths=aligned, switches=switches)
+                                align_window_to_lengths=aligned, switches=switches,
+                                alibi_shift=alibi_shift)
     return _sinks.apply(out, lse, sinks)
 
 
-def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, scale, soft_cap,
-               window, aligned, deterministic, switches):
+def _flash_fwd(q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, alibi, scale,
+               soft_cap, window, aligned, alibi_shift, deterministic, switches):
     # With symbolic zeros, each array argument comes as CustomVJPPrimal(value, perturbed):
     # perturbed says whether its gradient is asked for (not under jax.grad of the other
     # arguments alone, nor behind stop_gradient).
     del deterministic  # a backward option
     dbias_needed = bias is not None and bias.perturbed
     dsinks_needed = sinks is not None and sinks.perturbed
-    q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks = (
+    dslopes_needed = alibi is not None and alibi.perturbed
+    q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, alibi = (
         None if x is None else x.value
-        for x in (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks))
+        for x in (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, alibi))
     kernel = functools.partial(sharding.forward, scale=scale, soft_cap=soft_cap, window=window,
-                               align_window_to_lengths=aligned, switches=switches)
+                               align_window_to_lengths=aligned, switches=switches,
+                               alibi_shift=alibi_shift)
     out, lse = _sinks.apply(*_first_order_only(kernel, q, k, v, bias, mask, q_lens, kv_lens,
-                                               q_ids, kv_ids), sinks)
+                                               q_ids, kv_ids, alibi), sinks)
     # Only the inputs, the output and the log-sum-exp are saved: the backward recomputes P.
-    # Whether dbias is needed travels as the residuals' structure (() or None, no array); the
-    # sinks are saved only where their gradient is (it reads out and dO once more).
+    # Whether dbias and dslopes are needed travels as the residuals' structure (() or None, no
+    # array); the sinks are saved only where their gradient is (it reads out and dO once more).
     return (out, lse), (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids,
-                        sinks if dsinks_needed else None, out, lse,
-                        () if dbias_needed else None)
+                        sinks if dsinks_needed else None, alibi, out, lse,
+                        () if dbias_needed else None, () if dslopes_needed else None)
 
 
-def _flash_bwd(scale, soft_cap, window, aligned, deterministic, switches, residuals,
+def _flash_bwd(scale, soft_cap, window, aligned, alibi_shift, deterministic, switches, residuals,
                cotangents):
-    q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, out, lse, dbias_needed = (
-        residuals)  # sinks: None unless their gradient is needed
+    (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, sinks, alibi, out, lse, dbias_needed,
+     dslopes_needed) = residuals  # sinks: None unless their gradient is needed
     d_out, _ = cotangents  # the lse output is a residual with no gradient, as in jax.nn
     if isinstance(d_out, jax.custom_derivatives.SymbolicZero):  # only lse was used
-        return (None,) * 10
+        return (None,) * 11
     kernel = functools.partial(sharding.backward, scale=scale, soft_cap=soft_cap, window=window,
                                align_window_to_lengths=aligned, switches=switches,
-                               deterministic=deterministic,
-                               dbias=dbias_needed is not None)
-    dq, dk, dv, dbias = _first_order_only(kernel, q, k, v, out, lse, d_out, bias, mask, q_lens,
-                                          kv_lens, q_ids, kv_ids)
+                               deterministic=deterministic, dbias=dbias_needed is not None,
+                               alibi_shift=alibi_shift, dslopes=dslopes_needed is not None)
+    dq, dk, dv, dbias, dslopes = _first_order_only(kernel, q, k, v, out, lse, d_out, bias, mask,
+                                                   q_lens, kv_lens, q_ids, kv_ids, alibi)
     if dbias is not None:  # already summed over bias's broadcast dims by sharding.backward
         dbias = dbias.astype(bias.dtype)
     return (dq, dk, dv, dbias, None, None, None, None, None,
-            None if sinks is None else _sinks.gradient(sinks, out, lse, d_out))
+            None if sinks is None else _sinks.gradient(sinks, out, lse, d_out), dslopes)
 
 
-# symbolic_zeros: the backward computes (and allocates) the bias gradient only where it is
-# needed; the kernels sum it into the bias's shape (float32; [B, N, T, S] with
-# deterministic_backward, summed after).
+# symbolic_zeros: the backward computes (and allocates) the bias's and the ALiBi slopes'
+# gradients only where they are needed; the kernels sum the bias's into its shape (float32;
+# [B, N, T, S] with deterministic_backward, summed after).
 _flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
 
 
@@ -134,7 +138,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               implementation=None, return_residual=False, deterministic_backward=False,
               query_segment_ids=None, key_value_segment_ids=None, logits_soft_cap=None,
-              diagonal_alignment="top_left", sinks=None):
+              diagonal_alignment="top_left", sinks=None, alibi_slopes=None):
     """Scaled dot-product attention with the signature of `jax.nn.dot_product_attention`.
 
     Layout [B, T, N, H] (or [T, N, H]); key and value [B, S, K, H] with N % K == 0 (GQA/MQA
@@ -202,6 +206,17 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     the output); its gradient is -sum over the batch and rows of e^(sink - lse') dO . O. With
     implementation="xla" or "cudnn" (jax.nn has no sinks) it raises a ValueError.
 
+    `alibi_slopes` (keyword-only, not in jax.nn): ALiBi (BLOOM, MPT), an array [N] or [B, N] of
+    one slope per query head (float32 or a real dtype, cast to float32), differentiable. Query
+    i and key j gain -slope * |i - j| in their logit, after the scale and the cap, with the
+    bias, measured on the diagonal `diagonal_alignment` puts the queries on (i + S - T with
+    "bottom_right", i + kv_len_b - q_len_b with seq lengths). The kernels compute it per pair
+    (no [B, N, T, S] array); its gradient, -sum |i - j| dS over a head's pairs, comes from the
+    backward's dQ pass. With implementation="xla" or "cudnn" it becomes a dense bias
+    [B, N, T, S] for jax.nn. A call with it runs unsplit along a sharded sequence (gathered).
+    So far the CPU kernels compute it; on a GPU it raises a ValueError (use
+    implementation="xla" there).
+
     `deterministic_backward` (keyword-only, not in jax.nn): on a GPU, the gradients are
     bit-identical across runs. By default the tensor-core backward sums dQ over key blocks
     with float32 atomic adds, whose order varies between runs (last-bit differences). With
@@ -227,7 +242,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                                query_segment_ids=query_segment_ids,
                                key_value_segment_ids=key_value_segment_ids,
                                logits_soft_cap=logits_soft_cap,
-                               diagonal_alignment=diagonal_alignment, sinks=sinks)
+                               diagonal_alignment=diagonal_alignment, sinks=sinks,
+                               alibi_slopes=alibi_slopes)
+    if args.alibi_slopes is not None and kind == "kernels" and jax.default_backend() == "gpu":
+        raise ValueError("alibi_slopes: the CUDA kernels have no ALiBi yet; pass "
+                         "implementation=\"xla\" for it on a GPU")
     if args.soft_cap and kind != "kernels":
         raise ValueError(f"logits_soft_cap: jax.nn.dot_product_attention has no soft-capping, so "
                          f"this call, on its implementation={kind!r}, cannot take it")
@@ -239,7 +258,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         # (jax.nn adds a side to int32 positions); segment ids and a bottom-right causal mask or
         # window as a mask (jax.nn has neither).
         return jax.nn.dot_product_attention(
-            query, key, value, bias, _jax_nn_mask(args, mask), scale=scale,
+            query, key, value, _jax_nn_bias(args, bias), _jax_nn_mask(args, mask), scale=scale,
             is_causal=is_causal and not args.aligned,
             query_seq_lengths=args.query_seq_lengths,
             key_value_seq_lengths=args.key_value_seq_lengths,
@@ -271,8 +290,8 @@ def _call_kernels(args: _validate.Normalized, deterministic_backward: bool):
         return _flash(args.query, args.key, args.value, args.bias, args.mask,
                       args.query_seq_lengths, args.key_value_seq_lengths,
                       args.query_segment_ids, args.key_value_segment_ids, sinks,
-                      args.scale, args.soft_cap, args.kernel_window,
-                      args.align_window_to_lengths, deterministic_backward,
+                      args.alibi_slopes, args.scale, args.soft_cap, args.kernel_window,
+                      args.align_window_to_lengths, args.alibi_shift, deterministic_backward,
                       _ffi.kernel_switches())
     except TypeError as e:
         if _JAX_JVP_OF_CUSTOM_VJP not in str(e):
@@ -287,8 +306,28 @@ def _has_jvp_tangent(args: _validate.Normalized) -> bool:
     False."""
     if not getattr(jax.config, "jax_use_direct_linearize", False):
         return False
-    operands = (args.query, args.key, args.value, args.bias, args.mask)
+    operands = (args.query, args.key, args.value, args.bias, args.mask, args.alibi_slopes)
     return any(isinstance(x, ad.JVPTracer) for x in operands)
+
+
+def _alibi_logits(args: _validate.Normalized) -> jax.Array:
+    """ALiBi's term float32 [B, N, T, S]: -slope |t + shift - s| (args.alibi_slopes given)."""
+    t, s = args.query.shape[1], args.key.shape[1]
+    shift = jnp.reshape(jnp.asarray(args.diagonal_shifts()), (-1, 1, 1, 1))
+    distance = jnp.abs(jnp.arange(t)[:, None] + shift - jnp.arange(s)[None, :])
+    return -args.alibi_slopes[:, :, None, None] * distance.astype(jnp.float32)
+
+
+def _jax_nn_bias(args: _validate.Normalized, bias):
+    """The caller's bias (as given), plus ALiBi's term as a dense [B, N, T, S] for jax.nn (in
+    the query's dtype; [N, T, S] unbatched)."""
+    if args.alibi_slopes is None:
+        return bias
+    dense = _alibi_logits(args)
+    dense = dense[0] if len(args.out_shape) == 3 else dense
+    if bias is not None:
+        dense = dense + jnp.asarray(bias, jnp.float32)
+    return dense.astype(args.query.dtype)
 
 
 def _jax_nn_mask(args: _validate.Normalized, mask):
@@ -334,7 +373,7 @@ def _zero_size_result(args: _validate.Normalized, return_residual: bool):
 def _zero_size_lse(args: _validate.Normalized) -> jax.Array:
     """lse [B, T, N] float32 of a call where B, T, S, N or H is 0 (Normalized.zero_size): -inf
     where a row sees no key, so everywhere when S = 0. With H = 0 and keys to see, every q.k is
-    an empty sum, 0, so the logits are the bias alone (0 without one) and lse is their
+    an empty sum, 0, so the logits are the bias and ALiBi alone (0 without them) and lse is their
     log-sum-exp over the keys the row sees, as jax.nn's with a given scale; with sinks, each
     row's log-sum-exp takes its head's sink too."""
     b, t, n, _ = args.query.shape
@@ -349,6 +388,8 @@ def _zero_size_lse(args: _validate.Normalized) -> jax.Array:
                                 kv_segment_ids=args.key_value_segment_ids,
                                 shift=args.diagonal_shifts())
     logits = jnp.zeros((), jnp.float32) if args.bias is None else args.bias.astype(jnp.float32)
+    if args.alibi_slopes is not None:
+        logits = logits + _alibi_logits(args)
     logits = jnp.broadcast_to(jnp.where(keep, logits, -jnp.inf), (b, n, t, s))
     lse = jax.nn.logsumexp(logits, axis=-1)
     if args.sinks is not None:

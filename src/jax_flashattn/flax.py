@@ -70,7 +70,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                           *, scale=None, local_window_size=None, implementation=None,
                           deterministic_backward=False, query_segment_ids=None,
                           key_value_segment_ids=None, logits_soft_cap=None,
-                          diagonal_alignment="top_left", sinks=None):
+                          diagonal_alignment="top_left", sinks=None, alibi_slopes=None):
     """Flax-compatible attention through `jax_flashattn.attention` (see the module docstring).
 
     Positional and keyword arguments are those of `flax.linen.dot_product_attention` and
@@ -81,8 +81,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     Keyword-only extras: `scale` (default 1/sqrt(H), as in Flax), `local_window_size`,
     `implementation`, `deterministic_backward`, the packed sequences' `query_segment_ids`
     `[batch..., T]` and `key_value_segment_ids` `[batch..., S]`, `logits_soft_cap`,
-    `diagonal_alignment` and `sinks` `[N]` (a module's learnable parameter), passed to
-    `jax_flashattn.attention`.
+    `diagonal_alignment`, `sinks` `[N]` (a module's learnable parameter) and `alibi_slopes`
+    `[N]` or `[batch..., N]`, passed to `jax_flashattn.attention`.
 
     Returns `[batch..., T, N, H]` in the promoted dtype.
     """
@@ -105,11 +105,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
     q_ids, kv_ids = (None if ids is None else _fold_ids(ids, lead, name)
                      for ids, name in ((query_segment_ids, "query_segment_ids"),
                                        (key_value_segment_ids, "key_value_segment_ids")))
+    slopes = alibi_slopes
+    if slopes is not None and jnp.ndim(slopes) > 1:  # [batch..., N], folded as the batch
+        slopes = jnp.broadcast_to(slopes, lead + jnp.shape(slopes)[-1:]).reshape(
+            folded + jnp.shape(slopes)[-1:])
     out = _attention(q, k, v, bias, mask, scale=scale, is_causal=is_causal,
                      local_window_size=local_window_size, implementation=implementation,
                      deterministic_backward=deterministic_backward, query_segment_ids=q_ids,
                      key_value_segment_ids=kv_ids, logits_soft_cap=logits_soft_cap,
-                     diagonal_alignment=diagonal_alignment, sinks=sinks)
+                     diagonal_alignment=diagonal_alignment, sinks=sinks, alibi_slopes=slopes)
     if module is not None:
         weights = reference.attention_weights(q, k, bias, mask, scale=scale,
                                               is_causal=is_causal,
@@ -118,7 +122,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, broadcast_dro
                                               key_value_segment_ids=kv_ids,
                                               logits_soft_cap=logits_soft_cap,
                                               diagonal_alignment=diagonal_alignment,
-                                              sinks=sinks)
+                                              sinks=sinks, alibi_slopes=slopes)
         _sow(module, weights.astype(q.dtype).reshape(lead + weights.shape[1:]))
     return out.reshape(query.shape[:-1] + value.shape[-1:])
 
@@ -128,15 +132,15 @@ _SIGNATURE = inspect.signature(dot_product_attention)
 
 def make_attention_fn(*, is_causal=False, scale=None, local_window_size=None,
                       implementation=None, deterministic_backward=False, logits_soft_cap=None,
-                      diagonal_alignment="top_left"):
+                      diagonal_alignment="top_left", alibi_slopes=None):
     """An `attention_fn` for Flax modules with these options fixed.
 
     `is_causal=True` makes every call causal (OR-ed with a call's own `is_causal`, since NNX
     passes `is_causal=False` unless asked), so Linen's `MultiHeadDotProductAttention`, which
     never passes `is_causal`, gets the kernels' causal path without a materialised mask.
     `scale`, `local_window_size`, `implementation`, `deterministic_backward` (bit-identical
-    GPU gradients, see `jax_flashattn.attention`), `logits_soft_cap` and `diagonal_alignment`
-    apply unless a call passes its own.
+    GPU gradients, see `jax_flashattn.attention`), `logits_soft_cap`, `diagonal_alignment` and
+    `alibi_slopes` (a model's fixed slopes, [N]) apply unless a call passes its own.
     The returned function has `dot_product_attention`'s signature, which Linen inspects to
     decide which arguments to pass.
     """
@@ -145,7 +149,8 @@ def make_attention_fn(*, is_causal=False, scale=None, local_window_size=None,
     _validate.check_diagonal_alignment(diagonal_alignment)
     defaults = dict(scale=scale, local_window_size=local_window_size,
                     implementation=implementation, deterministic_backward=deterministic_backward,
-                    logits_soft_cap=logits_soft_cap, diagonal_alignment=diagonal_alignment)
+                    logits_soft_cap=logits_soft_cap, diagonal_alignment=diagonal_alignment,
+                    alibi_slopes=alibi_slopes)
 
     @functools.wraps(dot_product_attention)
     def attention_fn(*args, **kwargs):

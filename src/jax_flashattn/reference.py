@@ -58,6 +58,11 @@ def _softmax(args: _validate.Normalized, precision_dtype):
         logits = cap * jnp.tanh(logits / cap)
     if args.bias is not None:
         logits = logits + args.bias.astype(precision_dtype)
+    if args.alibi_slopes is not None:  # -slope |t + shift - s|, on the window's diagonal
+        shift = jnp.reshape(jnp.asarray(args.diagonal_shifts()), (-1, 1, 1, 1))
+        distance = jnp.abs(jnp.arange(t_size)[:, None] + shift - jnp.arange(s_size)[None, :])
+        slopes = args.alibi_slopes.astype(precision_dtype)[:, :, None, None]
+        logits = logits - slopes * distance.astype(precision_dtype)
     keep = visibility(t_size, s_size, batch=b, is_causal=args.is_causal, window=args.window,
                       q_lens=args.query_seq_lengths, kv_lens=args.key_value_seq_lengths,
                       mask=args.mask, q_segment_ids=args.query_segment_ids,
@@ -86,7 +91,7 @@ def _softmax(args: _validate.Normalized, precision_dtype):
 def attention_weights(query, key, bias=None, mask=None, *, scale=None, is_causal=False,
                       local_window_size=None, query_segment_ids=None,
                       key_value_segment_ids=None, logits_soft_cap=None,
-                      diagonal_alignment="top_left", sinks=None) -> jax.Array:
+                      diagonal_alignment="top_left", sinks=None, alibi_slopes=None) -> jax.Array:
     """The float32 softmax weights [B, N, T, S] of `attention` (0 on a row that sees no key;
     with sinks, the keys' weights alone), for `jax_flashattn.flax` to sow where Flax's
     attention does."""
@@ -96,7 +101,8 @@ def attention_weights(query, key, bias=None, mask=None, *, scale=None, is_causal
                                query_segment_ids=query_segment_ids,
                                key_value_segment_ids=key_value_segment_ids,
                                logits_soft_cap=logits_soft_cap,
-                               diagonal_alignment=diagonal_alignment, sinks=sinks)
+                               diagonal_alignment=diagonal_alignment, sinks=sinks,
+                               alibi_slopes=alibi_slopes)
     return _softmax(args, jnp.float32)[0]
 
 
@@ -104,7 +110,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               implementation=None, return_residual=False, precision_dtype=jnp.float32,
               p_dtype=None, query_segment_ids=None, key_value_segment_ids=None,
-              logits_soft_cap=None, diagonal_alignment="top_left", sinks=None):
+              logits_soft_cap=None, diagonal_alignment="top_left", sinks=None,
+              alibi_slopes=None):
     """Reference attention computed in `precision_dtype` (float32 by default).
 
     `p_dtype`, when given, rounds the probabilities P to that dtype before P.V, which models
@@ -119,7 +126,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                                query_segment_ids=query_segment_ids,
                                key_value_segment_ids=key_value_segment_ids,
                                logits_soft_cap=logits_soft_cap,
-                               diagonal_alignment=diagonal_alignment, sinks=sinks)
+                               diagonal_alignment=diagonal_alignment, sinks=sinks,
+                               alibi_slopes=alibi_slopes)
     p, any_visible, safe_max, denom = _softmax(args, precision_dtype)
     group = args.query.shape[2] // args.key.shape[2]
     v = jnp.repeat(args.value.astype(precision_dtype), group, axis=2)

@@ -57,31 +57,36 @@ def _flags(*optional):
     return tuple(x is not None for x in optional)
 
 
-def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, scale: float,
-            window, switches: _ffi.KernelSwitches, soft_cap: float = 0.0,
-            align_window_to_lengths: bool = False):
+def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, alibi=None, *,
+            scale: float, window, switches: _ffi.KernelSwitches, soft_cap: float = 0.0,
+            align_window_to_lengths: bool = False, alibi_shift: int = 0):
     """`_ops.forward` that partitions under jit: (out, lse [..., N, T] float32). With
-    `align_window_to_lengths` the sequences are never split (_make_plan)."""
-    optional = (bias, mask, q_lens, kv_lens, q_ids, kv_ids)
+    `align_window_to_lengths` or ALiBi the sequences are never split (_make_plan)."""
+    optional = (bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi)
     op = _partitioned("fwd", _flags(*optional), float(scale), float(soft_cap),
-                      _Window(tuple(window), bool(align_window_to_lengths)), False, switches)
+                      _Window(tuple(window), bool(align_window_to_lengths)), False, switches,
+                      alibi_shift=int(alibi_shift))
     return tuple(op(q, k, v, *_present(*optional)))
 
 
-def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *,
-             scale: float, window, switches: _ffi.KernelSwitches, deterministic: bool = False,
-             dbias: bool = False, soft_cap: float = 0.0, align_window_to_lengths: bool = False):
-    """`_ops.backward` that partitions under jit: (dq, dk, dv, dbias), where dbias is float32
-    already summed to bias's shape (None without bias or without `dbias`, whose cotangent is
-    then not computed). `deterministic`: see _ops.backward; `align_window_to_lengths`: as in
-    `forward`."""
-    optional = (bias, mask, q_lens, kv_lens, q_ids, kv_ids)
+def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None,
+             alibi=None, *, scale: float, window, switches: _ffi.KernelSwitches,
+             deterministic: bool = False, dbias: bool = False, soft_cap: float = 0.0,
+             align_window_to_lengths: bool = False, alibi_shift: int = 0,
+             dslopes: bool = False):
+    """`_ops.backward` that partitions under jit: (dq, dk, dv, dbias, dslopes), where dbias is
+    float32 already summed to bias's shape (None without bias or without `dbias`, whose
+    cotangent is then not computed) and dslopes the ALiBi slopes' float32 gradient likewise.
+    `deterministic`: see _ops.backward; `align_window_to_lengths`: as in `forward`."""
+    optional = (bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi)
     with_dbias = bias is not None and bool(dbias)
+    with_dslopes = alibi is not None and bool(dslopes)
     op = _partitioned("bwd", _flags(*optional), float(scale), float(soft_cap),
                       _Window(tuple(window), bool(align_window_to_lengths)),
-                      bool(deterministic), switches, with_dbias)
+                      bool(deterministic), switches, with_dbias, int(alibi_shift), with_dslopes)
     grads = op(q, k, v, out, lse, d_out, *_present(*optional))
-    return (*grads[:3], grads[3] if with_dbias else None)
+    return (*grads[:3], grads[3] if with_dbias else None,
+            grads[-1] if with_dslopes else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +103,7 @@ class _Operands:
     kv_lens: object
     q_ids: object
     kv_ids: object
+    alibi: object
 
 
 def _unpack(kind, flags, xs) -> _Operands:
@@ -109,9 +115,10 @@ def _unpack(kind, flags, xs) -> _Operands:
         out, lse, d_out = rest[:3]
         rest = rest[3:]
     optional = iter(rest)
-    bias, mask, q_lens, kv_lens, q_ids, kv_ids = (next(optional) if flag else None
-                                                  for flag in flags)
-    return _Operands(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids, kv_ids)
+    bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi = (next(optional) if flag else None
+                                                         for flag in flags)
+    return _Operands(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids, kv_ids,
+                     alibi)
 
 
 def _explicit_sharding(x):
@@ -158,35 +165,39 @@ class _Window(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def _partitioned(kind, flags, scale, soft_cap, window: _Window, deterministic, switches,
-                 with_dbias=False):
-    """The partitioned forward or backward op; `with_dbias`: the backward also returns the
-    bias's gradient (a result only then)."""
+                 with_dbias=False, alibi_shift=0, with_dslopes=False):
+    """The partitioned forward or backward op; `with_dbias`, `with_dslopes`: the backward also
+    returns the bias's, the ALiBi slopes' gradient (a result only then)."""
     def body(*xs):
         a = _unpack(kind, flags, xs)
         if kind == "fwd":
             out, lse = _ops.forward(a.q, a.k, a.v, a.bias, a.mask, a.q_lens, a.kv_lens,
-                                    _replicated(a.q_ids), _replicated(a.kv_ids), scale=scale,
-                                    soft_cap=soft_cap, window=window.sides,
-                                    align_window_to_lengths=window.aligned, switches=switches)
+                                    _replicated(a.q_ids), _replicated(a.kv_ids), a.alibi,
+                                    scale=scale, soft_cap=soft_cap, window=window.sides,
+                                    align_window_to_lengths=window.aligned, switches=switches,
+                                    alibi_shift=alibi_shift)
             lead = tuple(range(a.q.ndim - 3))
             return (_typed_like(out, a.q),
                     _typed_like(lse, a.q, lead + (a.q.ndim - 2, a.q.ndim - 3)))
-        dq, dk, dv, dbias = _ops.backward(a.q, a.k, a.v, a.out, a.lse, a.d_out, a.bias,
-                                          a.mask, a.q_lens, a.kv_lens, _replicated(a.q_ids),
-                                          _replicated(a.kv_ids),
-                                          scale=scale, soft_cap=soft_cap, window=window.sides,
-                                          align_window_to_lengths=window.aligned,
-                                          switches=switches, deterministic=deterministic,
-                                          dbias=with_dbias)
+        dq, dk, dv, dbias, dslopes = _ops.backward(
+            a.q, a.k, a.v, a.out, a.lse, a.d_out, a.bias, a.mask, a.q_lens, a.kv_lens,
+            _replicated(a.q_ids), _replicated(a.kv_ids), a.alibi, scale=scale,
+            soft_cap=soft_cap, window=window.sides, align_window_to_lengths=window.aligned,
+            switches=switches, deterministic=deterministic, dbias=with_dbias,
+            alibi_shift=alibi_shift, dslopes=with_dslopes)
         grads = (_typed_like(dq, a.q), _typed_like(dk, a.k), _typed_like(dv, a.v))
-        if not with_dbias:
-            return grads
-        return grads + (_typed_like(_ring.reduce_to(dbias, a.bias.shape), a.bias),)
+        if with_dbias:
+            grads += (_typed_like(_ring.reduce_to(dbias, a.bias.shape), a.bias),)
+        if with_dslopes:
+            grads += (_typed_like(dslopes, a.alibi),)
+        return grads
 
     op = custom_partitioning(body)
     op.def_partition(partition=functools.partial(_partition, kind, flags, scale, soft_cap,
-                                                 window, deterministic, switches, with_dbias),
-                     sharding_rule=functools.partial(_sharding_rule, kind, flags, with_dbias))
+                                                 window, deterministic, switches, with_dbias,
+                                                 alibi_shift, with_dslopes),
+                     sharding_rule=functools.partial(_sharding_rule, kind, flags, with_dbias,
+                                                     with_dslopes))
     op = _broadcasting_vmap(op)
     jitted = jax.jit(op)
 
@@ -213,7 +224,7 @@ def _broadcasting_vmap(op):
     return op
 
 
-def _sharding_rule(kind, flags, with_dbias, mesh, operand_types, result_types):
+def _sharding_rule(kind, flags, with_dbias, with_dslopes, mesh, operand_types, result_types):
     """Shardy rule, e.g. "... b t (k g) h, ... b s k h, ... b s k h -> ... b t (k g) h,
     ... b (k g) t" for GQA, with extra factors for the broadcast dims of bias and mask."""
     del result_types
@@ -250,12 +261,17 @@ def _sharding_rule(kind, flags, with_dbias, mesh, operand_types, result_types):
     optional += ["... b"] * ((a.q_lens is not None) + (a.kv_lens is not None))
     if a.q_ids is not None:
         optional += ["... b t", "... b s"]
+    slopes = f"... b {heads}"
+    if a.alibi is not None:
+        optional.append(slopes)
     if kind == "fwd":
         operands, results = [q, kv, kv] + optional, [q, lse]
     else:
         operands, results = [q, kv, kv, q, lse, q] + optional, [q, kv, kv]
         if with_dbias:
             results.append(optional[0])
+        if with_dslopes:
+            results.append(slopes)
     return (", ".join(operands) + " -> " + ", ".join(results),
             dict(need_replication_factors=("h",), **sizes))
 
@@ -311,6 +327,8 @@ def _make_plan(kind, flags, window: _Window, mesh, arg_shapes) -> _Plan:
     # A bias or mask that varies along the sequences, or a window aligned to the lengths
     # (_Window), keeps them whole: gathered where they are split.
     varies = [x.shape[-2:] != (1, 1) for x in (a.bias, a.mask) if x is not None]
+    # ALiBi's distances are the sequences' (a ring's blocks would need them shifted): whole too.
+    varies.append(a.alibi is not None)
     seq_axes, schedule = (), None
     if not any(varies) and not window.aligned:
         t_axes = take(q_axes[-3], t_len)
@@ -328,7 +346,7 @@ def _make_plan(kind, flags, window: _Window, mesh, arg_shapes) -> _Plan:
                  seq_axes, schedule)
 
 
-def _shardings(kind, flags, with_dbias, mesh, plan: _Plan, arg_shapes):
+def _shardings(kind, flags, with_dbias, with_dslopes, mesh, plan: _Plan, arg_shapes):
     a = _unpack(kind, flags, arg_shapes)
     mode = plan.schedule.mode if plan.schedule is not None else None
     q_seq = plan.seq_axes if mode in (_ring.RING, _ring.ROWS) else ()
@@ -355,30 +373,34 @@ def _shardings(kind, flags, with_dbias, mesh, plan: _Plan, arg_shapes):
     optional += [lens] * ((a.q_lens is not None) + (a.kv_lens is not None))
     if a.q_ids is not None:
         optional += [named(*batch, q_seq), named(*batch, k_seq)]
+    slopes = named(*batch, plan.heads)
+    if a.alibi is not None:
+        optional.append(slopes)
     if kind == "fwd":
         return [q, kv, kv] + optional, (q, lse)
-    results = [q, kv, kv] + ([optional[0]] if with_dbias else [])
+    results = ([q, kv, kv] + ([optional[0]] if with_dbias else []) +
+               ([slopes] if with_dslopes else []))
     return [q, kv, kv, q, lse, q] + optional, tuple(results)
 
 
 _NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
-def _partition(kind, flags, scale, soft_cap, window, deterministic, switches, with_dbias, mesh,
-               arg_shapes, result_shape):
+def _partition(kind, flags, scale, soft_cap, window, deterministic, switches, with_dbias,
+               alibi_shift, with_dslopes, mesh, arg_shapes, result_shape):
     del result_shape
     if mesh.empty:
         devices = sorted(arg_shapes[0].sharding.device_set, key=lambda d: d.id)
         mesh = jax.sharding.Mesh(np.asarray(devices), ("_devices",))
     plan = _make_plan(kind, flags, window, mesh, arg_shapes)
-    arg_shardings, result_shardings = _shardings(kind, flags, with_dbias, mesh, plan,
-                                                 arg_shapes)
+    arg_shardings, result_shardings = _shardings(kind, flags, with_dbias, with_dslopes, mesh,
+                                                 plan, arg_shapes)
     bias_shape = None
     if flags[0]:
         bias = _unpack(kind, flags, arg_shapes).bias
         bias_shape = tuple(bias.shape)
     local = functools.partial(_local, kind, flags, scale, soft_cap, window, deterministic,
-                              switches, with_dbias, plan, bias_shape)
+                              switches, with_dbias, alibi_shift, with_dslopes, plan, bias_shape)
 
     def lower(*xs):
         # XLA calls this after its partitioner has run, inside the caller's context: under
@@ -426,9 +448,9 @@ def _unselect_kv_heads(plan: _Plan, *grads):
 
 
 def _local(kind, flags, scale, soft_cap, window: _Window, deterministic, switches, with_dbias,
-           plan: _Plan, bias_shape, *xs):
+           alibi_shift, with_dslopes, plan: _Plan, bias_shape, *xs):
     """The per-device computation of one partitioned call (a ring schedule only for a window
-    that is not aligned to the lengths: _make_plan)."""
+    that is not aligned to the lengths and no ALiBi: _make_plan)."""
     a = _unpack(kind, flags, xs)
     aligned, window = window.aligned, window.sides
     k, v = a.k, a.v
@@ -437,20 +459,23 @@ def _local(kind, flags, scale, soft_cap, window: _Window, deterministic, switche
     schedule = plan.schedule
     # The ring's blocks see their own lengths only: _make_plan gathers the sequences instead.
     assert schedule is None or not aligned, "a window aligned to the lengths took a ring"
+    assert schedule is None or a.alibi is None, "ALiBi took a ring"
     if kind == "fwd":
         if schedule is None:
             return _ops.forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
-                                a.kv_ids, scale=scale, soft_cap=soft_cap, window=window,
-                                align_window_to_lengths=aligned, switches=switches)
+                                a.kv_ids, a.alibi, scale=scale, soft_cap=soft_cap, window=window,
+                                align_window_to_lengths=aligned, switches=switches,
+                                alibi_shift=alibi_shift)
         return _ring.seq_forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
                                  a.kv_ids, scale=scale, soft_cap=soft_cap, window=window,
                                  schedule=schedule, axes=plan.seq_axes, switches=switches)
+    dslopes = None
     if schedule is None:
-        dq, dk, dv, dbias = _ops.backward(a.q, k, v, a.out, a.lse, a.d_out, a.bias,
-                                          a.mask, a.q_lens, a.kv_lens, a.q_ids, a.kv_ids,
-                                          scale=scale, soft_cap=soft_cap, window=window,
-                                          align_window_to_lengths=aligned, switches=switches,
-                                          deterministic=deterministic, dbias=with_dbias)
+        dq, dk, dv, dbias, dslopes = _ops.backward(
+            a.q, k, v, a.out, a.lse, a.d_out, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
+            a.kv_ids, a.alibi, scale=scale, soft_cap=soft_cap, window=window,
+            align_window_to_lengths=aligned, switches=switches, deterministic=deterministic,
+            dbias=with_dbias, alibi_shift=alibi_shift, dslopes=with_dslopes)
         if dbias is not None:
             dbias = _ring.reduce_to(dbias, a.bias.shape)
     else:
@@ -461,8 +486,9 @@ def _local(kind, flags, scale, soft_cap, window: _Window, deterministic, switche
             dbias=with_dbias)
     if not plan.kv_heads_split:
         dk, dv = _unselect_kv_heads(plan, dk, dv)
+    slope_grads = (dslopes,) if with_dslopes else ()
     if dbias is None:
-        return dq, dk, dv
+        return (dq, dk, dv) + slope_grads
     # A bias broadcast over a dim whose computation is split sums its gradient over those axes
     # (global shape: a split dim can be 1 locally).
     lead = [axes for axes, size in zip(plan.batch, bias_shape[:-3]) if size == 1]
@@ -471,4 +497,4 @@ def _local(kind, flags, scale, soft_cap, window: _Window, deterministic, switche
         split += list(plan.heads)
     if split:
         dbias = lax.psum(dbias, tuple(split))
-    return dq, dk, dv, dbias
+    return (dq, dk, dv, dbias) + slope_grads

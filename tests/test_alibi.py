@@ -1,0 +1,210 @@
+"""ALiBi: -slope |t + shift - s| added to each logit, the slopes differentiable. The reference
+against a direct numpy formula, then `attention` on the CPU kernels (values, lse, gradients of
+q, k, v, the bias and the slopes) against the float32 reference with every option and both
+diagonal alignments, under jit and vmap, the jax.nn implementations (a dense bias there), the
+Flax adapter, a sharded batch and a sharded sequence, and the errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_flashattn
+from jax_flashattn import flax as jfa_flax
+from jax_flashattn import reference
+from helpers import assert_attention_close, assert_grads_close, assert_lse_close, random_qkv
+# test_soft_cap's shapes, which its options' segment ids and lengths are built for.
+from test_soft_cap import B, H, K, N, S, T, OPTIONS as SOFT_CAP_OPTIONS
+
+Q_LENS, KV_LENS = np.array([30, 37], np.int32), np.array([70, 41], np.int32)
+OPTIONS = dict(
+    SOFT_CAP_OPTIONS,
+    soft_cap=dict(logits_soft_cap=2.0, is_causal=True),
+    bottom_right=dict(diagonal_alignment="bottom_right"),
+    bottom_right_causal=dict(is_causal=True, diagonal_alignment="bottom_right"),
+    # Each entry's diagonal at kv_len - q_len (11 and 4), without and with a causal mask.
+    bottom_right_lengths=dict(diagonal_alignment="bottom_right", query_seq_lengths=Q_LENS,
+                              key_value_seq_lengths=KV_LENS),
+    bottom_right_lengths_window=dict(diagonal_alignment="bottom_right", local_window_size=(9, 0),
+                                     query_seq_lengths=Q_LENS, key_value_seq_lengths=KV_LENS))
+
+
+def draw_slopes(rng, shape=(N,)):
+    """Slopes of BLOOM's range (2^-8 to 2^-1), some distances of S giving logits of -1 to -35."""
+    return jnp.asarray(2.0 ** -rng.uniform(1, 8, shape), jnp.float32)
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_reference_is_the_formula(rng, alignment):
+    q, k, v = random_qkv(rng, B, T, S, N, N, H, jnp.float32)
+    slopes = draw_slopes(rng, (B, N))
+    shift = S - T if alignment == "bottom_right" else 0
+    distance = np.abs(np.arange(T)[:, None] + shift - np.arange(S)[None, :])
+    logits = (np.einsum("btnh,bsnh->bnts", np.asarray(q, np.float64), np.asarray(k, np.float64))
+              / np.sqrt(H) - np.asarray(slopes, np.float64)[:, :, None, None] * distance)
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    want = np.einsum("bnts,bsnh->btnh", e / e.sum(-1, keepdims=True), np.asarray(v, np.float64))
+    out = reference.attention(q, k, v, alibi_slopes=slopes, diagonal_alignment=alignment)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("slopes_shape", [(N,), (B, N)], ids=["N", "BN"])
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_forward_matches_reference(rng, dtype, slopes_shape, option):
+    q, k, v = random_qkv(rng, B, T, S, N, K, H, dtype)
+    kwargs = dict(OPTIONS[option], alibi_slopes=draw_slopes(rng, slopes_shape))
+    out, lse = jax_flashattn.attention(q, k, v, return_residual=True, **kwargs)
+    assert_lse_close(lse, assert_attention_close(out, q, k, v, **kwargs))
+
+
+def alibi_grads(fn, q, k, v, bias, slopes, d_out, **kwargs):
+    """(out, dq, dk, dv, dbias, dslopes) of fn for cotangent d_out."""
+    def f(q, k, v, bias, slopes):
+        return fn(q, k, v, bias, alibi_slopes=slopes, **kwargs)
+    out, vjp = jax.vjp(f, q, k, v, bias, slopes)
+    return (out, *vjp(d_out))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("slopes_shape", [(N,), (B, N)], ids=["N", "BN"])
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_gradients_match_reference(rng, dtype, slopes_shape, option):
+    """dslopes sums -|t + shift - s| dS over each head's pairs (and over the batch for [N])."""
+    q, k, v = random_qkv(rng, B, T, S, N, K, H, dtype)
+    bias = jnp.asarray(rng.standard_normal((1, N, T, S)), jnp.float32)
+    slopes = draw_slopes(rng, slopes_shape)
+    d_out = jnp.asarray(rng.standard_normal(q.shape), dtype)
+    kwargs = OPTIONS[option]
+    got = jax.jit(lambda *a: alibi_grads(jax_flashattn.attention, *a, **kwargs))(
+        q, k, v, bias, slopes, d_out)
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, bias, slopes, d_out)]
+    want = jax.jit(lambda *a: alibi_grads(reference.attention, *a, **kwargs))(*f32)
+    normwise = None if dtype == jnp.float32 else 2e-2
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dbias", "dslopes"), got, want):
+        assert g.shape == w.shape, name
+        assert_grads_close(g, w, normwise=normwise, name=name)
+
+
+def test_slopes_change_the_result_and_zero_is_none(rng):
+    """Slopes of 0 give the call without ALiBi bit for bit; large ones keep each row on its
+    diagonal key."""
+    q, k, v = random_qkv(rng, B, T, S, N, K, H, jnp.float32)
+    without = jax_flashattn.attention(q, k, v, return_residual=True)
+    zero = jax_flashattn.attention(q, k, v, alibi_slopes=jnp.zeros(N), return_residual=True)
+    for a, b in zip(zero, without):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    steep = jax_flashattn.attention(q, k, v, alibi_slopes=jnp.full(N, 1e4))
+    group = N // K
+    np.testing.assert_allclose(np.asarray(steep), np.repeat(np.asarray(v[:, :T]), group, axis=2),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_under_jit_vmap_and_grad(rng):
+    q, k, v = random_qkv(rng, B, T, S, N, K, H, jnp.float32)
+    slopes = draw_slopes(rng)
+    f = jax.jit(jax.vmap(lambda q, k, v: jax_flashattn.attention(q, k, v, is_causal=True,
+                                                                 alibi_slopes=slopes)))
+    out = f(q[:, None], k[:, None], v[:, None])[:, 0]
+    want = reference.attention(q, k, v, is_causal=True, alibi_slopes=slopes)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+    def loss(fn, s):
+        return jnp.sum(fn(q, k, v, is_causal=True, alibi_slopes=s) ** 2)
+    got = jax.jit(jax.grad(lambda s: loss(jax_flashattn.attention, s)))(slopes)
+    assert_grads_close(got, jax.grad(lambda s: loss(reference.attention, s))(slopes),
+                       name="dslopes")
+
+
+@pytest.mark.parametrize("option", ["causal", "bottom_right_lengths"])
+def test_jax_nn_implementation_takes_a_dense_bias(rng, option):
+    q, k, v = random_qkv(rng, B, T, S, N, K, H, jnp.float32)
+    kwargs = dict(OPTIONS[option], alibi_slopes=draw_slopes(rng))
+    out = jax_flashattn.attention(q, k, v, implementation="xla", **kwargs)
+    assert_attention_close(out, q, k, v, **kwargs)
+
+
+def test_zero_size_inputs(rng):
+    """S = 0: rows that see no key; H = 0: the logits are ALiBi's term alone."""
+    q, k, v = random_qkv(rng, B, T, 0, N, K, H, jnp.float32)
+    out, lse = jax_flashattn.attention(q, k, v, alibi_slopes=draw_slopes(rng),
+                                       return_residual=True)
+    assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all()
+    q, k, v = random_qkv(rng, B, T, S, N, K, 0, jnp.float32)
+    slopes = draw_slopes(rng)
+    _, lse = jax_flashattn.attention(q, k, v, alibi_slopes=slopes, return_residual=True)
+    logits = -np.asarray(slopes, np.float64)[:, None, None] * np.abs(
+        np.arange(T)[:, None] - np.arange(S)[None, :])  # [N, T, S]
+    want = np.log(np.exp(logits).sum(-1)).T  # [T, N]
+    np.testing.assert_allclose(np.asarray(lse), np.broadcast_to(want, (B, T, N)), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_flax_adapter_passes_them_on(rng):
+    q, k, v = random_qkv(rng, B, T, S, N, K, H, jnp.float32)
+    slopes = draw_slopes(rng)
+    want = reference.attention(q, k, v, is_causal=True, alibi_slopes=slopes)
+    out = jfa_flax.dot_product_attention(q, k, v, is_causal=True, alibi_slopes=slopes)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+    fixed = jfa_flax.make_attention_fn(is_causal=True, alibi_slopes=slopes)
+    np.testing.assert_allclose(np.asarray(fixed(q, k, v)), np.asarray(want), rtol=1e-5,
+                               atol=1e-5)
+    per_entry = draw_slopes(rng, (B, N))
+    out = jfa_flax.dot_product_attention(q[None], k[None], v[None], alibi_slopes=per_entry[None])
+    want = reference.attention(q, k, v, alibi_slopes=per_entry)
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_batch_heads_and_sequence(rng):
+    """The partitioned call with the batch, the heads or the sequence split over 4 devices
+    (the sequence gathered: ALiBi's distances are the whole sequences'), slopes [B, N] and
+    their gradient as unsharded."""
+    devices = 4
+    q, k, v = random_qkv(rng, 4, 32, 64, 4, 4, 16, jnp.float32)
+    slopes = draw_slopes(rng, (4, 4))
+    d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    kwargs = dict(is_causal=True, diagonal_alignment="bottom_right")
+
+    def out_and_grads(fn):
+        def f(q, k, v, slopes, d_out):
+            out, vjp = jax.vjp(lambda *a: fn(*a, **kwargs), q, k, v, slopes)
+            return out, vjp(d_out)
+        return f
+
+    want = jax.jit(out_and_grads(lambda q, k, v, s, **kw: reference.attention(
+        q, k, v, alibi_slopes=s, **kw)))(q, k, v, slopes, d_out)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:devices]), ("d",))
+    attention = jax.jit(out_and_grads(lambda q, k, v, s, **kw: jax_flashattn.attention(
+        q, k, v, alibi_slopes=s, **kw)))
+    for spec, slopes_spec in ((P("d"), P("d")), (P(None, None, "d"), P(None, "d")),
+                              (P(None, "d"), P())):
+        placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, d_out)]
+        placed_slopes = jax.device_put(slopes, NamedSharding(mesh, slopes_spec))
+        got = attention(*placed[:3], placed_slopes, placed[3])
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("value,error,match", [
+    (np.zeros(3, np.float32), ValueError, r"alibi_slopes must have shape \[N\] or \[B, N\]"),
+    (np.zeros((3, 4), np.float32), ValueError, "alibi_slopes must have shape"),
+    (np.zeros((2, 4, 1), np.float32), ValueError, "alibi_slopes must have shape"),
+    (np.ones(4, bool), TypeError, "alibi_slopes must be a real array"),
+    ("0", TypeError, "alibi_slopes"),
+])
+def test_bad_values_raise_naming_the_option(rng, value, error, match):
+    q, k, v = random_qkv(rng, B, 5, 9, N, K, H, jnp.float32)
+    for fn in (jax_flashattn.attention, reference.attention):
+        with pytest.raises(error, match=match):
+            fn(q, k, v, alibi_slopes=value)
+
+
+def test_unbatched_query_takes_slopes_of_n(rng):
+    q, k, v = random_qkv(rng, 1, T, S, N, K, H, jnp.float32)
+    slopes = draw_slopes(rng)
+    out = jax_flashattn.attention(q[0], k[0], v[0], is_causal=True, alibi_slopes=slopes)
+    want = reference.attention(q, k, v, is_causal=True, alibi_slopes=slopes)[0]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        jax_flashattn.attention(q[0], k[0], v[0], alibi_slopes=slopes[None])
