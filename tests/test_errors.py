@@ -309,11 +309,12 @@ def test_valid_edge_arguments_accepted(rng):
 # --- errors inside the FFI handlers -------------------------------------------------------------
 
 FLAGS = dict(has_bias=np.int32(0), has_mask=np.int32(0), has_q_seqlens=np.int32(0),
-             has_kv_seqlens=np.int32(0), has_segment_ids=np.int32(0))
+             has_kv_seqlens=np.int32(0), has_segment_ids=np.int32(0), has_alibi=np.int32(0))
 ATTRS = dict(scale=np.float32(0.25), logits_soft_cap=np.float32(0),
              window_left=np.int64(_ops.UNBOUNDED_WINDOW),
              window_right=np.int64(_ops.UNBOUNDED_WINDOW), align_window_to_lengths=np.int32(0),
-             deterministic=np.int32(0), **_ffi.KernelSwitches().attrs())
+             alibi_shift=np.int64(0), deterministic=np.int32(0), want_dslopes=np.int32(0),
+             **_ffi.KernelSwitches().attrs())
 
 
 def _raw_forward(q, k, v, *optional, out_shape=None, lse_shape=None, lse_dtype=jnp.float32,
@@ -340,6 +341,8 @@ HANDLER_CASES = {
     "segment_ids_wrong_dtype": "segments_dtype",
     "segment_ids_wrong_shape": "segments_shape",
     "segment_ids_one_only": "segments_one",
+    "alibi_slopes_wrong_shape": "alibi_shape",
+    "alibi_slopes_wrong_dtype": "alibi_dtype",
 }
 
 
@@ -362,6 +365,10 @@ def test_handler_error_is_python_exception(rng, case):
         optional = (jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.int32))
     elif spec == "segments_one":
         spec, optional = dict(has_segment_ids=np.int32(1)), (jnp.zeros((B, T), jnp.int32),)
+    elif spec == "alibi_shape":  # one slope per kv head
+        spec, optional = dict(has_alibi=np.int32(1)), (jnp.zeros((B, K), jnp.float32),)
+    elif spec == "alibi_dtype":
+        spec, optional = dict(has_alibi=np.int32(1)), (jnp.zeros((B, N), jnp.bfloat16),)
     with pytest.raises(jax.errors.JaxRuntimeError, match="jax_flashattn: "):
         jax.block_until_ready(_raw_forward(q, k, v, *optional, **spec))
     # The process is fine afterwards.
@@ -405,6 +412,18 @@ def test_backward_handler_error_is_python_exception(rng):
     with pytest.raises(jax.errors.JaxRuntimeError, match=f"at least {needed} int32"):
         jax.block_until_ready(call(q, k, v, out, lse, out, **FLAGS,
                                    **dict(ATTRS, deterministic=np.int32(1))))
+    # A dslopes result asked for without the slopes, and one of the wrong shape with them.
+    slopes = jax.ShapeDtypeStruct((B, N), jnp.float32)
+    call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, grads + workspaces + (slopes,))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="dslopes"):
+        jax.block_until_ready(call(q, k, v, out, lse, out, **FLAGS,
+                                   **dict(ATTRS, want_dslopes=np.int32(1))))
+    call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET,
+                            grads + workspaces + (jax.ShapeDtypeStruct((B, K), jnp.float32),))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="dslopes must be float32"):
+        jax.block_until_ready(call(q, k, v, out, lse, out, jnp.zeros((B, N), jnp.float32),
+                                   **dict(FLAGS, has_alibi=np.int32(1)),
+                                   **dict(ATTRS, want_dslopes=np.int32(1))))
 
 
 @pytest.mark.parametrize("value", [1, None, "yes", np.bool_(True)])
