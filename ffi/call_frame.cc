@@ -111,17 +111,22 @@ ffi::Error SegmentSpans(const ffi::AnyBuffer& x, const ffi::AnyBuffer& ids, cons
   return ffi::Error::Success();
 }
 
-// A float32 value per (batch, query head), [..., B, N] with the batch dims of q: the ALiBi slopes
-// and their gradient.
-ffi::Error CheckHeadValues(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q, const char* name) {
+// Float32 values per (batch, query head), [..., B, N] with the batch dims of q, and with
+// `slots` >= 0 a last dimension of that many: the ALiBi slopes, and their gradient's partial
+// sums (dslopes_slots).
+ffi::Error CheckHeadValues(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q, const char* name,
+                           int64_t slots = -1) {
   auto xd = x.dimensions();
   auto qd = q.dimensions();
-  bool fits = x.element_type() == ffi::DataType::F32 && xd.size() + 2 == qd.size();
-  for (size_t i = 0; fits && i + 1 < xd.size(); ++i) fits = xd[i] == qd[i];
-  if (fits) fits = xd.back() == qd[qd.size() - 2];
+  const size_t extra = slots >= 0 ? 1 : 0;
+  bool fits = x.element_type() == ffi::DataType::F32 && xd.size() + 2 == qd.size() + extra;
+  for (size_t i = 0; fits && i + 1 + extra < xd.size(); ++i) fits = xd[i] == qd[i];
+  if (fits) fits = xd[xd.size() - 1 - extra] == qd[qd.size() - 2];
+  if (fits && slots >= 0) fits = xd.back() == slots;
   if (!fits)
-    return Invalid(std::string(name) + " must be float32 [..., B, N] for query " +
-                   ShapeString(q) + ", got " + ShapeString(x));
+    return Invalid(std::string(name) + " must be float32 [..., B, N" +
+                   (slots >= 0 ? ", " + std::to_string(slots) : std::string()) +
+                   "] for query " + ShapeString(q) + ", got " + ShapeString(x));
   return ffi::Error::Success();
 }
 
@@ -339,7 +344,9 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   if (want_dslopes) {
     auto result = dbias.get<ffi::AnyBuffer>(dbias_results);
     if (!result.has_value()) return result.error();
-    if (ffi::Error e = CheckHeadValues(**result, q, "dslopes"); e.failure()) return e;
+    if (ffi::Error e = CheckHeadValues(**result, q, "dslopes", dslopes_slots(p.seqlen_k));
+        e.failure())
+      return e;
     p.dslopes = static_cast<float*>((**result).untyped_data());
   }
   if (dbias_results == 1) {

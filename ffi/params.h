@@ -44,6 +44,20 @@ inline constexpr int64_t kUnboundedWindow = std::numeric_limits<int64_t>::min();
 // every kernel's tile would do no better, and 16 divides them all. segments.py's GRANULE.
 inline constexpr int64_t kSegmentGranule = 16;
 
+// The ALiBi slopes' gradient comes out as partial sums, so that it is the same on every run
+// without an ordered reduction in the kernels: dslopes holds, per (batch entry, head),
+// dslopes_slots(S) float32 slots, and the caller sums them. A writer of a backward kernel
+// (one thread, typically a warp's lane 0 after a shuffle sum) adds into slot
+// (k / kDslopesGranule) kDslopesWriters + w, k the first key of the keys it sums over and
+// w < kDslopesWriters its index among the writers whose first key lies in that granule: no
+// slot has two writers, and one writer's adds land in program order.
+inline constexpr int64_t kDslopesGranule = 16;
+inline constexpr int64_t kDslopesWriters = 4;
+
+JAX_FLASHATTN_HOST_DEVICE constexpr int64_t dslopes_slots(int64_t seqlen_k) {
+  return (seqlen_k + kDslopesGranule - 1) / kDslopesGranule * kDslopesWriters;
+}
+
 struct AttentionParams {
   ElemType dtype = ElemType::kFloat32;
 
@@ -134,8 +148,10 @@ struct AttentionParams {
   // (0 where hidden) and nothing is zeroed. The CPU kernels always zero it and add, in a
   // fixed order (ffi/cpu/backward.cc).
   bool dbias_accumulates = false;
-  // float32 [batch, N] like alibi_slopes: the slopes' gradient, -|t + d - s| dS summed over the
-  // entry's pairs of the head; nullptr without ALiBi or where its cotangent is not needed.
+  // float32 [batch, N, dslopes_slots(S)]: the slopes' gradient, -|t + d - s| dS summed over
+  // the entry's pairs of the head, in partial sums the caller adds up (dslopes_slots says
+  // why); nullptr without ALiBi or where its cotangent is not needed. Zeroed by the
+  // dispatcher before the CUDA kernels add into it.
   float* dslopes = nullptr;
   // Workspaces (results of the call, so XLA owns them; the CPU kernels ignore them).
   float* dq_accum = nullptr;  // like q, float32: dQ summed over key blocks before rounding
@@ -164,6 +180,11 @@ struct AttentionParams {
     return batch * num_heads * ((seqlen_q + kDqSemaphoreRows - 1) / kDqSemaphoreRows);
   }
   JAX_FLASHATTN_HOST_DEVICE bool soft_capped() const { return logits_soft_cap != 0.0f; }
+  // Terms the tensor-core kernels add element by element, on every tile, in the
+  // instantiations for them: a bias, a boolean mask, ALiBi.
+  JAX_FLASHATTN_HOST_DEVICE bool has_elementwise_terms() const {
+    return bias != nullptr || mask != nullptr || alibi_slopes != nullptr;
+  }
   // No causal or window bound: every query sees every key up to the lengths (so too with
   // align_window_to_lengths, which moves bounded sides only).
   JAX_FLASHATTN_HOST_DEVICE bool unwindowed() const {

@@ -111,6 +111,7 @@ CallPlan Plan(const CallShape& shape, int device) {
   plan.decode_workspace_floats =
       DecodeWorkspaceFloats(shape, mma_sync::kDecodeMaxMultiprocessors);
   if (shape.deterministic) plan.dq_semaphores = PlanningParams(shape).dq_semaphores_needed();
+  plan.dslopes_slots = dslopes_slots(shape.seqlen_k);
   if (device < 0) return plan;
   if (!KnownDtype(shape.dtype))
     throw std::invalid_argument("dtype code must be 0 (float32), 1 (bfloat16) or 2 (float16)");

@@ -18,6 +18,9 @@ struct CallPlan {
   // Int32 elements of the backward's dQ semaphores: AttentionParams::dq_semaphores_needed() for
   // a deterministic call (which the Hopper kernel may take), 0 otherwise. Known without a device.
   int64_t dq_semaphores = 0;
+  // Float32 partial sums per (batch entry, head) of the ALiBi slopes' gradient:
+  // dslopes_slots(S) (ffi/params.h). Known without a device.
+  int64_t dslopes_slots = 0;
   // On a CUDA device (empty without one): the forward family the dispatcher picks ("sm90",
   // "sm80", "decode", "decode_sm90", "simt"), given that workspace; the backward family ("sm90",
   // "sm80", "simt"); and a decode call's key splits per (batch entry, kv head) and how they

@@ -400,9 +400,11 @@ def test_plan_of_a_call():
     # B * K work units, the ragged split count at 256 SMs (4 * 256 / 64 = 16 splits), T * N / K
     # rows, each H partial values and an lse.
     floats = 8 * 8 * 16 * (1 * 32 // 8) * (128 + 1)
-    assert _ffi.plan(call) == _ffi.CallPlan(floats, 0, "", "", 0, "")
-    assert _ffi.plan(call, jax.devices("cpu")[0]) == _ffi.CallPlan(floats, 0, "cpu", "cpu", 0,
-                                                                   "")
+    # The ALiBi slopes' gradient: 4 partial sums per 16 keys.
+    slots = 65536 // 16 * 4
+    assert _ffi.plan(call) == _ffi.CallPlan(floats, 0, slots, "", "", 0, "")
+    assert _ffi.plan(call, jax.devices("cpu")[0]) == _ffi.CallPlan(floats, 0, slots, "cpu",
+                                                                   "cpu", 0, "")
     # The decode kernels have instantiations for a bias and mask, and for the soft-cap, but
     # not for both together, nor for segment ids: no workspace then.
     call.has_bias = call.has_mask = True

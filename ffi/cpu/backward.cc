@@ -236,7 +236,8 @@ void query_tile_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0,
 
 void backward(const AttentionParams& p) {
   if (p.dbias != nullptr) std::fill(p.dbias, p.dbias + p.dbias_elements, 0.0f);
-  if (p.dslopes != nullptr) std::fill(p.dslopes, p.dslopes + p.batch * p.num_heads, 0.0f);
+  const int64_t slots = dslopes_slots(p.seqlen_k);
+  if (p.dslopes != nullptr) std::fill(p.dslopes, p.dslopes + p.batch * p.num_heads * slots, 0.0f);
   if (p.num_heads <= 0 || p.num_kv_heads <= 0) return;
   parallel_for(p.batch * p.num_heads,
                [&p](int64_t task) { delta_task(p, task / p.num_heads, task % p.num_heads); });
@@ -266,11 +267,11 @@ void backward(const AttentionParams& p) {
     query_tile_task(p, bn / p.num_heads, bn % p.num_heads, (task % row_tiles) * kTileRows,
                     dslope_parts.empty() ? nullptr : &dslope_parts[task]);
   });
-  if (p.dslopes == nullptr) return;
+  if (p.dslopes == nullptr || slots == 0) return;
   for (int64_t bn = 0; bn < p.batch * p.num_heads; ++bn) {
     double sum = 0.0;
     for (int64_t tile = 0; tile < row_tiles; ++tile) sum += dslope_parts[bn * row_tiles + tile];
-    p.dslopes[bn] = float(sum);
+    p.dslopes[bn * slots] = float(sum);  // the whole sum in the first slot, the others 0
   }
 }
 

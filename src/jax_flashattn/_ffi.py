@@ -83,12 +83,15 @@ class CallPlan(NamedTuple):
     the forward's decode workspace (the split-KV decode kernels' partial results, sized for the
     largest GPU the C++ split rule plans for; 0 when the call never takes a decode kernel).
     `dq_semaphores`: int32 elements of the backward's dQ semaphores (the Hopper kernel's
-    deterministic mode; 0 for a call that is not deterministic). With a device: the forward and
+    deterministic mode; 0 for a call that is not deterministic). `dslopes_slots`: float32
+    partial sums per (batch entry, head) of the backward's ALiBi slopes gradient, which the
+    caller adds up (ffi/params.h). With a device: the forward and
     backward kernel families, and a decode call's key splits per (batch entry, kv head) and
     their merge ("cluster", "paired_cluster" or "combine"; 0 and "" for any other call).
     Without one those are "", "", 0, ""."""
     decode_workspace_floats: int
     dq_semaphores: int
+    dslopes_slots: int
     forward: str
     backward: str
     decode_splits: int
@@ -131,11 +134,12 @@ def plan(shape, device=None) -> CallPlan:
     if device is None or device.platform == "cpu":  # the CPU kernels take no planning
         family = "" if device is None else "cpu"
         p = _ext.plan(shape, -1)
-        return CallPlan(int(p.decode_workspace_floats), int(p.dq_semaphores), family, family, 0,
-                        "")
+        return CallPlan(int(p.decode_workspace_floats), int(p.dq_semaphores),
+                        int(p.dslopes_slots), family, family, 0, "")
     p = _ext.plan(shape, device.local_hardware_id)
-    return CallPlan(int(p.decode_workspace_floats), int(p.dq_semaphores), p.forward, p.backward,
-                    int(p.decode_splits), p.decode_merge)
+    return CallPlan(int(p.decode_workspace_floats), int(p.dq_semaphores),
+                    int(p.dslopes_slots), p.forward, p.backward, int(p.decode_splits),
+                    p.decode_merge)
 
 
 def _kernel_query(query, key, device, **options) -> CallPlan:
@@ -150,7 +154,8 @@ def _kernel_query(query, key, device, **options) -> CallPlan:
 
 
 def forward_kernel(query, key, bias=None, mask=None, *, query_segment_ids=None,
-                   key_value_segment_ids=None, logits_soft_cap=None, device=None) -> str:
+                   key_value_segment_ids=None, logits_soft_cap=None, alibi_slopes=None,
+                   device=None) -> str:
     """Which forward kernel family `attention` runs for these inputs on `device` (default: the
     first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync), "decode" (split-KV
     mma.sync, for few query rows against many keys), "decode_sm90" (split-KV wgmma, Hopper, for
@@ -158,12 +163,13 @@ def forward_kernel(query, key, bias=None, mask=None, *, query_segment_ids=None,
     (CUDA cores) on an NVIDIA GPU, "cpu" on the host. Reads only shapes and dtypes (arrays or
     jax.ShapeDtypeStruct) and the kernel switches in the environment now (kernel_switches);
     assumes the default scale; contiguous inputs as XLA lays them out are assumed. Segment ids
-    count only as given or not (both are needed by `attention`; either one counts here), and
-    `logits_soft_cap` as given (a number) or not."""
+    count only as given or not (both are needed by `attention`; either one counts here),
+    `logits_soft_cap` as given (a number) or not, and `alibi_slopes` as given or not."""
     return _kernel_query(query, key, device, **_bias_and_mask(bias, mask, key),
                          has_segment_ids=_has_segment_ids(query_segment_ids,
                                                           key_value_segment_ids),
-                         soft_cap=_soft_cap_given(logits_soft_cap)).forward
+                         soft_cap=_soft_cap_given(logits_soft_cap),
+                         has_alibi=alibi_slopes is not None).forward
 
 
 def decode_layout(query, key, *, key_value_seq_lengths=False, logits_soft_cap=None,
@@ -186,18 +192,20 @@ def decode_layout(query, key, *, key_value_seq_lengths=False, logits_soft_cap=No
 
 def backward_kernel(query, key, bias=None, mask=None, *, deterministic=False,
                     query_segment_ids=None, key_value_segment_ids=None, logits_soft_cap=None,
-                    device=None) -> str:
+                    alibi_slopes=None, device=None) -> str:
     """Which backward kernel family the gradient of `attention` runs for these inputs on
     `device` (default: the first JAX device): "sm90" (TMA + wgmma, Hopper), "sm80" (mma.sync),
     "simt" (CUDA cores) on an NVIDIA GPU, "cpu" on the host. `deterministic` is attention's
     `deterministic_backward`. Reads only shapes and dtypes (arrays or jax.ShapeDtypeStruct) and
     the kernel switches in the environment now; assumes the default scale; contiguous inputs as
-    XLA lays them out are assumed; segment ids and `logits_soft_cap` count as forward_kernel's."""
+    XLA lays them out are assumed; segment ids, `logits_soft_cap` and `alibi_slopes` count as
+    forward_kernel's."""
     return _kernel_query(query, key, device, **_bias_and_mask(bias, mask, key),
                          deterministic=deterministic,
                          has_segment_ids=_has_segment_ids(query_segment_ids,
                                                           key_value_segment_ids),
-                         soft_cap=_soft_cap_given(logits_soft_cap)).backward
+                         soft_cap=_soft_cap_given(logits_soft_cap),
+                         has_alibi=alibi_slopes is not None).backward
 
 
 def _bias_and_mask(bias, mask, key) -> dict:

@@ -121,7 +121,8 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, 
     """(dq, dk, dv, dbias, dslopes) where dbias is the float32 gradient of the logits' bias, or
     None without bias or without `dbias` (its cotangent not needed: the call then has no such
     result and allocates nothing for it), and dslopes the float32 [..., B, N] gradient of the
-    ALiBi slopes likewise (with `alibi` and `dslopes`). The kernels sum dbias over the bias's
+    ALiBi slopes likewise (with `alibi` and `dslopes`; the kernels give it as partial sums,
+    summed here: ffi/params.h's dslopes_slots). The kernels sum dbias over the bias's
     broadcast dims into the bias's shape; with `deterministic` it is the full [..., B, N, T, S]
     instead, for the caller to sum (the CUDA kernels would sum it with float32 atomics, whose
     order varies).
@@ -139,9 +140,10 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, 
     s = k.shape[-3]
     optional, flags = _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi,
                                          alibi_shift)
-    semaphores = _ffi.plan(_ffi.call_shape(q.shape, k.shape, q.dtype, scale=scale,
-                                           deterministic=deterministic, soft_cap=soft_cap,
-                                           switches=switches)).dq_semaphores
+    plan = _ffi.plan(_ffi.call_shape(q.shape, k.shape, q.dtype, scale=scale,
+                                     deterministic=deterministic, soft_cap=soft_cap,
+                                     switches=switches))
+    semaphores = plan.dq_semaphores
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     results.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))  # dq_accum
     results.append(jax.ShapeDtypeStruct((*lead, n, t), jnp.float32))  # delta
@@ -152,12 +154,12 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, 
         results.append(jax.ShapeDtypeStruct(shape, jnp.float32))
     with_dslopes = alibi is not None and dslopes
     if with_dslopes:
-        results.append(jax.ShapeDtypeStruct(alibi.shape, jnp.float32))
+        results.append(jax.ShapeDtypeStruct((*alibi.shape, plan.dslopes_slots), jnp.float32))
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
     grads = call(q, k, v, out, lse, d_out, *optional, **flags,
                  **_attrs(scale, window, switches, deterministic, soft_cap,
                           align_window_to_lengths, with_dslopes))
     return vary_like((*grads[:3], grads[6] if with_dbias else None,
-                      grads[-1] if with_dslopes else None),
+                      jnp.sum(grads[-1], axis=-1) if with_dslopes else None),
                      (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids, kv_ids,
                       alibi))
