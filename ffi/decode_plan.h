@@ -84,7 +84,7 @@ inline int64_t decode_rows(const AttentionParams& p) { return p.seqlen_q * p.gro
 inline bool decode_shape_fits(const AttentionParams& p) {
   const bool tensor_core_dtype = p.dtype == ElemType::kBFloat16 || p.dtype == ElemType::kFloat16;
   const bool one_variant =
-      p.q_segment_ids == nullptr && !(p.soft_capped() && (p.bias != nullptr || p.mask != nullptr));
+      p.q_segment_ids == nullptr && !(p.soft_capped() && p.has_elementwise_terms());
   return tensor_core_dtype && p.scale > 0.f && p.head_dim > 0 && p.head_dim % 8 == 0 &&
          p.head_dim <= kDecodeMaxHeadDim && one_variant &&
          p.num_kv_heads > 0 && p.seqlen_q > 0 &&

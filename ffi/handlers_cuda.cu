@@ -16,13 +16,6 @@
 namespace jax_flashattn {
 namespace {
 
-// ALiBi has no CUDA kernel yet: a call with it is refused here, as attention refuses it at
-// trace time.
-ffi::Error NoAlibi() {
-  return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    "jax_flashattn: alibi_slopes runs on the CPU kernels only so far");
-}
-
 ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::RemainingArgs optional, ffi::Result<ffi::AnyBuffer> out,
                        ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> workspace,
@@ -32,7 +25,6 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                                    attrs, p);
       e.failure())
     return e;
-  if (p.alibi_slopes != nullptr) return NoAlibi();
   if (cudaError_t e = cuda::launch_forward(p, stream); e != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_flashattn: CUDA forward launch failed: ") +
                                 cudaGetErrorString(e));
@@ -52,7 +44,6 @@ ffi::Error BackwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                     delta, dq_semaphores, dbias, attrs, p);
       e.failure())
     return e;
-  if (p.alibi_slopes != nullptr) return NoAlibi();
   if (cudaError_t e = cuda::launch_backward(p, stream); e != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_flashattn: CUDA backward launch failed: ") +
                                 cudaGetErrorString(e));

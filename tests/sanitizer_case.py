@@ -12,9 +12,9 @@ buffers runs every case to the end:
     --xla_gpu_enable_command_buffer=" compute-sanitizer --tool memcheck ...
 
 Shapes are odd (tile edges), with GQA, causal, windows, lengths (bottom-right aligned at them
-too), soft-caps, biases and masks (with dbias), so every predicated path runs (and two long
-forwards take the wide Hopper tiles of head dims 128 and 64), and the tensor-core backward runs
-in both dQ modes (atomics and deterministic); the script exits non-zero if a result is not
+too), soft-caps, biases and masks (with dbias), ALiBi (with the slopes' gradient), so every
+predicated path runs (and two long forwards take the wide Hopper tiles of head dims 128 and
+64), and the tensor-core backward runs in both dQ modes (atomics and deterministic); the script exits non-zero if a result is not
 finite.
 """
 
@@ -119,6 +119,30 @@ def main():
         assert np.isfinite(np.asarray(dbias)).all(), (bias_shape, kwargs)
         print(f"ok: dbias {bias_shape} {sorted(kwargs)}")
 
+    # ALiBi and its slopes' gradient (partial sums in slots, one writer each): on Hopper the
+    # Hopper kernels' instantiations for the terms (both dQ modes), elsewhere and beside a
+    # soft-cap the mma.sync family's; the CUDA-core kernels for float32.
+    for dtype, head_dim, kwargs in [
+            (jnp.bfloat16, 128, dict(is_causal=True, key_value_seq_lengths=lens)),
+            (jnp.float16, 64, dict(local_window_size=(20, 5), query_seq_lengths=q_lens,
+                                   diagonal_alignment="bottom_right",
+                                   deterministic_backward=True)),
+            (jnp.bfloat16, 256, dict(bias=np.ones((4, 77, 93), np.float32), is_causal=True)),
+            (jnp.bfloat16, 64, dict(logits_soft_cap=3.0, is_causal=True)),
+            (jnp.float32, 36, dict(is_causal=True, key_value_seq_lengths=lens))]:
+        q, k, v = random_qkv(rng, 2, 77, 93, 4, 2, head_dim, dtype)
+
+        def alibi_loss(q, slopes):
+            out = jax_flashattn.attention(q, k, v, implementation="cuda", alibi_slopes=slopes,
+                                          **kwargs)
+            return jnp.sum(out.astype(jnp.float32))
+
+        slopes = jnp.asarray(2.0 ** -rng.uniform(1, 8, (2, 4)), jnp.float32)
+        grads = jax.jit(jax.grad(alibi_loss, argnums=(0, 1)))(q, slopes)
+        for x in grads:
+            assert np.isfinite(np.asarray(x, np.float32)).all(), (dtype, head_dim, kwargs)
+        print(f"ok: alibi {jnp.dtype(dtype).name} H={head_dim} {sorted(kwargs)}")
+
     # The split-KV decode kernel: 3 queries, GQA 4:1, 1000 odd keys, lengths. 4 splits per kv
     # head, which on Hopper merge in their thread block cluster (distributed shared memory);
     # 4097 keys give 17, which merge through the workspace and the combine kernel.
@@ -156,6 +180,15 @@ def main():
                  key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
     forward_case(rng, "decode, bias, combine", (2, 3, 4097, 8, 2, 64), kernel="decode",
                  bias=np.ones((8, 3, 4097), np.float16))
+    # ALiBi on the decode kernels' instantiations for the terms: each packed row with its
+    # head's slope and its query's diagonal.
+    forward_case(rng, "decode, alibi", (2, 16, 1001, 8, 2, 128),
+                 kernel=("decode", "decode_sm90"), is_causal=True,
+                 diagonal_alignment="bottom_right",
+                 alibi_slopes=jnp.asarray(2.0 ** -rng.uniform(1, 8, (2, 8)), jnp.float32),
+                 key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
+    forward_case(rng, "decode, alibi, combine", (2, 3, 4097, 8, 2, 64), kernel="decode",
+                 alibi_slopes=jnp.asarray(2.0 ** -rng.uniform(1, 8, (8,)), jnp.float32))
     # Decoding with bottom-right alignment at each entry's lengths: a causal window whose
     # per-entry shift moves the split's key range.
     forward_case(rng, "decode, bottom-right at the lengths", (2, 16, 1001, 8, 2, 128),
@@ -239,7 +272,8 @@ def forward_case(rng, name, sizes, kernel=None, **kwargs):
         allowed = kernel if isinstance(kernel, tuple) else (kernel,)
         assert jax_flashattn.forward_kernel(
             q, k, kwargs.get("bias"), kwargs.get("mask"),
-            logits_soft_cap=kwargs.get("logits_soft_cap")) in allowed, name
+            logits_soft_cap=kwargs.get("logits_soft_cap"),
+            alibi_slopes=kwargs.get("alibi_slopes")) in allowed, name
     out = jax.jit(lambda q, k, v: jax_flashattn.attention(
         q, k, v, implementation="cuda", **kwargs))(q, k, v)
     assert np.isfinite(np.asarray(out, np.float32)).all(), name

@@ -73,7 +73,7 @@ cudaError_t launch_tensor_core(const AttentionParams& p, BackwardKernel kernel,
 // deterministic mode needs the call's dQ semaphores and no segment ids (such calls keep the
 // mma.sync family's dQ pass). Soft-capped calls take the kernel's instantiations for them
 // (BackwardWithSoftCap), without segment ids (such calls take the mma.sync family's). Calls with
-// a bias or boolean mask take its instantiations for them (BackwardWithBiasAndMask) where the
+// a bias, boolean mask or ALiBi take its instantiations for them (BackwardWithBiasAndMask) where the
 // tensors have unit stride along the keys, without ids or a soft-cap, and in deterministic mode
 // only where each element of dbias has one writer (its red.global.add has no fixed order).
 bool sm90_applies(const AttentionParams& p, int device) {
@@ -84,7 +84,7 @@ bool sm90_applies(const AttentionParams& p, int device) {
                           p.dq_semaphore_count >= p.dq_semaphores_needed();
   const bool soft_cap_fits = !p.soft_capped() || p.q_segment_ids == nullptr;
   const bool bias_or_mask_fits =
-      (p.bias == nullptr && p.mask == nullptr) ||
+      !p.has_elementwise_terms() ||
       (p.q_segment_ids == nullptr && !p.soft_capped() &&
        !(p.deterministic && p.dbias_accumulates) && wgmma::bias_and_mask_fit(p));
   return (!p.deterministic || ordered_dq) && soft_cap_fits && bias_or_mask_fits &&
@@ -127,6 +127,13 @@ cudaError_t launch_backward(const AttentionParams& p, cudaStream_t stream) {
     const cudaError_t e =
         cudaMemsetAsync(p.dbias, 0, size_t(p.dbias_elements) * sizeof(float), stream);
     if (e != cudaSuccess) return e;
+  }
+  // The kernels add the slopes' gradient into its slots (dslopes_slots).
+  if (p.dslopes != nullptr) {
+    const size_t slots = size_t(p.batch * p.num_heads * dslopes_slots(p.seqlen_k));
+    if (cudaError_t e = cudaMemsetAsync(p.dslopes, 0, slots * sizeof(float), stream);
+        e != cudaSuccess)
+      return e;
   }
   if (p.batch == 0 || p.num_heads == 0 || p.seqlen_q == 0) return cudaSuccess;
   const bool bf16 = p.dtype == ElemType::kBFloat16;

@@ -7,10 +7,10 @@
 // a split-KV decode kernel on every architecture, ahead of the others, when the call's
 // workspace holds its splits: on Hopper the wgmma one where it applies
 // (wgmma::decode_kernel_applies), else the mma.sync one (soft-capped calls, and calls with a
-// bias or boolean mask, on their instantiations for those); calls with segment ids, or with a
-// soft-cap beside a bias or mask, keep the normal kernels. Calls with one of a soft-cap,
-// segment ids, or a bias or mask take the Hopper kernel's instantiations for it; with two of
-// them, the mma.sync family. Why in this order: docs/decisions/kernel-family-dispatch.md.
+// bias, boolean mask or ALiBi, on their instantiations for those); calls with segment ids, or
+// with a soft-cap beside those terms, keep the normal kernels. Calls with one of a soft-cap,
+// segment ids, or the elementwise terms (bias, mask, ALiBi) take the Hopper kernel's
+// instantiations for it; with two of them, the mma.sync family. Why in this order: docs/decisions/kernel-family-dispatch.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -45,11 +45,12 @@ cudaError_t launch_sm90_for_head_dim(const AttentionParams& p, cudaStream_t stre
 }
 
 // Calls f(capped, terms), two std::bool_constant, with the decode instantiation the call takes:
-// the soft-cap's, the bias and mask's (never both: decode_shape_fits), or the plain one.
+// the soft-cap's, the elementwise terms' (bias, mask, ALiBi; never both: decode_shape_fits),
+// or the plain one.
 template <typename F>
 auto with_decode_variant(const AttentionParams& p, F&& f) {
   if (p.soft_capped()) return f(std::true_type{}, std::false_type{});
-  if (p.bias != nullptr || p.mask != nullptr) return f(std::false_type{}, std::true_type{});
+  if (p.has_elementwise_terms()) return f(std::false_type{}, std::true_type{});
   return f(std::false_type{}, std::false_type{});
 }
 
@@ -84,7 +85,8 @@ cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const mma_sync:
 
 // Whether the decode call (on the wgmma kernel with sm90) merges its splits in clusters on CUDA
 // device `device`, the current one: asked of the kernel the call runs (soft-capped calls and
-// calls with a bias or mask have instantiations of their own, whose residency may differ).
+// calls with a bias, mask or ALiBi have instantiations of their own, whose residency may
+// differ).
 template <typename Elem>
 bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const mma_sync::DecodePlan& plan,
                               int device) {
@@ -93,11 +95,11 @@ bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const mma_syn
     if (sm90)
       return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
         return forward_decode_sm90_merges_in_cluster<Elem, decltype(h)::value, kSoftCap, kTerms>(
-            plan, device);
+            plan, device, p.alibi_slopes != nullptr);
       });
     return for_head_dim<mma_sync::kDecodeHeadDims>(p.head_dim, [&](auto h) {
-      return forward_decode_merges_in_cluster<Elem, decltype(h)::value, kSoftCap, kTerms>(plan,
-                                                                                          device);
+      return forward_decode_merges_in_cluster<Elem, decltype(h)::value, kSoftCap, kTerms>(
+          plan, device, p.alibi_slopes != nullptr);
     });
   });
 }
@@ -138,9 +140,10 @@ bool decode_plan_with_merge(const AttentionParams& p, int device, ForwardKernel 
 
 bool sm90_applies(const AttentionParams& p, int device) {
   const int64_t max_head_dim = wgmma::kHeadDims[std::size(wgmma::kHeadDims) - 1];
-  // Instantiations for a soft-cap, for segment ids, and for a bias or mask; not for two of them.
+  // Instantiations for a soft-cap, for segment ids, and for a bias, mask or ALiBi; not for two
+  // of them.
   const int variants = int(p.soft_capped()) + int(p.q_segment_ids != nullptr) +
-                       int(p.bias != nullptr || p.mask != nullptr);
+                       int(p.has_elementwise_terms());
   return p.tile_counter != nullptr && variants <= 1 && wgmma::bias_and_mask_fit(p) &&
          p.head_dim <= max_head_dim &&
          wgmma::tma_compatible(p) && wgmma::segment_ids_tma_compatible(p) &&

@@ -45,15 +45,16 @@ cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream);
 // the splits' partial results, merged into out and lse inside each work unit's thread block
 // cluster with plan.cluster_merge, else through plan's workspace and a combine kernel; with
 // kSoftCap, on the kernels' soft-capped instantiations (mma_sync::DecodeWithSoftCap), with
-// kBiasAndMask on those for a bias and mask (mma_sync::DecodeWithBiasAndMask), each in
-// translation units of their own. forward_decode_merges_in_cluster says whether a plan's
-// clusters fit on CUDA device `device`, the current one (the dispatcher sets
+// kBiasAndMask on those for the elementwise terms (mma_sync::DecodeWithBiasAndMask; with
+// ALiBi, where the call has it, on kernels of their own), each in translation units of their
+// own. forward_decode_merges_in_cluster says whether a plan's clusters fit on CUDA device
+// `device`, the current one, for a call with ALiBi or without (the dispatcher sets
 // plan.cluster_merge from it).
 template <typename Elem, int kHeadDim, bool kSoftCap = false, bool kBiasAndMask = false>
 cudaError_t launch_forward_decode(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                   cudaStream_t stream);
 template <typename Elem, int kHeadDim, bool kSoftCap = false, bool kBiasAndMask = false>
-bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int device);
+bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int device, bool alibi);
 
 // The same with the Hopper decode kernel (an sm_90a build on a compute capability 9.0 device;
 // head dims up to kHeadDim of wgmma::kDecodeHeadDims).
@@ -61,7 +62,8 @@ template <typename Elem, int kHeadDim, bool kSoftCap = false, bool kBiasAndMask 
 cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                        cudaStream_t stream);
 template <typename Elem, int kHeadDim, bool kSoftCap = false, bool kBiasAndMask = false>
-bool forward_decode_sm90_merges_in_cluster(const mma_sync::DecodePlan& plan, int device);
+bool forward_decode_sm90_merges_in_cluster(const mma_sync::DecodePlan& plan, int device,
+                                           bool alibi);
 
 // CUDA-core forward for any dtype and head dim (float32 arithmetic throughout).
 cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);

@@ -244,9 +244,6 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
                                logits_soft_cap=logits_soft_cap,
                                diagonal_alignment=diagonal_alignment, sinks=sinks,
                                alibi_slopes=alibi_slopes)
-    if args.alibi_slopes is not None and kind == "kernels" and jax.default_backend() == "gpu":
-        raise ValueError("alibi_slopes: the CUDA kernels have no ALiBi yet; pass "
-                         "implementation=\"xla\" for it on a GPU")
     if args.soft_cap and kind != "kernels":
         raise ValueError(f"logits_soft_cap: jax.nn.dot_product_attention has no soft-capping, so "
                          f"this call, on its implementation={kind!r}, cannot take it")

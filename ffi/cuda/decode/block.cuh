@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "ffi/cuda/common/alibi.cuh"
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/smem_tile.cuh"
@@ -119,13 +120,24 @@ struct DecodeRows {
   }
 };
 
-// kBiasAndMask: the bias and mask of this thread's two rows (DecodeRows; row r is query
-// t = r / group of head kv_head group + r % group, padding rows clamped to the last query), as
-// offsets of each row's key 0 in the bias's and the mask's buffers (the strides and pointers
-// stay in the kernel's parameters). Read only at the keys a row sees, which lie inside [T, S];
-// each tile's lines are prefetched into L2 while the tile before computes.
+// kBiasAndMask: the elementwise terms of this thread's two rows (DecodeRows; row r is query
+// t = r / group of head kv_head group + r % group, padding rows clamped to the last query).
+// The bias and mask as offsets of each row's key 0 in the bias's and the mask's buffers (the
+// strides and pointers stay in the kernel's parameters), read only at the keys a row sees,
+// which lie inside [T, S]; each tile's lines are prefetched into L2 while the tile before
+// computes. ALiBi (kAlibi, kernels of its own: its term in the same kernel cost the calls
+// without it 6-26 registers at head dim 128, and 4-7% of their time at T = 8 and 16 of the
+// decode preset with a bias) as its slope and diagonal, made again at each step from the
+// parameters (a load that hits L1).
 struct DecodeBiasAndMask {
   int64_t bias_row[2], mask_row[2];
+
+  __device__ static int query_of(const AttentionParams& p, const DecodeSplit& sp, int row) {
+    return min(row / sp.group, int(p.seqlen_q) - 1);
+  }
+  __device__ static int head_of(const DecodeSplit& sp, int row) {
+    return sp.kv_head * sp.group + row % sp.group;
+  }
 
   __device__ static DecodeBiasAndMask make(const AttentionParams& p, const DecodeSplit& sp,
                                            const DecodeRows& rows) {
@@ -133,8 +145,7 @@ struct DecodeBiasAndMask {
     const int64_t inner = p.batch_inner > 0 ? p.batch_inner : 1;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int t = min(rows.row[h] / sp.group, int(p.seqlen_q) - 1);
-      const int n = sp.kv_head * sp.group + rows.row[h] % sp.group;
+      const int t = query_of(p, sp, rows.row[h]), n = head_of(sp, rows.row[h]);
       m.bias_row[h] = p.bias_strides.offset(sp.b, inner, n, t, 0);
       m.mask_row[h] = p.mask_strides.offset(sp.b, inner, n, t, 0);
     }
@@ -156,13 +167,16 @@ struct DecodeBiasAndMask {
     }
   }
 
-  // Scores s of keys [key0, key0 + 8 kNTiles) as base-2 logits with the bias added, -inf where
-  // the mask hides them; the keys a row does not see keep a score, which DecodeRows::mask then
-  // hides. The bias's element type is asked per element: a copy of the loop per type (a switch
-  // once per step) spilled 32-152 bytes beside the decode kernels' accumulators.
-  template <int kNTiles>
-  __device__ __forceinline__ void apply(const AttentionParams& p, const DecodeRows& rows,
-                                        float (&s)[kNTiles][4], int key0, int quad_col) const {
+  // Scores s of keys [key0, key0 + 8 kNTiles) as base-2 logits with the bias and ALiBi
+  // added, -inf where the mask hides them; the keys a row does not see keep a score, which
+  // DecodeRows::mask then hides. The bias's element type is asked per element: a copy of the
+  // loop per type (a switch once per step) spilled 32-152 bytes beside the decode kernels'
+  // accumulators. kAlibi: then an FADD and an FFMA per score (on every score: -inf stays
+  // -inf, and the scores of keys the row does not see are hidden after).
+  template <bool kAlibi, int kNTiles>
+  __device__ __forceinline__ void apply(const AttentionParams& p, const DecodeSplit& sp,
+                                        const DecodeRows& rows, float (&s)[kNTiles][4],
+                                        int key0, int quad_col) const {
     const float scale_log2 = p.scale * cuda::kLog2e;
     const int bias_col = int(p.bias_strides.col), mask_col = int(p.mask_strides.col);
 #pragma unroll
@@ -185,6 +199,20 @@ struct DecodeBiasAndMask {
                      x);
           if (p.mask != nullptr && !keep[c * mask_col]) x = -INFINITY;
         }
+      if constexpr (kAlibi) {
+        // t + shift - key: the distance of key + c is |at - c|, exact (as
+        // cuda::AlibiLogits's) up to 2^24.
+        const int t = query_of(p, sp, rows.row[h]);
+        const cuda::AlibiLogits alibi = cuda::AlibiLogits::make(p, sp.b, head_of(sp, rows.row[h]));
+        const float at = float(t + alibi.shift - key);
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[nt][2 * h + e];
+            x = fmaf(-alibi.slope2, fabsf(at - float(nt * 8 + e)), x);
+          }
+      }
     }
   }
 };
@@ -199,19 +227,21 @@ struct DecodeWithSoftCap : Config {
   static constexpr bool kSoftCap = true;
 };
 
-// A decode configuration for calls with an additive bias and / or a boolean mask (a serving
-// bias [B, N, 1, S], a cache's mask): the scores of each step become base-2 logits with the bias
-// added, -inf where the mask hides them (DecodeBiasAndMask), before the row bounds mask them,
-// and the softmax takes them with factor 1. Instantiations of their own (the launches'
-// kBiasAndMask, in the *_bias.cu.in translation units); with a soft-cap or segment ids too a
-// call takes the normal kernels (decode_shape_fits).
-template <typename Config>
+// A decode configuration for calls with the elementwise terms, any of an additive bias, a
+// boolean mask (a serving bias [B, N, 1, S], a cache's mask) and ALiBi: the scores of each step
+// become base-2 logits with ALiBi and the bias added, -inf where the mask hides them
+// (DecodeBiasAndMask), before the row bounds mask them, and the softmax takes them with factor
+// 1. Instantiations of their own (the launches' kBiasAndMask, in the *_bias.cu.in translation
+// units), those with ALiBi (kWithAlibi) apart from the others; with a soft-cap or segment ids
+// too a call takes the normal kernels (decode_shape_fits).
+template <typename Config, bool kWithAlibi = false>
 struct DecodeWithBiasAndMask : Config {
   static constexpr bool kBiasAndMask = true;
+  static constexpr bool kAlibi = kWithAlibi;
 };
 
 // The softmax's factor on a decode kernel's scores: scale log2(e), c = cap log2(e) with the
-// soft-cap, or 1 where the bias's terms have made them base-2 logits already.
+// soft-cap, or 1 where the elementwise terms have made them base-2 logits already.
 template <typename Traits>
 __device__ __forceinline__ float decode_softmax_scale(const AttentionParams& p) {
   if constexpr (Traits::kSoftCap) return variant::SoftCap::make(p).cap2;

@@ -8,8 +8,9 @@
 // a warp computes
 //   S = Q K^T              (Q fragments in registers, loaded once from global memory)
 //   soft-cap               (DecodeWithSoftCap) tanh(s scale / cap), c = cap log2(e) the factor
-//   bias and mask          (DecodeWithBiasAndMask) s scale log2(e) + bias log2(e), -inf where
-//                          the mask hides it; the softmax's factor 1
+//   bias, mask, ALiBi      (DecodeWithBiasAndMask) s scale log2(e) - slope log2(e) |t + shift
+//                          - key| + bias log2(e), -inf where the mask hides it; the softmax's
+//                          factor 1
 //   mask                   (per-row key bounds: lengths, causal, window)
 //   online softmax         (exp2 with the scale folded into one FFMA)
 //   O += P V               (P re-packed from the S accumulators, V via ldmatrix.trans)
@@ -142,7 +143,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           mma_pair<Elem>(s_acc[0], c, q_frag[ks], k_frag);
         }
       cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
-      if constexpr (Traits::kBiasAndMask) terms.apply(p, rows, s_acc[0], key0, quad_col);
+      if constexpr (Traits::kBiasAndMask) terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
       rows.mask(s_acc[0], key0, quad_col);
       softmax.update(s_acc, o_acc, scale_log2);
 

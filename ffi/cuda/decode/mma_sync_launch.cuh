@@ -148,29 +148,45 @@ auto with_decode_config(const mma_sync::DecodePlan& plan, F&& f) {
                                                    : f(DecodeChunkSteps<kHeadDim>{});
 }
 
-// A decode configuration, with the soft-cap's terms where kSoftCap, the bias's and the mask's
-// where kBiasAndMask (not both: decode_shape_fits).
-template <typename Config, bool kSoftCap, bool kBiasAndMask>
+// A decode configuration, with the soft-cap's terms where kSoftCap, the elementwise terms
+// (bias, mask, and ALiBi where kAlibi) where kBiasAndMask (not both: decode_shape_fits).
+template <typename Config, bool kSoftCap, bool kBiasAndMask, bool kAlibi = false>
 using DecodeVariant = std::conditional_t<
     kSoftCap, mma_sync::DecodeWithSoftCap<Config>,
-    std::conditional_t<kBiasAndMask, mma_sync::DecodeWithBiasAndMask<Config>, Config>>;
+    std::conditional_t<kBiasAndMask, mma_sync::DecodeWithBiasAndMask<Config, kAlibi>, Config>>;
+
+// Calls f with std::bool_constant whether the call takes the elementwise terms' kernels with
+// ALiBi (kBiasAndMask and the call's ALiBi slopes).
+template <bool kBiasAndMask, typename F>
+auto with_decode_alibi(bool alibi, F&& f) {
+  if constexpr (kBiasAndMask) {
+    if (alibi) return f(std::true_type{});
+  }
+  return f(std::false_type{});
+}
 
 template <typename Elem, int kHeadDim, bool kSoftCap, bool kBiasAndMask>
 cudaError_t launch_forward_decode(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                   cudaStream_t stream) {
   return with_decode_config<kHeadDim>(plan, [&](auto config) {
-    using Traits = DecodeVariant<decltype(config), kSoftCap, kBiasAndMask>;
-    return launch_decode<Elem, mma_sync::decode_split_kernel<Elem, Traits>>(
-        p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
+    return with_decode_alibi<kBiasAndMask>(p.alibi_slopes != nullptr, [&](auto alibi) {
+      using Traits =
+          DecodeVariant<decltype(config), kSoftCap, kBiasAndMask, decltype(alibi)::value>;
+      return launch_decode<Elem, mma_sync::decode_split_kernel<Elem, Traits>>(
+          p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
+    });
   });
 }
 
 template <typename Elem, int kHeadDim, bool kSoftCap, bool kBiasAndMask>
-bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
+bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int device, bool alibi) {
   return with_decode_config<kHeadDim>(plan, [&](auto config) {
-    using Traits = DecodeVariant<decltype(config), kSoftCap, kBiasAndMask>;
-    return cluster_merge_fits<mma_sync::decode_split_kernel<Elem, Traits>>(
-        plan, Traits::kThreads, Traits::kSmemBytes, device);
+    return with_decode_alibi<kBiasAndMask>(alibi, [&](auto with_alibi) {
+      using Traits =
+          DecodeVariant<decltype(config), kSoftCap, kBiasAndMask, decltype(with_alibi)::value>;
+      return cluster_merge_fits<mma_sync::decode_split_kernel<Elem, Traits>>(
+          plan, Traits::kThreads, Traits::kSmemBytes, device);
+    });
   });
 }
 

@@ -59,8 +59,10 @@ struct DecodeTraits {
   static constexpr int kStepChunks = kStepChunks_;  // 16-key chunks of one warp step
   static constexpr int kStepsPerTile = kChunksPerTile / kStepChunks;
   static constexpr bool kSoftCap = false;  // soft-capped logits (DecodeWithSoftCap, block.cuh)
-  // A bias and / or mask (DecodeWithBiasAndMask, block.cuh).
+  // Any of a bias, a mask and ALiBi (DecodeWithBiasAndMask, block.cuh); kAlibi: ALiBi among
+  // them, in kernels of its own.
   static constexpr bool kBiasAndMask = false;
+  static constexpr bool kAlibi = false;
   static constexpr int kSmemDim = smem_dim_for(kHeadDim);
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row that hold data
   static constexpr int kElemBytes = 2;

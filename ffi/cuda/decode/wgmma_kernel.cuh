@@ -12,8 +12,9 @@
 //                          shared memory
 //   soft-cap               (mma_sync::DecodeWithSoftCap) tanh(s scale / cap), c = cap log2(e)
 //                          the softmax's factor
-//   bias and mask          (mma_sync::DecodeWithBiasAndMask) s scale log2(e) + bias log2(e),
-//                          -inf where the mask hides it; the softmax's factor 1
+//   bias, mask, ALiBi      (mma_sync::DecodeWithBiasAndMask) s scale log2(e) - slope log2(e)
+//                          |t + shift - key| + bias log2(e), -inf where the mask hides it; the
+//                          softmax's factor 1
 //   mask                   per-row key bounds (lengths, causal, window), on the threads whose
 //                          rows do not see the whole tile
 //   online softmax         exp2 with the scale folded into one FFMA
@@ -241,7 +242,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     Warpgroup::scores(s_acc[0], q_frag, desc, stage);
     const int key0 = tile * kBlockN;
     mma_sync::cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
-    if constexpr (Traits::kBiasAndMask) terms.apply(p, rows, s_acc[0], key0, quad_col);
+    if constexpr (Traits::kBiasAndMask) terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
     if (!rows.sees_all(key0, kBlockN)) rows.mask(s_acc[0], key0, quad_col);
     softmax.update(s_acc, o_acc, scale_log2);
     Warpgroup::add_pv(o_acc[0], s_acc[0], desc, stage);

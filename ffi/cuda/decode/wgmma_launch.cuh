@@ -25,18 +25,25 @@ cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const mma_sync:
                                        cudaStream_t stream) {
   if (plan.splits % plan.splits_per_block != 0) return cudaErrorInvalidValue;
   return with_sm90_decode_config<kHeadDim>(plan, [&](auto config) {
-    using Traits = DecodeVariant<decltype(config), kSoftCap, kBiasAndMask>;
-    return launch_decode<Elem, wgmma::decode_split_kernel<Elem, Traits>>(
-        p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
+    return with_decode_alibi<kBiasAndMask>(p.alibi_slopes != nullptr, [&](auto alibi) {
+      using Traits =
+          DecodeVariant<decltype(config), kSoftCap, kBiasAndMask, decltype(alibi)::value>;
+      return launch_decode<Elem, wgmma::decode_split_kernel<Elem, Traits>>(
+          p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
+    });
   });
 }
 
 template <typename Elem, int kHeadDim, bool kSoftCap, bool kBiasAndMask>
-bool forward_decode_sm90_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
+bool forward_decode_sm90_merges_in_cluster(const mma_sync::DecodePlan& plan, int device,
+                                           bool alibi) {
   return with_sm90_decode_config<kHeadDim>(plan, [&](auto config) {
-    using Traits = DecodeVariant<decltype(config), kSoftCap, kBiasAndMask>;
-    return cluster_merge_fits<wgmma::decode_split_kernel<Elem, Traits>>(
-        plan, Traits::kThreads, Traits::kSmemBytes, device);
+    return with_decode_alibi<kBiasAndMask>(alibi, [&](auto with_alibi) {
+      using Traits =
+          DecodeVariant<decltype(config), kSoftCap, kBiasAndMask, decltype(with_alibi)::value>;
+      return cluster_merge_fits<wgmma::decode_split_kernel<Elem, Traits>>(
+          plan, Traits::kThreads, Traits::kSmemBytes, device);
+    });
   });
 }
 

@@ -49,8 +49,10 @@ struct DecodeTraits {
   static constexpr int kMinBlocks = 2 / kSplitsPerBlock;  // per SM, for __launch_bounds__
   // Soft-capped logits (mma_sync::DecodeWithSoftCap, decode/block.cuh).
   static constexpr bool kSoftCap = false;
-  // A bias and / or mask (mma_sync::DecodeWithBiasAndMask, decode/block.cuh).
+  // Any of a bias, a mask and ALiBi (mma_sync::DecodeWithBiasAndMask, decode/block.cuh);
+  // kAlibi: ALiBi among them, in kernels of its own.
   static constexpr bool kBiasAndMask = false;
+  static constexpr bool kAlibi = false;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile
   static constexpr int kStageBytes = 2 * kKVBytes;
   static constexpr int kRingBytes = kStages * kStageBytes;  // one warpgroup's

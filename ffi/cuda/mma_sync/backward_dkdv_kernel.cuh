@@ -4,9 +4,10 @@
 // tile that can see the block (Q and dO double-buffered with cp.async, with the tile's -lse
 // log2(e) and D staged in shared memory beside them):
 //   S^T  = K Q^T;  P^T from S^T and the saved lse   (warp: 16 keys x kSdpCols queries)
-//   dP^T = V dO^T; dS^T = P^T (dP^T - D)            (dbias from dS when there is a bias;
-//                                                    then, soft-capped, dS^T times the cap's
-//                                                    slope)
+//   dP^T = V dO^T; dS^T = P^T (dP^T - D)            (dbias from dS when there is a bias, the
+//                                                    ALiBi slopes' gradient from dS when it is
+//                                                    needed; then, soft-capped, dS^T times the
+//                                                    cap's slope)
 //   dV  += P^T dO,  dK += dS^T Q         (warp: 16 keys x kDkvCols head-dim columns)
 //   dQ  += dS K                          (warp: kDqRows queries x kDqCols; red.add into float32)
 // Computing the transposed scores puts the keys on the rows, so P^T and dS^T are A operands
@@ -24,10 +25,12 @@
 
 #include <cstdint>
 
+#include "ffi/cuda/common/alibi.cuh"
 #include "ffi/cuda/common/fragments.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/smem_tile.cuh"
 #include "ffi/cuda/common/soft_cap.cuh"
+#include "ffi/cuda/mma_sync/alibi_origin.cuh"
 #include "ffi/cuda/mma_sync/backward_terms.cuh"
 #include "ffi/params.h"
 
@@ -127,8 +130,10 @@ struct SubTileTerms {
 
 // kSegments: the instantiation for calls with segment ids: their test in the other one would
 // cost every call (docs/decisions/segment-ids.md). kSoftCap: soft-capped logits, in
-// instantiations of their own for the same reason (their slopes take registers).
-template <typename Elem, typename Traits, bool kSegments, bool kSoftCap>
+// instantiations of their own for the same reason (their slopes take registers). kAlibi: ALiBi,
+// in instantiations of their own too: read at run time beside the bias, its code moved the
+// other calls' register allocation and spills (128-key tiles at head dim 128).
+template <typename Elem, typename Traits, bool kSegments, bool kSoftCap, bool kAlibi>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     backward_dkdv_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
@@ -143,6 +148,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kDqSteps = Traits::kDqRows / 16;   // 16-query steps of a warp's dQ
   constexpr int kDqTiles = Traits::kDqCols / 8;    // 8-wide column tiles of a warp's dQ
   static_assert(Traits::kStages == 2, "tile i + 1 loads into the buffer of tile i - 1");
+  static_assert(Traits::kParts <= kDslopesWriters, "each part of a key slab is a dslopes writer");
 
   // Every kernel's smem_raw has the forward's alignment: extern __shared__ declarations of one
   // name must agree wherever two kernels' headers meet in a translation unit.
@@ -338,6 +344,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       const bool check =
           !head.vis.all_visible(sub_q0, sub_q0 + kSubCols, warp_key0, warp_key0 + 16);
       const SubTileTerms<kSegments> terms(p, head, sub_q0 + quad_col, warp_key0 + quad_row);
+      // kAlibi: ALiBi's distances from one origin per sub-tile, moved to the thread's first
+      // element (t0, s0): element (r, c) lies c - r from it. Its slope and diagonal are made
+      // from p at each use (loads that hit L1): held through the step, they took the 128-key
+      // instantiations at head dim 128 from 60 to 136 bytes of spill stores (sm_80 and sm_90a,
+      // bf16). plus_alibi adds its term.
+      const auto alibi_origin = [&] {
+        return AlibiOrigin::at(cuda::AlibiLogits::make(p, b, n), sub_q0, warp_key0)
+            .moved(quad_row - quad_col);
+      };
+      [[maybe_unused]] AlibiOrigin alibi{};
+      if constexpr (kAlibi) alibi = alibi_origin();
+      const auto plus_alibi = [&](float x, int r, int c) {
+        if constexpr (kAlibi) return alibi.add_term(x, c - r);
+        return x;
+      };
       [[maybe_unused]] float slope[kSoftCap ? kSubTiles8 : 1][4];  // the cap's, per element
 #pragma unroll
       for (int mt = 0; mt < kSubTiles8; ++mt) {
@@ -354,9 +375,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
             slope[mt][e] = soft_cap.slope(score);
             score_scale = 1.f;
           }
-          score = visible ? ptx::exp2_approx(fmaf(score, score_scale,
-                                                  terms.bias_log2(p, r, c) +
-                                                      (e % 2 ? neg_lse2.y : neg_lse2.x)))
+          score = visible ? ptx::exp2_approx(fmaf(
+                                score, score_scale,
+                                plus_alibi(terms.bias_log2(p, r, c) +
+                                               (e % 2 ? neg_lse2.y : neg_lse2.x),
+                                           r, c)))
                           : 0.f;
         }
       }
@@ -374,6 +397,26 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         }
       }
       terms.store_dbias(p, dp_acc);
+      // kAlibi: the slopes' gradient, where it is needed: the warp's sum of |t + shift - s| dS
+      // (the dS dbias takes, before the cap's slope) over the elements P shows visible (a hidden
+      // one's dS is 0 times dP - D, which must not count where that is not finite), added per
+      // sub-tile by the warp, the one writer of its slot: its keys start at warp_key0, and the
+      // kParts warps of that key slab are writers 0, 1, ... by part (dslopes_slots). Key slabs
+      // past S have no slot (and no visible element).
+      if constexpr (kAlibi) {
+        if (p.dslopes != nullptr && warp_key0 < p.seqlen_k) {
+          const AlibiOrigin origin = alibi_origin();
+          float distance_ds = 0.f;
+#pragma unroll
+          for (int mt = 0; mt < kSubTiles8; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (s_acc[mt][e] != 0.f)
+                distance_ds = fmaf(origin.distance((e / 2) * 8 - mt * 8 - e % 2), dp_acc[mt][e],
+                                   distance_ds);
+          cuda::add_dslopes(p, b, n, cuda::dslopes_slot(warp_key0, part), distance_ds);
+        }
+      }
       if constexpr (kSoftCap) {  // a dS of 0 stays 0, whatever the slope (NaN at a hidden key)
 #pragma unroll
         for (int mt = 0; mt < kSubTiles8; ++mt)

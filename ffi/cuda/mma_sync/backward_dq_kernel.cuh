@@ -4,7 +4,7 @@
 // rows; Q and dO stay in shared memory (as register fragments they spilled at head dim 128)
 // while K/V tiles stream through it (double-buffered with cp.async). Per K/V tile j:
 //   S = Q K_j^T,  dP = dO V_j^T,  P from S and the saved lse,  dS = P (dP - D)
-//   (soft-capped: P from the capped S, and dS times the cap's slope)
+//   (soft-capped: P from the capped S, and dS times the cap's slope; with ALiBi, P with its term)
 //   dQ += dS K_j     (the dS accumulators are already the A operand, K via ldmatrix.trans)
 // Each dQ element has one writer and a fixed summation order: bit-identical across runs, at
 // the cost of recomputing S and dP a second time (the dK/dV pass computes them too).
@@ -12,17 +12,19 @@
 
 #include <cstdint>
 
+#include "ffi/cuda/common/alibi.cuh"
 #include "ffi/cuda/common/fragments.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/smem_tile.cuh"
 #include "ffi/cuda/common/soft_cap.cuh"
+#include "ffi/cuda/mma_sync/alibi_origin.cuh"
 #include "ffi/cuda/mma_sync/backward_terms.cuh"
 #include "ffi/params.h"
 
 namespace jax_flashattn::mma_sync {
 
-// kSegments, kSoftCap: as backward_dkdv_kernel's.
-template <typename Elem, typename Traits, bool kSegments, bool kSoftCap>
+// kSegments, kSoftCap, kAlibi: as backward_dkdv_kernel's.
+template <typename Elem, typename Traits, bool kSegments, bool kSoftCap, bool kAlibi>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     backward_dq_kernel(const __grid_constant__ AttentionParams p) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
@@ -94,6 +96,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const float scale_log2 = p.scale * cuda::kLog2e;
   [[maybe_unused]] const auto soft_cap =
       kSoftCap ? cuda::SoftCapLogits::make(p) : cuda::SoftCapLogits{};
+  [[maybe_unused]] const auto alibi_head =
+      kAlibi ? cuda::AlibiLogits::make(p, b, n) : cuda::AlibiLogits{};
 
   for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
     const int stage = int((tile - tile_begin) % Traits::kStages);
@@ -120,10 +124,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       }
     }
 
-    // dS in place of dP.
+    // dS in place of dP. kAlibi: ALiBi's term per element, its distances from one origin per
+    // tile moved to the thread's first element: the others lie at constant offsets from it.
     const int64_t key0 = tile * kBlockN;
     const bool check = !head.vis.all_visible(row0 + warp_row0, row0 + warp_row0 + 16, key0,
                                              key0 + kBlockN);
+    [[maybe_unused]] AlibiOrigin alibi{};
+    if constexpr (kAlibi)
+      alibi = AlibiOrigin::at(alibi_head, row0 + warp_row0, key0).moved(quad_col - quad_row);
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -137,7 +145,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           slope = soft_cap.slope(score);
           score_scale = 1.f;
         }
-        const float prob = head.prob(p, t, s, score, score_scale, neg_lse2[e / 2], check);
+        float terms_log2 = neg_lse2[e / 2];  // and, kAlibi, ALiBi's term
+        if constexpr (kAlibi)
+          terms_log2 = alibi.add_term(terms_log2, nt * 8 + e % 2 - (e / 2) * 8);
+        const float prob = head.prob(p, t, s, score, score_scale, terms_log2, check);
         dp_acc[nt][e] = prob * (dp_acc[nt][e] - delta[e / 2]);
         if constexpr (kSoftCap)  // a dS of 0 stays 0, whatever the slope (NaN at a hidden key)
           if (dp_acc[nt][e] != 0.f) dp_acc[nt][e] *= slope;

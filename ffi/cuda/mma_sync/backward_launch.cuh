@@ -12,10 +12,11 @@
 namespace jax_flashattn::cuda {
 
 // One dK/dV launch: a block per (batch x kv head, key block); key_blocks fits the grid's y.
-template <typename Elem, typename DkDv, bool kSegments, bool kSoftCap>
+template <typename Elem, typename DkDv, bool kSegments, bool kSoftCap, bool kAlibi>
 cudaError_t launch_backward_dkdv(const AttentionParams& p, int64_t key_blocks,
                                  cudaStream_t stream) {
-  constexpr auto kernel = mma_sync::backward_dkdv_kernel<Elem, DkDv, kSegments, kSoftCap>;
+  constexpr auto kernel =
+      mma_sync::backward_dkdv_kernel<Elem, DkDv, kSegments, kSoftCap, kAlibi>;
   if (cudaError_t e = ensure_smem_limit<kernel>(DkDv::kSmemBytes); e != cudaSuccess) return e;
   const dim3 grid(unsigned(p.batch * p.num_kv_heads), unsigned(key_blocks));
   kernel<<<grid, DkDv::kThreads, DkDv::kSmemBytes, stream>>>(p);
@@ -23,10 +24,11 @@ cudaError_t launch_backward_dkdv(const AttentionParams& p, int64_t key_blocks,
 }
 
 // The dK/dV pass with the DkDv table, then in deterministic mode the dQ pass; kSegments,
-// kSoftCap: the kernels' instantiations for calls with segment ids, with a soft-cap.
-template <typename Elem, typename DkDv, typename Dq, bool kSegments, bool kSoftCap>
-cudaError_t launch_backward_passes(const AttentionParams& p, cudaStream_t stream) {
-  constexpr auto dq_kernel = mma_sync::backward_dq_kernel<Elem, Dq, kSegments, kSoftCap>;
+// kSoftCap, kAlibi: the kernels' instantiations for calls with segment ids, a soft-cap, ALiBi.
+template <typename Elem, typename DkDv, typename Dq, bool kSegments, bool kSoftCap, bool kAlibi>
+cudaError_t launch_backward_kernels(const AttentionParams& p, cudaStream_t stream) {
+  constexpr auto dq_kernel =
+      mma_sync::backward_dq_kernel<Elem, Dq, kSegments, kSoftCap, kAlibi>;
   const int64_t key_blocks = (p.seqlen_k + DkDv::kBlockN - 1) / DkDv::kBlockN;
   const int64_t query_blocks = (p.seqlen_q + Dq::kBlockM - 1) / Dq::kBlockM;
   // Grid y limits: the dK/dV pass always runs, the dQ pass only in deterministic mode.
@@ -35,7 +37,7 @@ cudaError_t launch_backward_passes(const AttentionParams& p, cudaStream_t stream
     return cudaErrorInvalidConfiguration;
   if (key_blocks > 0) {
     const cudaError_t e =
-        launch_backward_dkdv<Elem, DkDv, kSegments, kSoftCap>(p, key_blocks, stream);
+        launch_backward_dkdv<Elem, DkDv, kSegments, kSoftCap, kAlibi>(p, key_blocks, stream);
     if (e != cudaSuccess) return e;
   }
   if (!p.deterministic) return cudaSuccess;
@@ -43,6 +45,14 @@ cudaError_t launch_backward_passes(const AttentionParams& p, cudaStream_t stream
   const dim3 grid(unsigned(p.batch * p.num_heads), unsigned(query_blocks));
   dq_kernel<<<grid, Dq::kThreads, Dq::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+// The passes, on ALiBi's instantiations where the call has it.
+template <typename Elem, typename DkDv, typename Dq, bool kSegments, bool kSoftCap>
+cudaError_t launch_backward_passes(const AttentionParams& p, cudaStream_t stream) {
+  if (p.alibi_slopes != nullptr)
+    return launch_backward_kernels<Elem, DkDv, Dq, kSegments, kSoftCap, true>(p, stream);
+  return launch_backward_kernels<Elem, DkDv, Dq, kSegments, kSoftCap, false>(p, stream);
 }
 
 // The passes with the table the device holds (kSegments, kSoftCap: the kernels for segment

@@ -1,7 +1,10 @@
 // The per-element terms both backward kernels recompute for one (batch, query head):
-//   P_ts  = exp2(scale log2(e) q_t.k_s + log2(e) bias_ts - log2(e) lse_t)   (0 where hidden)
+//   P_ts  = exp2(scale log2(e) q_t.k_s + log2(e) bias_ts - slope log2(e) |t + shift - s|
+//                - log2(e) lse_t)                                           (0 where hidden)
 //   dS_ts = P_ts (dP_ts - D_t)
-// (soft-capped, the kernels pass the capped base-2 logit in place of scale log2(e) q_t.k_s).
+// (soft-capped, the kernels pass the capped base-2 logit in place of scale log2(e) q_t.k_s;
+// ALiBi's term, in the kernels' instantiations for it, they add per element from an
+// AlibiOrigin, with -lse_t log2(e)).
 // lse is the forward's natural-log residual; a row that saw no key has lse = -inf and gets
 // P = 0 (never exp2(+inf) or NaN), as do rows past the end of the tile's tensor.
 #pragma once
@@ -57,7 +60,8 @@ struct HeadTerms {
   }
 
   // P_ts from the score: q_t.k_s with score_scale = scale log2(e), or the soft-capped base-2
-  // logit with 1. `check` false when the caller knows (t, s) is visible.
+  // logit with 1. neg_lse2: -lse_t log2(e), plus ALiBi's term of (t, s) where the call has one.
+  // `check` false when the caller knows (t, s) is visible.
   __device__ float prob(const AttentionParams& p, int64_t t, int64_t s, float score,
                         float score_scale, float neg_lse2, bool check) const {
     if (check && !vis.visible(t, s)) return 0.f;

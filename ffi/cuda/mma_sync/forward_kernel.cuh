@@ -3,7 +3,8 @@
 // One block per (query tile, head, batch). Per K/V tile j:
 //   S = Q K_j^T          (K from swizzled shared memory; Q fragments kept in registers, or
 //                         re-read from shared memory where registers are short)
-//   soft-cap, bias, mask (only on tiles that straddle a boundary, without a cap, bias or mask)
+//   soft-cap, bias, ALiBi, mask (only on tiles that straddle a boundary, without a cap or an
+//                         elementwise term)
 //   online softmax       (exp2 with the scale folded into one FFMA)
 //   O += P V_j           (P re-packed from the S accumulators, V via ldmatrix.trans)
 // while tile j + 1 is in flight: with cp.async, or on Hopper (kTmaKV) by TMA, which one thread
@@ -16,6 +17,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "ffi/cuda/common/alibi.cuh"
 #include "ffi/cuda/common/fragments.cuh"
 #include "ffi/cuda/common/hopper_ptx.cuh"
 #include "ffi/cuda/common/mask.cuh"
@@ -24,18 +26,22 @@
 #include "ffi/cuda/common/soft_cap.cuh"
 #include "ffi/cuda/common/softmax.cuh"
 #include "ffi/cuda/common/tensor_maps.h"
+#include "ffi/cuda/mma_sync/alibi_origin.cuh"
 #include "ffi/params.h"
 
 namespace jax_flashattn::mma_sync {
 
-// kElementwise: the call has a bias or a boolean mask, read element by element on every tile.
-// Without one, only tiles that straddle a length or window boundary are masked, with int32
-// tile-relative compares; keeping the 64-bit bias/mask indexing out of that instantiation
-// keeps its registers for the accumulators.
+// kElementwise: the call has a bias, a boolean mask or ALiBi, applied element by element on
+// every tile. Without one, only tiles that straddle a length or window boundary are masked,
+// with int32 tile-relative compares; keeping the 64-bit bias/mask indexing out of that
+// instantiation keeps its registers for the accumulators.
 // kSegments (with kElementwise): also segment ids, in an instantiation of their own: as a test of
 // the bias and mask instantiation they cost its rows 16-24% (docs/decisions/segment-ids.md).
 // kSoftCap (with kElementwise): the logits are soft-capped (cuda::SoftCapLogits), in
 // instantiations of their own, so that the others keep their code.
+// kAlibi (with kElementwise): ALiBi (cuda::AlibiLogits), in instantiations of their own for the
+// same reason: read at run time beside the bias, its code moved the bias and mask
+// instantiations' register allocation, and their spills, both ways.
 // kTmaKV (Hopper): K and V tiles come by TMA (maps.k, maps.v, boxes of kBlockN rows) in TMA's
 // 128-byte-swizzled span layout: one thread issues two to eight loads per tile instead of every
 // thread's cp.async with its 64-bit address arithmetic, and the stage's mbarrier, not a block
@@ -43,10 +49,11 @@ namespace jax_flashattn::mma_sync {
 // counts itself done with it, and the last one refills it, so a warp waits only for data, never
 // for the other warps (docs/decisions/mma-sync-tma-kv-loads-on-hopper.md).
 template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV, bool kSegments,
-          bool kSoftCap>
+          bool kSoftCap, bool kAlibi>
 __device__ __forceinline__ void forward_block(const AttentionParams& p, const wgmma::KVMaps& maps) {
   static_assert(kElementwise || !kSegments, "segment ids are an elementwise term");
   static_assert(kElementwise || !kSoftCap, "the soft-cap is an elementwise term");
+  static_assert(kElementwise || !kAlibi, "ALiBi is an elementwise term");
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kSlabs = Traits::kSlabs, kSmemDim = Traits::kSmemDim;
   constexpr int kKSteps = Traits::kHeadDim / 16;  // QK^T reduction steps
@@ -170,15 +177,18 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
   // exponentiate_against_settled_max needs (rows past the query length never see a key and
   // stay at -inf). A row below it that has seen no key yet keeps the warp on the full update.
   bool settled = false;
-  // With a bias or a soft-cap the scores are moved to the log2 domain before the softmax (the
-  // bias is added after scaling, the cap bends the scaled logit); without either the scale is
-  // folded into the softmax's FFMA.
+  // With a bias, ALiBi or a soft-cap the scores are moved to the log2 domain before the
+  // softmax (the bias and ALiBi are added after scaling, the cap bends the scaled logit);
+  // without any the scale is folded into the softmax's FFMA.
   const bool has_bias = kElementwise && p.bias != nullptr;
   const float scale_log2 = p.scale * cuda::kLog2e;
-  const float bias_score_scale = kSoftCap ? 1.f : scale_log2;  // on the scores the bias meets
-  const float softmax_scale = has_bias || kSoftCap ? 1.f : scale_log2;
+  // On the scores the bias meets (kAlibi: ALiBi's pass has scaled them where there is no cap).
+  const float bias_score_scale = kSoftCap || kAlibi ? 1.f : scale_log2;
+  const float softmax_scale = has_bias || kAlibi || kSoftCap ? 1.f : scale_log2;
   [[maybe_unused]] const auto soft_cap =
       kSoftCap ? cuda::SoftCapLogits::make(p) : cuda::SoftCapLogits{};
+  [[maybe_unused]] const auto alibi =
+      kAlibi ? cuda::AlibiLogits::make(p, b, n) : cuda::AlibiLogits{};
 
   // ldmatrix row address pattern: lane l addresses row l % 8 of matrix l / 8. A operands
   // (Q) take matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (0-7, 8-15), (8-15, 8-15); the
@@ -242,8 +252,8 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
       for (int ks = 0; ks < kKSteps; ++ks) load_q(ks, ks);
     }
 
-    // S = Q K^T, then lengths and windows, then bias and mask: a tile with neither boundary
-    // nor elementwise input looks at no element.
+    // S = Q K^T, then lengths and windows, then bias, ALiBi and mask: a tile with neither
+    // boundary nor elementwise term looks at no element.
     float s_acc[kSlabs][kNTiles][4];
     auto compute_scores = [&] {
 #pragma unroll
@@ -266,6 +276,28 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
       }
 
       const int64_t key0 = tile * kBlockN;
+      // kAlibi: every element's term, hidden ones too (the masks below, or the -inf they left,
+      // still hide them). Without a cap it comes first and scales the scores into the log2
+      // domain, where the bias then meets them; with one it follows the cap and the bias. Its
+      // distances from one origin per tile, moved to the thread's first element: the others lie
+      // at constant offsets from it.
+      [[maybe_unused]] const auto add_alibi = [&](float score_scale) {
+        const AlibiOrigin origin =
+            AlibiOrigin::at(alibi, row0, key0).moved(quad_col - warp_row0 - quad_row);
+#pragma unroll
+        for (int m = 0; m < kSlabs; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                float& score = s_acc[m][nt][2 * h + e];
+                score = origin.add_term(score * score_scale, nt * 8 + e - m * 16 - h * 8);
+              }
+      };
+      if constexpr (kAlibi && !kSoftCap) add_alibi(scale_log2);
+
       const bool all_visible = vis.all_visible(row0 + warp_row0, row0 + warp_row0 + kSlabs * 16,
                                                key0, key0 + kBlockN);
       if (kElementwise || !all_visible) {
@@ -323,6 +355,7 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
               }
           }
       }
+      if constexpr (kAlibi && kSoftCap) add_alibi(1.f);
     };
 
     // P against the settled row maxima where every row of the warp has one; otherwise, or
@@ -428,16 +461,16 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
 // kTmaKV bodies exist only in the sm_90a image (TMA, mbarrier try_wait); the launcher picks them
 // only on compute capability 9.0 (wgmma::tma_loads_apply).
 template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV, bool kSegments,
-          bool kSoftCap>
+          bool kSoftCap, bool kAlibi>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     forward_kernel(const __grid_constant__ AttentionParams p,
                    const __grid_constant__ wgmma::KVMaps maps) {
   if constexpr (kTmaKV) {
 #ifdef JAX_FLASHATTN_SM90_BODY
-    forward_block<Elem, Traits, kElementwise, true, kSegments, kSoftCap>(p, maps);
+    forward_block<Elem, Traits, kElementwise, true, kSegments, kSoftCap, kAlibi>(p, maps);
 #endif
   } else {
-    forward_block<Elem, Traits, kElementwise, false, kSegments, kSoftCap>(p, maps);
+    forward_block<Elem, Traits, kElementwise, false, kSegments, kSoftCap, kAlibi>(p, maps);
   }
 }
 

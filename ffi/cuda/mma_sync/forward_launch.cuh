@@ -10,10 +10,10 @@
 namespace jax_flashattn::cuda {
 
 template <typename Elem, typename Traits, bool kElementwise, bool kTmaKV, bool kSegments,
-          bool kSoftCap>
+          bool kSoftCap, bool kAlibi>
 cudaError_t launch_forward_sm80_kernel(const AttentionParams& p, cudaStream_t stream) {
   constexpr auto kernel =
-      mma_sync::forward_kernel<Elem, Traits, kElementwise, kTmaKV, kSegments, kSoftCap>;
+      mma_sync::forward_kernel<Elem, Traits, kElementwise, kTmaKV, kSegments, kSoftCap, kAlibi>;
   constexpr int kSmemBytes = kTmaKV ? Traits::kTmaSmemBytes : Traits::kSmemBytes;
   if (cudaError_t e = ensure_smem_limit<kernel>(kSmemBytes); e != cudaSuccess) return e;
   const int64_t m_blocks = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
@@ -29,16 +29,32 @@ cudaError_t launch_forward_sm80_kernel(const AttentionParams& p, cudaStream_t st
   return cudaGetLastError();
 }
 
-// The mask kind picks the instantiation (with segment ids; with a bias or boolean mask; with
-// none of them; each with and without the soft-cap), and tma_kv (wgmma::tma_loads_apply) how K
-// and V tiles load.
+// One instantiation's launch, its K and V tiles loaded as tma_kv (wgmma::tma_loads_apply) says.
+template <typename Elem, typename Traits, bool kElementwise, bool kSegments, bool kSoftCap,
+          bool kAlibi>
+cudaError_t launch_forward_sm80_variant(const AttentionParams& p, bool tma_kv,
+                                        cudaStream_t stream) {
+  if (tma_kv)
+    return launch_forward_sm80_kernel<Elem, Traits, kElementwise, true, kSegments, kSoftCap,
+                                      kAlibi>(p, stream);
+  return launch_forward_sm80_kernel<Elem, Traits, kElementwise, false, kSegments, kSoftCap,
+                                    kAlibi>(p, stream);
+}
+
+// The mask kind picks the instantiation (with segment ids; with a bias, boolean mask or ALiBi;
+// with none of them; each with and without the soft-cap), ALiBi one of its own beside each
+// elementwise instantiation, and tma_kv how K and V tiles load. ALiBi's load K and V by
+// cp.async alone: on Hopper they serve only ALiBi beside a soft-cap or segment ids (the Hopper
+// kernel takes the rest), and TMA copies would double their share of the build's compile time.
 template <typename Elem, typename Traits, bool kElementwise, bool kSegments, bool kSoftCap = false>
 cudaError_t launch_forward_sm80_loads(const AttentionParams& p, bool tma_kv, cudaStream_t stream) {
-  if (tma_kv)
-    return launch_forward_sm80_kernel<Elem, Traits, kElementwise, true, kSegments, kSoftCap>(
-        p, stream);
-  return launch_forward_sm80_kernel<Elem, Traits, kElementwise, false, kSegments, kSoftCap>(
-      p, stream);
+  if constexpr (kElementwise) {
+    if (p.alibi_slopes != nullptr)
+      return launch_forward_sm80_kernel<Elem, Traits, kElementwise, false, kSegments, kSoftCap,
+                                        true>(p, stream);
+  }
+  return launch_forward_sm80_variant<Elem, Traits, kElementwise, kSegments, kSoftCap, false>(
+      p, tma_kv, stream);
 }
 
 // Calls with segment ids: defined in forward_segments_launch.cuh and instantiated in
@@ -62,7 +78,7 @@ cudaError_t launch_forward_sm80(const AttentionParams& p, bool tma_kv, cudaStrea
     return launch_forward_sm80_softcap<Elem, kHeadDim>(p, tma_kv, stream);
   if (p.q_segment_ids != nullptr)
     return launch_forward_sm80_segments<Elem, kHeadDim>(p, tma_kv, stream);
-  if (p.bias != nullptr || p.mask != nullptr)
+  if (p.has_elementwise_terms())
     return launch_forward_sm80_loads<Elem, Traits, true, false>(p, tma_kv, stream);
   return launch_forward_sm80_loads<Elem, Traits, false, false>(p, tma_kv, stream);
 }

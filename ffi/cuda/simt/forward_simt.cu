@@ -1,12 +1,14 @@
 // CUDA-core forward: float32 arithmetic on every dtype and any head dim. It serves float32
 // inputs (exact fp32 products, no TF32) and head dims the tensor-core kernels do not tile.
-// Every option is a runtime test here (soft-cap included): this family is not the fast path.
+// Every option is a runtime test here (soft-cap and ALiBi included): this family is not the
+// fast path.
 //
 // One warp per query row. Per block of 32 keys each lane scores one key (a full dot product),
 // the warp runs the online-softmax update with shuffles, and then each lane accumulates the
 // output columns h = lane, lane + 32, ... from the 32 broadcast probabilities.
 #include <cmath>
 
+#include "ffi/cuda/common/alibi.cuh"
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/launch.h"
 #include "ffi/cuda/simt/common.cuh"
@@ -48,6 +50,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const variant::SoftCap soft_cap = variant::SoftCap::make(p);
   const int64_t bias_row =
       p.bias ? p.bias_strides.offset(b, p.batch_inner, n, t, 0) : 0;
+  const AlibiLogits alibi = AlibiLogits::make(p, b, n);
   float row_max = -INFINITY, row_sum = 0.f;
 
   for (int64_t base = lo; base < hi; base += 32) {
@@ -58,9 +61,11 @@ __global__ void __launch_bounds__(kWarps * 32)
       const float bias = p.bias ? variant::AdditiveBias::element(
                                       p.bias, p.bias_dtype, bias_row + s * p.bias_strides.col)
                                 : 0.f;
-      // (softcap(scale q.k) + bias) log2(e): the cap in tanhf, float32-accurate as the rest.
+      // (softcap(scale q.k) + bias - slope |t + shift - s|) log2(e): the cap in tanhf,
+      // float32-accurate as the rest.
       score = soft_cap.present() ? soft_cap.apply(qk * scale_log2) + bias * kLog2e
                                  : fmaf(qk, scale_log2, bias * kLog2e);
+      if (p.alibi_slopes != nullptr) score += alibi.log2_term(t, s);
     }
     const float new_max = fmaxf(row_max, warp_max(score));
     const float offset = new_max == -INFINITY ? 0.f : new_max;

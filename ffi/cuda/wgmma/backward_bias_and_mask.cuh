@@ -1,9 +1,10 @@
-// The Hopper backward's bias and boolean mask (BackwardWithBiasAndMask), read the way the
-// forward reads them (forward_bias_and_mask.cuh), on the transposed tile: as a step's S^T
-// lands, each consumer thread reads its own elements from global memory (the tensors
-// broadcast to [batch, N, T, S] with unit stride along the keys: bias_and_mask_fit), adds the
-// bias to its base-2 logits and marks the elements the mask hides, and once dS^T is computed
-// writes its elements of dbias. Element [j][e] of a thread's S^T is query
+// The Hopper backward's bias, boolean mask and ALiBi (BackwardWithBiasAndMask), read the way
+// the forward reads them (forward_bias_and_mask.cuh), on the transposed tile: as a step's S^T
+// lands, each consumer thread reads its own elements of the bias and mask from global memory
+// (the tensors broadcast to [batch, N, T, S] with unit stride along the keys:
+// bias_and_mask_fit), adds the bias and ALiBi's term (alibi_terms.cuh) to its base-2 logits and
+// marks the elements the mask hides, and once dS^T is computed writes its elements of dbias and
+// adds the slopes' gradient. Element [j][e] of a thread's S^T is query
 // q0 + 8 j + quad_col + e % 2, key key0 + quad_row + 8 (e / 2), so a warp's load of one
 // [j][e] reads 8 consecutive keys of 4 query rows.
 //
@@ -11,7 +12,8 @@
 // each visible element is stored, and the dispatcher zeroes dbias first wherever a step or an
 // element of [T, S] may not be visited (bounds, lengths, a mask); summed over broadcast
 // dimensions it is added with float32 atomics into the dbias the dispatcher zeroed, one per
-// key and quad where every query shares the bias (row stride 0).
+// key and quad where every query shares the bias (row stride 0). dslopes gets one partial sum
+// per step from each warp, in a slot of the warp's own (add_slope_gradient).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,9 +22,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "ffi/cuda/common/alibi.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/scalar.cuh"
 #include "ffi/cuda/common/softmax.cuh"  // kLog2e
+#include "ffi/cuda/wgmma/alibi_terms.cuh"
 #include "ffi/cuda/wgmma/backward_dq_add.cuh"  // BackwardConsumerThread, BackwardStep
 #include "ffi/params.h"
 
@@ -89,14 +93,55 @@ struct BackwardBiasAndMask {
   }
 
   // add for the call's bias type, chosen once per step.
-  __device__ __forceinline__ void apply(const BackwardStep& s, float scale_log2,
-                                        HiddenBits& hidden, float (&s_acc)[kQTiles][4]) const {
+  __device__ __forceinline__ void add_bias_and_mask(const BackwardStep& s, float scale_log2,
+                                                    HiddenBits& hidden,
+                                                    float (&s_acc)[kQTiles][4]) const {
     if (p.bias == nullptr) return add<void>(s, scale_log2, hidden, s_acc);
     switch (p.bias_dtype) {
       case ElemType::kBFloat16: return add<__nv_bfloat16>(s, scale_log2, hidden, s_acc);
       case ElemType::kFloat16: return add<__half>(s, scale_log2, hidden, s_acc);
       default: return add<float>(s, scale_log2, hidden, s_acc);
     }
+  }
+
+  // The offset of element [j][e]'s distance t + shift - s from that of element [0][0].
+  __device__ __forceinline__ static constexpr int distance_offset(int j, int e) {
+    return 8 * j + e % 2 - 8 * (e / 2);
+  }
+
+  // S^T times factor plus ALiBi's base-2 term -slope2 |t + shift - s| (the sign of the slope a
+  // template parameter: alibi_terms.cuh); base: slope2 times element [0][0]'s distance. Hidden
+  // elements take a term too: probabilities() zeroes their P.
+  template <bool kNegative>
+  __device__ __forceinline__ void add_alibi(float factor, float slope2, float base,
+                                            float (&s_acc)[kQTiles][4]) const {
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        s_acc[j][e] = with_alibi_term<kNegative>(s_acc[j][e], factor, slope2, base,
+                                                 distance_offset(j, e));
+  }
+  __device__ __forceinline__ void add_alibi(const BackwardStep& s, float factor,
+                                            float (&s_acc)[kQTiles][4]) const {
+    const cuda::AlibiLogits alibi = cuda::AlibiLogits::make(p, b, s.n);
+    const float base = alibi.slope2 * float(s.q0 + quad_col + alibi.shift - key);
+    if (alibi.slope2 < 0.f) return add_alibi<true>(factor, alibi.slope2, base, s_acc);
+    add_alibi<false>(factor, alibi.slope2, base, s_acc);
+  }
+
+  // S^T as base-2 logits with the call's terms, and the mask's hidden elements added to
+  // `hidden`. Whether ALiBi is on is decided once per step: calls without it run add alone.
+  // With ALiBi alone nothing is read (the lengths and the window are in `hidden` already): add
+  // is skipped and the scale's multiply goes into the term's FFMA. (add is inlined once, and
+  // ALiBi's term on two paths of its own: with add on a path that skips it for ALiBi alone,
+  // the consumers spilled registers held through the step loop at head dims 64 and 128.)
+  __device__ __forceinline__ void apply(const BackwardStep& s, float scale_log2,
+                                        HiddenBits& hidden, float (&s_acc)[kQTiles][4]) const {
+    if (p.alibi_slopes != nullptr && p.bias == nullptr && p.mask == nullptr)
+      return add_alibi(s, scale_log2, s_acc);
+    add_bias_and_mask(s, scale_log2, hidden, s_acc);
+    if (p.alibi_slopes != nullptr) add_alibi(s, 1.f, s_acc);
   }
 
   // This thread's elements of dS^T (of its half of the query tiles with the head dim split)
@@ -136,6 +181,44 @@ struct BackwardBiasAndMask {
         else
           *element = ds[j][e];
       }
+  }
+
+  // The slopes' gradient, a step at a time: this thread's |t + shift - s| dS summed over its
+  // visible elements of dS^T (of its half of the query tiles with the head dim split; hidden
+  // ones skipped, as in store_dbias); 0 where the call needs no dslopes.
+  __device__ __forceinline__ float distance_ds(const BackwardStep& s, HiddenBits hidden,
+                                               const float (&ds)[kQTiles][4]) const {
+    if (p.dslopes == nullptr) return 0.f;
+    const int64_t shift = cuda::AlibiLogits::make(p, b, s.n).shift;
+    // Element [0][0]'s distance; every element's is exact in float32 (alibi.cuh).
+    const float r = float(s.q0 + quad_col + shift - key);
+    // One partial sum per e: four dependent FFMA chains rather than one.
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (writes_tile(j) && !((hidden >> (4 * j + e)) & 1))
+          sum[e] = fmaf(fabsf(r + float(distance_offset(j, e))), ds[j][e], sum[e]);
+    return (sum[0] + sum[1]) + (sum[2] + sum[3]);
+  }
+
+  // The step's distance_ds of every lane, summed over the warp and added into the warp's slot
+  // of (b, n): slot (first key / 16) 4 + consumer. The warp's 16 keys start at a multiple of 16
+  // (the block's first key plus 16 per warp), so no other warp of the block, nor of another
+  // block (kBlockN keys each, a multiple of 16), has its first key in that granule, except with
+  // the head dim split the other consumer's warp of the same keys, which the consumer index
+  // tells apart; each head n of the block's GQA group has slots of its own. The writer adds
+  // once per step, in step order. Every lane of the warp calls it.
+  __device__ __forceinline__ void add_slope_gradient(const BackwardStep& s,
+                                                     float distance_ds) const {
+    if (p.dslopes == nullptr) return;
+    // The warp's first key (quad_row < 8 keys below this thread's). A warp whose keys lie past
+    // S (the last block's last warps) has no slot, nor any element to add; the test is
+    // warp-uniform, so every lane or none reaches add_dslopes.
+    const int64_t first_key = key / kDslopesGranule * kDslopesGranule;
+    if (first_key >= p.seqlen_k) return;
+    cuda::add_dslopes(p, b, s.n, cuda::dslopes_slot(first_key, consumer), distance_ds);
   }
 };
 

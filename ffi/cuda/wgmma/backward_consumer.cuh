@@ -198,7 +198,8 @@ struct BackwardConsumer {
     return scores;
   }
 
-  // kBiasAndMask: this thread's reads of the bias and mask and writes of dbias.
+  // kBiasAndMask: this thread's reads of the bias and mask, ALiBi's term, and its writes of
+  // dbias and dslopes.
   __device__ __forceinline__ BackwardBiasAndMask<Traits, HiddenBits> bias_and_mask(
       const Thread& th) const {
     return {p, block.b, int64_t(block.key0) + th.warp_key0 + th.quad_row, th.quad_col,
@@ -502,10 +503,17 @@ struct BackwardConsumer {
       }
       fence(dp_acc);
       score_gradients(th, scores, s.lse, s.delta, s_acc, dp_acc);
-      if constexpr (Traits::kBiasAndMask) bias_and_mask(th).store_dbias(s, hidden, dp_acc);
+      [[maybe_unused]] float distance_ds = 0.f;
+      if constexpr (Traits::kBiasAndMask) {
+        bias_and_mask(th).store_dbias(s, hidden, dp_acc);
+        distance_ds = bias_and_mask(th).distance_ds(s, hidden, dp_acc);
+      }
 
       store_ds<!kDvFirst>(th, s.ds_buffer, s_acc, dp_acc, p_frag, ds_frag);
       issue_dv_dk<!kDvFirst, true>(th, s.stage, p_frag, ds_frag, dv_acc, dk_acc);
+      // kBiasAndMask: the warp's sum of distance_ds (shuffles) goes out under dV and dK, not
+      // before them.
+      if constexpr (Traits::kBiasAndMask) bias_and_mask(th).add_slope_gradient(s, distance_ds);
       wait_for_ds(th, dv_acc, dk_acc, p_frag, ds_frag);
       float dq_acc[kDqTiles][4];
       issue_dq(th, s.ds_buffer, k_dq_offset, dq_acc);

@@ -39,9 +39,9 @@ cudaError_t launch_backward_sm90_with(const AttentionParams& p, cudaStream_t str
 }
 
 // Calls with segment ids, deterministic calls, soft-capped calls (in both dQ modes) and calls
-// with a bias or mask: defined in backward_variant_launch.cuh and instantiated in translation
-// units of their own (cuda/instantiations/backward_wgmma_{segments,deterministic,softcap,
-// bias}.cu.in), so that their kernels leave the others' code as it is.
+// with a bias, mask or ALiBi: defined in backward_variant_launch.cuh and instantiated in
+// translation units of their own (cuda/instantiations/backward_wgmma_{segments,deterministic,
+// softcap,bias}.cu.in), so that their kernels leave the others' code as it is.
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90_segments(const AttentionParams& p, cudaStream_t stream);
 template <typename Elem, int kHeadDim>
@@ -53,8 +53,7 @@ cudaError_t launch_backward_sm90_bias(const AttentionParams& p, cudaStream_t str
 
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
-  if (p.bias != nullptr || p.mask != nullptr)
-    return launch_backward_sm90_bias<Elem, kHeadDim>(p, stream);
+  if (p.has_elementwise_terms()) return launch_backward_sm90_bias<Elem, kHeadDim>(p, stream);
   if (p.soft_capped()) return launch_backward_sm90_softcap<Elem, kHeadDim>(p, stream);
   if (p.q_segment_ids != nullptr) return launch_backward_sm90_segments<Elem, kHeadDim>(p, stream);
   if (p.deterministic) return launch_backward_sm90_deterministic<Elem, kHeadDim>(p, stream);

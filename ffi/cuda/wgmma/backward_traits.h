@@ -47,7 +47,7 @@ struct BackwardTraits {
   static constexpr bool kSegments = false;  // segment ids (BackwardWithSegmentIds below)
   static constexpr bool kDeterministic = false;  // dQ in a fixed order (BackwardDeterministic)
   static constexpr bool kSoftCap = false;  // soft-capped logits (BackwardWithSoftCap below)
-  // An additive bias and / or a boolean mask (BackwardWithBiasAndMask below).
+  // An additive bias, a boolean mask and / or ALiBi (BackwardWithBiasAndMask below).
   static constexpr bool kBiasAndMask = false;
   // setmaxnreg budgets, as in the forward: 128 x 24 + 256 x 240 = 64512, all that the block
   // is launched with (register_budgets_fit in traits.h).
@@ -180,9 +180,10 @@ struct BackwardWithSoftCap : Config {
   static constexpr bool kSoftCap = true;
 };
 
-// A configuration for calls with an additive bias and / or a boolean mask, and dbias: each
-// consumer thread reads its elements of S^T's bias and mask from global memory as the scores
-// land and writes its elements of dS^T into dbias (backward_bias_and_mask.cuh). Instantiated in
+// A configuration for calls with an additive bias, a boolean mask and / or ALiBi, and dbias and
+// dslopes: each consumer thread reads its elements of S^T's bias and mask from global memory
+// and adds ALiBi's term as the scores land, and writes its elements of dS^T into dbias and their
+// part of the slopes' gradient into dslopes (backward_bias_and_mask.cuh). Instantiated in
 // translation units of their own (cuda/instantiations/backward_wgmma_bias.cu.in), in both dQ
 // modes (BackwardDeterministic<BackwardWithBiasAndMask<...>>: its dbias is one writer's per
 // element); calls that also have segment ids or a soft-cap take the mma.sync family.

@@ -1,10 +1,12 @@
-// The Hopper forward's bias and boolean mask (WithBiasAndMask): as each key tile's scores land
-// in a consumer thread's accumulator (its two rows, 8 apart; kBlockN / 8 pairs of adjacent
-// keys each), they become base-2 logits with the bias added, and -inf where the mask hides
-// them. Each thread reads its own elements from global memory, at constant offsets from its
-// row's start (keys at unit stride: bias_and_mask_fit), having prefetched them into L2 while
-// the tile before computed. No shared memory is left beside the tiles for a bias tile at head
-// dim 128 (docs/decisions/hopper-bias-and-mask.md).
+// The Hopper forward's bias, boolean mask and ALiBi (WithBiasAndMask): as each key tile's
+// scores land in a consumer thread's accumulator (its two rows, 8 apart; kBlockN / 8 pairs of
+// adjacent keys each), they become base-2 logits with the bias and ALiBi's term added, and -inf
+// where the mask hides them. Each thread reads its own elements of the bias and mask from
+// global memory, at constant offsets from its row's start (keys at unit stride:
+// bias_and_mask_fit), having prefetched them into L2 while the tile before computed. No shared
+// memory is left beside the tiles for a bias tile at head dim 128
+// (docs/decisions/hopper-bias-and-mask.md). ALiBi's term is computed, two FP32 operations per
+// element (alibi_terms.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -14,10 +16,12 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "ffi/cuda/common/alibi.cuh"
 #include "ffi/cuda/common/hopper_ptx.cuh"
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/scalar.cuh"
+#include "ffi/cuda/wgmma/alibi_terms.cuh"
 #include "ffi/cuda/wgmma/tile_scheduler.cuh"
 #include "ffi/params.h"
 #include "ffi/variant.h"
@@ -109,14 +113,55 @@ struct BiasAndMask {
   }
 
   // add for the call's bias type, chosen once per tile.
-  __device__ __forceinline__ void apply(float (&s)[1][kNTiles][4], const ForwardTile& t, int j,
-                                        bool interior) const {
+  __device__ __forceinline__ void add_bias_and_mask(float (&s)[1][kNTiles][4],
+                                                    const ForwardTile& t, int j,
+                                                    bool interior) const {
     if (p.bias == nullptr) return add<void>(s, t, j, interior);
     switch (p.bias_dtype) {
       case ElemType::kBFloat16: return add<__nv_bfloat16>(s, t, j, interior);
       case ElemType::kFloat16: return add<__half>(s, t, j, interior);
       default: return add<float>(s, t, j, interior);
     }
+  }
+
+  // s times factor plus ALiBi's base-2 term -slope2 |t + shift - s| (the sign of the slope a
+  // template parameter: alibi_terms.cuh). Element [c][2 h + e] is at distance r_h - (8 c + e),
+  // r_h = t + shift - the thread's first key of the tile, for its row t of h. Hidden elements
+  // (-inf) stay hidden.
+  template <bool kNegative>
+  __device__ __forceinline__ void add_alibi(float (&s)[1][kNTiles][4], float factor,
+                                            float slope2, const float (&base)[2]) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int c = 0; c < kNTiles; ++c)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          s[0][c][2 * h + e] = with_alibi_term<kNegative>(s[0][c][2 * h + e], factor, slope2,
+                                                          base[h], -(8 * c + e));
+  }
+
+  // Key tile j's scores s as the softmax takes them: base-2 logits with the call's terms, the
+  // elements the mask or the bounds hide at -inf (add). Whether ALiBi is on is decided once per
+  // tile: calls without it run add alone. With ALiBi alone on an interior tile nothing is read
+  // and nothing hidden: add is skipped and the scale's multiply goes into the term's FFMA.
+  // (add is inlined once: on two paths, its bodies for the four bias types, twice over, grew
+  // the kernel by half and spilled.)
+  __device__ __forceinline__ void apply(float (&s)[1][kNTiles][4], const ForwardTile& t, int j,
+                                        bool interior) const {
+    const bool alibi_alone =
+        p.alibi_slopes != nullptr && p.bias == nullptr && p.mask == nullptr && interior;
+    if (!alibi_alone) add_bias_and_mask(s, t, j, interior);
+    if (p.alibi_slopes == nullptr) return;
+    const cuda::AlibiLogits alibi = cuda::AlibiLogits::make(p, t.b, t.n);
+    const int64_t key = int64_t(t.tile_begin + j) * kBlockN + quad_col;
+    float base[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      base[h] = alibi.slope2 * float(t.row0 + row + 8 * h + alibi.shift - key);
+    const float factor = alibi_alone ? p.scale * cuda::kLog2e : 1.f;
+    if (alibi.slope2 < 0.f) return add_alibi<true>(s, factor, alibi.slope2, base);
+    add_alibi<false>(s, factor, alibi.slope2, base);
   }
 };
 

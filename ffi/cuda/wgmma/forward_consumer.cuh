@@ -2,8 +2,9 @@
 // tile (query block) they compute
 //   S_j = Q K_j^T              wgmma, both operands in shared memory
 //   soft-cap                   (WithSoftCap) the landed scores become capped base-2 logits
-//   bias, mask                 (WithBiasAndMask) base-2 logits plus the bias, -inf where the
-//                              boolean mask (or a length or window boundary) hides them
+//   bias, mask, ALiBi          (WithBiasAndMask) base-2 logits plus the bias and ALiBi's term,
+//                              -inf where the boolean mask (or a length or window boundary)
+//                              hides them
 //   mask                       only on tiles that straddle a length or window boundary
 //   P_j = exp2(S_j - max)      online softmax, the scale folded into one FFMA; once a warp's
 //                              row maxima have settled, against those maxima (no max
@@ -280,7 +281,7 @@ struct ForwardConsumer {
     else return NoSoftCap{};
   }
 
-  // kBiasAndMask: the terms as this thread reads them (forward_bias_and_mask.cuh).
+  // kBiasAndMask: the terms as this thread reads or computes them (forward_bias_and_mask.cuh).
   __device__ __forceinline__ BiasAndMask<Traits> bias_and_mask() const {
     return BiasAndMask<Traits>{p, warp_row0 + quad_row, quad_col, lane};
   }
@@ -354,7 +355,10 @@ struct ForwardConsumer {
       if (j + 1 < w.wg_tiles) bias_and_mask().prefetch(w.t, j + 1);
       bias_and_mask().apply(s_acc, w.t, j, interior);
     }
-    const bool settled = j > 0 && interior &&
+    // ALiBi's logits grow tile after tile toward the diagonal, so a settled maximum would be
+    // outrun (and the warp's scores recomputed) on most tiles: its calls take the full update.
+    const bool alibi = Traits::kBiasAndMask && p.alibi_slopes != nullptr;
+    const bool settled = j > 0 && interior && !alibi &&
                          __all_sync(0xffffffff, w.softmax.row_max[0][0] > -INFINITY &&
                                                     w.softmax.row_max[0][1] > -INFINITY);
     if (settled && w.softmax.exponentiate_against_settled_max(s_acc, softmax_scale)) {

@@ -12,10 +12,10 @@ namespace jax_flashattn::cuda {
 
 template <typename Elem, typename Traits>
 cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stream) {
-  // A configuration without window tests must not see a window, one without the bias and mask
-  // terms a bias or mask (it would ignore them).
+  // A configuration without window tests must not see a window, one without the elementwise
+  // terms a bias, mask or ALiBi (it would ignore them).
   if (!Traits::kWindowed && !p.unwindowed()) return cudaErrorInvalidConfiguration;
-  if (!Traits::kBiasAndMask && (p.bias != nullptr || p.mask != nullptr))
+  if (!Traits::kBiasAndMask && p.has_elementwise_terms())
     return cudaErrorInvalidConfiguration;
   constexpr auto kernel = wgmma::forward_kernel<Elem, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
@@ -55,7 +55,7 @@ cudaError_t launch_forward_sm90_segments(const AttentionParams& p, cudaStream_t 
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90_softcap(const AttentionParams& p, cudaStream_t stream);
 
-// Calls with a bias or a boolean mask (without segment ids or a soft-cap):
+// Calls with a bias, a boolean mask or ALiBi (without segment ids or a soft-cap):
 // forward_bias_launch.cuh, in translation units of their own
 // (cuda/instantiations/forward_wgmma_bias.cu.in).
 template <typename Elem, int kHeadDim>
@@ -64,8 +64,7 @@ cudaError_t launch_forward_sm90_bias(const AttentionParams& p, cudaStream_t stre
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   if (p.soft_capped()) return launch_forward_sm90_softcap<Elem, kHeadDim>(p, stream);
-  if (p.bias != nullptr || p.mask != nullptr)
-    return launch_forward_sm90_bias<Elem, kHeadDim>(p, stream);
+  if (p.has_elementwise_terms()) return launch_forward_sm90_bias<Elem, kHeadDim>(p, stream);
   if (p.q_segment_ids != nullptr) return launch_forward_sm90_segments<Elem, kHeadDim>(p, stream);
   if constexpr (wgmma::kHasWideConfig<kHeadDim>) {
     if (wgmma::wide_config_pays<kHeadDim>(p))

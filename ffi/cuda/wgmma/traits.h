@@ -39,7 +39,8 @@ struct ForwardTraits {
   static constexpr bool kSegments = false;
   // Soft-capped logits (WithSoftCap below).
   static constexpr bool kSoftCap = false;
-  // An additive bias and a boolean mask, read element by element (WithBiasAndMask below).
+  // An additive bias and a boolean mask, read element by element, and ALiBi
+  // (WithBiasAndMask below).
   static constexpr bool kBiasAndMask = false;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
@@ -178,11 +179,12 @@ struct WithSoftCap : Config {
   static constexpr bool kSoftCap = true;
 };
 
-// An additive bias and a boolean mask: each key tile's scores become base-2 logits with the bias
-// added, and -inf where the mask hides them, as they land; the softmax takes them with factor
-// 1. Each consumer thread reads its own elements from global memory (its two rows, 2 x kBlockN
-// / 8 pairs of keys: no shared memory is left for a bias tile at head dim 128), hit in L2 where
-// it prefetched them under the tile before. Instantiations of their own
+// An additive bias, a boolean mask and ALiBi: each key tile's scores become base-2 logits with
+// the bias and ALiBi's term added, and -inf where the mask hides them, as they land; the softmax
+// takes them with factor 1. Each consumer thread reads its own elements of the bias and mask
+// from global memory (its two rows, 2 x kBlockN / 8 pairs of keys: no shared memory is left for
+// a bias tile at head dim 128), hit in L2 where it prefetched them under the tile before, and
+// computes ALiBi's (forward_bias_and_mask.cuh). Instantiations of their own
 // (forward_bias_launch.cuh); calls that also have segment ids or a soft-cap run on the mma.sync
 // family.
 template <typename Config>

@@ -1,0 +1,31 @@
+// ALiBi's term on the Hopper kernels' accumulator fragments (forward_bias_and_mask.cuh,
+// backward_bias_and_mask.cuh). A thread's elements of a tile have distances t + shift - s of
+// the form r + k: r one integer per row of the thread (forward) or per step (backward), k a
+// compile-time offset, the element's place in the fragment. With base = slope2 r, the term
+// -slope2 |r + k| costs two FP32 operations per element, the scale's multiply folded in:
+//   d2 = fmaf(k, slope2, base)          slope2 (r + k): an FFMA with k as its immediate
+//   x  = fmaf(x, factor, -|d2|)         the abs and the sign are operand modifiers
+// -|d2| is the term where slope2 >= 0, +|d2| where slope2 < 0: the sign is a template
+// parameter (kNegative), chosen once per tile, so that it stays an operand modifier.
+//
+// r is taken from the tile's first key (and, backward, its first query), so |r| <= |r + k| +
+// |k| with |k| < 256: base's rounding moves the term by at most half an ulp of slope2
+// (|r + k| + 256), next to the half ulp of slope2 |r + k| that the term's own rounding costs.
+// A base per absolute position (slope2 (t + shift) less slope2 s) would lose the term's low
+// bits to the positions' magnitude on long sequences, on the elements nearest the diagonal,
+// which weigh the most.
+#pragma once
+
+#include <cmath>
+
+namespace jax_flashattn::wgmma {
+
+// x times factor plus the term of the element whose distance is k more than base's.
+template <bool kNegative>
+__device__ __forceinline__ float with_alibi_term(float x, float factor, float slope2, float base,
+                                                 int k) {
+  const float d2 = k == 0 ? base : fmaf(float(k), slope2, base);
+  return fmaf(x, factor, kNegative ? fabsf(d2) : -fabsf(d2));
+}
+
+}  // namespace jax_flashattn::wgmma

@@ -1,0 +1,246 @@
+"""ALiBi (alibi_slopes) on the CUDA kernels (run with `pytest -m gpu` on a GPU): out, lse and the
+gradients of q, k, v, the bias and the slopes against the float32 reference.
+
+Calls with ALiBi take the instantiations for the elementwise terms: the Hopper kernels' (alone
+or with a bias or mask; the backward in both dQ modes), the mma.sync family's (with
+JAX_FLASHATTN_DISABLE_SM90, and for ALiBi beside a soft-cap or segment ids; K/V by cp.async
+alone), the split-KV decode kernels' (the wgmma and the mma.sync one) and the CUDA-core
+kernels (float32, other head dims). The slopes' gradient comes from partial sums with one
+writer each: bit-identical across runs in either dQ mode.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flashattn
+from jax_flashattn import _validate, reference
+from jax_flashattn.attention import _alibi_logits
+from helpers import check_cuda_forward, poison, random_qkv
+from test_gpu_backward import NORMWISE
+# The families a case runs on, as the soft-cap's tests take them (fixtures).
+from test_gpu_soft_cap import backward_family, family  # noqa: F401
+
+pytestmark = pytest.mark.gpu
+
+B, T, S, N, K = 2, 97, 150, 4, 2
+OPTIONS = {
+    "plain": {},
+    "causal": dict(is_causal=True),
+    "window_lengths": dict(local_window_size=(40, 7),
+                           query_seq_lengths=np.array([97, 0], np.int32),
+                           key_value_seq_lengths=np.array([150, 33], np.int32)),
+    # Each entry's diagonal at its kv_len - q_len (70 and 52).
+    "bottom_right_causal_lengths": dict(is_causal=True, diagonal_alignment="bottom_right",
+                                        query_seq_lengths=np.array([80, 9], np.int32),
+                                        key_value_seq_lengths=np.array([150, 61], np.int32)),
+}
+
+
+def slopes_of(rng, shape=(B, N)):
+    """Slopes of BLOOM's range (2^-8 to 2^-1): over 150 keys, terms of -0.6 to -75."""
+    return jnp.asarray(2.0 ** -rng.uniform(1, 8, shape), jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 40])
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_forward(rng, family, dtype, head_dim, option):
+    q, k, v = random_qkv(rng, B, T, S, N, K, head_dim, dtype)
+    slopes = slopes_of(rng)
+    assert jax_flashattn.forward_kernel(q, k, alibi_slopes=slopes) == family
+    check_cuda_forward(q, k, v, alibi_slopes=slopes, **OPTIONS[option])
+
+
+def test_forward_slopes_per_head_and_steep(rng, family):
+    """Slopes [N] (shared by the batch), and slopes so steep that each row sees its diagonal
+    key alone."""
+    q, k, v = random_qkv(rng, B, T, S, N, K, 128, jnp.bfloat16)
+    check_cuda_forward(q, k, v, alibi_slopes=slopes_of(rng, (N,)), is_causal=True)
+    check_cuda_forward(q, k, v, alibi_slopes=jnp.full((N,), 64.0), is_causal=True)
+
+
+@pytest.mark.parametrize("terms", ["bias", "mask", "bias + mask"])
+def test_forward_with_bias_and_mask(rng, family, terms):
+    q, k, v = random_qkv(rng, B, T, S, N, K, 128, jnp.bfloat16)
+    bias = (jnp.asarray(rng.standard_normal((1, N, T, S)) * 2, jnp.float32)
+            if "bias" in terms else None)
+    mask = jnp.asarray(rng.random((B, 1, T, S)) > 0.3) if "mask" in terms else None
+    slopes = slopes_of(rng)
+    assert jax_flashattn.forward_kernel(q, k, bias, mask, alibi_slopes=slopes) == family
+    check_cuda_forward(q, k, v, bias, mask, alibi_slopes=slopes, is_causal=True)
+
+
+def test_forward_with_soft_cap_and_segment_ids(rng):
+    """Beside a soft-cap (ALiBi added after the cap) or segment ids: the mma.sync family."""
+    q, k, v = random_qkv(rng, B, T, S, N, K, 64, jnp.bfloat16, magnitude=3.0)
+    slopes = slopes_of(rng)
+    assert jax_flashattn.forward_kernel(q, k, logits_soft_cap=4.0, alibi_slopes=slopes) == "sm80"
+    check_cuda_forward(q, k, v, alibi_slopes=slopes, logits_soft_cap=4.0, is_causal=True)
+    q_ids = jnp.asarray(np.arange(B * T).reshape(B, T) // 20, jnp.int32)
+    kv_ids = jnp.asarray(np.arange(B * S).reshape(B, S) * T // S // 20, jnp.int32)
+    check_cuda_forward(q, k, v, alibi_slopes=slopes, query_segment_ids=q_ids,
+                       key_value_segment_ids=kv_ids)
+
+
+@pytest.mark.parametrize("head_dim", [64, 33])
+def test_forward_float32(rng, head_dim):
+    q, k, v = random_qkv(rng, B, T, S, N, K, head_dim, jnp.float32)
+    slopes = slopes_of(rng)
+    assert jax_flashattn.forward_kernel(q, k, alibi_slopes=slopes) == "simt"
+    check_cuda_forward(q, k, v, alibi_slopes=slopes, is_causal=True)
+    check_cuda_forward(q, k, v, alibi_slopes=slopes, **OPTIONS["bottom_right_causal_lengths"])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("t,s", [(1, 4097), (3, 1001), (16, 2000)])
+@pytest.mark.parametrize("bounds", ["lengths", "causal_bottom_right"])
+@pytest.mark.parametrize("decode_family", ["default", "sm80"])
+def test_decode_kernels(rng, monkeypatch, dtype, head_dim, t, s, bounds, decode_family):
+    """Decoding shapes on the split-KV decode kernels' instantiations for the terms: on Hopper
+    the wgmma one from 32 rows per kv head (head dims up to 128), else and with
+    JAX_FLASHATTN_DISABLE_SM90 the mma.sync one; each packed row (a query position of one
+    head of the group) with its own slope and diagonal."""
+    if decode_family == "sm80":
+        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    q, k, v = random_qkv(rng, 2, t, s, 8, 2, head_dim, dtype)
+    slopes = slopes_of(rng, (2, 8)) / 8  # terms of a few units over the keys near the diagonal
+    kernel = jax_flashattn.forward_kernel(q, k, alibi_slopes=slopes)
+    assert kernel == jax_flashattn.forward_kernel(q, k)
+    assert kernel in ("decode", "decode_sm90")
+    kwargs = (dict(key_value_seq_lengths=np.array([s, s // 3], np.int32))
+              if bounds == "lengths" else dict(is_causal=True, diagonal_alignment="bottom_right"))
+    check_cuda_forward(q, k, v, alibi_slopes=slopes, **kwargs)
+
+
+def alibi_grads(fn, q, k, v, bias, slopes, d_out, **kwargs):
+    """(dq, dk, dv, dbias or None, dslopes) of fn for cotangent d_out."""
+    if bias is None:
+        f = lambda q, k, v, sl: fn(q, k, v, alibi_slopes=sl, **kwargs)  # noqa: E731
+        dq, dk, dv, ds = jax.vjp(f, q, k, v, slopes)[1](d_out)
+        return dq, dk, dv, None, ds
+    f = lambda q, k, v, b, sl: fn(q, k, v, b, alibi_slopes=sl, **kwargs)  # noqa: E731
+    return jax.vjp(f, q, k, v, bias, slopes)[1](d_out)
+
+
+def slopes_terms(q, k, v, bias, slopes, d_out, out, **kwargs):
+    """(model, scale), float64 [B, N]: the slopes' gradient -sum |t + shift - s| dS with the
+    kernels' own rounding, dS = P (dP - D) from the exact P and dP but D = rowsum(dO o out)
+    from the kernels' output `out` (which the float32 reference does not round; the error of D
+    that rounding brings dominates the kernels' dslopes error), and |t + shift - s| |dS|
+    summed, the size of the terms whose signed sum that is (dS sums to about 0 along a row, so
+    the sum cancels), which the tolerances are relative to."""
+    args = _validate.normalize(q, k, v, bias, alibi_slopes=slopes, **kwargs)
+    p = np.asarray(reference._softmax(args, jnp.float32)[0], np.float64)  # [B, N, T, S]
+    group = q.shape[2] // k.shape[2]
+    v64 = np.repeat(np.asarray(v, np.float64), group, axis=2)
+    d_out64, out64 = np.asarray(d_out, np.float64), np.asarray(out, np.float64)
+    dp = np.einsum("btnh,bsnh->bnts", d_out64, v64)
+    d = np.einsum("btnh,btnh->bnt", d_out64, out64)[..., None]
+    ds = p * (dp - d)
+    unit = _validate.normalize(q, k, v, bias, alibi_slopes=jnp.ones((B, N), jnp.float32),
+                               **kwargs)
+    distance = -np.asarray(_alibi_logits(unit), np.float64)
+    return -np.sum(distance * ds, axis=(2, 3)), np.sum(distance * np.abs(ds), axis=(2, 3))
+
+
+def check_alibi_grads(rng, q, k, v, slopes, bias=None, *, deterministic=False, **kwargs):
+    """Gradients of q, k, v, the bias and the slopes against the float32 reference, normwise
+    (the slopes' relative to slopes_terms's scale, and against its model); returns ours."""
+    d_out = jnp.asarray(rng.standard_normal(q.shape, dtype=np.float32), q.dtype)
+    operands = [x for x in (q, k, v, bias) if x is not None]
+    poison(*operands, slopes, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    ours = jax.jit(lambda q, k, v, b, sl: alibi_grads(
+        jax_flashattn.attention, q, k, v, b, sl, d_out, implementation="cuda",
+        deterministic_backward=deterministic, **kwargs))(q, k, v, bias, slopes)
+    f32 = [None if x is None else jnp.asarray(x, jnp.float32) for x in (q, k, v, bias, d_out)]
+    ref = jax.jit(lambda q, k, v, b, sl, d: alibi_grads(reference.attention, q, k, v, b, sl, d,
+                                                        **kwargs))(*f32[:4], slopes, f32[4])
+    tol = NORMWISE[jnp.dtype(q.dtype)]
+    for name, a, r in zip(("dq", "dk", "dv", "dbias"), ours, ref):
+        if r is None:
+            continue
+        a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
+        assert np.isfinite(a).all(), f"{name}: unwritten or non-finite elements"
+        err, bound = np.linalg.norm(a - r), tol * np.linalg.norm(r) + 1e-5 * np.sqrt(r.size)
+        assert err <= bound, f"{name}: normwise error {err:.3g} exceeds {bound:.3g}"
+    # dslopes: against the float32 reference within the rounding of D that the kernels'
+    # output brings (tol of the terms' size), and against the gradient with that rounding
+    # modelled, within float32 arithmetic (1e-3 of the terms' size, below half the gradient
+    # here: a missing or halved gradient fails it).
+    got, want = np.asarray(ours[4], np.float64), np.asarray(ref[4], np.float64)
+    assert got.shape == slopes.shape and np.isfinite(got).all(), "dslopes"
+    out = jax.jit(lambda q, k, v, b, sl: jax_flashattn.attention(
+        q, k, v, b, alibi_slopes=sl, implementation="cuda", **kwargs))(q, k, v, bias, slopes)
+    model, scale = slopes_terms(q, k, v, bias, slopes, d_out, out, **kwargs)
+    err, bound = np.linalg.norm(got - want), tol * np.linalg.norm(scale) + 1e-5
+    assert err <= bound, f"dslopes: normwise error {err:.3g} exceeds {bound:.3g}"
+    err, bound = np.linalg.norm(got - model), 1e-3 * np.linalg.norm(scale) + 1e-5
+    assert err <= bound, f"dslopes against the model: error {err:.3g} exceeds {bound:.3g}"
+    assert bound < 0.5 * np.linalg.norm(model), "dslopes: the model's bound is too loose here"
+    return ours
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_gradients(rng, backward_family, dtype, head_dim, option, deterministic):
+    q, k, v = random_qkv(rng, B, T, S, N, K, head_dim, dtype)
+    slopes = slopes_of(rng)
+    family = jax_flashattn.backward_kernel(q, k, deterministic=deterministic,
+                                           alibi_slopes=slopes)
+    # mma.sync above 128 only where the device has the large table's shared memory.
+    assert family == backward_family or (head_dim > 128 and family == "simt")
+    check_alibi_grads(rng, q, k, v, slopes, deterministic=deterministic, **OPTIONS[option])
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_gradients_with_bias_and_mask(rng, backward_family, deterministic):
+    q, k, v = random_qkv(rng, B, T, S, N, K, 128, jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal((B, N, T, S)), jnp.float32)
+    mask = jnp.asarray(rng.random((1, 1, T, S)) > 0.3)
+    check_alibi_grads(rng, q, k, v, slopes_of(rng), bias, mask=mask, deterministic=deterministic,
+                      is_causal=True)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_gradients_with_soft_cap_and_segment_ids(rng, deterministic):
+    """dslopes takes dS itself, dq and dk the cap's slope (the mma.sync family)."""
+    q, k, v = random_qkv(rng, B, T, S, N, K, 64, jnp.bfloat16, magnitude=3.0)
+    slopes = slopes_of(rng)
+    check_alibi_grads(rng, q, k, v, slopes, deterministic=deterministic, logits_soft_cap=3.0,
+                      is_causal=True)
+    q_ids = jnp.asarray(np.arange(B * T).reshape(B, T) // 20, jnp.int32)
+    kv_ids = jnp.asarray(np.arange(B * S).reshape(B, S) * T // S // 20, jnp.int32)
+    check_alibi_grads(rng, q, k, v, slopes, deterministic=deterministic,
+                      query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
+
+
+@pytest.mark.parametrize("head_dim", [64, 33])
+def test_gradients_float32(rng, head_dim):
+    q, k, v = random_qkv(rng, B, T, S, N, K, head_dim, jnp.float32)
+    slopes = slopes_of(rng)
+    assert jax_flashattn.backward_kernel(q, k, alibi_slopes=slopes) == "simt"
+    check_alibi_grads(rng, q, k, v, slopes, **OPTIONS["bottom_right_causal_lengths"])
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_slopes_gradient_is_bit_identical_across_runs(rng, backward_family, deterministic):
+    """Every slot of the slopes' gradient has one writer, so even the default (atomic dQ) mode
+    gives the same dslopes on every run; the deterministic mode all gradients."""
+    q, k, v = random_qkv(rng, B, 500, 700, N, K, 128, jnp.bfloat16)
+    slopes = slopes_of(rng)
+    d_out = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+    run = jax.jit(lambda q, k, v, sl: alibi_grads(
+        jax_flashattn.attention, q, k, v, None, sl, d_out, implementation="cuda",
+        deterministic_backward=deterministic, is_causal=True))
+    first = run(q, k, v, slopes)
+    for _ in range(3):
+        again = run(q, k, v, slopes)
+        np.testing.assert_array_equal(np.asarray(again[4]), np.asarray(first[4]))
+        if deterministic:
+            for a, b in zip(again[:3], first[:3]):
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
