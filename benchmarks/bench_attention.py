@@ -29,7 +29,8 @@ lengths 4096, 3072, 2048, 1024), GQA (16 query heads over 4 kv heads, causal), b
 boolean mask [B,1,T,S] of packed documents (1, 2, 4, 8 per batch entry), the same documents as
 segment ids, full and causal (jax.nn gets them as that mask, built inside the timed call),
 logits soft-capped at 50 (Gemma 2's cap), and attention sinks (gpt-oss's), each full and causal
-(ours only: jax.nn has neither), and a prefill of T/16 queries against T keys, causal with the
+(ours only: jax.nn has neither), ALiBi with BLOOM's slopes, full and causal (jax.nn gets the
+dense [1,N,T,S] bias, built inside the timed call), and a prefill of T/16 queries against T keys, causal with the
 diagonal at the bottom right (jax.nn gets the mask it stands for); its FLOPs count only the
 visible logits. --seqlen, --dtype, --head-dim and --hidden (N = hidden/H) override its sizes,
 --rows keeps some of its rows; --causal and --tokens do not apply. Packed preset: bf16, N=16,
@@ -110,7 +111,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", action="store_true",
                    help="the options preset (bf16, B=4, T=S=4096, N=16, H=128; full, causal, "
                         "window 1024, lengths, GQA 16/4, bias [1,N,T,S], mask [B,1,T,S], "
-                        "segment ids, soft-cap 50 and sinks, each full and causal; a "
+                        "segment ids, soft-cap 50, sinks and ALiBi, each full and causal; a "
                         "bottom-right causal prefill of T/16 queries) "
                         "instead of the standard grid; FLOPs count visible logits only")
     p.add_argument("--rows", type=lambda text: [x for x in text.split(",") if x], default=None,

@@ -113,11 +113,12 @@ def test_bench_script_variants_preset_and_exclusive_with_decode():
                                             "GQA 16/4", "bias [1,N,T,S]", "mask [B,1,T,S]",
                                             "segment ids", "segment ids, causal",
                                             "soft-cap 50", "soft-cap 50, causal",
-                                            "sinks", "sinks, causal",
+                                            "sinks", "sinks, causal", "ALiBi", "ALiBi, causal",
                                             "prefill 256, bottom-right"]
-    assert [c.causal for c in configs[-7:]] == [False, True] * 3 + [True]
-    assert [c.soft_cap for c in configs] == [None] * 9 + [50.0, 50.0, None, None, None]
-    assert [c.sinks for c in configs] == [False] * 11 + [True, True, False]
+    assert [c.causal for c in configs[-9:]] == [False, True] * 4 + [True]
+    assert [c.soft_cap for c in configs] == [None] * 9 + [50.0, 50.0] + [None] * 5
+    assert [c.sinks for c in configs] == [False] * 11 + [True, True] + [False] * 3
+    assert [c.alibi for c in configs] == [False] * 13 + [True, True, False]
     assert [(c.bottom_right, c.seqlen_q, c.seqlen_k) for c in configs][-2:] == [
         (False, 4096, 4096), (True, 256, 4096)]
     rows = bench.build_configs(bench.parse_args(["--variants", "--rows", "full,causal,soft-cap"]))

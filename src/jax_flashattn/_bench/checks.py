@@ -108,7 +108,8 @@ class ReferenceSlice:
 
     def take_extras(self, cfg: "Config", extras: dict) -> dict:
         """The extras (`Inputs.extras`) of the slice: bias and mask [B or 1, N or 1, T, S] at
-        the checked batch entries, heads and query rows (every key), the sinks at the heads,
+        the checked batch entries, heads and query rows (every key), the sinks and ALiBi
+        slopes at the heads,
         lengths and segment ids at the batch entries (every position: _row_visibility picks the
         rows' ids). cuDNN's lengths and offsets of the packed rows restate the segment ids and
         are left out."""
@@ -119,7 +120,7 @@ class ReferenceSlice:
                 continue
             if name in ("bias", "mask"):
                 sliced[name] = _take_logits_shaped(x, self.batch_index, self.rows, heads=heads)
-            elif name == "sinks":
+            elif name in ("sinks", "alibi_slopes"):
                 sliced[name] = x[:heads]
             else:
                 sliced[name] = x[self.batch_index]
@@ -190,15 +191,20 @@ def _row_visibility(rows, seqlen_k, *, causal, window, q_lens, kv_lens, mask, q_
                    static_argnames=("causal", "window", "dtype", "soft_cap", "shift"))
 def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype, soft_cap, shift):
     """Exact and P-rounded reference outputs for query rows `rows` (causal, window, lengths,
-    mask and segment ids mask by the rows' true positions, as the full problem would; `extras`
-    are sliced by `ReferenceSlice.take_extras`)."""
+    mask and segment ids mask by the rows' true positions, as the full problem would, and ALiBi
+    is the dense bias of those positions; `extras` are sliced by `ReferenceSlice.take_extras`)."""
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    bias = extras.get("bias")
+    if extras.get("alibi_slopes") is not None:
+        distance = jnp.abs(rows[:, None] + shift - jnp.arange(k.shape[1])[None, :])
+        alibi = -extras["alibi_slopes"][None, :, None, None] * distance.astype(jnp.float32)
+        bias = alibi if bias is None else bias.astype(jnp.float32) + alibi
     mask = _row_visibility(rows, k.shape[1], causal=causal, window=window,
                            q_lens=extras.get("query_seq_lengths"),
                            kv_lens=extras.get("key_value_seq_lengths"), mask=extras.get("mask"),
                            q_ids=extras.get("query_segment_ids"),
                            kv_ids=extras.get("key_value_segment_ids"), shift=shift)
-    f = functools.partial(reference.attention, bias=extras.get("bias"), mask=mask,
+    f = functools.partial(reference.attention, bias=bias, mask=mask,
                           logits_soft_cap=soft_cap, sinks=extras.get("sinks"))
     exact = f(q, k, v)
     rounded = f(q, k, v, p_dtype=DTYPES[dtype])

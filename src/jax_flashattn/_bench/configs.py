@@ -70,6 +70,9 @@ class Config:
     segment_docs: tuple[int | tuple[int, ...], ...] | None = None
     soft_cap: float | None = None  # logits_soft_cap (ours only: jax.nn has no soft-capping)
     sinks: bool = False  # one sink logit per query head, drawn (ours only: jax.nn has none)
+    # ALiBi with BLOOM's slopes (jax.nn gets the dense [1, N, T, S] bias it stands for, built
+    # inside the timed call).
+    alibi: bool = False
     # diagonal_alignment="bottom_right": query t at position t + S - T for causal and the window
     # (jax.nn gets that as a mask).
     bottom_right: bool = False
@@ -239,8 +242,9 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
     same documents as segment ids, full and causal (other implementations than ours get
     them as that mask, built from the ids inside the timed call, as a jax.nn user would), and
     logits soft-capped at `soft_cap`, full and causal (ours only; no such rows with None),
-    attention sinks, full and causal (ours only), and a prefill of T / 16 queries against the T
-    keys, causal with the diagonal at the bottom right (jax.nn gets it as a mask)."""
+    attention sinks, full and causal (ours only), ALiBi, full and causal (jax.nn gets the
+    dense bias), and a prefill of T / 16 queries against the T keys, causal with the diagonal
+    at the bottom right (jax.nn gets it as a mask)."""
     configs = []
     for dtype in dtypes:
         for h in head_dims:
@@ -279,6 +283,8 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
                 configs += [
                     dataclasses.replace(base, sinks=True, variant="sinks"),
                     dataclasses.replace(base, causal=True, sinks=True, variant="sinks, causal"),
+                    dataclasses.replace(base, alibi=True, variant="ALiBi"),
+                    dataclasses.replace(base, causal=True, alibi=True, variant="ALiBi, causal"),
                     dataclasses.replace(base, seqlen_q=prefill, causal=True, bottom_right=True,
                                         variant=f"prefill {prefill}, bottom-right"),
                 ]

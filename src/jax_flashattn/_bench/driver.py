@@ -92,6 +92,7 @@ def config_record(cfg: Config) -> dict:
         record.update(variant=cfg.variant, window=cfg.window, q_lens=cfg.q_lens,
                       kv_lens=cfg.kv_lens, bias_shape=cfg.bias_shape, mask_docs=cfg.mask_docs,
                       segment_docs=cfg.segment_docs, soft_cap=cfg.soft_cap, sinks=cfg.sinks,
+                      alibi=cfg.alibi,
                       bottom_right=cfg.bottom_right,
                       visible=cfg.visible_pairs() / (cfg.batch * cfg.seqlen_q * cfg.seqlen_k))
     elif cfg.kind == "packed":

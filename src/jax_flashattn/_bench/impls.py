@@ -64,10 +64,18 @@ def attention_fn(impl: str, causal: bool, window: tuple[int, int] | None = None,
 
 
 def _jax_nn(q, k, v, *, query_segment_ids=None, key_value_segment_ids=None,
-            bottom_right_causal=False, **kwargs):
-    """jax.nn.dot_product_attention; segment ids, and a causal mask with the diagonal at the
-    bottom right, which it does not take, as the boolean masks they stand for ([B, 1, T, S],
-    [T, S]), built inside the call."""
+            bottom_right_causal=False, alibi_slopes=None, **kwargs):
+    """jax.nn.dot_product_attention; segment ids, a causal mask with the diagonal at the
+    bottom right, and ALiBi slopes [N], which it does not take, as the boolean masks and the
+    additive bias they stand for ([B, 1, T, S], [T, S], [1, N, T, S] in q's dtype, added to
+    the call's bias), built inside the call."""
+    if alibi_slopes is not None:
+        t, s = q.shape[-3], k.shape[-3]
+        distance = jnp.abs(jnp.arange(t)[:, None] - jnp.arange(s)[None, :]).astype(jnp.float32)
+        dense = -alibi_slopes[None, :, None, None] * distance
+        if kwargs.get("bias") is not None:
+            dense = dense + kwargs["bias"].astype(jnp.float32)
+        kwargs["bias"] = dense.astype(q.dtype)
     if query_segment_ids is not None:
         kwargs["mask"] = (query_segment_ids[:, None, :, None] ==
                           key_value_segment_ids[:, None, None, :])
@@ -136,7 +144,8 @@ class Inputs:
         """The config's extra arguments, by `attention`'s keyword: bias (standard normal, the
         input dtype), mask, query/key_value_segment_ids, query_seq_lengths and
         key_value_seq_lengths (int32), sinks (float32 [N], 2 + standard normal: a weight of
-        the order of a tenth of a row's at these sizes), and on the packed rows cuDNN's lengths
+        the order of a tenth of a row's at these sizes), alibi_slopes (float32 [N], BLOOM's
+        2^(-8 (i + 1) / N)), and on the packed rows cuDNN's lengths
         and offsets (CUDNN_PACKED_EXTRA, for "cudnn-packed" only). One copy for every set;
         never donated."""
         cfg, extras = self.cfg, {}
@@ -161,6 +170,9 @@ class Inputs:
         if cfg.sinks:
             key = jax.random.fold_in(jax.random.key(self.seed), 1 << 21)
             extras["sinks"] = 2.0 + _normal(key, (cfg.num_heads,), jnp.dtype(jnp.float32))
+        if cfg.alibi:
+            extras["alibi_slopes"] = jnp.asarray(
+                2.0 ** (-8.0 * np.arange(1, cfg.num_heads + 1) / cfg.num_heads), jnp.float32)
         return extras
 
     def _draw(self):
