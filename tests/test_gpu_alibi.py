@@ -19,23 +19,20 @@ from jax_flashattn import _validate, reference
 from jax_flashattn.attention import _alibi_logits
 from helpers import check_cuda_forward, poison, random_qkv
 from test_gpu_backward import NORMWISE
-# The families a case runs on, as the soft-cap's tests take them (fixtures).
-from test_gpu_soft_cap import backward_family, family  # noqa: F401
+# The families a case runs on (fixtures) and the options, as the soft-cap's tests take them
+# (their lengths are for these shapes).
+from test_gpu_soft_cap import OPTIONS as SOFT_CAP_OPTIONS, backward_family, family  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
 B, T, S, N, K = 2, 97, 150, 4, 2
-OPTIONS = {
-    "plain": {},
-    "causal": dict(is_causal=True),
-    "window_lengths": dict(local_window_size=(40, 7),
-                           query_seq_lengths=np.array([97, 0], np.int32),
-                           key_value_seq_lengths=np.array([150, 33], np.int32)),
+OPTIONS = dict(
+    SOFT_CAP_OPTIONS,
     # Each entry's diagonal at its kv_len - q_len (70 and 52).
-    "bottom_right_causal_lengths": dict(is_causal=True, diagonal_alignment="bottom_right",
-                                        query_seq_lengths=np.array([80, 9], np.int32),
-                                        key_value_seq_lengths=np.array([150, 61], np.int32)),
-}
+    bottom_right_causal_lengths=dict(is_causal=True, diagonal_alignment="bottom_right",
+                                     query_seq_lengths=np.array([80, 9], np.int32),
+                                     key_value_seq_lengths=np.array([150, 61], np.int32)),
+)
 
 
 def slopes_of(rng, shape=(B, N)):
