@@ -18,6 +18,7 @@ import jax_flashattn
 from jax_flashattn import _validate, reference
 from jax_flashattn.attention import _alibi_logits
 from helpers import check_cuda_forward, poison, random_qkv
+from test_alibi import alibi_grads  # (out, dq, dk, dv, dbias or None, dslopes)
 from test_gpu_backward import NORMWISE
 # The families a case runs on (fixtures) and the options, as the soft-cap's tests take them
 # (their lengths are for these shapes).
@@ -112,16 +113,6 @@ def test_decode_kernels(rng, monkeypatch, dtype, head_dim, t, s, bounds, decode_
     check_cuda_forward(q, k, v, alibi_slopes=slopes, **kwargs)
 
 
-def alibi_grads(fn, q, k, v, bias, slopes, d_out, **kwargs):
-    """(dq, dk, dv, dbias or None, dslopes) of fn for cotangent d_out."""
-    if bias is None:
-        f = lambda q, k, v, sl: fn(q, k, v, alibi_slopes=sl, **kwargs)  # noqa: E731
-        dq, dk, dv, ds = jax.vjp(f, q, k, v, slopes)[1](d_out)
-        return dq, dk, dv, None, ds
-    f = lambda q, k, v, b, sl: fn(q, k, v, b, alibi_slopes=sl, **kwargs)  # noqa: E731
-    return jax.vjp(f, q, k, v, bias, slopes)[1](d_out)
-
-
 def slopes_terms(q, k, v, bias, slopes, d_out, out, **kwargs):
     """(model, scale), float64 [B, N]: the slopes' gradient -sum |t + shift - s| dS with the
     kernels' own rounding, dS = P (dP - D) from the exact P and dP but D = rowsum(dO o out)
@@ -145,7 +136,8 @@ def slopes_terms(q, k, v, bias, slopes, d_out, out, **kwargs):
 
 def check_alibi_grads(rng, q, k, v, slopes, bias=None, *, deterministic=False, **kwargs):
     """Gradients of q, k, v, the bias and the slopes against the float32 reference, normwise
-    (the slopes' relative to slopes_terms's scale, and against its model); returns ours."""
+    (the slopes' relative to slopes_terms's scale, and against its model); returns ours
+    (out first)."""
     d_out = jnp.asarray(rng.standard_normal(q.shape, dtype=np.float32), q.dtype)
     operands = [x for x in (q, k, v, bias) if x is not None]
     poison(*operands, slopes, jax.ShapeDtypeStruct(q.shape, jnp.float32))
@@ -156,7 +148,7 @@ def check_alibi_grads(rng, q, k, v, slopes, bias=None, *, deterministic=False, *
     ref = jax.jit(lambda q, k, v, b, sl, d: alibi_grads(reference.attention, q, k, v, b, sl, d,
                                                         **kwargs))(*f32[:4], slopes, f32[4])
     tol = NORMWISE[jnp.dtype(q.dtype)]
-    for name, a, r in zip(("dq", "dk", "dv", "dbias"), ours, ref):
+    for name, a, r in zip(("dq", "dk", "dv", "dbias"), ours[1:5], ref[1:5]):
         if r is None:
             continue
         a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
@@ -167,11 +159,9 @@ def check_alibi_grads(rng, q, k, v, slopes, bias=None, *, deterministic=False, *
     # output brings (tol of the terms' size), and against the gradient with that rounding
     # modelled, within float32 arithmetic (1e-3 of the terms' size, below half the gradient
     # here: a missing or halved gradient fails it).
-    got, want = np.asarray(ours[4], np.float64), np.asarray(ref[4], np.float64)
+    got, want = np.asarray(ours[5], np.float64), np.asarray(ref[5], np.float64)
     assert got.shape == slopes.shape and np.isfinite(got).all(), "dslopes"
-    out = jax.jit(lambda q, k, v, b, sl: jax_flashattn.attention(
-        q, k, v, b, alibi_slopes=sl, implementation="cuda", **kwargs))(q, k, v, bias, slopes)
-    model, scale = slopes_terms(q, k, v, bias, slopes, d_out, out, **kwargs)
+    model, scale = slopes_terms(q, k, v, bias, slopes, d_out, ours[0], **kwargs)
     err, bound = np.linalg.norm(got - want), tol * np.linalg.norm(scale) + 1e-5
     assert err <= bound, f"dslopes: normwise error {err:.3g} exceeds {bound:.3g}"
     err, bound = np.linalg.norm(got - model), 1e-3 * np.linalg.norm(scale) + 1e-5
@@ -237,7 +227,7 @@ def test_slopes_gradient_is_bit_identical_across_runs(rng, backward_family, dete
     first = run(q, k, v, slopes)
     for _ in range(3):
         again = run(q, k, v, slopes)
-        np.testing.assert_array_equal(np.asarray(again[4]), np.asarray(first[4]))
+        np.testing.assert_array_equal(np.asarray(again[5]), np.asarray(first[5]))
         if deterministic:
-            for a, b in zip(again[:3], first[:3]):
+            for a, b in zip(again[1:4], first[1:4]):
                 np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
