@@ -25,15 +25,9 @@ struct AlibiLogits {
     return {policy.slope * kLog2e, policy.shift};
   }
 
-  // |t + shift - s|, as float.
-  __device__ __forceinline__ float distance(int64_t t, int64_t s) const {
-    const int64_t d = t + shift - s;
-    return float(d < 0 ? -d : d);
-  }
-
-  // The base-2 term -slope log2(e) |t + shift - s|.
+  // The base-2 term -slope log2(e) |t + shift - s| (the distance variant::Alibi's).
   __device__ __forceinline__ float log2_term(int64_t t, int64_t s) const {
-    return -slope2 * distance(t, s);
+    return -slope2 * variant::Alibi{0.f, shift, true}.distance(t, s);
   }
 };
 

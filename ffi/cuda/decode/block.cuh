@@ -201,7 +201,7 @@ struct DecodeBiasAndMask {
         }
       if constexpr (kAlibi) {
         // t + shift - key: the distance of key + c is |at - c|, exact (as
-        // cuda::AlibiLogits's) up to 2^24.
+        // variant::Alibi's) up to 2^24.
         const int t = query_of(p, sp, rows.row[h]);
         const cuda::AlibiLogits alibi = cuda::AlibiLogits::make(p, sp.b, head_of(sp, rows.row[h]));
         const float at = float(t + alibi.shift - key);

@@ -6,8 +6,9 @@
 // (shared by the elements of equal offset) and one FFMA for its term (the absolute value is an
 // operand modifier) instead of 64-bit arithmetic and a conversion.
 //
-// Exact where the origin's and the elements' distances stay below 2^24, as AlibiLogits::distance
-// (and the CPU kernels' float distance) is: every operand is then an integer that float holds.
+// Exact where the origin's and the elements' distances stay below 2^24, as
+// variant::Alibi::distance (the CPU kernels' too) is: every operand is then an integer that
+// float holds.
 #pragma once
 
 #include <cmath>
