@@ -30,17 +30,17 @@ boolean mask [B,1,T,S] of packed documents (1, 2, 4, 8 per batch entry), the sam
 segment ids, full and causal (jax.nn gets them as that mask, built inside the timed call),
 logits soft-capped at 50 (Gemma 2's cap), and attention sinks (gpt-oss's), each full and causal
 (ours only: jax.nn has neither), ALiBi with BLOOM's slopes, full and causal (jax.nn gets the
-dense [1,N,T,S] bias, built inside the timed call), and a prefill of T/16 queries against T keys, causal with the
-diagonal at the bottom right (jax.nn gets the mask it stands for); its FLOPs count only the
-visible logits. --seqlen, --dtype, --head-dim and --hidden (N = hidden/H) override its sizes,
---rows keeps some of its rows; --causal and --tokens do not apply. Packed preset: bf16, N=16,
-H=128, causal, T in {8192, 32768} at 32768 tokens per batch (B = 32768/T), rows packed with
-documents whose lengths are drawn (fixed seed, each row its own draw) from a log-normal of mean
-1024, and of mean 4096 (sigma 1 of the logarithm), the last one cut at T; FLOPs count each
-document's causal pairs. Each mean first gets a dense causal row at T = the mean (our yardstick
-for the packed rows: the ours/dense column; cudnn-packed sees one document per row there).
-Implementations: ours (segment ids), cudnn (jax.nn with the boolean mask [B,1,T,T] of the
-documents) and cudnn-packed (cuDNN's packed path through
+dense [1,N,T,S] bias, built inside the timed call), and a prefill of T/16 queries against T
+keys, causal with the diagonal at the bottom right (jax.nn gets the mask it stands for); its
+FLOPs count only the visible logits. --seqlen, --dtype, --head-dim and --hidden (N = hidden/H)
+override its sizes, --rows keeps some of its rows; --causal and --tokens do not apply. Packed
+preset: bf16, N=16, H=128, causal, T in {8192, 32768} at 32768 tokens per batch (B = 32768/T),
+rows packed with documents whose lengths are drawn (fixed seed, each row its own draw) from a
+log-normal of mean 1024, and of mean 4096 (sigma 1 of the logarithm), the last one cut at T;
+FLOPs count each document's causal pairs. Each mean first gets a dense causal row at T = the
+mean (our yardstick for the packed rows: the ours/dense column; cudnn-packed sees one document
+per row there). Implementations: ours (segment ids), cudnn (jax.nn with the boolean mask
+[B,1,T,T] of the documents) and cudnn-packed (cuDNN's packed path through
 jax._src.cudnn.fused_attention_stablehlo: per-document lengths and offsets, PADDING_CAUSAL;
 "unavailable" where this JAX lacks it). --seqlen, --tokens, --dtype, --head-dim and --hidden
 override its sizes; --causal does not apply.

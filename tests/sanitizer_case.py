@@ -14,8 +14,8 @@ buffers runs every case to the end:
 Shapes are odd (tile edges), with GQA, causal, windows, lengths (bottom-right aligned at them
 too), soft-caps, biases and masks (with dbias), ALiBi (with the slopes' gradient), so every
 predicated path runs (and two long forwards take the wide Hopper tiles of head dims 128 and
-64), and the tensor-core backward runs in both dQ modes (atomics and deterministic); the script exits non-zero if a result is not
-finite.
+64), and the tensor-core backward runs in both dQ modes (atomics and deterministic); the
+script exits non-zero if a result is not finite.
 """
 
 import contextlib

@@ -73,9 +73,10 @@ cudaError_t launch_tensor_core(const AttentionParams& p, BackwardKernel kernel,
 // deterministic mode needs the call's dQ semaphores and no segment ids (such calls keep the
 // mma.sync family's dQ pass). Soft-capped calls take the kernel's instantiations for them
 // (BackwardWithSoftCap), without segment ids (such calls take the mma.sync family's). Calls with
-// a bias, boolean mask or ALiBi take its instantiations for them (BackwardWithBiasAndMask) where the
-// tensors have unit stride along the keys, without ids or a soft-cap, and in deterministic mode
-// only where each element of dbias has one writer (its red.global.add has no fixed order).
+// a bias, boolean mask or ALiBi take its instantiations for them (BackwardWithBiasAndMask)
+// where the tensors have unit stride along the keys, without ids or a soft-cap, and in
+// deterministic mode only where each element of dbias has one writer (its red.global.add has
+// no fixed order).
 bool sm90_applies(const AttentionParams& p, int device) {
   const int64_t max_head_dim = wgmma::kBackwardHeadDims[std::size(wgmma::kBackwardHeadDims) - 1];
   constexpr int64_t kBlockN = wgmma::kBackwardMinBlockN;

@@ -10,7 +10,8 @@
 // bias, boolean mask or ALiBi, on their instantiations for those); calls with segment ids, or
 // with a soft-cap beside those terms, keep the normal kernels. Calls with one of a soft-cap,
 // segment ids, or the elementwise terms (bias, mask, ALiBi) take the Hopper kernel's
-// instantiations for it; with two of them, the mma.sync family. Why in this order: docs/decisions/kernel-family-dispatch.md.
+// instantiations for it; with two of them, the mma.sync family. Why in this order:
+// docs/decisions/kernel-family-dispatch.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

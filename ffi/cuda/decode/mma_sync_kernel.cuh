@@ -143,7 +143,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           mma_pair<Elem>(s_acc[0], c, q_frag[ks], k_frag);
         }
       cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
-      if constexpr (Traits::kBiasAndMask) terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
+      if constexpr (Traits::kBiasAndMask)
+        terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
       rows.mask(s_acc[0], key0, quad_col);
       softmax.update(s_acc, o_acc, scale_log2);
 

@@ -242,7 +242,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     Warpgroup::scores(s_acc[0], q_frag, desc, stage);
     const int key0 = tile * kBlockN;
     mma_sync::cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
-    if constexpr (Traits::kBiasAndMask) terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
+    if constexpr (Traits::kBiasAndMask)
+      terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
     if (!rows.sees_all(key0, kBlockN)) rows.mask(s_acc[0], key0, quad_col);
     softmax.update(s_acc, o_acc, scale_log2);
     Warpgroup::add_pv(o_acc[0], s_acc[0], desc, stage);
