@@ -189,6 +189,18 @@ def main():
                  key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
     forward_case(rng, "decode, alibi, combine", (2, 3, 4097, 8, 2, 64), kernel="decode",
                  alibi_slopes=jnp.asarray(2.0 ** -rng.uniform(1, 8, (8,)), jnp.float32))
+    # ALiBi alone on the Hopper kernel, which visits a block's key tiles from its diagonal on:
+    # the last key tile, whose V rows past a length are zeroed before it is read, falls in the
+    # middle of the order; at head dim 256 O is staged in the K/V ring after the key tiles.
+    for head_dim, kwargs in [(128, dict(key_value_seq_lengths=jnp.array([1001, 517], jnp.int32))),
+                             (256, dict(is_causal=True, diagonal_alignment="bottom_right",
+                                        query_seq_lengths=jnp.array([650, 200], jnp.int32),
+                                        key_value_seq_lengths=jnp.array([777, 390],
+                                                                        jnp.int32)))]:
+        forward_case(rng, f"alibi alone, long rows, H={head_dim}", (2, 700, 1001, 4, 2, head_dim),
+                     kernel=("sm90", "sm80"),
+                     alibi_slopes=jnp.asarray(2.0 ** -rng.uniform(1, 8, (2, 4)), jnp.float32),
+                     **kwargs)
     # Decoding with bottom-right alignment at each entry's lengths: a causal window whose
     # per-entry shift moves the split's key range.
     forward_case(rng, "decode, bottom-right at the lengths", (2, 16, 1001, 8, 2, 128),

@@ -1,8 +1,9 @@
 """ALiBi (alibi_slopes) on the CUDA kernels (run with `pytest -m gpu` on a GPU): out, lse and the
 gradients of q, k, v, the bias and the slopes against the float32 reference.
 
-Calls with ALiBi take the instantiations for the elementwise terms: the Hopper kernels' (alone
-or with a bias or mask; the backward in both dQ modes), the mma.sync family's (with
+Calls with ALiBi take the instantiations for the elementwise terms: the Hopper kernels' (the
+forward's own for ALiBi alone, which visits the key tiles from the diagonal on; with a bias or
+mask; the backward in both dQ modes), the mma.sync family's (with
 JAX_FLASHATTN_DISABLE_SM90, and for ALiBi beside a soft-cap or segment ids; K/V by cp.async
 alone), the split-KV decode kernels' (the wgmma and the mma.sync one) and the CUDA-core
 kernels (float32, other head dims). The slopes' gradient comes from partial sums with one
@@ -17,9 +18,10 @@ import pytest
 import jax_flashattn
 from jax_flashattn import _validate, reference
 from jax_flashattn.attention import _alibi_logits
-from helpers import check_cuda_forward, poison, random_qkv
+from helpers import check_cuda_forward, fill_past_lengths, poison, random_qkv, use_family
 from test_alibi import alibi_grads  # (out, dq, dk, dv, dbias or None, dslopes)
 from test_gpu_backward import NORMWISE
+from test_gpu_forward import shared_direction
 # The families a case runs on (fixtures) and the options, as the soft-cap's tests take them
 # (their lengths are for these shapes).
 from test_gpu_soft_cap import OPTIONS as SOFT_CAP_OPTIONS, backward_family, family  # noqa: F401
@@ -80,6 +82,59 @@ def test_forward_with_soft_cap_and_segment_ids(rng):
     kv_ids = jnp.asarray(np.arange(B * S).reshape(B, S) * T // S // 20, jnp.int32)
     check_cuda_forward(q, k, v, alibi_slopes=slopes, query_segment_ids=q_ids,
                        key_value_segment_ids=kv_ids)
+
+
+# Rows long enough for the Hopper kernel of ALiBi alone to visit many key tiles of many query
+# blocks from the diagonal on (alibi_tile_order.cuh): the diagonal on tile boundaries (causal)
+# and across them (bottom-right, 701 keys up), a window, and lengths under which the block's last
+# key tile (whose V rows past the length hold NaN here) falls anywhere in the order.
+LONG_ROWS = {
+    "causal": (777, 777, dict(is_causal=True), None),
+    "bottom_right_causal": (300, 1001, dict(is_causal=True, diagonal_alignment="bottom_right"),
+                            None),
+    "window": (900, 900, dict(local_window_size=(300, 50)), None),
+    "lengths": (700, 1001, dict(query_seq_lengths=np.array([700, 333], np.int32)),
+                np.array([1001, 517], np.int32)),
+    "bottom_right_causal_lengths": (
+        700, 1001, dict(is_causal=True, diagonal_alignment="bottom_right",
+                        query_seq_lengths=np.array([650, 200], np.int32)),
+        np.array([777, 390], np.int32)),
+}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("case", sorted(LONG_ROWS))
+@pytest.mark.parametrize("signs", ["positive", "mixed"])
+def test_forward_long_rows(rng, monkeypatch, head_dim, case, signs):
+    """Slopes of both signs ("mixed": every other head's negative, so its logits grow away
+    from the diagonal and the rows' maxima move on later tiles)."""
+    assert use_family("sm90", monkeypatch) == "sm90"
+    t, s, kwargs, kv_lens = LONG_ROWS[case]
+    q, k, v = random_qkv(rng, B, t, s, N, K, head_dim, jnp.bfloat16)
+    if kv_lens is not None:
+        k, v = fill_past_lengths(k, v, kv_lens, np.nan)
+        kwargs = dict(kwargs, key_value_seq_lengths=kv_lens)
+    slopes = slopes_of(rng)
+    if signs == "mixed":
+        slopes = slopes * jnp.asarray([1.0, -1.0] * (N // 2), jnp.float32)
+    check_cuda_forward(q, k, v, alibi_slopes=slopes, **kwargs)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_forward_score_spikes(rng, monkeypatch, is_causal):
+    """Two keys that every query favours, 20 and 128 nats above the others, far from most rows'
+    diagonals: rows settled on their diagonal tile meet them with P past the headroom (and
+    overflowing), so those tiles' scores are recomputed, and ALiBi's term added again."""
+    assert use_family("sm90", monkeypatch) == "sm90"
+    t = s = 1000
+    q, k, v = (np.array(x, np.float32) for x in random_qkv(rng, B, t, s, N, K, 128,
+                                                             jnp.float32))
+    u = shared_direction(rng, q, 128)
+    k[:, 3 * s // 8 + 1] = 20 / np.sqrt(128) * u
+    k[:, 3 * s // 4 + 1] = 128 / np.sqrt(128) * u
+    slopes = jnp.asarray(2.0 ** -rng.uniform(7, 9, (B, N)), jnp.float32)
+    check_cuda_forward(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)),
+                       alibi_slopes=slopes, is_causal=is_causal)
 
 
 @pytest.mark.parametrize("head_dim", [64, 33])

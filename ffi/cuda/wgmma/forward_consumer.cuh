@@ -4,7 +4,9 @@
 //   soft-cap                   (WithSoftCap) the landed scores become capped base-2 logits
 //   bias, mask, ALiBi          (WithBiasAndMask) base-2 logits plus the bias and ALiBi's term,
 //                              -inf where the boolean mask (or a length or window boundary)
-//                              hides them
+//                              hides them; ALiBi alone (WithAlibi): base-2 logits with its
+//                              term, the key tiles visited from the diagonal on
+//                              (alibi_tile_order.cuh), so that the maxima settle
 //   mask                       only on tiles that straddle a length or window boundary
 //   P_j = exp2(S_j - max)      online softmax, the scale folded into one FFMA; once a warp's
 //                              row maxima have settled, against those maxima (no max
@@ -40,6 +42,8 @@
 #include "ffi/cuda/common/softmax.cuh"
 #include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/cuda/common/tensor_maps.h"
+#include "ffi/cuda/wgmma/alibi_terms.cuh"
+#include "ffi/cuda/wgmma/alibi_tile_order.cuh"
 #include "ffi/cuda/wgmma/forward_bias_and_mask.cuh"
 #include "ffi/cuda/wgmma/forward_epilogue.cuh"
 #include "ffi/cuda/wgmma/forward_mma.cuh"
@@ -66,6 +70,12 @@ struct ConsumerTile {
   int interior_lo, interior_hi;
   // kSegments: the id of this warp's row lane % 16 (the last query's past T).
   int32_t lane_row_id;
+  // kAlibi: the first key tile visited (AlibiTileOrder), the head's slope log2(e), and the
+  // distance t + shift - s of this thread's first row and its first key of the block's first
+  // key tile (the dispatcher keeps it within int32: alibi_fits).
+  int alibi_first;
+  float alibi_slope2;
+  int alibi_distance;
   cuda::OnlineSoftmax<1> softmax;
 };
 
@@ -107,8 +117,8 @@ struct ForwardConsumer {
   // The softmax's factor on the scores: scale log2(e), or c = cap log2(e) where they are
   // tanh(s scale / cap) (kSoftCap: cap_scores as each tile lands; the capped base-2 logit is
   // c times that, folded into the softmax's FFMA), or 1 where they are base-2 logits already
-  // (kBiasAndMask: BiasAndMask::apply). Without the cap soft_cap is an empty type: the uncapped
-  // kernels' code does not depend on it.
+  // (kBiasAndMask: BiasAndMask::apply; kAlibi: add_alibi). Without the cap soft_cap is an
+  // empty type: the uncapped kernels' code does not depend on it.
   const float softmax_scale;
   struct NoSoftCap {};
   using SoftCap = std::conditional_t<Traits::kSoftCap, cuda::SoftCapLogits, NoSoftCap>;
@@ -146,9 +156,9 @@ struct ForwardConsumer {
         wg_row0(consumer_index * 64), warp_row0(consumer_index * 64 + warp * 16),
         quad_row(lane / 4), quad_col(2 * (lane % 4)),
         desc(ForwardDescriptors<Traits>::make(layout)),
-        softmax_scale(Traits::kSoftCap        ? variant::SoftCap::make(params).cap2
-                      : Traits::kBiasAndMask ? 1.f
-                                             : params.scale * cuda::kLog2e),
+        softmax_scale(Traits::kSoftCap ? variant::SoftCap::make(params).cap2
+                      : Traits::kBiasAndMask || Traits::kAlibi ? 1.f
+                                                               : params.scale * cuda::kLog2e),
         soft_cap(make_soft_cap(params)),
         call_vis(variant::KeyWindow<int>::make(params)) {}
 
@@ -297,10 +307,43 @@ struct ForwardConsumer {
     }
   }
 
-  // The full update of tile j over its first kUsed 8-column tiles: where a boundary crosses
-  // the tile for this warp's rows (not interior), the scores it hides set to -inf first.
+  // The key tile (from the block's first) that the tile loop's j-th step multiplies: j, or
+  // (kAlibi) the one AlibiTileOrder visits j-th.
+  __device__ __forceinline__ int key_tile(const ConsumerTile& w, int j) const {
+    if constexpr (Traits::kAlibi)
+      return AlibiTileOrder<kBlockN>{w.alibi_first, w.t.num_kv_tiles}.key_tile(j);
+    return j;
+  }
+
+  // kAlibi: key tile kt's scores in s_acc as base-2 logits with ALiBi's term, two FFMAs each
+  // (alibi_terms.cuh; the slope's sign, uniform over the tile, chosen once). Element [c][2 h +
+  // e] is at distance alibi_distance + 8 h - kt kBlockN - (8 c + e).
+  template <bool kNegative>
+  __device__ __forceinline__ void add_alibi_terms(const ConsumerTile& w, int kt) {
+    const float scale2 = p.scale * cuda::kLog2e;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float base = w.alibi_slope2 * float(w.alibi_distance + 8 * h - kt * kBlockN);
+#pragma unroll
+      for (int c = 0; c < kNTiles; ++c)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          s_acc[0][c][2 * h + e] = with_alibi_term<kNegative>(
+              s_acc[0][c][2 * h + e], scale2, w.alibi_slope2, base, -(8 * c + e));
+    }
+  }
+  __device__ __forceinline__ void add_alibi(const ConsumerTile& w, int kt) {
+    if constexpr (Traits::kAlibi) {
+      if (w.alibi_slope2 < 0.f) return add_alibi_terms<true>(w, kt);
+      add_alibi_terms<false>(w, kt);
+    }
+  }
+
+  // The full update of key tile kt (the tile loop's j-th) over its first kUsed 8-column tiles:
+  // where a boundary crosses the tile for this warp's rows (not interior), the scores it hides
+  // set to -inf first.
   template <int kUsed>
-  __device__ __forceinline__ void mask_and_exponentiate(ConsumerTile& w, int j, int stage,
+  __device__ __forceinline__ void mask_and_exponentiate(ConsumerTile& w, int kt, int stage,
                                                         bool interior,
                                                         float (&correction)[1][2]) {
     if (!interior) {
@@ -310,7 +353,7 @@ struct ForwardConsumer {
       // The opaque batch index keeps the compiler from reusing the tile's first loads.
       const auto vis = variant::KeyWindow<int>::make(p, ptx::opaque(uint32_t(w.t.b)));
       const cuda::TileVisibility tile_vis = cuda::TileVisibility::make(
-          vis, w.t.row0, (w.t.tile_begin + j) * kBlockN, kBlockM + kBlockN);
+          vis, w.t.row0, (w.t.tile_begin + kt) * kBlockN, kBlockM + kBlockN);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         uint32_t bits[(2 * kUsed + 31) / 32];  // this thread's visible elements of the row
@@ -349,18 +392,28 @@ struct ForwardConsumer {
                                                float (&correction)[1][2]) {
     cap_scores();
     const int stage = kv_ring.stage();
-    bool interior = j >= w.interior_lo && j < w.interior_hi;
+    // The key tile: j itself but with kAlibi (taken through key_tile in every variant, the
+    // other kernels' compares changed form).
+    int kt = j;
+    if constexpr (Traits::kAlibi) kt = key_tile(w, j);
+    bool interior = kt >= w.interior_lo && kt < w.interior_hi;
     if constexpr (Traits::kSegments) interior = interior && one_document(w, stage);
     if constexpr (Traits::kBiasAndMask) {
       if (j + 1 < w.wg_tiles) bias_and_mask().prefetch(w.t, j + 1);
       bias_and_mask().apply(s_acc, w.t, j, interior);
     }
-    // ALiBi's logits grow tile after tile toward the diagonal, so a settled maximum would be
-    // outrun (and the warp's scores recomputed) on most tiles: its calls take the full update.
+    // ALiBi's logits grow tile after tile toward the diagonal, so with the key tiles in order a
+    // settled maximum would be outrun (and the warp's scores recomputed) on most tiles: ALiBi
+    // beside a bias or mask takes the full update (WithAlibi visits the diagonal first).
     const bool alibi = Traits::kBiasAndMask && p.alibi_slopes != nullptr;
     const bool settled = j > 0 && interior && !alibi &&
                          __all_sync(0xffffffff, w.softmax.row_max[0][0] > -INFINITY &&
                                                     w.softmax.row_max[0][1] > -INFINITY);
+    // kAlibi: the term goes on the scores that each path exponentiates, the settled attempt's
+    // and the full update's (the landed scores, or the recomputed ones): added once before the
+    // attempt and again after a recompute, its operands were hoisted over the recompute and
+    // ptxas spilled 400 bytes.
+    if (settled) add_alibi(w, kt);
     if (settled && w.softmax.exponentiate_against_settled_max(s_acc, softmax_scale)) {
       correction[0][0] = correction[0][1] = 1.f;
     } else {
@@ -371,6 +424,7 @@ struct ForwardConsumer {
         cap_scores();
         if constexpr (Traits::kBiasAndMask) bias_and_mask().apply(s_acc, w.t, j, interior);
       }
+      add_alibi(w, kt);
       // kBiasAndMask: the bounds are applied already.
       if constexpr (Traits::kBiasAndMask) interior = true;
       // A half-seen last tile (half_last) is masked and exponentiated on its first half
@@ -378,9 +432,9 @@ struct ForwardConsumer {
       // half of P. On a causal diagonal with 128-key tiles and 128-row blocks, that is
       // warpgroup 0's last tile in every block (docs/decisions/half-seen-last-key-tile.md).
       if (w.half_last && j == w.wg_tiles - 1)
-        mask_and_exponentiate<kNTiles / 2>(w, j, stage, interior, correction);
+        mask_and_exponentiate<kNTiles / 2>(w, kt, stage, interior, correction);
       else
-        mask_and_exponentiate<kNTiles>(w, j, stage, interior, correction);
+        mask_and_exponentiate<kNTiles>(w, kt, stage, interior, correction);
     }
     // One release site after both paths: releasing K_j before the full update where no
     // recompute can follow spills (docs/decisions/hopper-kernels-without-spills.md).
@@ -397,6 +451,20 @@ struct ForwardConsumer {
     if constexpr (Traits::kWindowed)
       if (p.align_window_to_lengths) vis.align_to_lengths(p);
     return vis;
+  }
+
+  // Zeroes V stage `stage`'s rows past the entry's key length where this warpgroup is the one
+  // to (first_v_row_to_zero), before the turn whose product first reads them. kAlibi: every
+  // computing warpgroup reads every key tile, so the lowest computing one, consumer 0, zeroes.
+  __device__ __forceinline__ void zero_v_past_length(const ConsumerTile& w, int stage) {
+    constexpr bool kTails = Traits::kWindowed && !Traits::kAlibi;
+    if (const int first_row = first_v_row_to_zero<kBlockN, kTails, Traits::kSegments>(
+            p, w.t, consumer, w.wg_tiles);
+        first_row < kBlockN) {
+      zero_v_rows(smem, stage, first_row, tid % 128, 128);
+      ptx::fence_proxy_async_shared();  // generic stores that wgmma (async proxy) reads
+      sync_warpgroup();
+    }
   }
 
   // What this warpgroup works out at the start of tile t, whose Q is in stage q_stage.
@@ -418,7 +486,7 @@ struct ForwardConsumer {
     // half-seen-last-key-tile.md.
     w.wg_tiles = t.num_kv_tiles;
     w.half_last = false;
-    if constexpr (Traits::kWindowed) {
+    if constexpr (Traits::kWindowed && !Traits::kAlibi) {
       int key_lo, key_hi;
       vis.key_range(t.row0 + wg_row0, t.row0 + wg_row0 + 64, key_lo, key_hi);
       if (key_hi > key_lo) {
@@ -428,6 +496,13 @@ struct ForwardConsumer {
       }
     }
     if constexpr (Traits::kBiasAndMask) bias_and_mask().prefetch(t, 0);
+    if constexpr (Traits::kAlibi) {
+      const cuda::AlibiLogits alibi = cuda::AlibiLogits::make(p, t.b, t.n);
+      w.alibi_first = AlibiTileOrder<kBlockN>::make(p, t).first;
+      w.alibi_slope2 = alibi.slope2;
+      w.alibi_distance = int(int64_t(t.row0) + warp_row0 + quad_row + alibi.shift -
+                             int64_t(t.tile_begin) * kBlockN - quad_col);
+    }
     w.softmax.init();
     // Worked out once per query block: two compares per tile remain, and the tile's bounds
     // on the masked path (docs/decisions/int32-bounds-and-column-bits-masking.md).
@@ -464,6 +539,11 @@ struct ForwardConsumer {
       pack_p();
       ptx::mbarrier_wait(barrier_address(bars.k_full[kv_ring.stage()]), kv_ring.phase());
       ptx::mbarrier_wait(barrier_address(bars.v_full[prev.stage()]), prev.phase());
+      // kAlibi: the block's last key tile, the one that may hold keys past a length, is
+      // multiplied by V wherever the order visits it (elsewhere always last: after the loop).
+      if constexpr (Traits::kAlibi)
+        if (j - 1 == AlibiTileOrder<kBlockN>{w.alibi_first, t.num_kv_tiles}.last_tile_visit())
+          zero_v_past_length(w, prev.stage());
       take_turn();
       issue_qk(w.q_tile, kv_ring.stage());
       issue_pv(prev.stage(), false);
@@ -479,13 +559,10 @@ struct ForwardConsumer {
     release(bars.q_empty[w.q_stage]);
     pack_p();
     ptx::mbarrier_wait(barrier_address(bars.v_full[kv_ring.stage()]), kv_ring.phase());
-    if (const int first_row = first_v_row_to_zero<kBlockN, Traits::kWindowed, Traits::kSegments>(
-            p, t, consumer, w.wg_tiles);
-        first_row < kBlockN) {
-      zero_v_rows(smem, kv_ring.stage(), first_row, tid % 128, 128);
-      ptx::fence_proxy_async_shared();  // generic stores that wgmma (async proxy) reads
-      sync_warpgroup();
-    }
+    if (!Traits::kAlibi ||
+        AlibiTileOrder<kBlockN>{w.alibi_first, t.num_kv_tiles}.last_tile_visit() ==
+            w.wg_tiles - 1)
+      zero_v_past_length(w, kv_ring.stage());
     take_turn();
     issue_pv(kv_ring.stage(), w.half_last);
     hand_over();

@@ -13,9 +13,10 @@ namespace jax_flashattn::cuda {
 template <typename Elem, typename Traits>
 cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stream) {
   // A configuration without window tests must not see a window, one without the elementwise
-  // terms a bias, mask or ALiBi (it would ignore them).
+  // terms a bias, mask or ALiBi (it would ignore them), WithAlibi anything but ALiBi alone.
   if (!Traits::kWindowed && !p.unwindowed()) return cudaErrorInvalidConfiguration;
-  if (!Traits::kBiasAndMask && p.has_elementwise_terms())
+  if (Traits::kAlibi ? !wgmma::alibi_fits(p)
+                     : !Traits::kBiasAndMask && p.has_elementwise_terms())
     return cudaErrorInvalidConfiguration;
   constexpr auto kernel = wgmma::forward_kernel<Elem, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
@@ -55,15 +56,21 @@ cudaError_t launch_forward_sm90_segments(const AttentionParams& p, cudaStream_t 
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90_softcap(const AttentionParams& p, cudaStream_t stream);
 
-// Calls with a bias, a boolean mask or ALiBi (without segment ids or a soft-cap):
+// Calls with a bias, a boolean mask or ALiBi beside them (without segment ids or a soft-cap):
 // forward_bias_launch.cuh, in translation units of their own
 // (cuda/instantiations/forward_wgmma_bias.cu.in).
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90_bias(const AttentionParams& p, cudaStream_t stream);
 
+// Calls with ALiBi alone (wgmma::alibi_fits): forward_alibi_launch.cuh, in translation units of
+// their own (cuda/instantiations/forward_wgmma_alibi.cu.in).
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_sm90_alibi(const AttentionParams& p, cudaStream_t stream);
+
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   if (p.soft_capped()) return launch_forward_sm90_softcap<Elem, kHeadDim>(p, stream);
+  if (wgmma::alibi_fits(p)) return launch_forward_sm90_alibi<Elem, kHeadDim>(p, stream);
   if (p.has_elementwise_terms()) return launch_forward_sm90_bias<Elem, kHeadDim>(p, stream);
   if (p.q_segment_ids != nullptr) return launch_forward_sm90_segments<Elem, kHeadDim>(p, stream);
   if constexpr (wgmma::kHasWideConfig<kHeadDim>) {

@@ -1,8 +1,8 @@
 // The Hopper forward's producer: one thread of warpgroup 0 claims the block's tiles, hands each,
 // decoded, to the consumers through the tile slot, and issues every TMA load: per tile Q into a
-// ring of kQStages buffers and K_j, V_j into a ring of kStages buffers. A load goes into the next
-// buffer of its ring once every consumer warp has released it (the empty barrier); its full
-// barrier counts the bytes in. Tiles without keys take no buffer (the consumers write their
+// ring of kQStages buffers and K_j, V_j into a ring of kStages buffers (WithAlibi: the key tiles
+// in AlibiTileOrder's order). A load goes into the next buffer of its ring once every consumer
+// warp has released it (the empty barrier); its full barrier counts the bytes in. Tiles without keys take no buffer (the consumers write their
 // zeros and -inf lse).
 //
 // Tile k goes into the slot once every consumer thread has read tile k - 1's. While the
@@ -29,6 +29,7 @@
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/cuda/common/tensor_maps.h"
+#include "ffi/cuda/wgmma/alibi_tile_order.cuh"
 #include "ffi/cuda/wgmma/forward_pipeline.cuh"
 #include "ffi/cuda/wgmma/tile_scheduler.cuh"
 #include "ffi/params.h"
@@ -81,11 +82,16 @@ struct ForwardProducer {
                        tile.b);
   }
 
-  // K_j, V_j of the current tile for j in [j_begin, min(j_end, num_kv_tiles)).
+  // The current tile's key tiles visited j-th for j in [j_begin, min(j_end, num_kv_tiles)):
+  // tile j, or (kAlibi) the one AlibiTileOrder visits j-th.
   __device__ __forceinline__ void load_kv(int j_begin, int j_end) {
+    [[maybe_unused]] AlibiTileOrder<kBlockN> order{};
+    if constexpr (Traits::kAlibi) order = AlibiTileOrder<kBlockN>::make(p, t);
     for (int j = j_begin; j < j_end && j < t.num_kv_tiles; ++j, ++kv_ring.count) {
       const int stage = kv_ring.stage();
-      const int key0 = (t.tile_begin + j) * kBlockN;
+      int key_tile = j;
+      if constexpr (Traits::kAlibi) key_tile = order.key_tile(j);
+      const int key0 = (t.tile_begin + key_tile) * kBlockN;
       if (kv_ring.refill())
         ptx::mbarrier_wait(barrier_address(bars.k_empty[stage]), kv_ring.previous_phase());
       ptx::mbarrier_arrive_expect_tx(barrier_address(bars.k_full[stage]),

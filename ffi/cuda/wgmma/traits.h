@@ -42,6 +42,9 @@ struct ForwardTraits {
   // An additive bias and a boolean mask, read element by element, and ALiBi
   // (WithBiasAndMask below).
   static constexpr bool kBiasAndMask = false;
+  // ALiBi alone, computed on the plain tiles with the key tiles visited from the diagonal
+  // (WithAlibi below).
+  static constexpr bool kAlibi = false;
   static constexpr int kThreads = 128 * (1 + kConsumers);
   static constexpr int kConsumerWarps = 4 * kConsumers;
   // setmaxnreg budgets (a configuration may trade some, register_budgets_fit() below):
@@ -194,6 +197,25 @@ struct WithBiasAndMask : Config {
   static constexpr bool kBiasAndMask = true;
 };
 
+// ALiBi without a bias or mask: each key tile's scores become base-2 logits with ALiBi's
+// term, two FFMAs per score (alibi_terms.cuh), and the softmax takes them with factor 1. The
+// block visits its key tiles from the one that holds its first row's diagonal key on, cyclically
+// (AlibiTileOrder, alibi_tile_order.cuh): ALiBi's logits fall away from the diagonal, so the
+// row maxima settle on the first tile and the later tiles are exponentiated against them, as
+// in the plain kernel. With key tiles out of order, every computing warpgroup multiplies all
+// of the block's key tiles whole (no tail, no half-seen last tile: the masks hide what its rows
+// do not see), and the V rows past a key length are zeroed before the product that reads that
+// tile, wherever it falls in the order. Instantiations of their own (forward_alibi_launch.cuh);
+// ALiBi beside a bias or mask takes WithBiasAndMask. The producer works the order out for each
+// tile's loads: 8 more registers (with 32 ptxas spilled 12 bytes), 128 x 40 + 256 x 232 = 64512.
+template <typename Config>
+struct WithAlibi : Config {
+  static_assert(!Config::kSegments && !Config::kSoftCap && !Config::kBiasAndMask,
+                "ALiBi with other terms takes WithBiasAndMask or the mma.sync family");
+  static constexpr bool kAlibi = true;
+  static constexpr int kProducerRegisters = Config::kProducerRegisters + 8;
+};
+
 // Whether a call's bias and mask suit WithBiasAndMask: their keys contiguous, so that a thread
 // reads its row's elements at constant offsets from one pointer (with a stride per element,
 // the address arithmetic spills). A bias or mask broadcast over the keys takes the mma.sync
@@ -202,6 +224,14 @@ inline bool bias_and_mask_fit(const AttentionParams& p) {
   const bool one_key = p.seqlen_k == 1;
   return (p.bias == nullptr || p.bias_strides.col == 1 || one_key) &&
          (p.mask == nullptr || p.mask_strides.col == 1 || one_key);
+}
+
+// Whether a call takes WithAlibi: ALiBi without a bias or mask, its distances (each thread's
+// per tile: ForwardConsumer's alibi_distance) within int32 whatever the caller's shift.
+inline bool alibi_fits(const AttentionParams& p) {
+  const int64_t shift = p.alibi_shift < 0 ? -p.alibi_shift : p.alibi_shift;
+  return p.alibi_slopes != nullptr && p.bias == nullptr && p.mask == nullptr &&
+         shift <= (int64_t(1) << 30) && p.seqlen_q + p.seqlen_k <= (int64_t(1) << 30);
 }
 
 // setmaxnreg only moves registers within what the block was launched with: 168 per thread
