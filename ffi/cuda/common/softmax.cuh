@@ -49,21 +49,30 @@ struct OnlineSoftmax {
     return max == -INFINITY ? 0.f : max * scale;
   }
 
-  // Row h of slab m of S's first kUsed 8-column tiles, in place: P = exp2(S * scale - offset),
-  // one FFMA and one MUFU.EX2 each. Returns this thread's share of the row's sum.
-  template <int kUsed, int kNTiles>
-  __device__ static float exp2_row(float (&S)[kSlabs][kNTiles][4], int m, int h, float scale,
-                                   float offset) {
+  // Row h of slab m of S's first kUsed 8-column tiles, in place: P = exp2(exponent(s, h, n, c,
+  // -offset)) for the score s of 8-column tile n, column c of the pair. Returns this thread's
+  // share of the row's sum.
+  template <int kUsed, int kNTiles, typename Exponent>
+  __device__ static float exp2_row_with(float (&S)[kSlabs][kNTiles][4], int m, int h,
+                                        float offset, const Exponent& exponent) {
     float sum = 0.f;
 #pragma unroll
     for (int n = 0; n < kUsed; ++n)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         float& s = S[m][n][2 * h + c];
-        s = ptx::exp2_approx(fmaf(s, scale, -offset));
+        s = ptx::exp2_approx(exponent(s, h, n, c, -offset));
         sum += s;
       }
     return sum;
+  }
+  // P = exp2(S * scale - offset): one FFMA and one MUFU.EX2 each.
+  template <int kUsed, int kNTiles>
+  __device__ static float exp2_row(float (&S)[kSlabs][kNTiles][4], int m, int h, float scale,
+                                   float offset) {
+    return exp2_row_with<kUsed>(S, m, h, offset, [scale](float s, int, int, int, float minus) {
+      return fmaf(s, scale, minus);
+    });
   }
 
   // Turns scores S[kSlabs][kNTiles][4] into unnormalised probabilities in place, relative to
@@ -115,13 +124,22 @@ struct OnlineSoftmax {
   // (Why, with measurements: docs/decisions/settled-row-maxima.md.)
   template <int kNTiles>
   __device__ bool exponentiate_against_settled_max(float (&S)[kSlabs][kNTiles][4], float scale) {
+    return exponentiate_against_settled_max(
+        S, scale, [scale](float s, int, int, int, float minus) { return fmaf(s, scale, minus); });
+  }
+  // The same with P = exp2(exponent(s, h, n, c, -m * scale)) (exp2_row_with): for scores that
+  // become the logits scale puts in the maxima's units only as they are exponentiated.
+  template <int kNTiles, typename Exponent>
+  __device__ bool exponentiate_against_settled_max(float (&S)[kSlabs][kNTiles][4], float scale,
+                                                   const Exponent& exponent) {
     float sum[kSlabs][2];
     bool within = true;
 #pragma unroll
     for (int m = 0; m < kSlabs; ++m)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        sum[m][h] = exp2_row<kNTiles>(S, m, h, scale, offset_for(row_max[m][h], scale));
+        sum[m][h] =
+            exp2_row_with<kNTiles>(S, m, h, offset_for(row_max[m][h], scale), exponent);
         within = within && sum[m][h] <= kSettledHeadroom;
       }
     if (!__all_sync(0xffffffff, within)) return false;

@@ -339,6 +339,37 @@ struct ForwardConsumer {
     }
   }
 
+  // kAlibi: which side of this warp's rows' diagonal keys key tile kt lies on: -1 where every
+  // distance t + shift - s of the warp's elements is >= 0 (the tile at or left of every row's
+  // diagonal key), +1 where every one is <= 0, 0 where the diagonal crosses the tile.
+  __device__ __forceinline__ int alibi_side(const ConsumerTile& w, int kt) const {
+    // The distance of the warp's first row and the tile's first key.
+    const int first = w.alibi_distance - quad_row + quad_col - kt * kBlockN;
+    if (first - (kBlockN - 1) >= 0) return -1;
+    return first + 15 <= 0 ? 1 : 0;
+  }
+  // kAlibi: the settled path's exponent on a tile on one side of the diagonal: there -slope2
+  // |d| is the linear sigma slope2 d (sigma the side), so the term and the maximum's offset go
+  // into one FFMA per score on top of the scale's: exp2(s scale2 + (step k + base_h - offset))
+  // for the element k keys right of the thread's first, whose distance is r_h - k
+  // (add_alibi_terms), with step = -sigma slope2 and base_h = sigma slope2 r_h.
+  struct AlibiExponent {
+    float scale2, step, base[2];
+    __device__ __forceinline__ float operator()(float s, int h, int n, int c,
+                                                float minus_offset) const {
+      return fmaf(s, scale2, fmaf(float(8 * n + c), step, base[h] + minus_offset));
+    }
+  };
+  __device__ __forceinline__ AlibiExponent alibi_exponent(const ConsumerTile& w, int kt,
+                                                          int side) const {
+    const float sign = float(side);
+    AlibiExponent x{p.scale * cuda::kLog2e, -sign * w.alibi_slope2, {}};
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      x.base[h] = sign * w.alibi_slope2 * float(w.alibi_distance + 8 * h - kt * kBlockN);
+    return x;
+  }
+
   // The full update of key tile kt (the tile loop's j-th) over its first kUsed 8-column tiles:
   // where a boundary crosses the tile for this warp's rows (not interior), the scores it hides
   // set to -inf first.
@@ -406,15 +437,23 @@ struct ForwardConsumer {
     // settled maximum would be outrun (and the warp's scores recomputed) on most tiles: ALiBi
     // beside a bias or mask takes the full update (WithAlibi visits the diagonal first).
     const bool alibi = Traits::kBiasAndMask && p.alibi_slopes != nullptr;
-    const bool settled = j > 0 && interior && !alibi &&
+    // kAlibi: the settled attempt takes the tiles on one side of the warp's diagonal keys (the
+    // term in its exponent: alibi_exponent); the one or two that the diagonal crosses, the full
+    // update.
+    [[maybe_unused]] int side = 0;
+    if constexpr (Traits::kAlibi) side = alibi_side(w, kt);
+    const bool settled = j > 0 && interior && !alibi && (!Traits::kAlibi || side != 0) &&
                          __all_sync(0xffffffff, w.softmax.row_max[0][0] > -INFINITY &&
                                                     w.softmax.row_max[0][1] > -INFINITY);
-    // kAlibi: the term goes on the scores that each path exponentiates, the settled attempt's
-    // and the full update's (the landed scores, or the recomputed ones): added once before the
-    // attempt and again after a recompute, its operands were hoisted over the recompute and
-    // ptxas spilled 400 bytes.
-    if (settled) add_alibi(w, kt);
-    if (settled && w.softmax.exponentiate_against_settled_max(s_acc, softmax_scale)) {
+    bool accepted = false;
+    if (settled) {
+      if constexpr (Traits::kAlibi)
+        accepted = w.softmax.exponentiate_against_settled_max(s_acc, softmax_scale,
+                                                              alibi_exponent(w, kt, side));
+      else
+        accepted = w.softmax.exponentiate_against_settled_max(s_acc, softmax_scale);
+    }
+    if (accepted) {
       correction[0][0] = correction[0][1] = 1.f;
     } else {
       // Beside this warpgroup's P_{j-1} V_{j-1} wgmma, whose registers it leaves alone (a
@@ -424,6 +463,8 @@ struct ForwardConsumer {
         cap_scores();
         if constexpr (Traits::kBiasAndMask) bias_and_mask().apply(s_acc, w.t, j, interior);
       }
+      // kAlibi: the term on the landed scores or the recomputed ones, at one site (added again
+      // after a recompute, its operands were hoisted over the recompute: ptxas spilled).
       add_alibi(w, kt);
       // kBiasAndMask: the bounds are applied already.
       if constexpr (Traits::kBiasAndMask) interior = true;
