@@ -189,6 +189,15 @@ def main():
                  key_value_seq_lengths=jnp.array([1001, 300], jnp.int32))
     forward_case(rng, "decode, alibi, combine", (2, 3, 4097, 8, 2, 64), kernel="decode",
                  alibi_slopes=jnp.asarray(2.0 ** -rng.uniform(1, 8, (8,)), jnp.float32))
+    # A bf16 bias alone and a mask alone, staged by each warp in shared memory by cp.async
+    # (keys a whole number of 16-byte chunks; the last tile's chunks past S zero-filled).
+    for head_dim in (128, 256):
+        forward_case(rng, f"staged bias, H={head_dim}", (2, 300, 704, 4, 2, head_dim),
+                     kernel=("sm90", "sm80"), is_causal=True,
+                     bias=jnp.ones((1, 4, 300, 704), jnp.bfloat16),
+                     query_seq_lengths=jnp.array([300, 41], jnp.int32))
+        forward_case(rng, f"staged mask, H={head_dim}", (2, 300, 704, 4, 2, head_dim),
+                     kernel=("sm90", "sm80"), mask=np.arange(704) % 3 != 1)
     # ALiBi alone on the Hopper kernel, which visits a block's key tiles from its diagonal on:
     # the last key tile, whose V rows past a length are zeroed before it is read, falls in the
     # middle of the order; at head dim 256 O is staged in the K/V ring after the key tiles.

@@ -20,6 +20,10 @@ pytestmark = pytest.mark.gpu
 # 701 keys: several key tiles at every head dim (128 keys at 64 and 128, 64 at 256) and a last
 # one cut short; 300 queries: a last query block cut short.
 T, S = 300, 701
+# 704 keys, a whole number of 16-byte chunks of bf16/fp16 elements and of mask bytes: a bias of
+# those types alone, or a mask alone, is staged by each warp in shared memory
+# (forward_bias_and_mask.cuh, WithStagedTerm), its last key tile's chunks past S zero-filled.
+STAGED_S = 704
 
 
 def bias_of(rng, shape, dtype, magnitude=2.0):
@@ -30,23 +34,24 @@ def mask_of(rng, shape, keep=0.7):
     return jnp.asarray(rng.random(shape) < keep)
 
 
-def terms_of(rng, terms):
-    """(bias, mask) of a test's terms, e.g. "bias f32 + mask": a bias [1, 4, T, S] over the
-    heads of the named element type, a mask [2, 1, T, S] per batch entry, or None for each."""
+def terms_of(rng, terms, s=S):
+    """(bias, mask) of a test's terms, e.g. "bias f32 + mask": a bias [1, 4, T, s] over the
+    heads of the named element type, a mask [2, 1, T, s] per batch entry, or None for each."""
     bias_dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
-    bias = (bias_of(rng, (1, 4, T, S), bias_dtype[terms.split()[1]])
+    bias = (bias_of(rng, (1, 4, T, s), bias_dtype[terms.split()[1]])
             if terms.startswith("bias") else None)
-    return bias, mask_of(rng, (2, 1, T, S)) if "mask" in terms else None
+    return bias, mask_of(rng, (2, 1, T, s)) if "mask" in terms else None
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("terms", ["bias f32", "bias bf16", "bias f16", "mask",
                                    "bias f32 + mask"])
-def test_bias_and_mask(rng, monkeypatch, head_dim, dtype, terms):
+@pytest.mark.parametrize("s", [S, STAGED_S])
+def test_bias_and_mask(rng, monkeypatch, head_dim, dtype, terms, s):
     use_family("sm90", monkeypatch)
-    q, k, v = random_qkv(rng, 2, T, S, 4, 2, head_dim, dtype)
-    bias, mask = terms_of(rng, terms)
+    q, k, v = random_qkv(rng, 2, T, s, 4, 2, head_dim, dtype)
+    bias, mask = terms_of(rng, terms, s)
     assert jax_flashattn.forward_kernel(q, k, bias, mask) == "sm90"
     check_cuda_forward(q, k, v, bias, mask)
 
@@ -66,6 +71,10 @@ def test_bounds(rng, monkeypatch, head_dim, bounds):
     bias = bias_of(rng, (2, 1, T, S), jnp.bfloat16)
     mask = mask_of(rng, (1, 4, T, S), keep=0.9)
     check_cuda_forward(q, k, v, bias, mask, **bounds)
+    # The staged terms, one at a time (keys a whole number of chunks), under the same bounds.
+    q, k, v = random_qkv(rng, 2, T, STAGED_S, 4, 1, head_dim, jnp.bfloat16)
+    check_cuda_forward(q, k, v, bias_of(rng, (2, 1, T, STAGED_S), jnp.bfloat16), **bounds)
+    check_cuda_forward(q, k, v, None, mask_of(rng, (1, 4, T, STAGED_S), keep=0.9), **bounds)
 
 
 @pytest.mark.parametrize("bias_shape", [(2, 4, T, S), (1, 1, T, S), (2, 1, 1, S), (4, T, S),
@@ -78,6 +87,18 @@ def test_broadcast_shapes(rng, monkeypatch, bias_shape, mask_shape):
     bias = bias_of(rng, bias_shape, jnp.float32)
     mask = None if mask_shape is None else mask_of(rng, mask_shape)
     assert jax_flashattn.forward_kernel(q, k, bias, mask) == "sm90"
+    check_cuda_forward(q, k, v, bias, mask, is_causal=True)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, T, STAGED_S), (1, 1, T, STAGED_S),
+                                   (2, 1, 1, STAGED_S), (4, T, STAGED_S), (STAGED_S,)])
+@pytest.mark.parametrize("term", ["bias bf16", "mask"])
+def test_staged_broadcast_shapes(rng, monkeypatch, shape, term):
+    """A staged bias or mask, each warp's rows copied from the broadcast dimensions' offsets."""
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, STAGED_S, 4, 2, 128, jnp.float16)
+    bias = bias_of(rng, shape, jnp.bfloat16) if term == "bias bf16" else None
+    mask = mask_of(rng, shape) if term == "mask" else None
     check_cuda_forward(q, k, v, bias, mask, is_causal=True)
 
 
@@ -111,7 +132,8 @@ def test_rows_that_see_no_key(rng, monkeypatch, head_dim):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("rise", ["ramp", "spikes"])
-def test_bias_moves_row_maxima(rng, monkeypatch, head_dim, rise):
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16 staged"])
+def test_bias_moves_row_maxima(rng, monkeypatch, head_dim, rise, bias_dtype):
     """Biases that move the row maxima after they have settled. "ramp": the bias rises by 0.02
     per key (2.56 per 128-key tile), so the maxima keep rising and tiles outrun them, some by
     more than P may grow (those tiles' scores are recomputed, and the bias added again).
@@ -126,7 +148,7 @@ def test_bias_moves_row_maxima(rng, monkeypatch, head_dim, rise):
         bias[:, 3 * s // 8 + 1] = 20.0
         bias[:, 3 * s // 4 + 1] = 120.0
         bias = jnp.asarray(bias)
-    check_cuda_forward(q, k, v, bias)
+    check_cuda_forward(q, k, v, bias.astype(bias_dtype))
     check_cuda_forward(q, k, v, bias, is_causal=True)
 
 

@@ -19,6 +19,12 @@ __device__ __forceinline__ uint32_t ld_shared_b32(uint32_t address) {
   return v;
 }
 
+__device__ __forceinline__ uint16_t ld_shared_b16(uint32_t address) {
+  uint16_t v;
+  asm volatile("ld.shared.b16 %0, [%1];\n" : "=h"(v) : "r"(address) : "memory");
+  return v;
+}
+
 // cp.async.cg: 16 bytes global -> shared, bypassing L1. With valid == false it reads nothing
 // and zero-fills the destination, which is how tile edges (rows past T or S, head dims past H)
 // become zeros in shared memory without branches around the copy.

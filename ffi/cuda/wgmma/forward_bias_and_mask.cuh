@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "ffi/cuda/common/alibi.cuh"
@@ -28,6 +29,29 @@
 
 namespace jax_flashattn::wgmma {
 
+// The term a call stages in shared memory (BiasAndMask::stage): a bias of 2-byte elements
+// alone, or a mask alone, whose rows start at 16-byte boundaries and whose key count is a
+// whole number of 16-byte chunks (no chunk straddles S); kNone: each thread reads its elements
+// from global memory.
+enum class StagedTerm { kNone, kBFloat16Bias, kFloat16Bias, kMask };
+
+JAX_FLASHATTN_HOST_DEVICE inline bool rows_aligned(const void* base, const BroadcastStrides& st,
+                                                   int64_t elems, int64_t seqlen_k) {
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 &&
+         (st.batch_outer | st.batch_inner | st.head | st.row | seqlen_k) % elems == 0;
+}
+
+JAX_FLASHATTN_HOST_DEVICE inline StagedTerm staged_term(const AttentionParams& p) {
+  if (p.bias != nullptr && p.mask == nullptr &&
+      rows_aligned(p.bias, p.bias_strides, 8, p.seqlen_k)) {
+    if (p.bias_dtype == ElemType::kBFloat16) return StagedTerm::kBFloat16Bias;
+    if (p.bias_dtype == ElemType::kFloat16) return StagedTerm::kFloat16Bias;
+  }
+  if (p.mask != nullptr && p.bias == nullptr && rows_aligned(p.mask, p.mask_strides, 16, p.seqlen_k))
+    return StagedTerm::kMask;
+  return StagedTerm::kNone;
+}
+
 template <typename Traits>
 struct BiasAndMask {
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
@@ -37,6 +61,7 @@ struct BiasAndMask {
   const int row;       // this thread's first row of the block (the second is 8 below)
   const int quad_col;  // its first key of each 8-key column tile
   const int lane;
+  const uint32_t stage;  // this warp's staging buffer (Traits::kTermStageBytes)
 
   // The offset of element (row, key) of tile t's (batch, head) in a tensor that broadcasts to
   // [batch, N, T, S] (a bias or mask) with unit stride along the keys, or a single key. Worked
@@ -63,6 +88,110 @@ struct BiasAndMask {
                          offset_of(p.bias_strides, t, r, key) *
                              (p.bias_dtype == ElemType::kFloat32 ? 4 : 2));
       if (p.mask != nullptr) ptx::prefetch_l2(p.mask + offset_of(p.mask_strides, t, r, key));
+    }
+  }
+
+  // A warp's 16 staged rows: kBlockN elements of kBytes each, in 16-byte chunks of
+  // kKeysPerChunk keys, chunk c of row r at byte (16 c + r) 16. For one column of chunks the 16
+  // rows lie side by side, so the eight rows that a quad's reads of an 8-key column tile span
+  // are 128 consecutive bytes (no bank conflicts), and each of a thread's reads is a constant
+  // offset from one address (thread_at).
+  template <int kBytes>
+  struct StageLayout {
+    static constexpr int kKeysPerChunk = 16 / kBytes, kChunks = kBlockN / kKeysPerChunk;
+    static_assert(16 * 16 * kChunks <= Traits::kTermStageBytes, "a warp's rows fit its buffer");
+    static_assert(8 % kKeysPerChunk == 0 || kKeysPerChunk % 16 == 0,
+                  "a quad's pair of keys lies in one chunk");
+    // Chunk c of row r.
+    __device__ static uint32_t chunk_at(int r, int c) { return uint32_t((16 * c + r) * 16); }
+    // Row r's element quad_col of the tile, the first of a thread's pairs.
+    __device__ static uint32_t thread_at(int r, int quad_col) {
+      return uint32_t(16 * r + quad_col * kBytes);
+    }
+    // The offset from thread_at of the pair of 8-key column tile c (quad_col + 1 < 8 keeps the
+    // pair inside the chunk).
+    static constexpr uint32_t column_at(int c) {
+      return uint32_t((8 * c / kKeysPerChunk) * 256 + (8 * c % kKeysPerChunk) * kBytes);
+    }
+  };
+
+  // Copies this warp's 16 rows of key tile j's staged term (kBytes an element) into its
+  // buffer by cp.async, after the warp's reads of the tile before: lane l copies half of row
+  // l / 2, 16 bytes at a time, chunks past T or S zero-filled (read by no visible element).
+  template <int kBytes>
+  __device__ __forceinline__ void stage_term(const void* base, const BroadcastStrides& st,
+                                             const ForwardTile& t, int j) const {
+    using Layout = StageLayout<kBytes>;
+    constexpr int kPerLane = Layout::kChunks / 2, kKeysPerChunk = Layout::kKeysPerChunk;
+    const int r = lane / 2, first_chunk = (lane % 2) * kPerLane;
+    const int64_t row_in = t.row0 + (row - lane / 4) + r;
+    const bool row_valid = row_in < p.seqlen_q;
+    const int64_t key = int64_t(t.tile_begin + j) * kBlockN + first_chunk * kKeysPerChunk;
+    const char* src = static_cast<const char*>(base) +
+                      offset_of(st, t, row_valid ? row_in : p.seqlen_q - 1, key) * kBytes;
+    const uint32_t dst = stage + Layout::chunk_at(r, first_chunk);
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+      ptx::cp_async_16(dst + Layout::chunk_at(0, i), src + 16 * i,
+                       row_valid && key + i * kKeysPerChunk < p.seqlen_k);
+    ptx::cp_async_commit();
+  }
+  // Key tile j's staged term, for a call with one (staged_term).
+  __device__ __forceinline__ void stage_tile(StagedTerm term, const ForwardTile& t,
+                                             int j) const {
+    if (term == StagedTerm::kMask) return stage_term<1>(p.mask, p.mask_strides, t, j);
+    stage_term<2>(p.bias, p.bias_strides, t, j);
+  }
+
+  // add for a staged term (Term: the bias's element type, or bool for the mask): the elements
+  // from this warp's buffer, a pair of adjacent keys a read.
+  template <typename Term>
+  __device__ __forceinline__ void add_staged(float (&s)[1][kNTiles][4], const ForwardTile& t,
+                                             int j, bool interior) const {
+    using Layout = StageLayout<int(sizeof(Term))>;
+    const int key0 = (t.tile_begin + j) * kBlockN;
+    cuda::TileVisibility tile_vis{};
+    if (!interior) {
+      const auto vis = variant::KeyWindow<int>::make(p, ptx::opaque(uint32_t(t.b)));
+      tile_vis = cuda::TileVisibility::make(vis, t.row0, key0, kBlockM + kBlockN);
+    }
+    const float scale_log2 = p.scale * cuda::kLog2e;
+    ptx::cp_async_wait<0>();
+    __syncwarp();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t bits[(2 * kNTiles + 31) / 32];
+      if (interior) {
+#pragma unroll
+        for (uint32_t& word : bits) word = 0xffffffffu;
+      } else {
+        tile_vis.column_bits<kNTiles>(row + 8 * h, quad_col, bits);
+      }
+      const uint32_t thread_at = stage + Layout::thread_at(lane / 4 + 8 * h, quad_col);
+#pragma unroll
+      for (int c = 0; c < kNTiles; ++c) {
+        const uint32_t at = thread_at + Layout::column_at(c);
+        float term[2] = {0.f, 0.f};
+        bool keep[2] = {true, true};
+        if constexpr (std::is_same_v<Term, bool>) {
+          const uint16_t pair = ptx::ld_shared_b16(at);
+          keep[0] = (pair & 0xff) != 0;
+          keep[1] = (pair >> 8) != 0;
+        } else {
+          const uint32_t pair = ptx::ld_shared_b32(at);
+          Term x[2];
+          memcpy(x, &pair, 4);
+          term[0] = cuda::kLog2e * cuda::to_float(x[0]);
+          term[1] = cuda::kLog2e * cuda::to_float(x[1]);
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const bool visible = cuda::TileVisibility::column_visible(bits, 2 * c + e) && keep[e];
+          float& score = s[0][c][2 * h + e];
+          score = visible ? fmaf(score, scale_log2, term[e]) : -INFINITY;
+        }
+      }
     }
   }
 
@@ -112,10 +241,17 @@ struct BiasAndMask {
     }
   }
 
-  // add for the call's bias type, chosen once per tile.
+  // add for the call's bias type or (kStagedTerm) staged term, chosen once per tile.
   __device__ __forceinline__ void add_bias_and_mask(float (&s)[1][kNTiles][4],
                                                     const ForwardTile& t, int j,
                                                     bool interior) const {
+    if constexpr (Traits::kStagedTerm) {
+      switch (staged_term(p)) {
+        case StagedTerm::kBFloat16Bias: return add_staged<__nv_bfloat16>(s, t, j, interior);
+        case StagedTerm::kFloat16Bias: return add_staged<__half>(s, t, j, interior);
+        default: return add_staged<bool>(s, t, j, interior);
+      }
+    }
     if (p.bias == nullptr) return add<void>(s, t, j, interior);
     switch (p.bias_dtype) {
       case ElemType::kBFloat16: return add<__nv_bfloat16>(s, t, j, interior);

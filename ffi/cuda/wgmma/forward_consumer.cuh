@@ -293,7 +293,8 @@ struct ForwardConsumer {
 
   // kBiasAndMask: the terms as this thread reads or computes them (forward_bias_and_mask.cuh).
   __device__ __forceinline__ BiasAndMask<Traits> bias_and_mask() const {
-    return BiasAndMask<Traits>{p, warp_row0 + quad_row, quad_col, lane};
+    return BiasAndMask<Traits>{p, warp_row0 + quad_row, quad_col, lane,
+                               smem.term_stage(4 * consumer + warp)};
   }
 
   // kSoftCap: the scores in s_acc as tanh(s scale / cap), before any mask (softmax_scale makes
@@ -429,8 +430,11 @@ struct ForwardConsumer {
     if constexpr (Traits::kAlibi) kt = key_tile(w, j);
     bool interior = kt >= w.interior_lo && kt < w.interior_hi;
     if constexpr (Traits::kSegments) interior = interior && one_document(w, stage);
+    // kBiasAndMask: the lines of the next tile the warp reads brought into L2 (of the one after
+    // where the next one is staged already: stage_next).
     if constexpr (Traits::kBiasAndMask) {
-      if (j + 1 < w.wg_tiles) bias_and_mask().prefetch(w.t, j + 1);
+      constexpr int ahead = Traits::kStagedTerm ? 2 : 1;
+      if (j + ahead < w.wg_tiles) bias_and_mask().prefetch(w.t, j + ahead);
       bias_and_mask().apply(s_acc, w.t, j, interior);
     }
     // ALiBi's logits grow tile after tile toward the diagonal, so with the key tiles in order a
@@ -480,6 +484,15 @@ struct ForwardConsumer {
     // One release site after both paths: releasing K_j before the full update where no
     // recompute can follow spills (docs/decisions/hopper-kernels-without-spills.md).
     release(bars.k_empty[stage]);
+    stage_next(w, j + 1);
+  }
+
+  // kStagedTerm: the warp's rows of key tile j copied into its buffer, once both paths of the
+  // tile before are done reading it (the copies land under that tile's O += P V and the next
+  // tile's S = Q K^T).
+  __device__ __forceinline__ void stage_next(const ConsumerTile& w, int j) const {
+    if constexpr (Traits::kStagedTerm)
+      if (j < w.wg_tiles) bias_and_mask().stage_tile(staged_term(p), w.t, j);
   }
 
   // Tile t's window: the slot's lengths with the call's sides (TileSlot::load), moved to the
@@ -536,7 +549,10 @@ struct ForwardConsumer {
         w.half_last = key_hi - (t.tile_begin + w.wg_tiles - 1) * kBlockN <= kBlockN / 2;
       }
     }
-    if constexpr (Traits::kBiasAndMask) bias_and_mask().prefetch(t, 0);
+    if constexpr (Traits::kBiasAndMask) {
+      bias_and_mask().prefetch(t, 0);
+      stage_next(w, 0);
+    }
     if constexpr (Traits::kAlibi) {
       const cuda::AlibiLogits alibi = cuda::AlibiLogits::make(p, t.b, t.n);
       w.alibi_first = AlibiTileOrder<kBlockN>::make(p, t).first;

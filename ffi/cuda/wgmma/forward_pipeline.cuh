@@ -51,15 +51,18 @@ struct RingPosition {
 
 // The dynamic shared memory, with tiles at 1024-byte boundaries (the 128-byte swizzle's
 // period): Q stages, O (unless staged in the K/V ring), K stages, V stages, the key ids of each
-// K stage (segment ids; 128-byte aligned, as TMA writes them), then the barriers
+// K stage (segment ids; 128-byte aligned, as TMA writes them), each consumer warp's staging
+// buffer for the bias or mask (WithBiasAndMask), then the barriers
 // (ForwardBarriers at start + kBarrierOffset). Addresses are 32-bit shared addresses.
 template <typename Traits>
 struct ForwardSmem {
   static constexpr uint32_t kOOffset = Traits::kQStages * Traits::kQBytes;
   static constexpr uint32_t kKVOffset = kOOffset + Traits::kOBytes;
   static constexpr uint32_t kKeyIdsOffset = kKVOffset + 2 * Traits::kStages * Traits::kKVBytes;
-  static constexpr uint32_t kBarrierOffset =
+  static constexpr uint32_t kTermStagesOffset =
       kKeyIdsOffset + Traits::kStages * Traits::KeyIdBox::kStageBytes;
+  static constexpr uint32_t kBarrierOffset =
+      kTermStagesOffset + Traits::kConsumerWarps * Traits::kTermStageBytes;
 
   uint32_t base;          // the aligned start
   unsigned char* start;   // the same, as a generic pointer
@@ -79,6 +82,10 @@ struct ForwardSmem {
   }
   __device__ uint32_t key_ids(int stage) const {
     return base + kKeyIdsOffset + stage * Traits::KeyIdBox::kStageBytes;
+  }
+  // Consumer warp w's staging buffer for the bias or mask (WithBiasAndMask; 16-byte aligned).
+  __device__ uint32_t term_stage(int w) const {
+    return base + kTermStagesOffset + w * Traits::kTermStageBytes;
   }
 };
 

@@ -40,8 +40,11 @@ struct ForwardTraits {
   // Soft-capped logits (WithSoftCap below).
   static constexpr bool kSoftCap = false;
   // An additive bias and a boolean mask, read element by element, and ALiBi
-  // (WithBiasAndMask below).
+  // (WithBiasAndMask below); kStagedTerm: the bias or mask staged in shared memory, with each
+  // consumer warp's buffer for it (WithStagedTerm below).
   static constexpr bool kBiasAndMask = false;
+  static constexpr bool kStagedTerm = false;
+  static constexpr int kTermStageBytes = 0;
   // ALiBi alone, computed on the plain tiles with the key tiles visited from the diagonal
   // (WithAlibi below).
   static constexpr bool kAlibi = false;
@@ -195,6 +198,37 @@ struct WithBiasAndMask : Config {
   static_assert(!Config::kSegments && !Config::kSoftCap,
                 "calls with a bias or mask and segment ids or a soft-cap take the mma.sync family");
   static constexpr bool kBiasAndMask = true;
+};
+
+// A bias of 2-byte elements alone, or a mask alone, with 16-byte aligned rows (staged_term,
+// forward_bias_and_mask.cuh): each consumer warp copies its 16 rows of the next key tile into
+// a buffer of its own by cp.async under the tile before, and reads them from there, a pair of
+// keys a shared load (16 x kBlockN 2-byte elements: 4 KiB at 128-key tiles, 32 KiB for eight
+// warps). Where that leaves no room for two Q buffers (head dim 128: 225 KiB without it), one:
+// the next tile's Q then loads under the last softmax and O += P V
+// (docs/decisions/next-q-a-tile-ahead.md). An instantiation apart from WithBiasAndMask's: in
+// one kernel, the staged reads' code beside the global ones spilled 200-700 bytes.
+template <typename Config>
+struct WithStagedTerm : WithBiasAndMask<Config> {
+  static constexpr bool kStagedTerm = true;
+  static constexpr int kTermStageBytes = 16 * Config::kBlockN * 2;
+  static constexpr int kQStages =
+      Config::kSmemBytes + Config::kConsumerWarps * kTermStageBytes <= 227 * 1024
+          ? Config::kQStages
+          : 1;
+  // With one Q buffer where the configuration had two, the producer no longer holds the next
+  // tile (ForwardProducer::kQAhead), and its 24 default registers leave the consumers 240:
+  // with 32 / 232 the staged reads' consumers spilled 136 bytes at head dim 128, 34 stores
+  // and 62 loads of local memory, against 48 bytes, 11 and 10.
+  static constexpr bool kQBufferDropped = kQStages < Config::kQStages;
+  static constexpr int kProducerRegisters = kQBufferDropped ? 24 : Config::kProducerRegisters;
+  static constexpr int kConsumerRegisters = kQBufferDropped ? 240 : Config::kConsumerRegisters;
+  static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * Config::kStages + 2) + 8 + 32;
+  static constexpr int kSmemBytes = kQStages * Config::kQBytes + Config::kOBytes +
+                                    2 * Config::kStages * Config::kKVBytes +
+                                    Config::kConsumerWarps * kTermStageBytes + kBarrierBytes +
+                                    1024;
+  static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
 
 // ALiBi without a bias or mask: each key tile's scores become base-2 logits with ALiBi's
