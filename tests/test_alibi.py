@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_flashattn
 from jax_flashattn import flax as jfa_flax
-from jax_flashattn import reference
+from jax_flashattn import _ring, reference
 from helpers import assert_attention_close, assert_grads_close, assert_lse_close, random_qkv
 # test_soft_cap's shapes, which its options' segment ids and lengths are built for.
 from test_soft_cap import B, H, K, N, S, T, OPTIONS as SOFT_CAP_OPTIONS
@@ -184,6 +184,40 @@ def test_sharded_batch_heads_and_sequence(rng):
         got = attention(*placed[:3], placed_slopes, placed[3])
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_ring_schedule_offsets_are_global():
+    """With `alibi`, each call's offset plus a pair's local distance is the pair's global
+    distance, for every pair it computes (a whole-block call across zig-zag's two chunks would
+    break it); without, step 0 of a causal zig-zag ring is one call."""
+    devices, t = 4, 64
+    for layout, window in (("zigzag", (None, 0)), ("contiguous", (None, None)),
+                           ("zigzag", (9, 3))):
+        schedule = _ring.make_schedule(_ring.RING, devices, t, t, window, layout, alibi=True)
+        cq = ck = schedule.q.chunk
+        for step, calls in enumerate(schedule.steps):
+            for call in calls:
+                for p, (w, offset) in enumerate(zip(call.windows, call.offsets)):
+                    if w == _ring.HIDDEN:
+                        continue
+                    rows = np.concatenate([np.arange(c * cq, (c + 1) * cq) for c in
+                                           schedule.q.chunks[p][slice(*call.rows)]])
+                    cols = np.concatenate([np.arange(c * ck, (c + 1) * ck) for c in
+                                           schedule.kv.chunks[schedule.source(step, p)]
+                                           [slice(*call.cols)]])
+                    i, j = np.arange(len(rows))[:, None], np.arange(len(cols))[None, :]
+                    seen = np.ones((len(rows), len(cols)), bool)
+                    if w[0] is not None:
+                        seen &= j >= i - w[0]
+                    if w[1] is not None:
+                        seen &= j <= i + w[1]
+                    distance = cols[None, :] - rows[:, None]
+                    np.testing.assert_array_equal(np.where(seen, distance, 0),
+                                                  np.where(seen, offset + j - i, 0))
+    plain = _ring.make_schedule(_ring.RING, devices, t, t, (None, 0), "zigzag")
+    with_alibi = _ring.make_schedule(_ring.RING, devices, t, t, (None, 0), "zigzag", alibi=True)
+    assert len(plain.steps[0]) == 1 and len(with_alibi.steps[0]) == 3
+    assert plain.work() == with_alibi.work()
 
 
 @pytest.mark.parametrize("value,error,match", [

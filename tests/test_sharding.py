@@ -292,8 +292,8 @@ def test_causal_work_is_balanced_at_run_time(monkeypatch):
 
     real = _ops.forward
 
-    def counting(q, k, v, bias, mask, q_len, kv_len, q_ids=None, kv_ids=None, *, scale, window,
-                 switches, soft_cap=0.0):
+    def counting(q, k, v, bias, mask, q_len, kv_len, q_ids=None, kv_ids=None, alibi=None, *,
+                 scale, window, switches, soft_cap=0.0, alibi_shift=0):
         rows = jnp.arange(q.shape[-3])[None, :]  # [1, T]
         cols = k.shape[-3] if kv_len is None else kv_len[:, None]  # per batch entry
         begin = 0 if window[0] is None else jnp.maximum(rows - window[0], 0)
@@ -303,8 +303,8 @@ def test_causal_work_is_balanced_at_run_time(monkeypatch):
             pairs = jnp.where(rows < q_len[:, None], pairs, 0)
         pairs = jnp.sum(jnp.broadcast_to(pairs, (batch, q.shape[-3])))
         jax.debug.callback(record, lax.axis_index("sp"), pairs)
-        return real(q, k, v, bias, mask, q_len, kv_len, q_ids, kv_ids, scale=scale,
-                    window=window, switches=switches, soft_cap=soft_cap)
+        return real(q, k, v, bias, mask, q_len, kv_len, q_ids, kv_ids, alibi, scale=scale,
+                    window=window, switches=switches, soft_cap=soft_cap, alibi_shift=alibi_shift)
 
     rng = np.random.default_rng(0)
     q, k, v = _qkv(rng, batch, t, t, 2, 2, 16)

@@ -11,14 +11,19 @@ start at ko sees, for global window (l, r) (query t sees keys [t-l, t+r]), the l
 (l + d, r - d) with d = ko - qo. `_canonical` reduces that to the form the kernel gets (or to
 "hidden" when the block sees nothing), so that everything about masking is static Python; only the
 device index p (and the seq lengths) are traced, and selecting among the few distinct windows a
-block can have on different devices is a table lookup at p.
+block can have on different devices is a table lookup at p. ALiBi moves alike: its global term
+-slope |gq + A - gk| (A the global diagonal shift) is, on local rows t and keys s of the block,
+-slope |t + (A - d) - s|, the kernel's term with the static shift A - d, one more key of that
+lookup.
 
 Schedule. Steps i = 0..D-1 of the ring: device p holds the K/V shard that started on device
 (p - i) mod D and passes it to p + 1 (`ppermute`) while it computes. Every (query slot, key slot)
 pair of a step is one kernel call, or the whole local block is one call when one window describes
-it exactly (step 0 of a causal ring: plain local causal attention, in both layouts). A call that
-is hidden on some devices runs there with key length 0, which the kernels skip; a call whose window
-differs between devices becomes a `lax.switch` over the distinct windows.
+it exactly (step 0 of a causal ring: plain local causal attention, in both layouts), and with ALiBi
+one shift too (the slot pairs that see keys lie as far apart globally as locally: not across
+zig-zag's two chunks). A call that is hidden on some devices runs there with key length 0, which
+the kernels skip; a call whose window (or ALiBi shift) differs between devices becomes a
+`lax.switch` over the distinct ones.
 
 Merge. Each call returns (o, lse) for its rows; the running (acc, lse) become
 lse' = logaddexp(lse, lse_i), acc' = acc * exp(lse - lse') + o_i * exp(lse_i - lse'), in float32,
@@ -112,10 +117,13 @@ def make_layout(name: str, devices: int, length: int) -> Layout:
 @dataclasses.dataclass(frozen=True)
 class Call:
     """One kernel call of a step: query slots [rows), key slots [cols), and per device the
-    canonical window of that block (HIDDEN where it is skipped)."""
+    canonical window of that block (HIDDEN where it is skipped) and its offset, the global
+    position of its first key less that of its first query (ALiBi's shift there is the global
+    one less the offset)."""
     rows: tuple
     cols: tuple
     windows: tuple
+    offsets: tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,37 +171,51 @@ class Schedule:
 _NOT_ONE_CALL = "not one call"
 
 
-def _plan_step(mode, devices, q: Layout, kv: Layout, window: Window, step: int) -> tuple:
+def _plan_step(mode, devices, q: Layout, kv: Layout, window: Window, step: int,
+               alibi: bool) -> tuple:
     cq, ck = q.chunk, kv.chunk
     nq, nk = q.slots, kv.slots
     source = (lambda p: (p - step) % devices) if mode == RING else (lambda p: p)
-    pairs, whole = [], []
+    pairs, offsets, whole = [], [], []
     for p in range(devices):
         qs, ks = q.chunks[p], kv.chunks[source(p)]
-        pair = {(a, b): canonical(shift(window, ks[b] * ck - qs[a] * cq), cq, ck)
-                for a in range(nq) for b in range(nk)}
+        offset = {(a, b): ks[b] * ck - qs[a] * cq for a in range(nq) for b in range(nk)}
+        pair = {ab: canonical(shift(window, d), cq, ck) for ab, d in offset.items()}
         pairs.append(pair)
+        offsets.append(offset)
         # One call for the whole local block if the window that fits slot pair (0, 0) is exact
-        # on every other slot pair too.
-        base = shift(window, ks[0] * ck - qs[0] * cq)
-        exact = all(canonical(shift(base, b * ck - a * cq), cq, ck) == w
-                    for (a, b), w in pair.items())
-        whole.append(canonical(base, nq * cq, nk * ck) if exact else _NOT_ONE_CALL)
+        # on every other slot pair too; with ALiBi, also its distances: every slot pair that
+        # sees a key must lie as far from pair (0, 0) globally as locally.
+        base = offset[(0, 0)]
+
+        def fits(a, b, w):
+            local = base + b * ck - a * cq  # pair (a, b)'s offset inside the whole block
+            return (canonical(shift(window, local), cq, ck) == w
+                    and (not alibi or w == HIDDEN or offset[(a, b)] == local))
+
+        exact = all(fits(a, b, w) for (a, b), w in pair.items())
+        whole.append(canonical(shift(window, base), nq * cq, nk * ck) if exact
+                     else _NOT_ONE_CALL)
     distinct = {w for w in whole if w != HIDDEN}
     if _NOT_ONE_CALL not in distinct and len(distinct) <= 1:
-        return (Call((0, nq), (0, nk), tuple(whole)),) if distinct else ()
+        if not distinct:
+            return ()
+        return (Call((0, nq), (0, nk), tuple(whole), tuple(o[(0, 0)] for o in offsets)),)
     calls = []
     for a in range(nq):
         for b in range(nk):
             windows = tuple(pair[(a, b)] for pair in pairs)
             if any(w != HIDDEN for w in windows):
-                calls.append(Call((a, a + 1), (b, b + 1), windows))
+                calls.append(Call((a, a + 1), (b, b + 1), windows,
+                                  tuple(o[(a, b)] for o in offsets)))
     return tuple(calls)
 
 
 def make_schedule(mode: str, devices: int, q_len: int, kv_len: int, window: Window,
                   q_layout: str = "contiguous", kv_layout: str | None = None,
-                  relayout: bool = False) -> Schedule:
+                  relayout: bool = False, alibi: bool = False) -> Schedule:
+    """`alibi`: the calls take ALiBi slopes, so a whole local block is one call only where one
+    static shift measures all its distances (_plan_step)."""
     if kv_layout is None:
         kv_layout = q_layout
     if mode == ROWS:
@@ -204,18 +226,20 @@ def make_schedule(mode: str, devices: int, q_len: int, kv_len: int, window: Wind
     kv = make_layout(kv_layout, devices, kv_len)
     steps = devices if mode == RING else 1
     return Schedule(mode, devices, q, kv, relayout,
-                    tuple(_plan_step(mode, devices, q, kv, window, i) for i in range(steps)))
+                    tuple(_plan_step(mode, devices, q, kv, window, i, alibi)
+                          for i in range(steps)))
 
 
 def balanced_schedule(mode: str, devices: int, q_len: int, kv_len: int, window: Window,
-                      load_balance: bool = True) -> Schedule:
+                      load_balance: bool = True, alibi: bool = False) -> Schedule:
     """The schedule for contiguous shards: run on their zig-zag re-layout when that lowers the
-    busiest device's work (causal attention), else as they are."""
-    plain = make_schedule(mode, devices, q_len, kv_len, window)
+    busiest device's work (causal attention), else as they are. `alibi`: as in make_schedule."""
+    plain = make_schedule(mode, devices, q_len, kv_len, window, alibi=alibi)
     splittable = q_len % (2 * devices) == 0 and (mode != RING or kv_len % (2 * devices) == 0)
     if not load_balance or devices == 1 or mode == KV_SPLIT or not splittable:
         return plain
-    zigzag = make_schedule(mode, devices, q_len, kv_len, window, "zigzag", relayout=True)
+    zigzag = make_schedule(mode, devices, q_len, kv_len, window, "zigzag", relayout=True,
+                           alibi=alibi)
     return zigzag if max(zigzag.work()) < max(plain.work()) else plain
 
 
@@ -375,17 +399,20 @@ def _segments_meet(q_ids, kv_ids):
                                 jnp.min(kv_ids, axis=-1), jnp.max(kv_ids, axis=-1))
 
 
-def _dispatch(call: Call, p, run, hidden, operands):
-    """run(window, visible) on device p: one call when the devices that compute agree on the
-    window (hidden devices run it with no keys), else a switch over the distinct windows (all
-    branches typed as varying like `operands`)."""
-    distinct = sorted({w for w in call.windows if w != HIDDEN}, key=repr)
+def _dispatch(call: Call, p, run, hidden, operands, alibi_shift=None):
+    """run(window, shift, visible) on device p, shift the call's ALiBi shift there (the global
+    `alibi_shift` less the block's offset; 0 without ALiBi, None): one call when the devices
+    that compute agree on both (hidden devices run it with no keys), else a switch over the
+    distinct (window, shift) pairs (all branches typed as varying like `operands`)."""
+    keys = [None if w == HIDDEN else (w, 0 if alibi_shift is None else alibi_shift - d)
+            for w, d in zip(call.windows, call.offsets)]
+    distinct = sorted({key for key in keys if key is not None}, key=repr)
     if len(distinct) == 1:
-        visible = np.asarray([w != HIDDEN for w in call.windows])
-        return run(distinct[0], None if visible.all() else jnp.asarray(visible)[p])
-    index = np.asarray([0 if w == HIDDEN else 1 + distinct.index(w) for w in call.windows],
+        visible = np.asarray([key is not None for key in keys])
+        return run(*distinct[0], None if visible.all() else jnp.asarray(visible)[p])
+    index = np.asarray([0 if key is None else 1 + distinct.index(key) for key in keys],
                        np.int32)
-    branches = [hidden] + [functools.partial(run, w, None) for w in distinct]
+    branches = [hidden] + [functools.partial(run, *key, None) for key in distinct]
     branches = [lambda branch=branch: _ops.vary_like(branch(), operands) for branch in branches]
     return lax.switch(jnp.asarray(index)[p], branches)
 
@@ -403,11 +430,14 @@ def _segment_slices(q_ids, kv_ids, block):
     return _rows(q_ids, block.r0, block.r1, -1), _rows(kv_ids, block.c0, block.c1, -1)
 
 
-def seq_forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *, scale,
-                window: Window, schedule: Schedule, axes, switches, soft_cap=0.0):
+def seq_forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, alibi=None, *,
+                scale, window: Window, schedule: Schedule, axes, switches, soft_cap=0.0,
+                alibi_shift=0):
     """(out, lse [..., N, T_local]) of local shards under `schedule`. bias and mask must
     broadcast over T and S (their last two dims 1); the lengths are global; the segment ids
-    [..., B, T_local] and [..., B, S_local] are the shards' own, and travel with K/V."""
+    [..., B, T_local] and [..., B, S_local] are the shards' own, and travel with K/V. `alibi`:
+    the slopes [..., B, N] of the local heads, whose term -slope |gq + alibi_shift - gk| is on
+    global positions (the schedule made with `alibi`)."""
     devices, ring = schedule.devices, schedule.mode == RING
     p = lax.axis_index(axes)
     if schedule.relayout:
@@ -429,17 +459,18 @@ def seq_forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, *
             kb, vb = _rows(k, block.c0, block.c1), _rows(v, block.c0, block.c1)
             qb_ids, kb_ids = _segment_slices(q_ids, kv_ids, block)
 
-            def run(window, visible, qb=qb, kb=kb, vb=vb, q_len=q_len, kv_len=kv_len,
+            def run(window, shift, visible, qb=qb, kb=kb, vb=vb, q_len=q_len, kv_len=kv_len,
                     qb_ids=qb_ids, kb_ids=kb_ids):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
                 kv_len = _without_keys_where(_segments_meet(qb_ids, kb_ids), kv_len,
                                              kb.shape[-3], batch_shape)
-                return _ops.forward(qb, kb, vb, bias, mask, q_len, kv_len, qb_ids, kb_ids,
+                return _ops.forward(qb, kb, vb, bias, mask, q_len, kv_len, qb_ids, kb_ids, alibi,
                                     scale=scale, soft_cap=soft_cap, window=window,
-                                    switches=switches)
+                                    switches=switches, alibi_shift=shift)
 
             out, lse = _dispatch(block.call, p, run, functools.partial(_empty_forward, qb),
-                                 (qb, kb, vb, q_len, kv_len, qb_ids, kb_ids))
+                                 (qb, kb, vb, q_len, kv_len, qb_ids, kb_ids, alibi),
+                                 None if alibi is None else alibi_shift)
             part, part_lse = merge(_rows(acc, block.r0, block.r1),
                                    _rows(acc_lse, block.r0, block.r1, -1), out, lse)
             acc = _update_rows(acc, part, block.r0)
@@ -462,10 +493,14 @@ def reduce_to(x, shape):
 
 
 def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None,
-                 kv_ids=None, *, scale, window: Window, schedule: Schedule, axes, switches,
-                 deterministic=False, dbias=False, soft_cap=0.0):
-    """(dq, dk, dv, dbias summed to bias's shape, or None without bias or `dbias`) of local
-    shards under `schedule`, from the global out and lse of the forward."""
+                 kv_ids=None, alibi=None, *, scale, window: Window, schedule: Schedule, axes,
+                 switches, deterministic=False, dbias=False, soft_cap=0.0, alibi_shift=0,
+                 dslopes=False):
+    """(dq, dk, dv, dbias, dslopes) of local shards under `schedule`, from the global out and
+    lse of the forward: dbias summed to bias's shape, or None without bias or `dbias`; dslopes
+    the float32 [..., B, N] gradient of the ALiBi slopes (`alibi`, `alibi_shift` as in
+    seq_forward) over this device's rows, or None without them or `dslopes`: every device of
+    the ring has a part, which the caller sums over `axes`."""
     devices, ring = schedule.devices, schedule.mode == RING
     p = lax.axis_index(axes)
     if schedule.relayout:
@@ -481,6 +516,8 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=No
     dv = jnp.zeros(v.shape, jnp.float32)
     with_dbias = bias is not None and dbias
     dbias = jnp.zeros(bias.shape, jnp.float32) if with_dbias else None
+    with_dslopes = alibi is not None and dslopes
+    dslopes = jnp.zeros(alibi.shape, jnp.float32) if with_dslopes else None
     for step in range(len(schedule.steps)):
         if ring and step + 1 < devices:
             k_next, v_next, ids_next = _pass_on((k, v, kv_ids), axes, devices)
@@ -491,28 +528,35 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=No
             kb, vb = _rows(k, block.c0, block.c1), _rows(v, block.c0, block.c1)
             qb_ids, kb_ids = _segment_slices(q_ids, kv_ids, block)
 
-            def run(window, visible, qb=qb, kb=kb, vb=vb, ob=ob, lb=lb, dob=dob, q_len=q_len,
-                    kv_len=kv_len, qb_ids=qb_ids, kb_ids=kb_ids):
+            def run(window, shift, visible, qb=qb, kb=kb, vb=vb, ob=ob, lb=lb, dob=dob,
+                    q_len=q_len, kv_len=kv_len, qb_ids=qb_ids, kb_ids=kb_ids):
                 kv_len = _without_keys_where(visible, kv_len, kb.shape[-3], batch_shape)
                 kv_len = _without_keys_where(_segments_meet(qb_ids, kb_ids), kv_len,
                                              kb.shape[-3], batch_shape)
-                grads = _ops.backward(qb, kb, vb, ob, lb, dob, bias, mask, q_len, kv_len,
-                                      qb_ids, kb_ids, scale=scale, soft_cap=soft_cap,
-                                      window=window, switches=switches,
-                                      deterministic=deterministic, dbias=with_dbias)
-                return grads[:3] + ((reduce_to(grads[3], bias.shape),) if with_dbias else ())
+                dqb, dkb, dvb, dbias_b, dslopes_b = _ops.backward(
+                    qb, kb, vb, ob, lb, dob, bias, mask, q_len, kv_len, qb_ids, kb_ids, alibi,
+                    scale=scale, soft_cap=soft_cap, window=window, switches=switches,
+                    deterministic=deterministic, dbias=with_dbias, alibi_shift=shift,
+                    dslopes=with_dslopes)
+                return ((dqb, dkb, dvb) +
+                        ((reduce_to(dbias_b, bias.shape),) if with_dbias else ()) +
+                        ((dslopes_b,) if with_dslopes else ()))
 
             def hidden(qb=qb, kb=kb):
-                zeros = (jnp.zeros_like(qb), jnp.zeros_like(kb), jnp.zeros_like(kb))
-                return zeros + ((jnp.zeros(bias.shape, jnp.float32),) if with_dbias else ())
+                return ((jnp.zeros_like(qb), jnp.zeros_like(kb), jnp.zeros_like(kb)) +
+                        ((jnp.zeros(bias.shape, jnp.float32),) if with_dbias else ()) +
+                        ((jnp.zeros(alibi.shape, jnp.float32),) if with_dslopes else ()))
 
             grads = _dispatch(block.call, p, run, hidden,
-                              (qb, kb, vb, ob, lb, dob, q_len, kv_len, qb_ids, kb_ids))
+                              (qb, kb, vb, ob, lb, dob, q_len, kv_len, qb_ids, kb_ids, alibi),
+                              None if alibi is None else alibi_shift)
             dq = _add_rows(dq, grads[0], block.r0)
             dk = _add_rows(dk, grads[1], block.c0)
             dv = _add_rows(dv, grads[2], block.c0)
             if with_dbias:
                 dbias = dbias + grads[3]
+            if with_dslopes:
+                dslopes = dslopes + grads[-1]
         if ring:
             # dK/dV follow their K/V shard; the pass after the last step brings them home.
             dk, dv = _pass_on((dk, dv), axes, devices)
@@ -528,4 +572,4 @@ def seq_backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=No
         dq = from_zigzag(dq, -3, axes, devices)
         if ring:
             dk, dv = from_zigzag(dk, -3, axes, devices), from_zigzag(dv, -3, axes, devices)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, dslopes

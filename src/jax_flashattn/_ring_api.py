@@ -55,11 +55,11 @@ def _ring_fwd(q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, config):
 def _ring_bwd(config, residuals, cotangents):
     q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, out, lse = residuals
     d_out, _ = cotangents
-    dq, dk, dv, _ = _ring.seq_backward(q, k, v, out, lse, d_out, None, None, q_lens, kv_lens,
-                                       q_ids, kv_ids, scale=config.scale,
-                                       soft_cap=config.soft_cap, window=config.window,
-                                       schedule=config.schedule, axes=config.axes,
-                                       switches=config.switches)
+    dq, dk, dv, _, _ = _ring.seq_backward(q, k, v, out, lse, d_out, None, None, q_lens,
+                                          kv_lens, q_ids, kv_ids, scale=config.scale,
+                                          soft_cap=config.soft_cap, window=config.window,
+                                          schedule=config.schedule, axes=config.axes,
+                                          switches=config.switches)
     # This device's part: ring_attention marked the sinks varying over the ring's axes, so
     # shard_map sums the parts.
     d_sinks = None if sinks is None else _sinks.gradient(sinks, out, lse, d_out)

@@ -479,7 +479,7 @@ def _local(kind, flags, scale, soft_cap, window: _Window, deterministic, switche
         if dbias is not None:
             dbias = _ring.reduce_to(dbias, a.bias.shape)
     else:
-        dq, dk, dv, dbias = _ring.seq_backward(
+        dq, dk, dv, dbias, _ = _ring.seq_backward(
             a.q, k, v, a.out, a.lse, a.d_out, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
             a.kv_ids, scale=scale, soft_cap=soft_cap, window=window, schedule=schedule,
             axes=plan.seq_axes, switches=switches, deterministic=deterministic,
