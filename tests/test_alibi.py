@@ -2,7 +2,10 @@
 against a direct numpy formula, then `attention` on the CPU kernels (values, lse, gradients of
 q, k, v, the bias and the slopes) against the float32 reference with every option and both
 diagonal alignments, under jit and vmap, the jax.nn implementations (a dense bias there), the
-Flax adapter, a sharded batch and a sharded sequence, and the errors."""
+Flax adapter, a sharded batch or heads, a sharded sequence on the ring (each ring step's
+kernel call with its own ALiBi shift), and the errors."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -156,34 +159,111 @@ def test_flax_adapter_passes_them_on(rng):
     np.testing.assert_allclose(np.asarray(out[0]), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-def test_sharded_batch_heads_and_sequence(rng):
-    """The partitioned call with the batch, the heads or the sequence split over 4 devices
-    (the sequence gathered: ALiBi's distances are the whole sequences'), slopes [B, N] and
-    their gradient as unsharded."""
+def sharded_out_and_grads(fn, **kwargs):
+    """f(q, k, v, slopes, d_out) -> (out, (dq, dk, dv, dslopes)) of fn, in one program."""
+    def f(q, k, v, slopes, d_out):
+        out, vjp = jax.vjp(lambda q, k, v, s: fn(q, k, v, alibi_slopes=s, **kwargs), q, k, v,
+                           slopes)
+        return out, vjp(d_out)
+    return f
+
+
+def assert_matches_reference(got, q, k, v, slopes, d_out, **kwargs):
+    """(out, grads) of sharded_out_and_grads against the float32 reference's, by the
+    error-ratio rules of helpers."""
+    out, grads = got
+    assert_attention_close(out, q, k, v, alibi_slopes=slopes, **kwargs)
+    _, want = jax.jit(sharded_out_and_grads(reference.attention, **kwargs))(q, k, v, slopes,
+                                                                           d_out)
+    for name, g, w in zip(("dq", "dk", "dv", "dslopes"), grads, want):
+        assert_grads_close(g, w, name=name)
+
+
+def assert_sequence_stays_split(compiled):
+    """K/V rotate around the ring (collective-permute), and nothing gathers the sequence."""
+    text = compiled.as_text()
+    assert "collective-permute" in text
+    gathers = re.findall(r"\b(all-gather|all-to-all)(?:-start)?\(", text)
+    assert not gathers, f"the sequence was gathered: {sorted(set(gathers))}"
+
+
+def test_sharded_batch_and_heads(rng):
+    """The partitioned call with the batch or the heads split over 4 devices, slopes [B, N]
+    sharded alike: the unsharded values and gradients, those the reference's."""
     devices = 4
     q, k, v = random_qkv(rng, 4, 32, 64, 4, 4, 16, jnp.float32)
     slopes = draw_slopes(rng, (4, 4))
     d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
     kwargs = dict(is_causal=True, diagonal_alignment="bottom_right")
-
-    def out_and_grads(fn):
-        def f(q, k, v, slopes, d_out):
-            out, vjp = jax.vjp(lambda *a: fn(*a, **kwargs), q, k, v, slopes)
-            return out, vjp(d_out)
-        return f
-
-    want = jax.jit(out_and_grads(lambda q, k, v, s, **kw: reference.attention(
-        q, k, v, alibi_slopes=s, **kw)))(q, k, v, slopes, d_out)
+    attention = jax.jit(sharded_out_and_grads(jax_flashattn.attention, **kwargs))
+    want = attention(q, k, v, slopes, d_out)
+    assert_matches_reference(want, q, k, v, slopes, d_out, **kwargs)
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:devices]), ("d",))
-    attention = jax.jit(out_and_grads(lambda q, k, v, s, **kw: jax_flashattn.attention(
-        q, k, v, alibi_slopes=s, **kw)))
-    for spec, slopes_spec in ((P("d"), P("d")), (P(None, None, "d"), P(None, "d")),
-                              (P(None, "d"), P())):
+    for spec, slopes_spec in ((P("d"), P("d")), (P(None, None, "d"), P(None, "d"))):
         placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, d_out)]
         placed_slopes = jax.device_put(slopes, NamedSharding(mesh, slopes_spec))
         got = attention(*placed[:3], placed_slopes, placed[3])
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+# name: (mesh shape, its axes (the last one splits the sequence), B, T, S, N, K, slopes' shape,
+# options). Odd chunks where the layout allows: T / D (contiguous) or T / 2D (zig-zag).
+RING_CASES = {
+    # GQA, top-left, with padding: two distinct shifts per step (the keys before and after).
+    "4-full-lengths": ((4,), ("seq",), 2, 36, 36, 4, 2, (4,), dict(
+        query_seq_lengths=np.array([36, 29], np.int32),
+        key_value_seq_lengths=np.array([31, 36], np.int32))),
+    # Re-laid out zig-zag inside: blocks across a device's two chunks, heads split too.
+    "2x4-heads-causal": ((2, 4), ("heads", "seq"), 2, 72, 72, 4, 2, (2, 4), dict(
+        is_causal=True)),
+    "8-window": ((8,), ("seq",), 2, 40, 40, 4, 4, (2, 4), dict(local_window_size=(6, 2))),
+    # Cross attention, the global diagonal at S - T = 24, causal (zig-zag), MQA.
+    "4-cross-bottom-right": ((4,), ("seq",), 1, 24, 48, 4, 1, (4,), dict(
+        is_causal=True, diagonal_alignment="bottom_right")),
+}
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+@pytest.mark.parametrize("case", list(RING_CASES), ids=str)
+def test_sequence_sharded_runs_the_ring(rng, case):
+    """T and S split over 4 or 8 devices under jit: ring attention, each step's kernel call
+    with its own ALiBi shift, no gather of the sequence; values and gradients (the slopes'
+    summed over the ring) the reference's."""
+    shape, axes, b, t, s, n, kv_heads, slopes_shape, kwargs = RING_CASES[case]
+    q, k, v = random_qkv(rng, b, t, s, n, kv_heads, 16, jnp.float32)
+    slopes = draw_slopes(rng, slopes_shape)
+    d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    devices = np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+    mesh = jax.sharding.Mesh(devices, axes)
+    spec = P(None, "seq", "heads" if "heads" in axes else None)
+    slopes_spec = P(*((None,) * (len(slopes_shape) - 1)), "heads" if "heads" in axes else None)
+    placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, d_out)]
+    placed_slopes = jax.device_put(slopes, NamedSharding(mesh, slopes_spec))
+    program = jax.jit(sharded_out_and_grads(jax_flashattn.attention, **kwargs))
+    compiled = program.lower(*placed[:3], placed_slopes, placed[3]).compile()
+    assert_sequence_stays_split(compiled)
+    assert_matches_reference(compiled(*placed[:3], placed_slopes, placed[3]), q, k, v, slopes,
+                             d_out, **kwargs)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+def test_steep_slopes_show_each_steps_shift(rng):
+    """Slopes of 32 (a distance one off moves a logit by 32): every causal row takes its own
+    value, the key at distance 0, on the zig-zag ring over 8 devices, whose blocks sit at
+    global offsets their local positions do not give; a step's shift off by anything would
+    take another key's."""
+    devices, t = 8, 80
+    q, k, v = random_qkv(rng, 2, t, t, 4, 2, 16, jnp.float32)
+    slopes = jnp.full((4,), 32.0, jnp.float32)
+    assert _ring.balanced_schedule(_ring.RING, devices, t, t, (None, 0), alibi=True).relayout
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:devices]), ("seq",))
+    placed = [jax.device_put(x, NamedSharding(mesh, P(None, "seq"))) for x in (q, k, v)]
+    out = jax.jit(lambda q, k, v: jax_flashattn.attention(q, k, v, is_causal=True,
+                                                          alibi_slopes=slopes))(*placed)
+    assert_attention_close(out, q, k, v, is_causal=True, alibi_slopes=slopes)
+    own_value = np.repeat(np.asarray(v), 2, axis=2)
+    np.testing.assert_allclose(np.asarray(out), own_value, atol=2e-3 * np.abs(own_value).max())
 
 
 def test_ring_schedule_offsets_are_global():

@@ -213,7 +213,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     "bottom_right", i + kv_len_b - q_len_b with seq lengths). The kernels compute it per pair
     (no [B, N, T, S] array); its gradient, -sum |i - j| dS over a head's pairs, comes from the
     backward's dQ pass. With implementation="xla" or "cudnn" it becomes a dense bias
-    [B, N, T, S] for jax.nn. A call with it runs unsplit along a sharded sequence (gathered).
+    [B, N, T, S] for jax.nn. Along a sharded sequence it runs ring attention, each block's
+    kernel call measuring the global distances (with seq lengths and "bottom_right", whose
+    diagonal moves per batch entry, the sequences are gathered instead).
     So far the CPU kernels compute it; on a GPU it raises a ValueError (use
     implementation="xla" there).
 

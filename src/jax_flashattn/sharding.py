@@ -61,7 +61,7 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, alibi
             scale: float, window, switches: _ffi.KernelSwitches, soft_cap: float = 0.0,
             align_window_to_lengths: bool = False, alibi_shift: int = 0):
     """`_ops.forward` that partitions under jit: (out, lse [..., N, T] float32). With
-    `align_window_to_lengths` or ALiBi the sequences are never split (_make_plan)."""
+    `align_window_to_lengths` the sequences are never split (_make_plan)."""
     optional = (bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi)
     op = _partitioned("fwd", _flags(*optional), float(scale), float(soft_cap),
                       _Window(tuple(window), bool(align_window_to_lengths)), False, switches,
@@ -325,10 +325,9 @@ def _make_plan(kind, flags, window: _Window, mesh, arg_shapes) -> _Plan:
 
     t_len, s_len = q_shape[-3], k_shape[-3]
     # A bias or mask that varies along the sequences, or a window aligned to the lengths
-    # (_Window), keeps them whole: gathered where they are split.
+    # (_Window; also ALiBi's diagonal under that flag), keeps them whole: gathered where they
+    # are split. ALiBi's distances otherwise take a static shift per ring block (_ring).
     varies = [x.shape[-2:] != (1, 1) for x in (a.bias, a.mask) if x is not None]
-    # ALiBi's distances are the sequences' (a ring's blocks would need them shifted): whole too.
-    varies.append(a.alibi is not None)
     seq_axes, schedule = (), None
     if not any(varies) and not window.aligned:
         t_axes = take(q_axes[-3], t_len)
@@ -341,7 +340,8 @@ def _make_plan(kind, flags, window: _Window, mesh, arg_shapes) -> _Plan:
             devices = math.prod(sizes[x] for x in s_axes) if s_axes else 1
             mode, seq_axes = _ring.KV_SPLIT, s_axes
         if seq_axes:
-            schedule = _ring.balanced_schedule(mode, devices, t_len, s_len, window.sides)
+            schedule = _ring.balanced_schedule(mode, devices, t_len, s_len, window.sides,
+                                               alibi=a.alibi is not None)
     return _Plan(batch, heads, kv_heads_split, num_heads, kv_heads, num_heads // head_split,
                  seq_axes, schedule)
 
@@ -450,7 +450,7 @@ def _unselect_kv_heads(plan: _Plan, *grads):
 def _local(kind, flags, scale, soft_cap, window: _Window, deterministic, switches, with_dbias,
            alibi_shift, with_dslopes, plan: _Plan, bias_shape, *xs):
     """The per-device computation of one partitioned call (a ring schedule only for a window
-    that is not aligned to the lengths and no ALiBi: _make_plan)."""
+    that is not aligned to the lengths: _make_plan)."""
     a = _unpack(kind, flags, xs)
     aligned, window = window.aligned, window.sides
     k, v = a.k, a.v
@@ -459,7 +459,6 @@ def _local(kind, flags, scale, soft_cap, window: _Window, deterministic, switche
     schedule = plan.schedule
     # The ring's blocks see their own lengths only: _make_plan gathers the sequences instead.
     assert schedule is None or not aligned, "a window aligned to the lengths took a ring"
-    assert schedule is None or a.alibi is None, "ALiBi took a ring"
     if kind == "fwd":
         if schedule is None:
             return _ops.forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
@@ -467,8 +466,9 @@ def _local(kind, flags, scale, soft_cap, window: _Window, deterministic, switche
                                 align_window_to_lengths=aligned, switches=switches,
                                 alibi_shift=alibi_shift)
         return _ring.seq_forward(a.q, k, v, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
-                                 a.kv_ids, scale=scale, soft_cap=soft_cap, window=window,
-                                 schedule=schedule, axes=plan.seq_axes, switches=switches)
+                                 a.kv_ids, a.alibi, scale=scale, soft_cap=soft_cap,
+                                 window=window, schedule=schedule, axes=plan.seq_axes,
+                                 switches=switches, alibi_shift=alibi_shift)
     dslopes = None
     if schedule is None:
         dq, dk, dv, dbias, dslopes = _ops.backward(
@@ -479,11 +479,15 @@ def _local(kind, flags, scale, soft_cap, window: _Window, deterministic, switche
         if dbias is not None:
             dbias = _ring.reduce_to(dbias, a.bias.shape)
     else:
-        dq, dk, dv, dbias, _ = _ring.seq_backward(
+        dq, dk, dv, dbias, dslopes = _ring.seq_backward(
             a.q, k, v, a.out, a.lse, a.d_out, a.bias, a.mask, a.q_lens, a.kv_lens, a.q_ids,
-            a.kv_ids, scale=scale, soft_cap=soft_cap, window=window, schedule=schedule,
-            axes=plan.seq_axes, switches=switches, deterministic=deterministic,
-            dbias=with_dbias)
+            a.kv_ids, a.alibi, scale=scale, soft_cap=soft_cap, window=window,
+            schedule=schedule, axes=plan.seq_axes, switches=switches,
+            deterministic=deterministic, dbias=with_dbias, alibi_shift=alibi_shift,
+            dslopes=with_dslopes)
+        if dslopes is not None:
+            # Each device's part covers its rows; the slopes are replicated over the sequence.
+            dslopes = lax.psum(dslopes, plan.seq_axes)
     if not plan.kv_heads_split:
         dk, dv = _unselect_kv_heads(plan, dk, dv)
     slope_grads = (dslopes,) if with_dslopes else ()
