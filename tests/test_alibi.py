@@ -2,9 +2,10 @@
 against a direct numpy formula, then `attention` on the CPU kernels (values, lse, gradients of
 q, k, v, the bias and the slopes) against the float32 reference with every option and both
 diagonal alignments, under jit and vmap, the jax.nn implementations (a dense bias there), the
-Flax adapter, a sharded batch or heads, a sharded sequence on the ring (each ring step's
-kernel call with its own ALiBi shift), and the errors."""
+Flax adapter, a sharded batch or heads, a sharded sequence on the ring (under jit and in
+`ring_attention`, each ring step's kernel call with its own ALiBi shift), and the errors."""
 
+import functools
 import re
 
 import jax
@@ -15,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_flashattn
 from jax_flashattn import flax as jfa_flax
-from jax_flashattn import _ring, reference
+from jax_flashattn import _ring, reference, sharding
 from helpers import assert_attention_close, assert_grads_close, assert_lse_close, random_qkv
 # test_soft_cap's shapes, which its options' segment ids and lengths are built for.
 from test_soft_cap import B, H, K, N, S, T, OPTIONS as SOFT_CAP_OPTIONS
@@ -266,6 +267,35 @@ def test_steep_slopes_show_each_steps_shift(rng):
     np.testing.assert_allclose(np.asarray(out), own_value, atol=2e-3 * np.abs(own_value).max())
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_attention_in_shard_map(rng, layout):
+    """ring_attention on local shards over 4 devices, the slopes replicated (P()) and their
+    gradient summed over the ring by shard_map: the reference's values and gradients.
+    contiguous: causal, re-laid out zig-zag inside, slopes [N]; zigzag: a window on cross
+    attention with the bottom-right diagonal, slopes [B, N]."""
+    devices = 4
+    if layout == "contiguous":
+        t, s, slopes_shape, kwargs = 72, 72, (4,), dict(is_causal=True)
+    else:
+        t, s, slopes_shape = 40, 72, (2, 4)
+        kwargs = dict(local_window_size=(20, 5), diagonal_alignment="bottom_right")
+    q, k, v = random_qkv(rng, 2, t, s, 4, 2, 16, jnp.float32)
+    slopes = draw_slopes(rng, slopes_shape)
+    d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:devices]), ("sp",))
+    prepare, restore = ((lambda x: sharding.zigzag(x, devices), lambda x: sharding.unzigzag(
+        x, devices)) if layout == "zigzag" else (lambda x: x, lambda x: x))
+    spec = P(None, "sp")
+    program = jax.jit(jax.shard_map(
+        sharded_out_and_grads(functools.partial(sharding.ring_attention, axis_name="sp",
+                                                layout=layout), **kwargs),
+        mesh=mesh, in_specs=(spec, spec, spec, P(), spec), out_specs=(spec, (spec,) * 3 + (P(),))))
+    out, (dq, dk, dv, dslopes) = program(prepare(q), prepare(k), prepare(v), slopes,
+                                         prepare(d_out))
+    got = restore(out), (restore(dq), restore(dk), restore(dv), dslopes)
+    assert_matches_reference(got, q, k, v, slopes, d_out, **kwargs)
+
+
 def test_ring_schedule_offsets_are_global():
     """With `alibi`, each call's offset plus a pair's local distance is the pair's global
     distance, for every pair it computes (a whole-block call across zig-zag's two chunks would
@@ -298,6 +328,20 @@ def test_ring_schedule_offsets_are_global():
     with_alibi = _ring.make_schedule(_ring.RING, devices, t, t, (None, 0), "zigzag", alibi=True)
     assert len(plain.steps[0]) == 1 and len(with_alibi.steps[0]) == 3
     assert plain.work() == with_alibi.work()
+
+
+def test_ring_attention_refuses_a_diagonal_per_batch_entry(rng):
+    """Bottom-right ALiBi with seq lengths puts each entry's diagonal at its own
+    kv_len - q_len, which a ring block's call cannot see: a ValueError naming the options
+    (`attention` on sharded arrays gathers the sequences for it)."""
+    q, k, v = random_qkv(rng, 2, 16, 16, 4, 2, 16, jnp.float32)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]), ("sp",))
+    f = jax.shard_map(lambda q, k, v: sharding.ring_attention(
+        q, k, v, axis_name="sp", alibi_slopes=jnp.ones(4), diagonal_alignment="bottom_right",
+        key_value_seq_lengths=jnp.array([16, 9])), mesh=mesh, in_specs=(P(None, "sp"),) * 3,
+        out_specs=P(None, "sp"))
+    with pytest.raises(ValueError, match="alibi_slopes and query_seq_lengths or key_value"):
+        f(q, k, v)
 
 
 @pytest.mark.parametrize("value,error,match", [

@@ -34,36 +34,38 @@ class _RingConfig:
     schedule: _ring.Schedule
     axes: tuple
     switches: _ffi.KernelSwitches
+    alibi_shift: int  # ALiBi's diagonal in global positions (the global S - T or 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _ring_call(q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, config):
-    out, lse = _ring.seq_forward(q, k, v, None, None, q_lens, kv_lens, q_ids, kv_ids,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _ring_call(q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, slopes, config):
+    out, lse = _ring.seq_forward(q, k, v, None, None, q_lens, kv_lens, q_ids, kv_ids, slopes,
                                  scale=config.scale, soft_cap=config.soft_cap,
                                  window=config.window, schedule=config.schedule,
-                                 axes=config.axes, switches=config.switches)
+                                 axes=config.axes, switches=config.switches,
+                                 alibi_shift=config.alibi_shift)
     # The sinks once per row, on the ring's merged result (each step's kernel call runs
     # without them).
     return _sinks.apply(out, lse, sinks)
 
 
-def _ring_fwd(q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, config):
-    out, lse = _ring_call(q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, config)
-    return (out, lse), (q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, out, lse)
+def _ring_fwd(q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, slopes, config):
+    out, lse = _ring_call(q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, slopes, config)
+    return (out, lse), (q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, slopes, out, lse)
 
 
 def _ring_bwd(config, residuals, cotangents):
-    q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, out, lse = residuals
+    q, k, v, q_lens, kv_lens, q_ids, kv_ids, sinks, slopes, out, lse = residuals
     d_out, _ = cotangents
-    dq, dk, dv, _, _ = _ring.seq_backward(q, k, v, out, lse, d_out, None, None, q_lens,
-                                          kv_lens, q_ids, kv_ids, scale=config.scale,
-                                          soft_cap=config.soft_cap, window=config.window,
-                                          schedule=config.schedule, axes=config.axes,
-                                          switches=config.switches)
-    # This device's part: ring_attention marked the sinks varying over the ring's axes, so
-    # shard_map sums the parts.
+    dq, dk, dv, _, d_slopes = _ring.seq_backward(
+        q, k, v, out, lse, d_out, None, None, q_lens, kv_lens, q_ids, kv_ids, slopes,
+        scale=config.scale, soft_cap=config.soft_cap, window=config.window,
+        schedule=config.schedule, axes=config.axes, switches=config.switches,
+        alibi_shift=config.alibi_shift, dslopes=True)
+    # This device's parts: ring_attention marked the sinks and the slopes varying over the
+    # ring's axes, so shard_map sums the parts.
     d_sinks = None if sinks is None else _sinks.gradient(sinks, out, lse, d_out)
-    return dq, dk, dv, None, None, None, None, d_sinks
+    return dq, dk, dv, None, None, None, None, d_sinks, d_slopes
 
 
 _ring_call.defvjp(_ring_fwd, _ring_bwd)
@@ -75,23 +77,26 @@ def _axis_tuple(axis_name) -> tuple:
 
 def ring_schedule(num_devices: int, q_seq_len: int, kv_seq_len: int | None = None, *,
                   is_causal: bool = False, local_window_size=None, layout: str = "contiguous",
-                  load_balance: bool = True,
-                  diagonal_alignment: str = "top_left") -> _ring.Schedule:
-    """The static plan `ring_attention` runs for GLOBAL lengths over `num_devices`.
+                  load_balance: bool = True, diagonal_alignment: str = "top_left",
+                  alibi: bool = False) -> _ring.Schedule:
+    """The static plan `ring_attention` runs for GLOBAL lengths over `num_devices`; `alibi`:
+    for a call with `alibi_slopes`.
 
     `.work()` lists, per device, the (query, key) pairs its kernel calls cover; `.relayout`
     says whether contiguous shards are re-laid out zig-zag for balance; `.steps` lists each ring
-    step's kernel calls and their per-device windows.
+    step's kernel calls with their per-device windows and offsets (the global position of the
+    block's first key less that of its first query; ALiBi's distances move by it).
     """
     if kv_seq_len is None:
         kv_seq_len = q_seq_len
     shift = (kv_seq_len - q_seq_len
              if _validate.check_diagonal_alignment(diagonal_alignment) else 0)
     window = _validate.kernel_window(_validate._window(local_window_size), is_causal, shift)
-    return _schedule(num_devices, q_seq_len, kv_seq_len, window, layout, load_balance)
+    return _schedule(num_devices, q_seq_len, kv_seq_len, window, layout, load_balance,
+                     bool(alibi))
 
 
-def _schedule(num_devices, q_seq_len, kv_seq_len, window, layout, load_balance):
+def _schedule(num_devices, q_seq_len, kv_seq_len, window, layout, load_balance, alibi):
     """ring_schedule for a kernel window (left, right) in GLOBAL positions, None for an
     unbounded side, either side possibly negative (a bottom-right alignment's)."""
     if layout not in ("contiguous", "zigzag"):
@@ -103,16 +108,16 @@ def _schedule(num_devices, q_seq_len, kv_seq_len, window, layout, load_balance):
                              f"chunks for layout={layout!r} over {num_devices} devices")
     if layout == "zigzag":
         return _ring.make_schedule(_ring.RING, num_devices, q_seq_len, kv_seq_len, window,
-                                   "zigzag")
+                                   "zigzag", alibi=alibi)
     return _ring.balanced_schedule(_ring.RING, num_devices, q_seq_len, kv_seq_len, window,
-                                   load_balance)
+                                   load_balance, alibi)
 
 
 def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                    layout="contiguous", load_balance=True, return_residual=False,
                    query_segment_ids=None, key_value_segment_ids=None, logits_soft_cap=None,
-                   diagonal_alignment="top_left", sinks=None):
+                   diagonal_alignment="top_left", sinks=None, alibi_slopes=None):
     """Ring attention on sequence shards, for use inside `jax.shard_map`.
 
     Args:
@@ -121,10 +126,14 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
       axis_name: the mesh axis (or tuple of axes) the sequence is split over.
       scale, is_causal, local_window_size: as in `jax_flashattn.attention`, in GLOBAL positions;
         logits_soft_cap and diagonal_alignment as there too (the bottom-right diagonal at the
-        global S - T; with the seq lengths and a causal mask or window a ValueError, as each
-        entry's would sit at its own kv_len - q_len).
+        global S - T; with the seq lengths and a causal mask, a window or ALiBi a ValueError,
+        as each entry's would sit at its own kv_len - q_len).
       sinks: [N] as in `jax_flashattn.attention`, for the local query heads, replicated over
         `axis_name`; their gradient is summed over it (by shard_map).
+      alibi_slopes: [N] or [B, N] as in `jax_flashattn.attention`, for the local query heads
+        (and batch entries), replicated over `axis_name`: ALiBi's distances are GLOBAL
+        positions' (each ring step's kernel call measures them shifted to its block). Their
+        gradient is summed over `axis_name` (by shard_map).
       query_seq_lengths, key_value_seq_lengths: int [B] GLOBAL valid lengths (replicated over
         `axis_name`).
       query_segment_ids, key_value_segment_ids: int [B, T/D] and [B, S/D], the LOCAL shards of
@@ -150,14 +159,16 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
                                query_segment_ids=query_segment_ids,
                                key_value_segment_ids=key_value_segment_ids,
                                logits_soft_cap=logits_soft_cap,
-                               diagonal_alignment=diagonal_alignment, sinks=sinks)
+                               diagonal_alignment=diagonal_alignment, sinks=sinks,
+                               alibi_slopes=alibi_slopes)
     if args.align_window_to_lengths:
-        # Each batch entry's window would move by its global kv_len - q_len, and a ring
-        # block's kernel call sees the block's lengths only.
+        # Each batch entry's window (and ALiBi's diagonal) would move by its global
+        # kv_len - q_len, and a ring block's kernel call sees the block's lengths only.
         raise ValueError(
-            "ring_attention: diagonal_alignment='bottom_right' with is_causal or "
-            "local_window_size and query_seq_lengths or key_value_seq_lengths (each batch "
-            "entry's diagonal at its own kv_len - q_len) is not supported on sequence shards; "
+            "ring_attention: diagonal_alignment='bottom_right' with is_causal, "
+            "local_window_size or alibi_slopes and query_seq_lengths or key_value_seq_lengths "
+            "(each batch entry's diagonal at its own kv_len - q_len) is not supported on "
+            "sequence shards; "
             "call jax_flashattn.attention on the sharded arrays instead (it gathers the "
             "sequences for such a call), or drop the lengths (the diagonal then sits at the "
             "global S - T)")
@@ -165,15 +176,16 @@ def ring_attention(query, key, value, *, axis_name, scale=None, is_causal=False,
     # The shards split T and S evenly: the global S - T is the local one times the devices.
     window = args.kernel_window_at(devices * args.diagonal_shift)
     schedule = _schedule(devices, t_local * devices, s_local * devices, window, layout,
-                         load_balance)
+                         load_balance, args.alibi_slopes is not None)
     config = _RingConfig(args.scale, args.soft_cap, window, schedule, axes,
-                         _ffi.kernel_switches())
-    # The sinks (replicated over the ring's axes) marked varying as the rows they meet, so that
-    # their cotangent, each device's part, is summed by shard_map itself.
-    sinks, = _ops.vary_like((args.sinks,), (args.query, args.key, args.value))
+                         _ffi.kernel_switches(), devices * args.alibi_shift)
+    # The sinks and slopes (replicated over the ring's axes) marked varying as the rows they
+    # meet, so that their cotangents, each device's part, are summed by shard_map itself.
+    sinks, slopes = _ops.vary_like((args.sinks, args.alibi_slopes),
+                                   (args.query, args.key, args.value))
     out, lse = _ring_call(args.query, args.key, args.value, args.query_seq_lengths,
                           args.key_value_seq_lengths, args.query_segment_ids,
-                          args.key_value_segment_ids, sinks, config)
+                          args.key_value_segment_ids, sinks, slopes, config)
     out = out.reshape(args.out_shape)
     if not return_residual:
         return out
