@@ -91,6 +91,31 @@ struct BiasAndMask {
     }
   }
 
+  // The bounds of the tile whose first key is key0 where a length or window boundary crosses
+  // it for the warp (not interior); none needed elsewhere.
+  __device__ __forceinline__ cuda::TileVisibility bounds_of(const ForwardTile& t, int key0,
+                                                            bool interior) const {
+    cuda::TileVisibility tile_vis{};
+    if (!interior) {
+      const auto vis = variant::KeyWindow<int>::make(p, ptx::opaque(uint32_t(t.b)));
+      tile_vis = cuda::TileVisibility::make(vis, t.row0, key0, kBlockM + kBlockN);
+    }
+    return tile_vis;
+  }
+  // This thread's visible elements of its row h of the tile, one bit each (all on an interior
+  // tile).
+  static constexpr int kBitWords = (2 * kNTiles + 31) / 32;
+  __device__ __forceinline__ void visible_bits(const cuda::TileVisibility& tile_vis,
+                                               bool interior, int h,
+                                               uint32_t (&bits)[kBitWords]) const {
+    if (interior) {
+#pragma unroll
+      for (uint32_t& word : bits) word = 0xffffffffu;
+    } else {
+      tile_vis.column_bits<kNTiles>(row + 8 * h, quad_col, bits);
+    }
+  }
+
   // A warp's 16 staged rows: kBlockN elements of kBytes each, in 16-byte chunks of
   // kKeysPerChunk keys, chunk c of row r at byte (16 c + r) 16. For one column of chunks the 16
   // rows lie side by side, so the eight rows that a quad's reads of an 8-key column tile span
@@ -151,23 +176,14 @@ struct BiasAndMask {
                                              int j, bool interior) const {
     using Layout = StageLayout<int(sizeof(Term))>;
     const int key0 = (t.tile_begin + j) * kBlockN;
-    cuda::TileVisibility tile_vis{};
-    if (!interior) {
-      const auto vis = variant::KeyWindow<int>::make(p, ptx::opaque(uint32_t(t.b)));
-      tile_vis = cuda::TileVisibility::make(vis, t.row0, key0, kBlockM + kBlockN);
-    }
+    const cuda::TileVisibility tile_vis = bounds_of(t, key0, interior);
     const float scale_log2 = p.scale * cuda::kLog2e;
     ptx::cp_async_wait<0>();
     __syncwarp();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint32_t bits[(2 * kNTiles + 31) / 32];
-      if (interior) {
-#pragma unroll
-        for (uint32_t& word : bits) word = 0xffffffffu;
-      } else {
-        tile_vis.column_bits<kNTiles>(row + 8 * h, quad_col, bits);
-      }
+      uint32_t bits[kBitWords];
+      visible_bits(tile_vis, interior, h, bits);
       const uint32_t thread_at = stage + Layout::thread_at(lane / 4 + 8 * h, quad_col);
 #pragma unroll
       for (int c = 0; c < kNTiles; ++c) {
@@ -203,22 +219,13 @@ struct BiasAndMask {
   __device__ __forceinline__ void add(float (&s)[1][kNTiles][4], const ForwardTile& t, int j,
                                       bool interior) const {
     const int key0 = (t.tile_begin + j) * kBlockN;
-    cuda::TileVisibility tile_vis{};
-    if (!interior) {
-      const auto vis = variant::KeyWindow<int>::make(p, ptx::opaque(uint32_t(t.b)));
-      tile_vis = cuda::TileVisibility::make(vis, t.row0, key0, kBlockM + kBlockN);
-    }
+    const cuda::TileVisibility tile_vis = bounds_of(t, key0, interior);
     const float scale_log2 = p.scale * cuda::kLog2e;
     const bool has_mask = p.mask != nullptr;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint32_t bits[(2 * kNTiles + 31) / 32];
-      if (interior) {
-#pragma unroll
-        for (uint32_t& word : bits) word = 0xffffffffu;
-      } else {
-        tile_vis.column_bits<kNTiles>(row + 8 * h, quad_col, bits);
-      }
+      uint32_t bits[kBitWords];
+      visible_bits(tile_vis, interior, h, bits);
       const int64_t r = t.row0 + row + 8 * h;
       const int64_t key = key0 + quad_col;
       [[maybe_unused]] const BiasElem* bias = nullptr;
