@@ -5,7 +5,9 @@
 // its logits on the later ones up to the spread of the scores, and the softmax exponentiates
 // them against that maximum (docs/decisions/settled-row-maxima.md) instead of raising it tile
 // after tile. On a causal diagonal the first tile visited is the block's last (or, where the
-// diagonal crosses a tile boundary inside the block, the one before it).
+// diagonal crosses a tile boundary inside the block, the one before it). With a negative slope
+// the term grows away from the diagonal instead: the order stays correct, and the settled
+// attempts fail and are recomputed.
 //
 // The producer and the consumers each make the order from the tile: the tile slot has no room
 // for it, and the producer's loads and the consumers' products must agree on it.

@@ -3,10 +3,10 @@
 // adjacent keys each), they become base-2 logits with the bias and ALiBi's term added, and -inf
 // where the mask hides them. Each thread reads its own elements of the bias and mask from
 // global memory, at constant offsets from its row's start (keys at unit stride:
-// bias_and_mask_fit), having prefetched them into L2 while the tile before computed. No shared
-// memory is left beside the tiles for a bias tile at head dim 128
-// (docs/decisions/hopper-bias-and-mask.md). ALiBi's term is computed, two FP32 operations per
-// element (alibi_terms.cuh).
+// bias_and_mask_fit), having prefetched them into L2 while the tile before computed; or
+// (WithStagedTerm: a 2-byte bias alone or a mask alone) from its warp's buffer in shared memory,
+// which the warp fills by cp.async under the tile before (docs/decisions/hopper-bias-and-mask.md).
+// ALiBi's term is computed, two FP32 operations per element (alibi_terms.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -29,10 +29,10 @@
 
 namespace jax_flashattn::wgmma {
 
-// The term a call stages in shared memory (BiasAndMask::stage): a bias of 2-byte elements
-// alone, or a mask alone, whose rows start at 16-byte boundaries and whose key count is a
-// whole number of 16-byte chunks (no chunk straddles S); kNone: each thread reads its elements
-// from global memory.
+// The term a call stages in shared memory (WithStagedTerm, BiasAndMask::stage_tile): a bias
+// of 2-byte elements alone, or a mask alone, whose rows start at 16-byte boundaries and whose
+// key count is a whole number of 16-byte chunks (no chunk straddles S); kNone: each thread
+// reads its elements from global memory.
 enum class StagedTerm { kNone, kBFloat16Bias, kFloat16Bias, kMask };
 
 JAX_FLASHATTN_HOST_DEVICE inline bool rows_aligned(const void* base, const BroadcastStrides& st,
@@ -47,7 +47,8 @@ JAX_FLASHATTN_HOST_DEVICE inline StagedTerm staged_term(const AttentionParams& p
     if (p.bias_dtype == ElemType::kBFloat16) return StagedTerm::kBFloat16Bias;
     if (p.bias_dtype == ElemType::kFloat16) return StagedTerm::kFloat16Bias;
   }
-  if (p.mask != nullptr && p.bias == nullptr && rows_aligned(p.mask, p.mask_strides, 16, p.seqlen_k))
+  if (p.mask != nullptr && p.bias == nullptr &&
+      rows_aligned(p.mask, p.mask_strides, 16, p.seqlen_k))
     return StagedTerm::kMask;
   return StagedTerm::kNone;
 }

@@ -424,8 +424,8 @@ struct ForwardConsumer {
                                                float (&correction)[1][2]) {
     cap_scores();
     const int stage = kv_ring.stage();
-    // The key tile: j itself but with kAlibi (taken through key_tile in every variant, the
-    // other kernels' compares changed form).
+    // The key tile: j itself but with kAlibi (key_tile; called in the other variants too, it
+    // changed the form of their compares).
     int kt = j;
     if constexpr (Traits::kAlibi) kt = key_tile(w, j);
     bool interior = kt >= w.interior_lo && kt < w.interior_hi;

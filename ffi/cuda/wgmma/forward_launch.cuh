@@ -18,6 +18,9 @@ cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stre
   if (Traits::kAlibi ? !wgmma::alibi_fits(p)
                      : !Traits::kBiasAndMask && p.has_elementwise_terms())
     return cudaErrorInvalidConfiguration;
+  // WithStagedTerm reads the one term staged_term names.
+  if (Traits::kStagedTerm && wgmma::staged_term(p) == wgmma::StagedTerm::kNone)
+    return cudaErrorInvalidConfiguration;
   constexpr auto kernel = wgmma::forward_kernel<Elem, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   if (!wgmma::indices_fit_32_bits(p)) return cudaErrorInvalidConfiguration;

@@ -1,6 +1,6 @@
 // The Hopper forward's pipeline state, shared by its producer (forward_producer.cuh) and its
-// consumers (forward_consumer.cuh): the shared-memory layout, the mbarriers of the Q and K/V rings and of
-// the tile slot, the named barriers of the consumers, and the position in a ring.
+// consumers (forward_consumer.cuh): the shared-memory layout, the mbarriers of the Q and K/V
+// rings and of the tile slot, the named barriers of the consumers, and the position in a ring.
 #pragma once
 
 #include <cstdint>
@@ -52,7 +52,7 @@ struct RingPosition {
 // The dynamic shared memory, with tiles at 1024-byte boundaries (the 128-byte swizzle's
 // period): Q stages, O (unless staged in the K/V ring), K stages, V stages, the key ids of each
 // K stage (segment ids; 128-byte aligned, as TMA writes them), each consumer warp's staging
-// buffer for the bias or mask (WithBiasAndMask), then the barriers
+// buffer for the bias or mask (WithStagedTerm), then the barriers
 // (ForwardBarriers at start + kBarrierOffset). Addresses are 32-bit shared addresses.
 template <typename Traits>
 struct ForwardSmem {
@@ -83,7 +83,7 @@ struct ForwardSmem {
   __device__ uint32_t key_ids(int stage) const {
     return base + kKeyIdsOffset + stage * Traits::KeyIdBox::kStageBytes;
   }
-  // Consumer warp w's staging buffer for the bias or mask (WithBiasAndMask; 16-byte aligned).
+  // Consumer warp w's staging buffer for the bias or mask (WithStagedTerm; 16-byte aligned).
   __device__ uint32_t term_stage(int w) const {
     return base + kTermStagesOffset + w * Traits::kTermStageBytes;
   }

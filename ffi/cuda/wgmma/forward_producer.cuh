@@ -2,8 +2,8 @@
 // decoded, to the consumers through the tile slot, and issues every TMA load: per tile Q into a
 // ring of kQStages buffers and K_j, V_j into a ring of kStages buffers (WithAlibi: the key tiles
 // in AlibiTileOrder's order). A load goes into the next buffer of its ring once every consumer
-// warp has released it (the empty barrier); its full barrier counts the bytes in. Tiles without keys take no buffer (the consumers write their
-// zeros and -inf lse).
+// warp has released it (the empty barrier); its full barrier counts the bytes in. Tiles without
+// keys take no buffer (the consumers write their zeros and -inf lse).
 //
 // Tile k goes into the slot once every consumer thread has read tile k - 1's. While the
 // consumers compute tile k the producer issues the rest of tile k's loads, claims tile k + 1

@@ -75,15 +75,16 @@ struct KeyIdsInSmem {
 // The first row of the V tile that computing consumer `consumer` must zero before its last
 // O += P V, or kBlockN for none. The tensor maps span S, so the key tile that holds a batch
 // entry's key length brings the cache's rows past it, which may hold NaN or Inf, and a masked P
-// of 0 times NaN is NaN. That tile is the last one of every warpgroup that reads it, and the
-// first of them in turn order (the lowest computing consumer: below a computing one, a consumer
-// is idle only through the segment ids' spans, kSegments) zeroes it before its turn: the turns
-// (named barriers, round robin) order its stores before every later reader's product, and no
-// two warpgroups write the buffer. Without a window every computing warpgroup reads every
-// tile, so the lowest computing one zeroes. Rebuilt from the parameters (one load of the
-// length) rather than kept through the tile loop
+// of 0 times NaN is NaN. That tile is the last one of every warpgroup that reads it (WithAlibi:
+// wherever its order puts it, ForwardConsumer::zero_v_past_length), and the first of them in
+// turn order (the lowest computing consumer: below a computing one, a consumer is idle only
+// through the segment ids' spans, kSegments) zeroes it before its turn: the turns (named
+// barriers, round robin) order its stores before every later reader's product, and no two
+// warpgroups write the buffer. kTails false (no window, or WithAlibi): every computing
+// warpgroup reads every tile, so the lowest computing one zeroes. Rebuilt from the parameters
+// (one load of the length) rather than kept through the tile loop
 // (docs/decisions/keys-past-the-length-never-read.md).
-template <int kBlockN, bool kWindowed, bool kSegments = false>
+template <int kBlockN, bool kTails, bool kSegments = false>
 __device__ __forceinline__ int first_v_row_to_zero(const AttentionParams& p, const ForwardTile& t,
                                                    int consumer, int wg_tiles) {
   if (p.kv_seqlens == nullptr) return kBlockN;  // rows past S load as zeros
@@ -92,7 +93,7 @@ __device__ __forceinline__ int first_v_row_to_zero(const AttentionParams& p, con
   if (vis.kv_len >= p.seqlen_k || vis.kv_len - last_key0 >= kBlockN) return kBlockN;
   for (int below = 0; below < consumer; ++below) {
     if (kSegments && sees_no_keys_of_its_documents(p, vis, t, below * 64)) continue;
-    if (!kWindowed || windowed_warpgroup_tiles<kBlockN>(vis, t, below * 64) >= wg_tiles)
+    if (!kTails || windowed_warpgroup_tiles<kBlockN>(vis, t, below * 64) >= wg_tiles)
       return kBlockN;
   }
   return vis.kv_len - last_key0;

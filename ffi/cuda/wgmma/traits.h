@@ -188,8 +188,8 @@ struct WithSoftCap : Config {
 // An additive bias, a boolean mask and ALiBi: each key tile's scores become base-2 logits with
 // the bias and ALiBi's term added, and -inf where the mask hides them, as they land; the softmax
 // takes them with factor 1. Each consumer thread reads its own elements of the bias and mask
-// from global memory (its two rows, 2 x kBlockN / 8 pairs of keys: no shared memory is left for
-// a bias tile at head dim 128), hit in L2 where it prefetched them under the tile before, and
+// from global memory (its two rows, 2 x kBlockN / 8 pairs of keys), hit in L2 where it
+// prefetched them under the tile before (WithStagedTerm below stages them instead), and
 // computes ALiBi's (forward_bias_and_mask.cuh). Instantiations of their own
 // (forward_bias_launch.cuh); calls that also have segment ids or a soft-cap run on the mma.sync
 // family.
@@ -261,11 +261,14 @@ inline bool bias_and_mask_fit(const AttentionParams& p) {
 }
 
 // Whether a call takes WithAlibi: ALiBi without a bias or mask, its distances (each thread's
-// per tile: ForwardConsumer's alibi_distance) within int32 whatever the caller's shift.
+// per tile: ForwardConsumer's alibi_distance, and the few rows and keys the tile adds) within
+// int32: |shift| + |kv_len - q_len| + T + S + 2 x 256 stays below 2^31 with each part below
+// 2^29.
 inline bool alibi_fits(const AttentionParams& p) {
   const int64_t shift = p.alibi_shift < 0 ? -p.alibi_shift : p.alibi_shift;
+  constexpr int64_t kLimit = int64_t(1) << 29;
   return p.alibi_slopes != nullptr && p.bias == nullptr && p.mask == nullptr &&
-         shift <= (int64_t(1) << 30) && p.seqlen_q + p.seqlen_k <= (int64_t(1) << 30);
+         shift < kLimit && p.seqlen_q < kLimit && p.seqlen_k < kLimit;
 }
 
 // setmaxnreg only moves registers within what the block was launched with: 168 per thread
