@@ -95,6 +95,9 @@ LONG_ROWS = {
     "window": (900, 900, dict(local_window_size=(300, 50)), None),
     "lengths": (700, 1001, dict(query_seq_lengths=np.array([700, 333], np.int32)),
                 np.array([1001, 517], np.int32)),
+    # Entry 1's block of rows 512-639 starts its order at its last key tile (keys 512-516).
+    "lengths_last_tile_first": (700, 1001, dict(query_seq_lengths=np.array([700, 700], np.int32)),
+                                np.array([1001, 517], np.int32)),
     "bottom_right_causal_lengths": (
         700, 1001, dict(is_causal=True, diagonal_alignment="bottom_right",
                         query_seq_lengths=np.array([650, 200], np.int32)),
@@ -118,6 +121,19 @@ def test_forward_long_rows(rng, monkeypatch, head_dim, case, signs):
     if signs == "mixed":
         slopes = slopes * jnp.asarray([1.0, -1.0] * (N // 2), jnp.float32)
     check_cuda_forward(q, k, v, alibi_slopes=slopes, **kwargs)
+
+
+@pytest.mark.parametrize("terms", ["bias", "mask"])
+def test_forward_with_a_staged_term(rng, monkeypatch, terms):
+    """ALiBi beside a bf16 bias or a mask that the Hopper forward stages in shared memory (keys
+    a whole number of 16-byte chunks)."""
+    assert use_family("sm90", monkeypatch) == "sm90"
+    s = 704
+    q, k, v = random_qkv(rng, B, T, s, N, K, 128, jnp.bfloat16)
+    bias = (jnp.asarray(rng.standard_normal((1, N, T, s)) * 2, jnp.bfloat16)
+            if terms == "bias" else None)
+    mask = jnp.asarray(rng.random((B, 1, T, s)) > 0.3) if terms == "mask" else None
+    check_cuda_forward(q, k, v, bias, mask, alibi_slopes=slopes_of(rng), is_causal=True)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
