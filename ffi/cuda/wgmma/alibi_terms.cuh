@@ -28,4 +28,27 @@ __device__ __forceinline__ float with_alibi_term(float x, float factor, float sl
   return fmaf(x, factor, kNegative ? fabsf(d2) : -fabsf(d2));
 }
 
+// A forward accumulator fragment s (a thread's two rows h, 8 apart; adjacent keys e of its pair
+// in each 8-key column tile c) times factor plus ALiBi's term: element [c][2 h + e] at distance
+// r_h - (8 c + e), base[h] = slope2 r_h. The slope's sign, uniform over the tile, is chosen
+// once, so that it stays an operand modifier. Hidden elements (-inf) stay hidden.
+template <bool kNegative, int kNTiles>
+__device__ __forceinline__ void add_alibi_to_rows(float (&s)[1][kNTiles][4], float factor,
+                                                  float slope2, const float (&base)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int c = 0; c < kNTiles; ++c)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        s[0][c][2 * h + e] =
+            with_alibi_term<kNegative>(s[0][c][2 * h + e], factor, slope2, base[h], -(8 * c + e));
+}
+template <int kNTiles>
+__device__ __forceinline__ void add_alibi_to_rows(float (&s)[1][kNTiles][4], float factor,
+                                                  float slope2, const float (&base)[2]) {
+  if (slope2 < 0.f) return add_alibi_to_rows<true>(s, factor, slope2, base);
+  add_alibi_to_rows<false>(s, factor, slope2, base);
+}
+
 }  // namespace jax_flashattn::wgmma

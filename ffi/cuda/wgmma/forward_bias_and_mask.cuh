@@ -268,23 +268,6 @@ struct BiasAndMask {
     }
   }
 
-  // s times factor plus ALiBi's base-2 term -slope2 |t + shift - s| (the sign of the slope a
-  // template parameter: alibi_terms.cuh). Element [c][2 h + e] is at distance r_h - (8 c + e),
-  // r_h = t + shift - the thread's first key of the tile, for its row t of h. Hidden elements
-  // (-inf) stay hidden.
-  template <bool kNegative>
-  __device__ __forceinline__ void add_alibi(float (&s)[1][kNTiles][4], float factor,
-                                            float slope2, const float (&base)[2]) const {
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int c = 0; c < kNTiles; ++c)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          s[0][c][2 * h + e] = with_alibi_term<kNegative>(s[0][c][2 * h + e], factor, slope2,
-                                                          base[h], -(8 * c + e));
-  }
-
   // Key tile j's scores s as the softmax takes them: base-2 logits with the call's terms, the
   // elements the mask or the bounds hide at -inf (add). Whether ALiBi is on is decided once per
   // tile: calls without it run add alone. With ALiBi alone on an interior tile nothing is read
@@ -299,13 +282,13 @@ struct BiasAndMask {
     if (p.alibi_slopes == nullptr) return;
     const cuda::AlibiLogits alibi = cuda::AlibiLogits::make(p, t.b, t.n);
     const int64_t key = int64_t(t.tile_begin + j) * kBlockN + quad_col;
+    // r_h = t + shift - the thread's first key of the tile, for its row t of h.
     float base[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       base[h] = alibi.slope2 * float(t.row0 + row + 8 * h + alibi.shift - key);
     const float factor = alibi_alone ? p.scale * cuda::kLog2e : 1.f;
-    if (alibi.slope2 < 0.f) return add_alibi<true>(s, factor, alibi.slope2, base);
-    add_alibi<false>(s, factor, alibi.slope2, base);
+    add_alibi_to_rows(s, factor, alibi.slope2, base);
   }
 };
 

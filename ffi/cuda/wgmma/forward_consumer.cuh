@@ -311,32 +311,26 @@ struct ForwardConsumer {
   // The key tile (from the block's first) that the tile loop's j-th step multiplies: j, or
   // (kAlibi) the one AlibiTileOrder visits j-th.
   __device__ __forceinline__ int key_tile(const ConsumerTile& w, int j) const {
-    if constexpr (Traits::kAlibi)
-      return AlibiTileOrder<kBlockN>{w.alibi_first, w.t.num_kv_tiles}.key_tile(j);
+    if constexpr (Traits::kAlibi) return alibi_order(w).key_tile(j);
     return j;
   }
-
-  // kAlibi: key tile kt's scores in s_acc as base-2 logits with ALiBi's term, two FFMAs each
-  // (alibi_terms.cuh; the slope's sign, uniform over the tile, chosen once). Element [c][2 h +
-  // e] is at distance alibi_distance + 8 h - kt kBlockN - (8 c + e).
-  template <bool kNegative>
-  __device__ __forceinline__ void add_alibi_terms(const ConsumerTile& w, int kt) {
-    const float scale2 = p.scale * cuda::kLog2e;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float base = w.alibi_slope2 * float(w.alibi_distance + 8 * h - kt * kBlockN);
-#pragma unroll
-      for (int c = 0; c < kNTiles; ++c)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          s_acc[0][c][2 * h + e] = with_alibi_term<kNegative>(
-              s_acc[0][c][2 * h + e], scale2, w.alibi_slope2, base, -(8 * c + e));
-    }
+  // kAlibi: the block's key tile order (AlibiTileOrder).
+  __device__ __forceinline__ static AlibiTileOrder<kBlockN> alibi_order(const ConsumerTile& w) {
+    return {w.alibi_first, w.t.num_kv_tiles};
   }
+
+  // kAlibi: r_h of key tile kt, the distance t + shift - s of the thread's row h and its first
+  // key of the tile.
+  __device__ __forceinline__ int alibi_row_distance(const ConsumerTile& w, int kt, int h) const {
+    return w.alibi_distance + 8 * h - kt * kBlockN;
+  }
+  // kAlibi: key tile kt's scores in s_acc as base-2 logits with ALiBi's term, two FFMAs each
+  // (alibi_terms.cuh).
   __device__ __forceinline__ void add_alibi(const ConsumerTile& w, int kt) {
     if constexpr (Traits::kAlibi) {
-      if (w.alibi_slope2 < 0.f) return add_alibi_terms<true>(w, kt);
-      add_alibi_terms<false>(w, kt);
+      const float base[2] = {w.alibi_slope2 * float(alibi_row_distance(w, kt, 0)),
+                             w.alibi_slope2 * float(alibi_row_distance(w, kt, 1))};
+      add_alibi_to_rows(s_acc, p.scale * cuda::kLog2e, w.alibi_slope2, base);
     }
   }
 
@@ -353,7 +347,7 @@ struct ForwardConsumer {
   // |d| is the linear sigma slope2 d (sigma the side), so the term and the maximum's offset go
   // into one FFMA per score on top of the scale's: exp2(s scale2 + (step k + base_h - offset))
   // for the element k keys right of the thread's first, whose distance is r_h - k
-  // (add_alibi_terms), with step = -sigma slope2 and base_h = sigma slope2 r_h.
+  // (alibi_row_distance), with step = -sigma slope2 and base_h = sigma slope2 r_h.
   struct AlibiExponent {
     float scale2, step, base[2];
     __device__ __forceinline__ float operator()(float s, int h, int n, int c,
@@ -367,7 +361,7 @@ struct ForwardConsumer {
     AlibiExponent x{p.scale * cuda::kLog2e, -sign * w.alibi_slope2, {}};
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      x.base[h] = sign * w.alibi_slope2 * float(w.alibi_distance + 8 * h - kt * kBlockN);
+      x.base[h] = sign * w.alibi_slope2 * float(alibi_row_distance(w, kt, h));
     return x;
   }
 
@@ -599,7 +593,7 @@ struct ForwardConsumer {
       // kAlibi: the block's last key tile, the one that may hold keys past a length, is
       // multiplied by V wherever the order visits it (elsewhere always last: after the loop).
       if constexpr (Traits::kAlibi)
-        if (j - 1 == AlibiTileOrder<kBlockN>{w.alibi_first, t.num_kv_tiles}.last_tile_visit())
+        if (j - 1 == alibi_order(w).last_tile_visit())
           zero_v_past_length(w, prev.stage());
       take_turn();
       issue_qk(w.q_tile, kv_ring.stage());
@@ -616,9 +610,7 @@ struct ForwardConsumer {
     release(bars.q_empty[w.q_stage]);
     pack_p();
     ptx::mbarrier_wait(barrier_address(bars.v_full[kv_ring.stage()]), kv_ring.phase());
-    if (!Traits::kAlibi ||
-        AlibiTileOrder<kBlockN>{w.alibi_first, t.num_kv_tiles}.last_tile_visit() ==
-            w.wg_tiles - 1)
+    if (!Traits::kAlibi || alibi_order(w).last_tile_visit() == w.wg_tiles - 1)
       zero_v_past_length(w, kv_ring.stage());
     take_turn();
     issue_pv(kv_ring.stage(), w.half_last);
