@@ -16,6 +16,13 @@
 
 namespace jax_flashattn::wgmma {
 
+// The forward's barrier bytes for q_stages Q buffers and kv_stages K/V stages: Q and K/V full
+// and empty barriers, the tile slot's full and empty barriers, then the slot (32 bytes at the
+// next 16-byte boundary).
+constexpr int forward_barrier_bytes(int q_stages, int kv_stages) {
+  return 8 * (2 * q_stages + 4 * kv_stages + 2) + 8 + 32;
+}
+
 template <int kHeadDim_, int kBlockN_, int kStages_, int kQStages_, bool kOInKV_,
           int kConsumers_ = 2>
 struct ForwardTraits {
@@ -66,9 +73,7 @@ struct ForwardTraits {
   // 1024-byte aligned each (the swizzle pattern repeats every 8 rows of 128 bytes), then the
   // barriers; plus 1024 bytes to align the start.
   static constexpr int kOBytes = kOInKV ? 0 : kQBytes;
-  // Q and K/V full and empty barriers, the tile slot's full and empty barriers, then the slot
-  // (32 bytes at the next 16-byte boundary).
-  static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * kStages + 2) + 8 + 32;
+  static constexpr int kBarrierBytes = forward_barrier_bytes(kQStages, kStages);
   // Key ids per K stage (WithSegmentIds below); none here.
   using KeyIdBox = NoIdBox;
   static constexpr int kSmemBytes =
@@ -223,7 +228,7 @@ struct WithStagedTerm : WithBiasAndMask<Config> {
   static constexpr bool kQBufferDropped = kQStages < Config::kQStages;
   static constexpr int kProducerRegisters = kQBufferDropped ? 24 : Config::kProducerRegisters;
   static constexpr int kConsumerRegisters = kQBufferDropped ? 240 : Config::kConsumerRegisters;
-  static constexpr int kBarrierBytes = 8 * (2 * kQStages + 4 * Config::kStages + 2) + 8 + 32;
+  static constexpr int kBarrierBytes = forward_barrier_bytes(kQStages, Config::kStages);
   static constexpr int kSmemBytes = kQStages * Config::kQBytes + Config::kOBytes +
                                     2 * Config::kStages * Config::kKVBytes +
                                     Config::kConsumerWarps * kTermStageBytes + kBarrierBytes +
