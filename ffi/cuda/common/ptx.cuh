@@ -25,6 +25,13 @@ __device__ __forceinline__ uint16_t ld_shared_b16(uint32_t address) {
   return v;
 }
 
+// One byte, zero-extended.
+__device__ __forceinline__ uint32_t ld_shared_u8(uint32_t address) {
+  uint32_t v;
+  asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(address) : "memory");
+  return v;
+}
+
 // cp.async.cg: 16 bytes global -> shared, bypassing L1. With valid == false it reads nothing
 // and zero-fills the destination, which is how tile edges (rows past T or S, head dims past H)
 // become zeros in shared memory without branches around the copy.
@@ -51,6 +58,12 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// An arrival on the mbarrier at `bar` once every cp.async this thread issued before it has
+// landed. .noinc: the arrival is one of the barrier's expected arrivals (counted at its init).
+__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 // Programmatic dependent launch (sm_90+; nothing on older targets, where the launch attribute

@@ -20,6 +20,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "ffi/cuda/common/alibi.cuh"
@@ -28,6 +29,8 @@
 #include "ffi/cuda/common/softmax.cuh"  // kLog2e
 #include "ffi/cuda/wgmma/alibi_terms.cuh"
 #include "ffi/cuda/wgmma/backward_dq_add.cuh"  // BackwardConsumerThread, BackwardStep
+#include "ffi/cuda/wgmma/backward_term_tile.cuh"
+#include "ffi/cuda/wgmma/staged_term.h"
 #include "ffi/params.h"
 
 namespace jax_flashattn::wgmma {
@@ -42,6 +45,9 @@ struct BackwardBiasAndMask {
   int64_t key;    // this thread's first key: the block's, the warp's, then quad_row
   int quad_col;   // its first query of each 8-query column tile
   int consumer;   // its warpgroup's index among the consumers
+  int lane;
+  int warp_key;    // its warp's first key in the block
+  uint32_t terms;  // stage 0's tile of a staged term (BackwardWithStagedTerm)
 
   // Whether this thread writes dbias for 8-query tile j: with the head dim split both
   // consumers hold the whole S^T, so each writes half of the tiles.
@@ -53,10 +59,7 @@ struct BackwardBiasAndMask {
   // broadcasts to [batch, N, T, S] with unit stride along the keys (or a single key). 32-bit
   // batch indices (indices_fit_32_bits).
   __device__ __forceinline__ int64_t offset_of(const BroadcastStrides& st, int n, int q0) const {
-    const uint32_t inner = uint32_t(p.batch_inner > 0 ? p.batch_inner : 1);
-    return int64_t(uint32_t(b) / inner) * st.batch_outer +
-           int64_t(uint32_t(b) % inner) * st.batch_inner + int64_t(n) * st.head +
-           int64_t(q0 + quad_col) * st.row + key * st.col;
+    return head_offset(p, st, b, n) + int64_t(q0 + quad_col) * st.row + key * st.col;
   }
 
   // S^T (raw scores) as base-2 logits, scale_log2 times the score plus the bias times
@@ -92,10 +95,73 @@ struct BackwardBiasAndMask {
       }
   }
 
-  // add for the call's bias type, chosen once per step.
+  // kStagedTerm: the elements of step s's tile that a staged mask hides, one bit each as in
+  // the consumer's `hidden`; none for a bias. The bits do not depend on S^T, so they are read
+  // before it lands, while its registers are not yet live beside dP^T's; two 8-query tiles at
+  // a time (all 32 byte reads unrolled spilled 124 bytes at head dim 128, two at a time 24).
+  // Element [j][e]: row 8 j + quad_col + e % 2, key warp_key + lane / 4 + 8 (e / 2), in the
+  // warp's one chunk of each row.
+  __device__ __forceinline__ HiddenBits staged_mask_bits(const BackwardStep& s) const {
+    HiddenBits bits = 0;
+    if (staged_term(p) != StagedTerm::kMask) return bits;
+    using Tile = BackwardTermTile<Traits, 1>;
+    const uint32_t tile = terms + s.stage * Traits::kTermStageBytes;
+#pragma unroll 2
+    for (int j = 0; j < kQTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = 8 * j + quad_col + e % 2;
+        const uint32_t at = Tile::chunk_at(r, warp_key / 16) + lane / 4 + 8 * (e / 2);
+        if (ptx::ld_shared_u8(tile + at) == 0) bits |= HiddenBits(1) << (4 * j + e);
+      }
+    return bits;
+  }
+
+  // add for a staged bias of element type Term, from the step's tile in shared memory
+  // (BackwardTermTile). Every element is added, hidden ones too: probabilities() zeroes their P
+  // whatever their logit.
+  template <typename Term>
+  __device__ __forceinline__ void add_staged_bias(const BackwardStep& s, float scale_log2,
+                                                  float (&s_acc)[kQTiles][4]) const {
+    using Tile = BackwardTermTile<Traits, int(sizeof(Term))>;
+    // Lane l gives row l % 8 of 8 x 8 block l / 8: query tile 2 jj + l / 16, the warp's chunk
+    // (l / 8) % 2. Transposed, register m of a lane holds keys lane / 4 + 8 (m % 2), queries
+    // quad_col, +1 of query tile 2 jj + m / 2: elements [j][2 (m % 2)], +1.
+    const uint32_t at = terms + s.stage * Traits::kTermStageBytes +
+                        Tile::chunk_at(8 * (lane / 16) + lane % 8, warp_key / 8 + (lane / 8) % 2);
+#pragma unroll
+    for (int jj = 0; jj < kQTiles / 2; ++jj) {
+      uint32_t x[4];
+      ptx::ldmatrix_x4_trans(x, at + jj * 16 * Tile::kRowBytes);
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        Term pair[2];
+        memcpy(pair, &x[m], 4);
+        float* element = &s_acc[2 * jj + m / 2][2 * (m % 2)];
+        element[0] = fmaf(cuda::kLog2e, cuda::to_float(pair[0]), element[0] * scale_log2);
+        element[1] = fmaf(cuda::kLog2e, cuda::to_float(pair[1]), element[1] * scale_log2);
+      }
+    }
+  }
+
+  // add for the call's bias type or (kStagedTerm) staged term, chosen once per step.
   __device__ __forceinline__ void add_bias_and_mask(const BackwardStep& s, float scale_log2,
                                                     HiddenBits& hidden,
                                                     float (&s_acc)[kQTiles][4]) const {
+    if constexpr (Traits::kStagedTerm) {
+      // A staged mask's bits are in `hidden` already (staged_mask_bits).
+      switch (staged_term(p)) {
+        case StagedTerm::kBFloat16Bias:
+          return add_staged_bias<__nv_bfloat16>(s, scale_log2, s_acc);
+        case StagedTerm::kFloat16Bias: return add_staged_bias<__half>(s, scale_log2, s_acc);
+        default:
+#pragma unroll
+          for (auto& tile : s_acc)
+#pragma unroll
+            for (float& x : tile) x *= scale_log2;
+          return;
+      }
+    }
     if (p.bias == nullptr) return add<void>(s, scale_log2, hidden, s_acc);
     switch (p.bias_dtype) {
       case ElemType::kBFloat16: return add<__nv_bfloat16>(s, scale_log2, hidden, s_acc);

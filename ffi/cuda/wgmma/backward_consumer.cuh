@@ -202,8 +202,9 @@ struct BackwardConsumer {
   // dbias and dslopes.
   __device__ __forceinline__ BackwardBiasAndMask<Traits, HiddenBits> bias_and_mask(
       const Thread& th) const {
-    return {p, block.b, int64_t(block.key0) + th.warp_key0 + th.quad_row, th.quad_col,
-            th.consumer};
+    return {p,           block.b,     int64_t(block.key0) + th.warp_key0 + th.quad_row,
+            th.quad_col, th.consumer, th.lane,
+            th.warp_key0, smem.term(0)};
   }
 
   // kSegments: the id of this warp's key lane % 16 (the last key's past S), read once per
@@ -437,6 +438,10 @@ struct BackwardConsumer {
         one_document = cuda::one_segment<kBlockM>(ids.lane_key_id,
                                                   smem.q_ids(s.stage) + ids.q_ids_skip, th.lane);
 
+      // kStagedTerm: the elements a staged mask hides, read before S^T lands.
+      HiddenBits hidden = 0;
+      if constexpr (Traits::kStagedTerm) hidden = bias_and_mask(th).staged_mask_bits(s);
+
       float dp_acc[kQTiles][4];
       if constexpr (kScoresAhead) {
         // S^T, in flight since the step before: a wait for all groups, as ptxas serializes
@@ -456,7 +461,6 @@ struct BackwardConsumer {
       // queries and the warp's keys are not of one document) test elements. Written here, not
       // as a function: as one, with the segment ids, ptxas numbered the accumulators'
       // registers differently and the kernel's code changed.
-      HiddenBits hidden = 0;
       {
         const cuda::Visibility vis = block_visibility(p, block.b);
         const int key0 = block.key0 + th.warp_key0;

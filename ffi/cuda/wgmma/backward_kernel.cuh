@@ -55,7 +55,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (tid == 0) {
     ptx::mbarrier_init(ptx::barrier_address(bars.kv_full), 1);
     for (int s = 0; s < Traits::kStages; ++s) {
-      ptx::mbarrier_init(ptx::barrier_address(bars.q_full[s]), 1);
+      // kStagedTerm: the producer's arrival and the term copier's 32 lanes'.
+      ptx::mbarrier_init(ptx::barrier_address(bars.q_full[s]), Traits::kStagedTerm ? 33 : 1);
       ptx::mbarrier_init(ptx::barrier_address(bars.q_empty[s]), Traits::kConsumerWarps);
     }
     if constexpr (Traits::kDeterministic) {
@@ -73,6 +74,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warpgroup == 0) {
     ptx::setmaxnreg_dec<Traits::kProducerRegisters>();
     if (tid == 0) BackwardProducer<Traits>{p, maps, smem, block}.run();
+    if constexpr (Traits::kStagedTerm)
+      if (tid / 32 == 2) BackwardProducer<Traits>{p, maps, smem, block}.copy_terms(tid % 32);
     if constexpr (Traits::kDeterministic)
       if (tid == 32)
         write_dq_in_order<Traits>(p, maps, block, smem.writer_barriers(), smem.dq(0));

@@ -8,6 +8,7 @@
 #include "ffi/cuda/launch.h"
 #include "ffi/cuda/wgmma/backward_kernel.cuh"
 #include "ffi/cuda/wgmma/backward_traits.h"
+#include "ffi/cuda/wgmma/staged_term.h"
 #include "ffi/cuda/wgmma/traits.h"  // indices_fit_32_bits
 
 namespace jax_flashattn::cuda {
@@ -17,6 +18,9 @@ cudaError_t launch_backward_sm90_with(const AttentionParams& p, cudaStream_t str
   constexpr auto kernel = wgmma::backward_kernel<Elem, Traits>;
   if (cudaError_t e = ensure_smem_limit<kernel>(Traits::kSmemBytes); e != cudaSuccess) return e;
   if (!wgmma::indices_fit_32_bits(p) || p.deterministic != Traits::kDeterministic)
+    return cudaErrorInvalidConfiguration;
+  // BackwardWithStagedTerm reads the one term staged_term names.
+  if (Traits::kStagedTerm && wgmma::staged_term(p) == wgmma::StagedTerm::kNone)
     return cudaErrorInvalidConfiguration;
   // One block per (key block, kv head, batch), in BackwardBlock's order; the
   // dispatcher sends only grids below 2^31 blocks here (sm90_applies).

@@ -139,7 +139,8 @@ __device__ __forceinline__ uint32_t step_phase(int step) {
 // period) from the aligned start: K, V, Q stages, dO stages, dS^T buffers, the consumers' dQ
 // staging tiles, then lse / D
 // ([stage][0][row]: lse; [stage][1][row]: D, from the tile's first row rounded down to
-// kFlatAlignElems: BackwardMaps), the query ids of each stage (segment ids) and the barriers
+// kFlatAlignElems: BackwardMaps), each stage's tile of a staged bias or mask
+// (BackwardWithStagedTerm), the query ids of each stage (segment ids) and the barriers
 // (BackwardBarriers, then the deterministic mode's DqWriterBarriers).
 template <typename Traits>
 struct BackwardSmemLayout {
@@ -148,7 +149,8 @@ struct BackwardSmemLayout {
   static constexpr uint32_t kDsOffset = kDoOffset + Traits::kStages * Traits::kQBytes;
   static constexpr uint32_t kDqOffset = kDsOffset + Traits::kDsBuffers * Traits::kDsBytes;
   static constexpr uint32_t kStatsOffset = kDqOffset + Traits::kConsumers * Traits::kDqBytes;
-  static constexpr uint32_t kQIdsOffset = kStatsOffset + Traits::kStatsBytes;
+  static constexpr uint32_t kTermOffset = kStatsOffset + Traits::kStatsBytes;
+  static constexpr uint32_t kQIdsOffset = kTermOffset + Traits::kStages * Traits::kTermStageBytes;
   static constexpr uint32_t kBarrierOffset =
       kQIdsOffset + Traits::kStages * Traits::QIdBox::kStageBytes;
   static constexpr uint32_t kWriterBarrierOffset = kBarrierOffset + Traits::kBarrierBytes;
@@ -183,6 +185,10 @@ struct BackwardSmem {
   }
   __device__ const float* stats_ptr() const {
     return reinterpret_cast<const float*>(start + Layout::kStatsOffset);
+  }
+  // The stage's tile of a staged bias or mask (BackwardWithStagedTerm; 256-byte aligned).
+  __device__ uint32_t term(int stage) const {
+    return base + Layout::kTermOffset + stage * Traits::kTermStageBytes;
   }
   __device__ uint32_t q_ids(int stage) const {
     return base + Layout::kQIdsOffset + stage * Traits::QIdBox::kStageBytes;

@@ -13,6 +13,8 @@
 #include "ffi/cuda/common/swizzle_layout.h"
 #include "ffi/cuda/common/tensor_maps.h"
 #include "ffi/cuda/wgmma/backward_pipeline.cuh"
+#include "ffi/cuda/wgmma/backward_term_tile.cuh"
+#include "ffi/cuda/wgmma/staged_term.h"
 #include "ffi/params.h"
 
 namespace jax_flashattn::wgmma {
@@ -72,6 +74,32 @@ struct BackwardProducer {
     if constexpr (Traits::kSegments)
       ptx::tma_load_1d(smem.q_ids(stage), &maps.q_ids, full,
                        cuda::id_box_start(block.b, int(p.seqlen_q), tile * kBlockM));
+  }
+
+  // kStagedTerm: each step's tile of the staged bias or mask into its stage, by this warp's
+  // cp.async (BackwardTermTile), once the consumers have released the stage; each lane's
+  // arrival on the stage's full barrier comes when its copies have landed (the barrier
+  // counts 1 + 32 arrivals: the kernel's init).
+  template <int kBytes>
+  __device__ __forceinline__ void copy_terms(const void* base, const BroadcastStrides& st,
+                                             int lane) {
+    using Tile = BackwardTermTile<Traits, kBytes>;
+    auto& bars = *reinterpret_cast<Barriers*>(smem.start + Layout::kBarrierOffset);
+    for (int step = 0; step < block.steps; ++step) {
+      const int stage = step % kStages;
+      if (step >= kStages)
+        ptx::mbarrier_wait(ptx::barrier_address(bars.q_empty[stage]),
+                           step_phase<kStages>(step) ^ 1);
+      // The step's head and tile worked out afresh (BackwardBlock's order), not carried.
+      const int n = block.head0 + step / block.tiles;
+      const int q0 = (block.tile_begin + step % block.tiles) * kBlockM;
+      Tile::copy(p, base, st, block.b, n, q0, block.key0, smem.term(stage), lane);
+      ptx::cp_async_mbarrier_arrive_noinc(ptx::barrier_address(bars.q_full[stage]));
+    }
+  }
+  __device__ __forceinline__ void copy_terms(int lane) {
+    if (staged_term(p) == StagedTerm::kMask) return copy_terms<1>(p.mask, p.mask_strides, lane);
+    copy_terms<2>(p.bias, p.bias_strides, lane);
   }
 
   // The steps heads outermost, in the consumers' order (BackwardBlock). (tile declared before

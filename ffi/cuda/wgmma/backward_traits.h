@@ -49,6 +49,10 @@ struct BackwardTraits {
   static constexpr bool kSoftCap = false;  // soft-capped logits (BackwardWithSoftCap below)
   // An additive bias, a boolean mask and / or ALiBi (BackwardWithBiasAndMask below).
   static constexpr bool kBiasAndMask = false;
+  // The bias or mask staged in shared memory, a tile of it in each stage
+  // (BackwardWithStagedTerm below); none here.
+  static constexpr bool kStagedTerm = false;
+  static constexpr int kTermStageBytes = 0;
   // setmaxnreg budgets, as in the forward: 128 x 24 + 256 x 240 = 64512, all that the block
   // is launched with (register_budgets_fit in traits.h).
   static constexpr int kProducerRegisters = 24;
@@ -192,6 +196,22 @@ struct BackwardWithBiasAndMask : Config {
   static_assert(!Config::kSegments && !Config::kSoftCap && !Config::kDeterministic,
                 "the bias and mask's calls have neither ids nor a soft-cap; ordered dQ wraps it");
   static constexpr bool kBiasAndMask = true;
+};
+
+// A bias of 2-byte elements alone, or a mask alone, with 16-byte aligned rows (staged_term):
+// each step's tile of it lands in the step's stage beside Q and dO, copied by cp.async by a warp
+// of the producer's warpgroup (backward_term_tile.cuh), and the consumers take their elements
+// from there as S^T lands, where BackwardWithBiasAndMask's threads read theirs from global
+// memory only then. A 2-byte [kBlockM][kBlockN] tile a stage: 16 KiB at head dim 128, two
+// stages beside its 194.5 KiB; head dim 64's 128-query tiles would need 64 KiB beside its
+// 195.5. An instantiation apart from BackwardWithBiasAndMask's, as the forward's
+// WithStagedTerm is.
+template <typename Config>
+struct BackwardWithStagedTerm : BackwardWithBiasAndMask<Config> {
+  static constexpr bool kStagedTerm = true;
+  static constexpr int kTermStageBytes = Config::kBlockM * Config::kBlockN * 2;
+  static constexpr int kSmemBytes = Config::kSmemBytes + Config::kStages * kTermStageBytes;
+  static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
 
 // The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one

@@ -45,6 +45,16 @@ cudaError_t launch_backward_sm90_bias(const AttentionParams& p, cudaStream_t str
   if (p.q_segment_ids != nullptr || p.soft_capped() || !wgmma::bias_and_mask_fit(p) ||
       (p.deterministic && p.dbias_accumulates))
     return cudaErrorInvalidConfiguration;
+  // Only head dim 128 stages a term: 64's 128-query tiles leave no room for the buffers
+  // (BackwardWithStagedTerm).
+  if constexpr (kHeadDim == 128) {
+    using Staged = wgmma::BackwardWithStagedTerm<wgmma::BackwardConfig<kHeadDim>>;
+    if (wgmma::staged_term(p) != wgmma::StagedTerm::kNone) {
+      if (p.deterministic)
+        return launch_backward_sm90_with<Elem, wgmma::BackwardDeterministic<Staged>>(p, stream);
+      return launch_backward_sm90_with<Elem, Staged>(p, stream);
+    }
+  }
   if (p.deterministic)
     return launch_backward_sm90_with<Elem, wgmma::BackwardDeterministic<Biased>>(p, stream);
   return launch_backward_sm90_with<Elem, Biased>(p, stream);

@@ -23,35 +23,12 @@
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/scalar.cuh"
 #include "ffi/cuda/wgmma/alibi_terms.cuh"
+#include "ffi/cuda/wgmma/staged_term.h"
 #include "ffi/cuda/wgmma/tile_scheduler.cuh"
 #include "ffi/params.h"
 #include "ffi/variant.h"
 
 namespace jax_flashattn::wgmma {
-
-// The term a call stages in shared memory (WithStagedTerm, BiasAndMask::stage_tile): a bias
-// of 2-byte elements alone, or a mask alone, whose rows start at 16-byte boundaries and whose
-// key count is a whole number of 16-byte chunks (no chunk straddles S); kNone: each thread
-// reads its elements from global memory.
-enum class StagedTerm { kNone, kBFloat16Bias, kFloat16Bias, kMask };
-
-JAX_FLASHATTN_HOST_DEVICE inline bool rows_aligned(const void* base, const BroadcastStrides& st,
-                                                   int64_t elems, int64_t seqlen_k) {
-  return reinterpret_cast<uintptr_t>(base) % 16 == 0 &&
-         (st.batch_outer | st.batch_inner | st.head | st.row | seqlen_k) % elems == 0;
-}
-
-JAX_FLASHATTN_HOST_DEVICE inline StagedTerm staged_term(const AttentionParams& p) {
-  if (p.bias != nullptr && p.mask == nullptr &&
-      rows_aligned(p.bias, p.bias_strides, 8, p.seqlen_k)) {
-    if (p.bias_dtype == ElemType::kBFloat16) return StagedTerm::kBFloat16Bias;
-    if (p.bias_dtype == ElemType::kFloat16) return StagedTerm::kFloat16Bias;
-  }
-  if (p.mask != nullptr && p.bias == nullptr &&
-      rows_aligned(p.mask, p.mask_strides, 16, p.seqlen_k))
-    return StagedTerm::kMask;
-  return StagedTerm::kNone;
-}
 
 template <typename Traits>
 struct BiasAndMask {

@@ -1,0 +1,68 @@
+// The Hopper backward's staged bias or mask (BackwardWithStagedTerm): each step's tile of it,
+// [kBlockM queries][kBlockN keys], lands in the step's stage beside Q and dO, copied by one warp
+// of the producer's warpgroup with cp.async, whose completion counts as 32 arrivals on the
+// stage's full barrier. The consumers read it from there as S^T lands
+// (BackwardBiasAndMask::add_staged) in place of 32 reads each from global memory.
+#pragma once
+
+#include <cstdint>
+
+#include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/wgmma/staged_term.h"
+#include "ffi/params.h"
+
+namespace jax_flashattn::wgmma {
+
+// The offset of (batch b, head n)'s [T, S] in a tensor that broadcasts to [batch, N, T, S]
+// (a bias, mask or dbias). 32-bit batch indices (indices_fit_32_bits).
+__device__ __forceinline__ int64_t head_offset(const AttentionParams& p,
+                                               const BroadcastStrides& st, int b, int n) {
+  const uint32_t inner = uint32_t(p.batch_inner > 0 ? p.batch_inner : 1);
+  return int64_t(uint32_t(b) / inner) * st.batch_outer +
+         int64_t(uint32_t(b) % inner) * st.batch_inner + int64_t(n) * st.head;
+}
+
+// A tile of kBytes elements: rows of kBlockN keys in 16-byte chunks, chunk c of row r at chunk
+// c ^ (r % 8) of the row (the 128-byte swizzle on chunks). The eight rows of an 8 x 8 block that
+// ldmatrix reads (one chunk of each) then fall in distinct bank quadruples, and so do the four
+// rows of a mask's byte reads.
+template <typename Traits, int kBytes>
+struct BackwardTermTile {
+  static constexpr int kRowBytes = Traits::kBlockN * kBytes;
+  static constexpr int kRowChunks = kRowBytes / 16;
+  static constexpr int kChunks = Traits::kBlockM * kRowChunks;
+  static_assert(kRowChunks >= 8 && 32 % kRowChunks == 0,
+                "the swizzle stays in a row, and each lane copies one column of chunks");
+  static_assert(Traits::kBlockM * kRowBytes <= Traits::kTermStageBytes, "a tile fits a stage");
+
+  __device__ static uint32_t chunk_at(int r, int c) {
+    return uint32_t(r * kRowBytes + ((c ^ (r % 8)) << 4));
+  }
+
+  // Query tile q0 of head n, keys key0.., of batch entry b into `dst` by cp.async from this
+  // lane: chunks lane, lane + 32, ..., one column of chunks; chunks past T or S zero-filled
+  // (read by no visible element: S is a whole number of chunks, staged_term), their source
+  // the head's first element. One chunk an iteration: the producer's warpgroup has 24
+  // registers.
+  __device__ static void copy(const AttentionParams& p, const void* base,
+                              const BroadcastStrides& st, int b, int n, int q0, int key0,
+                              uint32_t dst, int lane) {
+    constexpr int kRowsPerPass = 32 / kRowChunks;
+    const char* head = static_cast<const char*>(base) + head_offset(p, st, b, n) * kBytes;
+    const int c = lane % kRowChunks;
+    const int key = key0 + c * (16 / kBytes);
+    int row = q0 + lane / kRowChunks;
+    const char* src = head + (int64_t(row) * st.row + key) * kBytes;
+    const int64_t src_step = kRowsPerPass * st.row * kBytes;
+    const int rows_end = key < p.seqlen_k ? min(q0 + Traits::kBlockM, int(p.seqlen_q)) : 0;
+#pragma unroll 1
+    for (int r = lane / kRowChunks; r < Traits::kBlockM; r += kRowsPerPass) {
+      const bool valid = row < rows_end;
+      ptx::cp_async_16(dst + chunk_at(r, c), valid ? src : head, valid);
+      row += kRowsPerPass;
+      src += src_step;
+    }
+  }
+};
+
+}  // namespace jax_flashattn::wgmma
