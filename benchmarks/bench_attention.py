@@ -24,16 +24,18 @@ gives our K/V rate as a fraction of it (the decode target is 0.85:
 docs/decisions/decode-benchmark-yardstick.md); --soft-cap CAP caps its rows (ours only), --bias
 adds a serving bias [B, N, 1, S] to them (every implementation).
 Variants preset: bf16, B=4, T=S=4096, N=16, H=128, one row per option users pass: full, causal,
-causal sliding window local_window_size=(1024, 0), per-batch lengths (query and key/value
-lengths 4096, 3072, 2048, 1024), GQA (16 query heads over 4 kv heads, causal), bias [1,N,T,S], a
-boolean mask [B,1,T,S] of packed documents (1, 2, 4, 8 per batch entry), the same documents as
-segment ids, full and causal (jax.nn gets them as that mask, built inside the timed call),
-logits soft-capped at 50 (Gemma 2's cap), and attention sinks (gpt-oss's), each full and causal
-(ours only: jax.nn has neither), ALiBi with BLOOM's slopes, full and causal (jax.nn gets the
-dense [1,N,T,S] bias, built inside the timed call), and a prefill of T/16 queries against T
-keys, causal with the diagonal at the bottom right (jax.nn gets the mask it stands for); its
-FLOPs count only the visible logits. --seqlen, --dtype, --head-dim and --hidden (N = hidden/H)
-override its sizes, --rows keeps some of its rows; --causal and --tokens do not apply. Packed
+causal sliding window local_window_size=(1024, 0), per-batch lengths (query and key/value lengths
+4096, 3072, 2048, 1024), GQA (16 query heads over 4 kv heads, causal), a bias of q's dtype
+[1,N,T,S], [B,1,T,S] and [B,N,T,S], a boolean mask [B,1,T,S] of packed documents (1, 2, 4, 8 per
+batch entry), the same documents as segment ids, full and causal (jax.nn gets them as that mask,
+built inside the timed call), logits soft-capped at 50 (Gemma 2's cap), and attention sinks
+(gpt-oss's), each full and causal (ours only: jax.nn has neither), ALiBi with BLOOM's slopes, full
+and causal (jax.nn gets the dense [1,N,T,S] bias, built inside the timed call), and a prefill of
+T/16 queries against T keys, causal with the diagonal at the bottom right (jax.nn gets the mask it
+stands for); its FLOPs count only the visible logits. The rows with a bias or a mask also give our
+time of the full row over theirs (ours/plain) and the bias's or mask's bytes per second of ours
+(term GB/s). --seqlen, --dtype, --head-dim and --hidden (N = hidden/H) override its sizes, --rows
+keeps some of its rows; --causal and --tokens do not apply. Packed
 preset: bf16, N=16, H=128, causal, T in {8192, 32768} at 32768 tokens per batch (B = 32768/T),
 rows packed with documents whose lengths are drawn (fixed seed, each row its own draw) from a
 log-normal of mean 1024, and of mean 4096 (sigma 1 of the logarithm), the last one cut at T;
@@ -53,6 +55,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -89,6 +92,12 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _row_names(text: str) -> list[str]:
+    """The comma list of --rows, split outside brackets: row names such as bias [B,N,T,S]
+    hold commas."""
+    return [x for x in re.split(r",(?![^\[]*\])", text) if x]
+
+
 def _names(choices):
     def parse(text: str) -> list[str]:
         names = [x for x in text.split(",") if x]
@@ -110,13 +119,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "S=65536) instead of the standard grid; reports K/V TB/s and us")
     p.add_argument("--variants", action="store_true",
                    help="the options preset (bf16, B=4, T=S=4096, N=16, H=128; full, causal, "
-                        "window 1024, lengths, GQA 16/4, bias [1,N,T,S], mask [B,1,T,S], "
+                        "window 1024, lengths, GQA 16/4, bias [1,N,T,S], [B,1,T,S] and "
+                        "[B,N,T,S], mask [B,1,T,S], "
                         "segment ids, soft-cap 50, sinks and ALiBi, each full and causal; a "
                         "bottom-right causal prefill of T/16 queries) "
                         "instead of the standard grid; FLOPs count visible logits only")
-    p.add_argument("--rows", type=lambda text: [x for x in text.split(",") if x], default=None,
+    p.add_argument("--rows", type=_row_names, default=None,
                    help="variants preset only: comma list of the rows to keep, each by the "
-                        "start of its name (e.g. full,causal,soft-cap)")
+                        "start of its name (e.g. full,causal,soft-cap; bias keeps the three "
+                        "bias rows, 'bias [B,N,T,S]' that one)")
     p.add_argument("--packed", action="store_true",
                    help="the packed-sequence preset (bf16, N=16, H=128, causal, T in {8192, "
                         "32768}, 32768 tokens, documents of log-normal lengths of mean 1024 and "

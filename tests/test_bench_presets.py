@@ -110,15 +110,16 @@ def test_bench_script_variants_preset_and_exclusive_with_decode():
     bench = _load_bench_script()
     configs = bench.build_configs(bench.parse_args(["--variants"]))
     assert [c.variant for c in configs] == ["full", "causal", "window 1024", "lengths",
-                                            "GQA 16/4", "bias [1,N,T,S]", "mask [B,1,T,S]",
+                                            "GQA 16/4", "bias [1,N,T,S]", "bias [B,1,T,S]",
+                                            "bias [B,N,T,S]", "mask [B,1,T,S]",
                                             "segment ids", "segment ids, causal",
                                             "soft-cap 50", "soft-cap 50, causal",
                                             "sinks", "sinks, causal", "ALiBi", "ALiBi, causal",
                                             "prefill 256, bottom-right"]
     assert [c.causal for c in configs[-9:]] == [False, True] * 4 + [True]
-    assert [c.soft_cap for c in configs] == [None] * 9 + [50.0, 50.0] + [None] * 5
-    assert [c.sinks for c in configs] == [False] * 11 + [True, True] + [False] * 3
-    assert [c.alibi for c in configs] == [False] * 13 + [True, True, False]
+    assert [c.soft_cap for c in configs] == [None] * 11 + [50.0, 50.0] + [None] * 5
+    assert [c.sinks for c in configs] == [False] * 13 + [True, True] + [False] * 3
+    assert [c.alibi for c in configs] == [False] * 15 + [True, True, False]
     assert [(c.bottom_right, c.seqlen_q, c.seqlen_k) for c in configs][-2:] == [
         (False, 4096, 4096), (True, 256, 4096)]
     rows = bench.build_configs(bench.parse_args(["--variants", "--rows", "full,causal,soft-cap"]))
@@ -127,6 +128,12 @@ def test_bench_script_variants_preset_and_exclusive_with_decode():
         bench.parse_args(["--rows", "full"])
     with pytest.raises(SystemExit, match="no variants row starts with"):
         bench.build_configs(bench.parse_args(["--variants", "--rows", "full,sof-cap"]))
+    # A name's own commas, inside its brackets, do not split the list.
+    rows = bench.build_configs(bench.parse_args(["--variants", "--rows", "bias"]))
+    assert [c.variant for c in rows] == ["bias [1,N,T,S]", "bias [B,1,T,S]", "bias [B,N,T,S]"]
+    rows = bench.build_configs(bench.parse_args(["--variants", "--rows",
+                                                 "full,bias [B,N,T,S],mask [B,1,T,S]"]))
+    assert [c.variant for c in rows] == ["full", "bias [B,N,T,S]", "mask [B,1,T,S]"]
     assert all(c.soft_cap is None for c in _bench.variants_grid(soft_cap=None))
     assert {(c.dtype, c.batch, c.seqlen_q, c.seqlen_k, c.num_heads, c.head_dim)
             for c in configs[:-1]} == {("bf16", 4, 4096, 4096, 16, 128)}
@@ -135,6 +142,14 @@ def test_bench_script_variants_preset_and_exclusive_with_decode():
     assert by_name["lengths"].kv_lens == by_name["lengths"].q_lens == (4096, 3072, 2048, 1024)
     assert by_name["GQA 16/4"].num_kv_heads == 4 and by_name["GQA 16/4"].causal
     assert by_name["bias [1,N,T,S]"].bias_shape == (1, 16, 4096, 4096)
+    assert by_name["bias [B,1,T,S]"].bias_shape == (4, 1, 4096, 4096)
+    assert by_name["bias [B,N,T,S]"].bias_shape == (4, 16, 4096, 4096)
+    for name in ("bias [1,N,T,S]", "bias [B,1,T,S]", "bias [B,N,T,S]"):
+        cfg = by_name[name]
+        assert not cfg.causal and not cfg.restricted and cfg.flops() == by_name["full"].flops()
+        assert cfg.term_bytes() == 2 * np.prod(cfg.bias_shape)  # bf16, as q
+    assert by_name["mask [B,1,T,S]"].term_bytes() == 4 * 4096 * 4096
+    assert by_name["full"].term_bytes() == by_name["segment ids"].term_bytes() == 0
     assert by_name["segment ids"].segment_docs == by_name["mask [B,1,T,S]"].mask_docs
     with pytest.raises(SystemExit):
         bench.parse_args(["--variants", "--decode"])
@@ -221,9 +236,88 @@ def test_variants_grid_runs_and_passes_the_gate(monkeypatch, mode):
     assert "visible logits only" in title
     lines = table.splitlines()
     assert lines[0] == ("| T | variant | causal | visible | ours TFLOP/s | xla TFLOP/s | "
-                        "ours ms | xla ms | ours/xla |")
+                        "ours ms | xla ms | ours/xla | ours/plain | term GB/s |")
     assert [line.split(" | ")[1] for line in lines[2:]] == [c.variant for c in configs]
     assert lines[4].startswith("| 64 | window 16 | yes | 0.23 |")  # sum_t min(t, 16) + 1
+    assert lines[4].endswith(" | - | - |")
+    ours = {r["variant"]: r for r in records if r["impl"] == "ours"}
+    for line in lines[2:]:
+        cells = line.strip("| ").split(" | ")
+        if cells[1].startswith(("bias", "mask")):
+            assert cells[-2] == f"{ours['full']['seconds'] / ours[cells[1]]['seconds']:.2f}"
+        else:
+            assert cells[-2:] == ["-", "-"]
+
+
+def _variants_record(cfg, impl, mode, seconds):
+    """A record as the driver makes it, timed at `seconds` per call (None: a FAIL)."""
+    if seconds is None:
+        return dict(_bench.config_record(cfg), impl=impl, mode=mode, status="FAIL",
+                    message="wrong")
+    return dict(_bench.config_record(cfg), impl=impl, mode=mode, status="ok", seconds=seconds,
+                tflops=cfg.flops(mode) / seconds / 1e12)
+
+
+def test_variants_table_sets_bias_and_mask_rows_against_our_plain_row():
+    """ours/plain is our time of the full row at the same T and mode over the row's own; term
+    GB/s the bias's (or mask's) bytes as passed over our time; "-" where either is missing."""
+    configs = [c for c in _bench.variants_grid(seqlens=(2048, 8192))
+               if c.variant in ("full", "causal", "bias [1,N,T,S]", "bias [B,1,T,S]",
+                                "bias [B,N,T,S]", "mask [B,1,T,S]", "segment ids")]
+    # Our times: the plain row 1 ms at T = 2048, 8 ms at 8192, and the backward 3x; each
+    # bias or mask row a fixed multiple of that. cuDNN's: all 2 ms.
+    slower = {"causal": 0.5, "bias [1,N,T,S]": 1.25, "bias [B,1,T,S]": 2.0,
+              "bias [B,N,T,S]": 4.0, "mask [B,1,T,S]": 1.6, "segment ids": 1.1}
+    records = []
+    for mode, factor in (("fwd", 1.0), ("fwdbwd", 3.0)):
+        for cfg in configs:
+            plain = (1e-3 if cfg.seqlen_q == 2048 else 8e-3) * factor
+            records += [_variants_record(cfg, "ours", mode, plain * slower.get(cfg.variant, 1)),
+                        _variants_record(cfg, "cudnn", mode, 2e-3)]
+    tables = _bench.markdown_tables(records, ["ours", "cudnn"])
+    assert len(tables) == 2
+    for (title, table), factor in zip(tables, (1.0, 3.0)):
+        assert "ours/plain: our time of the full row over this row's" in title
+        lines = table.splitlines()
+        assert lines[0] == ("| T | variant | causal | visible | ours TFLOP/s | cudnn TFLOP/s | "
+                            "ours ms | cudnn ms | ours/cudnn | ours/plain | term GB/s |")
+        cells = {(int(c[0]), c[1]): c[-2:] for c in
+                 (line.strip("| ").split(" | ") for line in lines[2:])}
+        for t, plain in ((2048, 1e-3 * factor), (8192, 8e-3 * factor)):
+            for variant in ("full", "causal", "segment ids"):
+                assert cells[(t, variant)] == ["-", "-"]
+            # B = 4, N = 16, bf16: 2 bytes an element of the bias, 1 of the mask.
+            for variant, elements, itemsize in (("bias [1,N,T,S]", 16 * t * t, 2),
+                                                ("bias [B,1,T,S]", 4 * t * t, 2),
+                                                ("bias [B,N,T,S]", 4 * 16 * t * t, 2),
+                                                ("mask [B,1,T,S]", 4 * t * t, 1)):
+                ratio, rate = cells[(t, variant)]
+                assert ratio == f"{1 / slower[variant]:.2f}"
+                seconds = plain * slower[variant]
+                assert float(rate) == pytest.approx(elements * itemsize / seconds / 1e9,
+                                                    rel=6e-3)  # 3 digits
+    # B = 4, N = 16, T = 2048, 4 ms forward: the [B,N,T,S] bias, 512 MiB, moves 134 GB/s.
+    assert tables[0][1].splitlines()[6].startswith("| 2048 | bias [B,N,T,S] | no | 1.00 |")
+    assert tables[0][1].splitlines()[6].endswith(" | 0.25 | 134 |")
+
+    # Without the plain row (filtered out) or with our row failed, ours/plain is "-"; a failed
+    # row has no rate either.
+    unplain = [r for r in records if r["variant"] != "full"]
+    (_, table), _ = _bench.markdown_tables(unplain, ["ours", "cudnn"])
+    row = next(line for line in table.splitlines() if "| 2048 | bias [B,N,T,S] |" in line)
+    assert row.endswith(" | - | 134 |")
+    failed = [_variants_record(configs[0], "ours", "fwd", 1e-3),
+              _variants_record(configs[4], "ours", "fwd", None)]
+    (_, table), = _bench.markdown_tables(failed, ["ours"])
+    assert table.splitlines()[3] == "| 2048 | bias [B,N,T,S] | no | 1.00 | FAIL | FAIL | - | - |"
+    # Only with our rows, and only where a row carries a bias or a mask.
+    (title, table), = _bench.markdown_tables([r for r in records if r["impl"] == "cudnn"
+                                              and r["mode"] == "fwd"], ["cudnn"])
+    assert "ours/plain" not in title + table
+    (title, table), = _bench.markdown_tables(
+        [r for r in records if r["mode"] == "fwd" and r["variant"] in ("full", "causal")],
+        ["ours", "cudnn"])
+    assert "ours/plain" not in title + table and table.splitlines()[0].endswith("| ours/cudnn |")
 
 
 @pytest.mark.parametrize("dropped", ["local_window_size", "key_value_seq_lengths",
@@ -264,7 +358,8 @@ def test_bench_script_variants_smoke(tmp_path, capsys):
     assert status == 0, printed
     assert "| T | variant | causal | visible | ours TFLOP/s | xla TFLOP/s |" in printed
     for label in ("full", "causal", "window 16", "lengths", "GQA 4/1", "bias [1,N,T,S]",
-                  "mask [B,1,T,S]", "segment ids", "soft-cap 50"):
+                  "bias [B,1,T,S]", "bias [B,N,T,S]", "mask [B,1,T,S]", "segment ids",
+                  "soft-cap 50"):
         assert f"| 64 | {label} |" in printed
     report = json.loads((out / "results.json").read_text())
     # Every row runs, but xla's soft-cap and sinks rows: jax.nn has neither.

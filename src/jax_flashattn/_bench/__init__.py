@@ -17,7 +17,7 @@ What is measured
   batch entry's lengths and, for the document mask, its document). Rows without such a
   restriction keep the counts above (causal: T·S/2, the convention, where the exact count is
   T(T+1)/2 for T = S, 0.01% more at T = 4096), so the preset's baselines match the standard
-  grid. The bias row counts as full; GQA counts query heads, as everywhere. The packed preset
+  grid. The bias rows count as full; GQA counts query heads, as everywhere. The packed preset
   (`packed_grid`) counts the same way: each document's causal pairs, L(L+1)/2 for a document
   of L positions; its dense causal rows have no restriction and keep T·S/2. Decode configs
   also report the bytes of K and V read, and the benchmark script sets that rate against the

@@ -147,13 +147,19 @@ class Config:
         """Bytes of K and V one forward call must read."""
         return 2 * math.prod(self.kv_shape) * jnp.dtype(self.jnp_dtype).itemsize
 
-    def extra_bytes(self) -> int:
-        """Bytes of the bias, mask and segment ids a call reads."""
+    def term_bytes(self) -> int:
+        """Bytes of the bias and boolean mask as passed: the bias in q's dtype, the mask [B, 1,
+        T, S] one byte per element (0 without either)."""
         total = 0
         if self.bias_shape is not None:
             total += math.prod(self.bias_shape) * jnp.dtype(self.jnp_dtype).itemsize
         if self.mask_docs is not None:
             total += self.batch * self.seqlen_q * self.seqlen_k
+        return total
+
+    def extra_bytes(self) -> int:
+        """Bytes of the bias, mask and segment ids a call reads."""
+        total = self.term_bytes()
         if self.segment_docs is not None:
             total += 4 * self.batch * (self.seqlen_q + self.seqlen_k)
         return total
@@ -237,11 +243,12 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
     """The variants preset: one row per option users pass, at B = `batch`, T = S, N =
     hidden / H: full, causal, a causal sliding window (`window`, default min(1024, T/4),
     right side 0), per-batch lengths (queries and keys alike: T·(B-i)/B for entry i, so
-    4096, 3072, 2048, 1024), GQA (N over N/kv_group kv heads, causal), a bias [1, N, T, S]
-    (full), a boolean document mask [B, 1, T, S] (entry i packs 2**i documents, full), the
-    same documents as segment ids, full and causal (other implementations than ours get
-    them as that mask, built from the ids inside the timed call, as a jax.nn user would), and
-    logits soft-capped at `soft_cap`, full and causal (ours only; no such rows with None),
+    4096, 3072, 2048, 1024), GQA (N over N/kv_group kv heads, causal), a bias of q's dtype
+    in three shapes, full (rows "bias [1,N,T,S]", "bias [B,1,T,S]", "bias [B,N,T,S]"), a
+    boolean document mask [B, 1, T, S] (entry i packs 2**i documents, full), the same
+    documents as segment ids, full and causal (other implementations than ours get them as
+    that mask, built from the ids inside the timed call, as a jax.nn user would), and logits
+    soft-capped at `soft_cap`, full and causal (ours only; no such rows with None),
     attention sinks, full and causal (ours only), ALiBi, full and causal (jax.nn gets the
     dense bias), and a prefill of T / 16 queries against the T keys, causal with the diagonal
     at the bottom right (jax.nn gets it as a mask)."""
@@ -267,6 +274,10 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
                     dataclasses.replace(base, causal=True, num_kv_heads=kv,
                                         variant=f"GQA {n}/{kv}"),
                     dataclasses.replace(base, bias_shape=(1, n, t, t), variant="bias [1,N,T,S]"),
+                    dataclasses.replace(base, bias_shape=(batch, 1, t, t),
+                                        variant="bias [B,1,T,S]"),
+                    dataclasses.replace(base, bias_shape=(batch, n, t, t),
+                                        variant="bias [B,N,T,S]"),
                     dataclasses.replace(base, mask_docs=docs, variant="mask [B,1,T,S]"),
                     dataclasses.replace(base, segment_docs=docs, variant="segment ids"),
                     dataclasses.replace(base, causal=True, segment_docs=docs,

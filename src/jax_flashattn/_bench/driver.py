@@ -88,13 +88,15 @@ def config_record(cfg: Config) -> dict:
                   seqlen_k=cfg.seqlen_k, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                   head_dim=cfg.head_dim, causal=cfg.causal)
     if cfg.kind == "variants":
-        # The options, and the share of the B·T·S logits a call computes (FLOPs count those).
+        # The options, the share of the B·T·S logits a call computes (FLOPs count those), and
+        # the bytes of the bias and mask (the tables' term GB/s).
         record.update(variant=cfg.variant, window=cfg.window, q_lens=cfg.q_lens,
                       kv_lens=cfg.kv_lens, bias_shape=cfg.bias_shape, mask_docs=cfg.mask_docs,
                       segment_docs=cfg.segment_docs, soft_cap=cfg.soft_cap, sinks=cfg.sinks,
                       alibi=cfg.alibi,
                       bottom_right=cfg.bottom_right,
-                      visible=cfg.visible_pairs() / (cfg.batch * cfg.seqlen_q * cfg.seqlen_k))
+                      visible=cfg.visible_pairs() / (cfg.batch * cfg.seqlen_q * cfg.seqlen_k),
+                      term_bytes=cfg.term_bytes())
     elif cfg.kind == "packed":
         record.update(packed_record(cfg))
     elif cfg.kind == "decode":

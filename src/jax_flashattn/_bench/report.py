@@ -140,6 +140,17 @@ def markdown_tables(records: Sequence[dict], impls: Sequence[str],
             with_ratio = "ours" in impls and base and base != "ours"
             if with_ratio:
                 header.append(f"ours/{base}")
+            # A bias or mask should cost no more than its bytes: those rows are set against our
+            # plain full row of the same shape, and their bytes against our time.
+            plain = {_shape(r): by_impl.get("ours") for by_impl in rows_by_config.values()
+                     for r in by_impl.values() if r["variant"] == "full"}
+            with_terms = "ours" in impls and any(r.get("term_bytes")
+                                                 for by_impl in rows_by_config.values()
+                                                 for r in by_impl.values())
+            if with_terms:
+                header += ["ours/plain", "term GB/s"]
+                title += ("; ours/plain: our time of the full row over this row's, term GB/s: "
+                          "the bias's or mask's bytes over our time")
             rows = []
             for by_impl in rows_by_config.values():
                 r = next(iter(by_impl.values()))
@@ -149,6 +160,8 @@ def markdown_tables(records: Sequence[dict], impls: Sequence[str],
                 row += [_cell(by_impl.get(i), "seconds", 1e3) for i in impls]
                 if with_ratio:
                     row.append(_ratio(by_impl.get("ours"), by_impl.get(base), "tflops"))
+                if with_terms:
+                    row += _term_cells(by_impl.get("ours"), plain.get(_shape(r)))
                 rows.append(row)
         elif kind == "packed":
             title, header, rows = _packed_table(dtype, mode, rows_by_config, impls, base,
@@ -171,6 +184,23 @@ def markdown_tables(records: Sequence[dict], impls: Sequence[str],
                 rows.append(row)
         tables.append((title, _markdown(header, rows)))
     return tables
+
+
+def _shape(record: dict) -> tuple:
+    """What a variants row shares with its plain full row: the sizes."""
+    return (record["batch"], record["seqlen_q"], record["seqlen_k"], record["num_heads"],
+            record["head_dim"])
+
+
+def _term_cells(ours: dict | None, plain: dict | None) -> list[str]:
+    """A variants row's ours/plain (`plain`'s time over `ours`'s: 1.00 when the bias or mask
+    costs nothing) and term GB/s (the bias's and mask's bytes as passed over our time); "-"
+    for a row without either, and where a time is missing."""
+    if not ours or not ours.get("term_bytes"):
+        return ["-", "-"]
+    rate = (_number(ours["term_bytes"] / ours["seconds"] / 1e9) if ours["status"] == "ok"
+            else "-")
+    return [_ratio(ours, plain, "seconds", invert=True), rate]
 
 
 def _packed_table(dtype, mode, rows_by_config, impls, base, records):
