@@ -119,12 +119,15 @@ def main():
         assert np.isfinite(np.asarray(dbias)).all(), (bias_shape, kwargs)
         print(f"ok: dbias {bias_shape} {sorted(kwargs)}")
 
-    # A bf16 bias alone (with dbias) and a mask alone on the Hopper backward at head dim 128,
-    # each step's tile of it staged beside Q and dO by cp.async (96 keys, a whole number of
-    # 16-byte chunks; rows past T zero-filled), in both dQ modes.
-    for kwargs in [dict(is_causal=True),
-                   dict(key_value_seq_lengths=lens, deterministic_backward=True)]:
-        q, k, v = random_qkv(rng, 2, 77, 96, 4, 2, 128, jnp.bfloat16)
+    # A bf16 bias alone (with dbias) and a mask alone on the Hopper backward at head dims 128
+    # and 256, each step's tile of it staged beside Q and dO by cp.async (96 keys, a whole
+    # number of 16-byte chunks; rows past T zero-filled; the mask with a row per query and
+    # with one row for all), in both dQ modes.
+    for head_dim, kwargs in [(128, dict(is_causal=True)),
+                             (128, dict(key_value_seq_lengths=lens, deterministic_backward=True)),
+                             (256, dict(is_causal=True)),
+                             (256, dict(query_seq_lengths=lens, deterministic_backward=True))]:
+        q, k, v = random_qkv(rng, 2, 77, 96, 4, 2, head_dim, jnp.bfloat16)
         bias = jnp.asarray(rng.standard_normal((1, 4, 77, 96)), jnp.bfloat16)
 
         def staged_loss(q, bias, mask):
@@ -132,12 +135,13 @@ def main():
                                           **kwargs)
             return jnp.sum(out.astype(jnp.float32))
 
-        for term_bias, mask in [(bias, None), (None, np.arange(96) % 3 != 1)]:
+        keep = np.arange(77 * 96).reshape(77, 96) % 3 != 1
+        for term_bias, mask in [(bias, None), (None, keep), (None, keep[0])]:
             argnums = (0, 1) if term_bias is not None else (0,)
             grads = jax.jit(jax.grad(staged_loss, argnums=argnums))(q, term_bias, mask)
             for x in grads:
                 assert np.isfinite(np.asarray(x, np.float32)).all(), kwargs
-        print(f"ok: staged bias and mask, backward {sorted(kwargs)}")
+        print(f"ok: staged bias and mask, backward H={head_dim} {sorted(kwargs)}")
 
     # ALiBi and its slopes' gradient (partial sums in slots, one writer each): on Hopper the
     # Hopper kernels' instantiations for the terms (both dQ modes), elsewhere and beside a

@@ -268,7 +268,7 @@ def test_backward_deterministic(rng, monkeypatch, head_dim, bias_shape):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-# The Hopper backward at head dim 128 stages a 2-byte bias alone or a mask alone
+# The Hopper backward at head dims 128 and 256 stages a 2-byte bias alone or a mask alone
 # (BackwardWithStagedTerm): each step's tile lands in shared memory beside Q and dO, its rows past
 # T and chunks past S zero-filled.
 STAGED_BOUNDS = [dict(), dict(is_causal=True), dict(local_window_size=(70, 9)),
@@ -279,12 +279,13 @@ STAGED_BOUNDS = [dict(), dict(is_causal=True), dict(local_window_size=(70, 9)),
                       key_value_seq_lengths=jnp.array([600, 129], jnp.int32))]
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("terms", ["bias bf16", "bias f16", "mask"])
 @pytest.mark.parametrize("bounds", STAGED_BOUNDS)
-def test_backward_staged_term(rng, monkeypatch, dtype, terms, bounds):
+def test_backward_staged_term(rng, monkeypatch, head_dim, dtype, terms, bounds):
     use_family("sm90", monkeypatch)
-    q, k, v = random_qkv(rng, 2, T, STAGED_S, 4, 2, 128, dtype)
+    q, k, v = random_qkv(rng, 2, T, STAGED_S, 4, 2, head_dim, dtype)
     bias, mask = terms_of(rng, terms, STAGED_S)
     check_backward(rng, q, k, v, bias, mask, **bounds)
 
@@ -292,20 +293,22 @@ def test_backward_staged_term(rng, monkeypatch, dtype, terms, bounds):
 @pytest.mark.parametrize("shape", [(2, 4, T, STAGED_S), (1, 1, T, STAGED_S),
                                    (2, 1, 1, STAGED_S), (STAGED_S,)])
 @pytest.mark.parametrize("term", ["bias bf16", "mask"])
-def test_backward_staged_broadcast_shapes(rng, monkeypatch, shape, term):
-    """Broadcast over the batch, the heads and (stride 0) the queries: every row of a tile
-    copied from the one row."""
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_backward_staged_broadcast_shapes(rng, monkeypatch, shape, term, head_dim):
+    """Broadcast over the batch, the heads and (row stride 0) the queries: every row of a
+    tile copied from the one row."""
     use_family("sm90", monkeypatch)
-    q, k, v = random_qkv(rng, 2, T, STAGED_S, 4, 2, 128, jnp.bfloat16)
+    q, k, v = random_qkv(rng, 2, T, STAGED_S, 4, 2, head_dim, jnp.bfloat16)
     bias = bias_of(rng, shape, jnp.bfloat16) if term.startswith("bias") else None
     mask = mask_of(rng, shape) if term == "mask" else None
     check_backward(rng, q, k, v, bias, mask, is_causal=True)
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("term", ["bias bf16", "mask"])
-def test_backward_staged_deterministic(rng, monkeypatch, term):
+def test_backward_staged_deterministic(rng, monkeypatch, head_dim, term):
     use_family("sm90", monkeypatch)
-    q, k, v = random_qkv(rng, 2, T, STAGED_S, 4, 2, 128, jnp.bfloat16)
+    q, k, v = random_qkv(rng, 2, T, STAGED_S, 4, 2, head_dim, jnp.bfloat16)
     bias, mask = terms_of(rng, term, STAGED_S)
     check_backward(rng, q, k, v, bias, mask, deterministic=True, is_causal=True)
     d_out = jnp.asarray(rng.standard_normal(q.shape), q.dtype)

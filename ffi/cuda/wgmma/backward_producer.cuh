@@ -96,6 +96,9 @@ struct BackwardProducer {
       Tile::copy(p, base, st, block.b, n, q0, block.key0, smem.term(stage), lane);
       ptx::cp_async_mbarrier_arrive_noinc(ptx::barrier_address(bars.q_full[stage]));
     }
+    // The warp leaves no copy in flight behind it.
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<0>();
   }
   __device__ __forceinline__ void copy_terms(int lane) {
     if (staged_term(p) == StagedTerm::kMask) return copy_terms<1>(p.mask, p.mask_strides, lane);

@@ -23,20 +23,21 @@ __device__ __forceinline__ int64_t head_offset(const AttentionParams& p,
 }
 
 // A tile of kBytes elements: rows of kBlockN keys in 16-byte chunks, chunk c of row r at chunk
-// c ^ (r % 8) of the row (the 128-byte swizzle on chunks). The eight rows of an 8 x 8 block that
-// ldmatrix reads (one chunk of each) then fall in distinct bank quadruples, and so do the four
-// rows of a mask's byte reads.
+// c ^ (r % 8) of the row (the 128-byte swizzle on chunks), or in rows of four chunks (a mask of
+// 64 keys) c ^ (r / 2 % 4). The eight rows of an 8 x 8 block that ldmatrix reads (one chunk of
+// each) then fall in distinct bank quadruples, and so do the four rows (every other one) of a
+// warp's byte reads of a mask.
 template <typename Traits, int kBytes>
 struct BackwardTermTile {
   static constexpr int kRowBytes = Traits::kBlockN * kBytes;
   static constexpr int kRowChunks = kRowBytes / 16;
-  static constexpr int kChunks = Traits::kBlockM * kRowChunks;
-  static_assert(kRowChunks >= 8 && 32 % kRowChunks == 0,
+  static_assert(kRowChunks >= 4 && 32 % kRowChunks == 0,
                 "the swizzle stays in a row, and each lane copies one column of chunks");
   static_assert(Traits::kBlockM * kRowBytes <= Traits::kTermStageBytes, "a tile fits a stage");
 
   __device__ static uint32_t chunk_at(int r, int c) {
-    return uint32_t(r * kRowBytes + ((c ^ (r % 8)) << 4));
+    const int swizzle = kRowChunks >= 8 ? r % 8 : r / 2 % 4;
+    return uint32_t(r * kRowBytes + ((c ^ swizzle) << 4));
   }
 
   // Query tile q0 of head n, keys key0.., of batch entry b into `dst` by cp.async from this

@@ -202,10 +202,10 @@ struct BackwardWithBiasAndMask : Config {
 // each step's tile of it lands in the step's stage beside Q and dO, copied by cp.async by a warp
 // of the producer's warpgroup (backward_term_tile.cuh), and the consumers take their elements
 // from there as S^T lands, where BackwardWithBiasAndMask's threads read theirs from global
-// memory only then. A 2-byte [kBlockM][kBlockN] tile a stage: 16 KiB at head dim 128, two
-// stages beside its 194.5 KiB; head dim 64's 128-query tiles would need 64 KiB beside its
-// 195.5. An instantiation apart from BackwardWithBiasAndMask's, as the forward's
-// WithStagedTerm is.
+// memory only then. A 2-byte [kBlockM][kBlockN] tile a stage: two stages of 16 KiB at head dim
+// 128 beside its 194.5 KiB, of 8 KiB at 256 beside 210.5; head dim 64's 128-query tiles would
+// need 64 KiB beside its 195.5. An instantiation apart from BackwardWithBiasAndMask's, as the
+// forward's WithStagedTerm is.
 template <typename Config>
 struct BackwardWithStagedTerm : BackwardWithBiasAndMask<Config> {
   static constexpr bool kStagedTerm = true;
