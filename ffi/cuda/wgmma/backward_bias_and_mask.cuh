@@ -6,7 +6,9 @@
 // marks the elements the mask hides, and once dS^T is computed writes its elements of dbias and
 // adds the slopes' gradient. Element [j][e] of a thread's S^T is query
 // q0 + 8 j + quad_col + e % 2, key key0 + quad_row + 8 (e / 2), so a warp's load of one
-// [j][e] reads 8 consecutive keys of 4 query rows.
+// [j][e] reads 8 consecutive keys of 4 query rows. BackwardWithStagedTerm's calls (a 2-byte
+// bias alone or a mask alone) take their elements from the step's tile in shared memory
+// instead (backward_term_tile.cuh): the bias by ldmatrix as S^T lands, the mask's bits before.
 //
 // dbias (float32, contiguous, broadcastable like the bias) is dS: with one writer per element
 // each visible element is stored, and the dispatcher zeroes dbias first wherever a step or an
@@ -97,8 +99,9 @@ struct BackwardBiasAndMask {
 
   // kStagedTerm: the elements of step s's tile that a staged mask hides, one bit each as in
   // the consumer's `hidden`; none for a bias. The bits do not depend on S^T, so they are read
-  // before it lands, while its registers are not yet live beside dP^T's; two 8-query tiles at
-  // a time (all 32 byte reads unrolled spilled 124 bytes at head dim 128, two at a time 24).
+  // before it lands, while its registers are not yet live beside dP^T's, two 8-query tiles at
+  // a time (ptxas, head dim 128: the 32 byte reads as S^T landed spilled 124 bytes; before it,
+  // all unrolled, 144).
   // Element [j][e]: row 8 j + quad_col + e % 2, key warp_key + lane / 4 + 8 (e / 2), in the
   // warp's one chunk of each row.
   __device__ __forceinline__ HiddenBits staged_mask_bits(const BackwardStep& s) const {

@@ -202,9 +202,8 @@ struct BackwardConsumer {
   // dbias and dslopes.
   __device__ __forceinline__ BackwardBiasAndMask<Traits, HiddenBits> bias_and_mask(
       const Thread& th) const {
-    return {p,           block.b,     int64_t(block.key0) + th.warp_key0 + th.quad_row,
-            th.quad_col, th.consumer, th.lane,
-            th.warp_key0, smem.term(0)};
+    const int64_t key = int64_t(block.key0) + th.warp_key0 + th.quad_row;
+    return {p, block.b, key, th.quad_col, th.consumer, th.lane, th.warp_key0, smem.term(0)};
   }
 
   // kSegments: the id of this warp's key lane % 16 (the last key's past S), read once per

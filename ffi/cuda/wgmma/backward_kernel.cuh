@@ -8,7 +8,8 @@
 //                  once, then each step's Q and dO tiles with the tile's lse and D into a ring
 //                  of kStages buffers; in deterministic mode (BackwardDeterministic) a thread
 //                  of its second warp is the dQ writer, which adds each step's dQ into dq_accum
-//                  in the tile's turn (backward_dq_writer.cuh)
+//                  in the tile's turn (backward_dq_writer.cuh); with a staged bias or mask
+//                  (BackwardWithStagedTerm) its third warp copies each step's tile of it
 //   warpgroups 1.. the consumers (backward_consumer.cuh), 64 keys each (at head dim 256 the
 //                  same 64 keys, half of the head-dim columns each): per step S^T and dP^T by
 //                  wgmma, P^T and dS^T in registers, dV and dK accumulated, and dQ added into

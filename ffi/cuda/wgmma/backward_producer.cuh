@@ -2,7 +2,9 @@
 // and V once; then per step (query head of the GQA group, query tile that can see the block's
 // keys: BackwardBlock) the Q and dO tiles with the tile's lse and D (and, with segment ids, its
 // query ids) into a ring of kStages buffers, each guarded by a full barrier (the loads landed)
-// and an empty barrier (every consumer warp is done with them).
+// and an empty barrier (every consumer warp is done with them). With a staged bias or mask
+// (BackwardWithStagedTerm) warp 2 copies each step's tile of it into the same stage by
+// cp.async (copy_terms), its lanes' completions more arrivals on the full barrier.
 #pragma once
 
 #include <cstdint>

@@ -1,8 +1,9 @@
 // The Hopper backward's staged bias or mask (BackwardWithStagedTerm): each step's tile of it,
 // [kBlockM queries][kBlockN keys], lands in the step's stage beside Q and dO, copied by one warp
 // of the producer's warpgroup with cp.async, whose completion counts as 32 arrivals on the
-// stage's full barrier. The consumers read it from there as S^T lands
-// (BackwardBiasAndMask::add_staged) in place of 32 reads each from global memory.
+// stage's full barrier. The consumers read it from there in place of 32 reads each from global
+// memory: a bias as S^T lands (BackwardBiasAndMask::add_staged_bias), a mask's bits before
+// (BackwardBiasAndMask::staged_mask_bits).
 #pragma once
 
 #include <cstdint>
