@@ -21,8 +21,9 @@ pytestmark = pytest.mark.gpu
 # one cut short; 300 queries: a last query block cut short.
 T, S = 300, 701
 # 704 keys, a whole number of 16-byte chunks of bf16/fp16 elements and of mask bytes: a bias of
-# those types alone, or a mask alone, is staged by each warp in shared memory
-# (forward_bias_and_mask.cuh, WithStagedTerm), its last key tile's chunks past S zero-filled.
+# those types alone, or a mask alone, is staged in shared memory (the forward's WithStagedTerm,
+# the backward's BackwardWithStagedTerm), its last key tile's chunks past S zero-filled (a
+# 128-key tile cut short; 720 keys cut the backward's 64-key blocks at head dim 256 short too).
 STAGED_S = 704
 
 
@@ -88,6 +89,17 @@ def test_broadcast_shapes(rng, monkeypatch, bias_shape, mask_shape):
     mask = None if mask_shape is None else mask_of(rng, mask_shape)
     assert jax_flashattn.forward_kernel(q, k, bias, mask) == "sm90"
     check_cuda_forward(q, k, v, bias, mask, is_causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("terms", ["bias bf16", "mask"])
+def test_backward_staged_key_tail(rng, monkeypatch, head_dim, terms):
+    """720 keys: the last key block cut short at both block sizes (128 keys, and 64 at head
+    dim 256), its tile's chunks past S zero-filled."""
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, 720, 4, 2, head_dim, jnp.bfloat16)
+    bias, mask = terms_of(rng, terms, 720)
+    check_backward(rng, q, k, v, bias, mask)
 
 
 @pytest.mark.parametrize("shape", [(2, 4, T, STAGED_S), (1, 1, T, STAGED_S),
