@@ -150,7 +150,7 @@ def markdown_tables(records: Sequence[dict], impls: Sequence[str],
             if with_terms:
                 header += ["ours/plain", "term GB/s"]
                 title += ("; ours/plain: our time of the full row over this row's, term GB/s: "
-                          "the bias's or mask's bytes over our time")
+                          "the bias's or mask's bytes as passed over our time")
             rows = []
             for by_impl in rows_by_config.values():
                 r = next(iter(by_impl.values()))
