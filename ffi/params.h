@@ -34,6 +34,14 @@ struct BroadcastStrides {
     return (b / batch_inner_size) * batch_outer + (b % batch_inner_size) * batch_inner +
            n * head + t * row + s * col;
   }
+  // offset(b, batch_inner_size, n, 0, 0) with the batch index and size in 32 bits (the Hopper
+  // kernels' indices_fit_32_bits; AttentionParams::batch_inner32): a 32-bit division where
+  // offset's is 64-bit.
+  JAX_FLASHATTN_HOST_DEVICE int64_t head_offset32(uint32_t b, uint32_t batch_inner_size,
+                                                  int64_t n) const {
+    return int64_t(b / batch_inner_size) * batch_outer +
+           int64_t(b % batch_inner_size) * batch_inner + n * head;
+  }
 };
 
 // Marks an unbounded side of the local window. Every other value, negative ones included, is
@@ -173,6 +181,10 @@ struct AttentionParams {
   bool sm80_cp_async = false;  // JAX_FLASHATTN_SM80_CP_ASYNC: mma.sync K/V by cp.async on Hopper
 
   JAX_FLASHATTN_HOST_DEVICE int64_t group_size() const { return num_heads / num_kv_heads; }
+  // batch_inner as a 32-bit divisor (BroadcastStrides::head_offset32), 1 where unset.
+  JAX_FLASHATTN_HOST_DEVICE uint32_t batch_inner32() const {
+    return uint32_t(batch_inner > 0 ? batch_inner : 1);
+  }
   // The dQ semaphores a deterministic call on the Hopper kernel needs: one per (batch entry,
   // query head, kDqSemaphoreRows queries), the finest tile of any of its configurations.
   static constexpr int64_t kDqSemaphoreRows = 64;

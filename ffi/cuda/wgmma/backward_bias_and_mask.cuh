@@ -61,7 +61,8 @@ struct BackwardBiasAndMask {
   // broadcasts to [batch, N, T, S] with unit stride along the keys (or a single key). 32-bit
   // batch indices (indices_fit_32_bits).
   __device__ __forceinline__ int64_t offset_of(const BroadcastStrides& st, int n, int q0) const {
-    return head_offset(p, st, b, n) + int64_t(q0 + quad_col) * st.row + key * st.col;
+    return st.head_offset32(b, p.batch_inner32(), n) + int64_t(q0 + quad_col) * st.row +
+           key * st.col;
   }
 
   // S^T (raw scores) as base-2 logits, scale_log2 times the score plus the bias times

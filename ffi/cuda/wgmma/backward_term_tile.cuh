@@ -14,15 +14,6 @@
 
 namespace jax_flashattn::wgmma {
 
-// The offset of (batch b, head n)'s [T, S] in a tensor that broadcasts to [batch, N, T, S]
-// (a bias, mask or dbias). 32-bit batch indices (indices_fit_32_bits).
-__device__ __forceinline__ int64_t head_offset(const AttentionParams& p,
-                                               const BroadcastStrides& st, int b, int n) {
-  const uint32_t inner = uint32_t(p.batch_inner > 0 ? p.batch_inner : 1);
-  return int64_t(uint32_t(b) / inner) * st.batch_outer +
-         int64_t(uint32_t(b) % inner) * st.batch_inner + int64_t(n) * st.head;
-}
-
 // A tile of kBytes elements: rows of kBlockN keys in 16-byte chunks, chunk c of row r at chunk
 // c ^ (r % 8) of the row (the 128-byte swizzle on chunks), or in rows of four chunks (a mask of
 // 64 keys) c ^ (r / 2 % 4). The eight rows of an 8 x 8 block that ldmatrix reads (one chunk of
@@ -50,7 +41,8 @@ struct BackwardTermTile {
                               const BroadcastStrides& st, int b, int n, int q0, int key0,
                               uint32_t dst, int lane) {
     constexpr int kRowsPerPass = 32 / kRowChunks;
-    const char* head = static_cast<const char*>(base) + head_offset(p, st, b, n) * kBytes;
+    const char* head =
+        static_cast<const char*>(base) + st.head_offset32(b, p.batch_inner32(), n) * kBytes;
     const int c = lane % kRowChunks;
     const int key = key0 + c * (16 / kBytes);
     int row = q0 + lane / kRowChunks;

@@ -47,9 +47,7 @@ struct BiasAndMask {
   // indices (indices_fit_32_bits).
   __device__ __forceinline__ int64_t offset_of(const BroadcastStrides& st, const ForwardTile& t,
                                                int64_t r, int64_t key) const {
-    const uint32_t inner = uint32_t(p.batch_inner > 0 ? p.batch_inner : 1), b = uint32_t(t.b);
-    return int64_t(b / inner) * st.batch_outer + int64_t(b % inner) * st.batch_inner +
-           int64_t(t.n) * st.head + r * st.row + key;
+    return st.head_offset32(t.b, p.batch_inner32(), t.n) + r * st.row + key;
   }
 
   // The lines of key tile j's bias and mask that this thread will read (its two rows; the
