@@ -56,8 +56,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (tid == 0) {
     ptx::mbarrier_init(ptx::barrier_address(bars.kv_full), 1);
     for (int s = 0; s < Traits::kStages; ++s) {
-      // kStagedTerm: the producer's arrival and the term copier's 32 lanes'.
-      ptx::mbarrier_init(ptx::barrier_address(bars.q_full[s]), Traits::kStagedTerm ? 33 : 1);
+      ptx::mbarrier_init(ptx::barrier_address(bars.q_full[s]), Traits::kQFullArrivals);
       ptx::mbarrier_init(ptx::barrier_address(bars.q_empty[s]), Traits::kConsumerWarps);
     }
     if constexpr (Traits::kDeterministic) {

@@ -53,6 +53,8 @@ struct BackwardTraits {
   // (BackwardWithStagedTerm below); none here.
   static constexpr bool kStagedTerm = false;
   static constexpr int kTermStageBytes = 0;
+  // Arrivals that complete a stage's full barrier: the producer thread's (with the TMA bytes).
+  static constexpr int kQFullArrivals = 1;
   // setmaxnreg budgets, as in the forward: 128 x 24 + 256 x 240 = 64512, all that the block
   // is launched with (register_budgets_fit in traits.h).
   static constexpr int kProducerRegisters = 24;
@@ -198,6 +200,18 @@ struct BackwardWithBiasAndMask : Config {
   static constexpr bool kBiasAndMask = true;
 };
 
+// A staged term's tile in each stage: [kBlockM][kBlockN] 2-byte elements; and whether a
+// configuration has room for them.
+template <typename Config>
+constexpr int backward_term_stage_bytes() {
+  return Config::kBlockM * Config::kBlockN * 2;
+}
+template <typename Config>
+constexpr bool backward_term_stages_fit() {
+  return Config::kSmemBytes + Config::kStages * backward_term_stage_bytes<Config>() <=
+         227 * 1024;
+}
+
 // A bias of 2-byte elements alone, or a mask alone, with 16-byte aligned rows (staged_term):
 // each step's tile of it lands in the step's stage beside Q and dO, copied by cp.async by a warp
 // of the producer's warpgroup (backward_term_tile.cuh), and the consumers take their elements
@@ -208,10 +222,13 @@ struct BackwardWithBiasAndMask : Config {
 // forward's WithStagedTerm is.
 template <typename Config>
 struct BackwardWithStagedTerm : BackwardWithBiasAndMask<Config> {
+  static_assert(backward_term_stages_fit<Config>(),
+                "fits Hopper's 227 KiB of shared memory per block");
   static constexpr bool kStagedTerm = true;
-  static constexpr int kTermStageBytes = Config::kBlockM * Config::kBlockN * 2;
+  static constexpr int kTermStageBytes = backward_term_stage_bytes<Config>();
+  // The producer thread's, and one per lane of the term copier warp (copy_terms).
+  static constexpr int kQFullArrivals = 1 + 32;
   static constexpr int kSmemBytes = Config::kSmemBytes + Config::kStages * kTermStageBytes;
-  static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
 };
 
 // The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one

@@ -45,8 +45,8 @@ cudaError_t launch_backward_sm90_bias(const AttentionParams& p, cudaStream_t str
   if (p.q_segment_ids != nullptr || p.soft_capped() || !wgmma::bias_and_mask_fit(p) ||
       (p.deterministic && p.dbias_accumulates))
     return cudaErrorInvalidConfiguration;
-  // Head dim 64's 128-query tiles leave no room to stage a term (BackwardWithStagedTerm).
-  if constexpr (kHeadDim != 64) {
+  // Head dim 64's 128-query tiles leave no room to stage a term.
+  if constexpr (wgmma::backward_term_stages_fit<wgmma::BackwardConfig<kHeadDim>>()) {
     using Staged = wgmma::BackwardWithStagedTerm<wgmma::BackwardConfig<kHeadDim>>;
     if (wgmma::staged_term(p) != wgmma::StagedTerm::kNone) {
       if (p.deterministic)
