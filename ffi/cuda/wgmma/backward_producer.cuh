@@ -81,7 +81,7 @@ struct BackwardProducer {
   // kStagedTerm: each step's tile of the staged bias or mask into its stage, by this warp's
   // cp.async (BackwardTermTile), once the consumers have released the stage; each lane's
   // arrival on the stage's full barrier comes when its copies have landed (the barrier
-  // counts 1 + 32 arrivals: the kernel's init).
+  // counts them: kQFullArrivals).
   template <int kBytes>
   __device__ __forceinline__ void copy_terms(const void* base, const BroadcastStrides& st,
                                              int lane) {
