@@ -156,6 +156,32 @@ struct BiasAndMask {
     const float scale_log2 = p.scale * cuda::kLog2e;
     ptx::cp_async_wait<0>();
     __syncwarp();
+    if (interior) {
+      // No bound crosses the tile for the warp: every element takes its term (or the mask's
+      // -inf) without a test of its column.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t thread_at = stage + Layout::thread_at(lane / 4 + 8 * h, quad_col);
+#pragma unroll
+        for (int c = 0; c < kNTiles; ++c) {
+          const uint32_t at = thread_at + Layout::column_at(c);
+          float& s0 = s[0][c][2 * h];
+          float& s1 = s[0][c][2 * h + 1];
+          if constexpr (std::is_same_v<Term, bool>) {
+            const uint16_t pair = ptx::ld_shared_b16(at);
+            s0 = (pair & 0xff) != 0 ? s0 * scale_log2 : -INFINITY;
+            s1 = (pair >> 8) != 0 ? s1 * scale_log2 : -INFINITY;
+          } else {
+            const uint32_t pair = ptx::ld_shared_b32(at);
+            Term x[2];
+            memcpy(x, &pair, 4);
+            s0 = fmaf(s0, scale_log2, cuda::kLog2e * cuda::to_float(x[0]));
+            s1 = fmaf(s1, scale_log2, cuda::kLog2e * cuda::to_float(x[1]));
+          }
+        }
+      }
+      return;
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       uint32_t bits[kBitWords];
