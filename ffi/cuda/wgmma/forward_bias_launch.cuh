@@ -20,7 +20,7 @@ cudaError_t launch_forward_sm90_bias(const AttentionParams& p, cudaStream_t stre
   // Head dim 256's staged kernel spilled 96 bytes (ptxas, CUDA 13.0): there each thread reads
   // its elements from global memory.
   if constexpr (kHeadDim <= 128) {
-    if (wgmma::staged_term(p) != wgmma::StagedTerm::kNone)
+    if (wgmma::staged_rows_differ(p))
       return launch_forward_sm90_with<Elem,
                                       wgmma::WithStagedTerm<wgmma::ForwardConfig<kHeadDim>>>(
           p, stream);

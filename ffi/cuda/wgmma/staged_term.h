@@ -33,4 +33,13 @@ JAX_FLASHATTN_HOST_DEVICE inline StagedTerm staged_term(const AttentionParams& p
   return StagedTerm::kNone;
 }
 
+// Whether the staged term has a row of its own per query: a term every query shares (row
+// stride 0: a [.., 1, S] bias, a key padding mask) would have each warp copy that one row into
+// each of its rows from L2 (cp.async.cg bypasses L1), where each thread's own reads hit in L1.
+JAX_FLASHATTN_HOST_DEVICE inline bool staged_rows_differ(const AttentionParams& p) {
+  const StagedTerm term = staged_term(p);
+  return term != StagedTerm::kNone &&
+         (term == StagedTerm::kMask ? p.mask_strides.row : p.bias_strides.row) != 0;
+}
+
 }  // namespace jax_flashattn::wgmma
