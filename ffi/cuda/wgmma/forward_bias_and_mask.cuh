@@ -5,8 +5,9 @@
 // global memory, at constant offsets from its row's start (keys at unit stride:
 // bias_and_mask_fit), having prefetched them into L2 while the tile before computed; or
 // (WithStagedTerm: a 2-byte bias alone or a mask alone) from its warp's buffer in shared memory,
-// which the warp fills by cp.async under the tile before (docs/decisions/hopper-bias-and-mask.md).
-// ALiBi's term is computed, two FP32 operations per element (alibi_terms.cuh).
+// which the warp fills by cp.async under the tile before, the logits then in the units that
+// cost least (logit_scale) (docs/decisions/hopper-bias-and-mask.md). ALiBi's term is computed,
+// two FP32 operations per element (alibi_terms.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -116,44 +117,75 @@ struct BiasAndMask {
     }
   };
 
+  // This lane's half row of the staged term at the block's first key tile (lane l copies half
+  // l % 2 of row l / 2 of the warp's 16, clamped into T): worked out once per block, since an
+  // offset's 32-bit division costs some 40 instructions.
+  template <int kBytes>
+  __device__ __forceinline__ const char* staged_row(const void* base, const BroadcastStrides& st,
+                                                    const ForwardTile& t) const {
+    const int64_t r = min(int64_t(t.row0 + (row - lane / 4) + lane / 2), p.seqlen_q - 1);
+    const int64_t key = int64_t(t.tile_begin) * kBlockN + (lane % 2) * (kBlockN / 2);
+    return static_cast<const char*>(base) + offset_of(st, t, r, key) * kBytes;
+  }
+  __device__ __forceinline__ const char* staged_row(StagedTerm term, const ForwardTile& t) const {
+    if (term == StagedTerm::kMask) return staged_row<1>(p.mask, p.mask_strides, t);
+    return staged_row<2>(p.bias, p.bias_strides, t);
+  }
+
   // Copies this warp's 16 rows of key tile j's staged term (kBytes an element) into its
   // buffer by cp.async, after the warp's reads of the tile before: lane l copies half of row
-  // l / 2, 16 bytes at a time, chunks past T or S zero-filled (read by no visible element).
+  // l / 2 (from src_row: staged_row), 16 bytes at a time, chunks past T or S zero-filled (read
+  // by no visible element). With prefetch_next, the same half row of tile j + 1 (at most 128
+  // bytes: one line) is brought into L2 for the copy a tile later.
   template <int kBytes>
-  __device__ __forceinline__ void stage_term(const void* base, const BroadcastStrides& st,
-                                             const ForwardTile& t, int j) const {
+  __device__ __forceinline__ void stage_term(const char* src_row, const ForwardTile& t, int j,
+                                             bool prefetch_next) const {
     using Layout = StageLayout<kBytes>;
     constexpr int kPerLane = Layout::kChunks / 2, kKeysPerChunk = Layout::kKeysPerChunk;
     const int r = lane / 2, first_chunk = (lane % 2) * kPerLane;
-    const int64_t row_in = t.row0 + (row - lane / 4) + r;
-    const bool row_valid = row_in < p.seqlen_q;
+    const bool row_valid = t.row0 + (row - lane / 4) + r < p.seqlen_q;
     const int64_t key = int64_t(t.tile_begin + j) * kBlockN + first_chunk * kKeysPerChunk;
-    const char* src = static_cast<const char*>(base) +
-                      offset_of(st, t, row_valid ? row_in : p.seqlen_q - 1, key) * kBytes;
+    // The keys from the half row's first up to S (none past T), so that each chunk's test is
+    // one 32-bit compare.
+    const int64_t keys_left = row_valid ? p.seqlen_k - key : 0;
+    const int chunk_keys = int(min(keys_left, int64_t(kBlockN + 1)));
+    const char* src = src_row + int64_t(j) * (kBlockN * kBytes);
     const uint32_t dst = stage + Layout::chunk_at(r, first_chunk);
     __syncwarp();
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i)
-      ptx::cp_async_16(dst + Layout::chunk_at(0, i), src + 16 * i,
-                       row_valid && key + i * kKeysPerChunk < p.seqlen_k);
+      ptx::cp_async_16(dst + Layout::chunk_at(0, i), src + 16 * i, i * kKeysPerChunk < chunk_keys);
     ptx::cp_async_commit();
+    if (prefetch_next && chunk_keys > kBlockN) ptx::prefetch_l2(src + kBlockN * kBytes);
   }
-  // Key tile j's staged term, for a call with one (staged_term).
-  __device__ __forceinline__ void stage_tile(StagedTerm term, const ForwardTile& t,
-                                             int j) const {
-    if (term == StagedTerm::kMask) return stage_term<1>(p.mask, p.mask_strides, t, j);
-    stage_term<2>(p.bias, p.bias_strides, t, j);
+  // Key tile j's staged term, for a call with one (staged_term), from this lane's src_row.
+  __device__ __forceinline__ void stage_tile(StagedTerm term, const char* src_row,
+                                             const ForwardTile& t, int j,
+                                             bool prefetch_next) const {
+    if (term == StagedTerm::kMask) return stage_term<1>(src_row, t, j, prefetch_next);
+    stage_term<2>(src_row, t, j, prefetch_next);
+  }
+
+  // The scale that makes the logits left in s base-2, which the softmax applies as it
+  // exponentiates: a staged bias leaves natural-log logits (the scale's multiply and the
+  // term's add one FFMA), a staged mask the scores themselves (no multiply); the global reads
+  // (add) base-2 logits.
+  __device__ static float logit_scale(const AttentionParams& p) {
+    if constexpr (Traits::kStagedTerm)
+      return staged_term(p) == StagedTerm::kMask ? p.scale * cuda::kLog2e : cuda::kLog2e;
+    return 1.f;
   }
 
   // add for a staged term (Term: the bias's element type, or bool for the mask): the elements
-  // from this warp's buffer, a pair of adjacent keys a read.
+  // from this warp's buffer, a pair of adjacent keys a read, the logits in logit_scale's units.
   template <typename Term>
   __device__ __forceinline__ void add_staged(float (&s)[1][kNTiles][4], const ForwardTile& t,
                                              int j, bool interior) const {
     using Layout = StageLayout<int(sizeof(Term))>;
+    constexpr bool kMask = std::is_same_v<Term, bool>;
     const int key0 = (t.tile_begin + j) * kBlockN;
     const cuda::TileVisibility tile_vis = bounds_of(t, key0, interior);
-    const float scale_log2 = p.scale * cuda::kLog2e;
+    const float scale = p.scale;
     ptx::cp_async_wait<0>();
     __syncwarp();
     if (interior) {
@@ -167,16 +199,16 @@ struct BiasAndMask {
           const uint32_t at = thread_at + Layout::column_at(c);
           float& s0 = s[0][c][2 * h];
           float& s1 = s[0][c][2 * h + 1];
-          if constexpr (std::is_same_v<Term, bool>) {
+          if constexpr (kMask) {
             const uint16_t pair = ptx::ld_shared_b16(at);
-            s0 = (pair & 0xff) != 0 ? s0 * scale_log2 : -INFINITY;
-            s1 = (pair >> 8) != 0 ? s1 * scale_log2 : -INFINITY;
+            s0 = (pair & 0xff) != 0 ? s0 : -INFINITY;
+            s1 = (pair >> 8) != 0 ? s1 : -INFINITY;
           } else {
             const uint32_t pair = ptx::ld_shared_b32(at);
             Term x[2];
             memcpy(x, &pair, 4);
-            s0 = fmaf(s0, scale_log2, cuda::kLog2e * cuda::to_float(x[0]));
-            s1 = fmaf(s1, scale_log2, cuda::kLog2e * cuda::to_float(x[1]));
+            s0 = fmaf(s0, scale, cuda::to_float(x[0]));
+            s1 = fmaf(s1, scale, cuda::to_float(x[1]));
           }
         }
       }
@@ -192,7 +224,7 @@ struct BiasAndMask {
         const uint32_t at = thread_at + Layout::column_at(c);
         float term[2] = {0.f, 0.f};
         bool keep[2] = {true, true};
-        if constexpr (std::is_same_v<Term, bool>) {
+        if constexpr (kMask) {
           const uint16_t pair = ptx::ld_shared_b16(at);
           keep[0] = (pair & 0xff) != 0;
           keep[1] = (pair >> 8) != 0;
@@ -200,14 +232,15 @@ struct BiasAndMask {
           const uint32_t pair = ptx::ld_shared_b32(at);
           Term x[2];
           memcpy(x, &pair, 4);
-          term[0] = cuda::kLog2e * cuda::to_float(x[0]);
-          term[1] = cuda::kLog2e * cuda::to_float(x[1]);
+          term[0] = cuda::to_float(x[0]);
+          term[1] = cuda::to_float(x[1]);
         }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const bool visible = cuda::TileVisibility::column_visible(bits, 2 * c + e) && keep[e];
           float& score = s[0][c][2 * h + e];
-          score = visible ? fmaf(score, scale_log2, term[e]) : -INFINITY;
+          const float logit = kMask ? score : fmaf(score, scale, term[e]);
+          score = visible ? logit : -INFINITY;
         }
       }
     }
@@ -282,14 +315,15 @@ struct BiasAndMask {
     if (!alibi_alone) add_bias_and_mask(s, t, j, interior);
     if (p.alibi_slopes == nullptr) return;
     const cuda::AlibiLogits alibi = cuda::AlibiLogits::make(p, t.b, t.n);
+    // The slope in the logits' units (logit_scale: base-2 but beside a staged term).
+    const float slope = Traits::kStagedTerm ? alibi.slope2 / logit_scale(p) : alibi.slope2;
     const int64_t key = int64_t(t.tile_begin + j) * kBlockN + quad_col;
     // r_h = t + shift - the thread's first key of the tile, for its row t of h.
     float base[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-      base[h] = alibi.slope2 * float(t.row0 + row + 8 * h + alibi.shift - key);
+    for (int h = 0; h < 2; ++h) base[h] = slope * float(t.row0 + row + 8 * h + alibi.shift - key);
     const float factor = alibi_alone ? p.scale * cuda::kLog2e : 1.f;
-    add_alibi_to_rows(s, factor, alibi.slope2, base);
+    add_alibi_to_rows(s, factor, slope, base);
   }
 };
 

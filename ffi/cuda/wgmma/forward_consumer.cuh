@@ -76,6 +76,9 @@ struct ConsumerTile {
   int alibi_first;
   float alibi_slope2;
   int alibi_distance;
+  // kStagedTerm: this lane's half row of the staged term at the block's first key tile
+  // (BiasAndMask::staged_row).
+  const char* term_row;
   cuda::OnlineSoftmax<1> softmax;
 };
 
@@ -117,8 +120,9 @@ struct ForwardConsumer {
   // The softmax's factor on the scores: scale log2(e), or c = cap log2(e) where they are
   // tanh(s scale / cap) (kSoftCap: cap_scores as each tile lands; the capped base-2 logit is
   // c times that, folded into the softmax's FFMA), or 1 where they are base-2 logits already
-  // (kBiasAndMask: BiasAndMask::apply; kAlibi: add_alibi). Without the cap soft_cap is an
-  // empty type: the uncapped kernels' code does not depend on it.
+  // (kBiasAndMask: BiasAndMask::apply, but logit_scale's units beside a staged term; kAlibi:
+  // add_alibi). Without the cap soft_cap is an empty type: the uncapped kernels' code does not
+  // depend on it.
   const float softmax_scale;
   struct NoSoftCap {};
   using SoftCap = std::conditional_t<Traits::kSoftCap, cuda::SoftCapLogits, NoSoftCap>;
@@ -156,9 +160,10 @@ struct ForwardConsumer {
         wg_row0(consumer_index * 64), warp_row0(consumer_index * 64 + warp * 16),
         quad_row(lane / 4), quad_col(2 * (lane % 4)),
         desc(ForwardDescriptors<Traits>::make(layout)),
-        softmax_scale(Traits::kSoftCap ? variant::SoftCap::make(params).cap2
-                      : Traits::kBiasAndMask || Traits::kAlibi ? 1.f
-                                                               : params.scale * cuda::kLog2e),
+        softmax_scale(Traits::kSoftCap        ? variant::SoftCap::make(params).cap2
+                      : Traits::kBiasAndMask ? BiasAndMask<Traits>::logit_scale(params)
+                      : Traits::kAlibi       ? 1.f
+                                             : params.scale * cuda::kLog2e),
         soft_cap(make_soft_cap(params)),
         call_vis(variant::KeyWindow<int>::make(params)) {}
 
@@ -424,11 +429,10 @@ struct ForwardConsumer {
     if constexpr (Traits::kAlibi) kt = key_tile(w, j);
     bool interior = kt >= w.interior_lo && kt < w.interior_hi;
     if constexpr (Traits::kSegments) interior = interior && one_document(w, stage);
-    // kBiasAndMask: the lines of the next tile the warp reads brought into L2 (of the one after
-    // where the next one is staged already: stage_next).
+    // kBiasAndMask: the lines of the next tile the warp reads brought into L2 (kStagedTerm: by
+    // stage_next, of the one after the next).
     if constexpr (Traits::kBiasAndMask) {
-      constexpr int ahead = Traits::kStagedTerm ? 2 : 1;
-      if (j + ahead < w.wg_tiles) bias_and_mask().prefetch(w.t, j + ahead);
+      if (!Traits::kStagedTerm && j + 1 < w.wg_tiles) bias_and_mask().prefetch(w.t, j + 1);
       bias_and_mask().apply(s_acc, w.t, j, interior);
     }
     // ALiBi's logits grow tile after tile toward the diagonal, so with the key tiles in order a
@@ -483,10 +487,11 @@ struct ForwardConsumer {
 
   // kStagedTerm: the warp's rows of key tile j copied into its buffer, once both paths of the
   // tile before are done reading it (the copies land under that tile's O += P V and the next
-  // tile's S = Q K^T).
+  // tile's S = Q K^T), and those of tile j + 1 brought into L2.
   __device__ __forceinline__ void stage_next(const ConsumerTile& w, int j) const {
     if constexpr (Traits::kStagedTerm)
-      if (j < w.wg_tiles) bias_and_mask().stage_tile(staged_term(p), w.t, j);
+      if (j < w.wg_tiles)
+        bias_and_mask().stage_tile(staged_term(p), w.term_row, w.t, j, j + 1 < w.wg_tiles);
   }
 
   // Tile t's window: the slot's lengths with the call's sides (TileSlot::load), moved to the
@@ -543,9 +548,11 @@ struct ForwardConsumer {
         w.half_last = key_hi - (t.tile_begin + w.wg_tiles - 1) * kBlockN <= kBlockN / 2;
       }
     }
-    if constexpr (Traits::kBiasAndMask) {
-      bias_and_mask().prefetch(t, 0);
+    if constexpr (Traits::kStagedTerm) {
+      w.term_row = bias_and_mask().staged_row(staged_term(p), t);
       stage_next(w, 0);
+    } else if constexpr (Traits::kBiasAndMask) {
+      bias_and_mask().prefetch(t, 0);
     }
     if constexpr (Traits::kAlibi) {
       const cuda::AlibiLogits alibi = cuda::AlibiLogits::make(p, t.b, t.n);
