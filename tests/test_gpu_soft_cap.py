@@ -186,3 +186,18 @@ def check_nan_key_gradients(rng, q, k, v, hidden, *args, **kwargs):
         g = np.asarray(g, np.float32)
         assert (g[:, hidden] == 0).all(), name
         assert np.isfinite(np.delete(g, hidden, axis=1)).all(), name
+
+
+@pytest.mark.parametrize("key", [5, 130])
+def test_nan_key_makes_the_rows_that_see_it_nan(rng, family, key):
+    """A NaN key makes exactly the causal rows that see it NaN, capped (tanh(NaN) is NaN, and
+    so is its exp2), in the first key tile or a later one; the rows before it come out as they
+    do with the key finite."""
+    q, k, v = capped_qkv(rng, 1, 200, 200, 2, 2, 128, jnp.bfloat16)
+    poisoned = k.at[:, key].set(jnp.nan)
+    out = np.asarray(jax_flashattn.attention(q, poisoned, v, is_causal=True,
+                                             logits_soft_cap=30.0), np.float32)
+    clean = np.asarray(jax_flashattn.attention(q, k, v, is_causal=True, logits_soft_cap=30.0),
+                       np.float32)
+    assert np.isnan(out[:, key:]).all()
+    np.testing.assert_array_equal(out[:, :key], clean[:, :key])
