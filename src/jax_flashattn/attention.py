@@ -215,24 +215,23 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     backward's dQ pass. With implementation="xla" or "cudnn" it becomes a dense bias
     [B, N, T, S] for jax.nn. Along a sharded sequence it runs ring attention, each block's
     kernel call measuring the global distances (with seq lengths and "bottom_right", whose
-    diagonal moves per batch entry, the sequences are gathered instead).
-    So far the CPU kernels compute it; on a GPU it raises a ValueError (use
-    implementation="xla" there).
+    diagonal moves per batch entry, the sequences are gathered instead). Every kernel family
+    computes it, on the CPU and the GPU, and the slopes' gradient in its backward.
 
     `deterministic_backward` (keyword-only, not in jax.nn): on a GPU, the gradients are
-    bit-identical across runs. By default the tensor-core backward sums dQ over key blocks
-    with float32 atomic adds, whose order varies between runs (last-bit differences). With
-    True the Hopper backward (H100/H200) adds each query tile's dQ in a fixed order of key
-    blocks, dK and dV unchanged (on an H200, forward+backward at 0.87-0.99x the default's
-    speed at head dims 64 and 128, 0.74-0.93x at 256); elsewhere (other GPUs, or a bias, a
-    mask or segment ids) the mma.sync family computes dQ in a second pass over the keys, which
-    recomputes the scores and dP once more (7 matrix products per tile instead of 5). A bias
-    broadcast over some dims gets its gradient summed into its own shape by float32 atomic
+    bit-identical across runs. By default the tensor-core backward sums dQ over key blocks with
+    float32 atomic adds, whose order varies between runs (last-bit differences). With True the
+    Hopper backward (H100/H200) adds each query tile's dQ in a fixed order of key blocks, dK and
+    dV unchanged (on an H200, forward+backward at 0.87-0.99x the default's speed at head dims 64
+    and 128, 0.74-0.93x at 256); elsewhere (other GPUs, or segment ids, or a bias or mask of one
+    key broadcast over the keys) the mma.sync family computes dQ in a second pass over the keys,
+    which recomputes the scores and dP once more (7 matrix products per tile instead of 5). A
+    bias broadcast over some dims gets its gradient summed into its own shape by float32 atomic
     adds by default; with True it is computed at the full [B, N, T, S] in float32 and summed
     after (more memory). The CPU kernels are deterministic either way, and so is the GPU's
     CUDA-core path (float32, head dims the tensor cores do not take) apart from a broadcast
-    bias's gradient by default. It has no effect with implementation="xla" or "cudnn"
-    (jax.nn's own backward).
+    bias's gradient by default. It has no effect with implementation="xla" or "cudnn" (jax.nn's
+    own backward).
     """
     _validate.check_options(implementation=implementation,
                             deterministic_backward=deterministic_backward)
