@@ -170,8 +170,9 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     or runs it (jax.jvp of a jitted function, the linear function jax.linearize returns), the
     TypeError is JAX's own "can't apply forward-mode autodiff (jvp) to a custom_vjp function".
 
-    `implementation`: None (our kernels for the default backend), "cpu", "cuda" (our kernels,
-    raising if they cannot run), or "xla"/"cudnn" (delegate to jax.nn.dot_product_attention).
+    `implementation`: None (our kernels for the default backend; on a GPU with a build that has
+    no CUDA kernels, a warning and jax.nn's "xla"), "cpu", "cuda" (our kernels, raising if they
+    cannot run), or "xla"/"cudnn" (delegate to jax.nn.dot_product_attention).
 
     `query_segment_ids` [B, T] and `key_value_segment_ids` [B, S] (keyword-only, not in jax.nn;
     [T] and [S] when unbatched; int32 or a dtype that fits it): packed sequences. Query i sees

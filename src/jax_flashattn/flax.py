@@ -13,8 +13,9 @@
                                     attention_fn=jfa_flax.make_attention_fn(is_causal=True))
 
 `dot_product_attention` takes every argument that `flax.linen.dot_product_attention` and
-`flax.nnx.dot_product_attention` take, under the same names and positions, and maps Flax's
-conventions onto `jax_flashattn.attention`:
+`flax.nnx.dot_product_attention` take, under the same names, at Linen's positions (NNX's
+`promote_dtype` and `is_causal`, which follow `module` there, go by keyword, as NNX's modules
+pass them), and maps Flax's conventions onto `jax_flashattn.attention`:
 
 - Layout `[batch..., T, N, H]` with any number of leading batch dims (zero included); they are
   folded into one batch dim for the kernels. Key/value may have fewer heads than the query
