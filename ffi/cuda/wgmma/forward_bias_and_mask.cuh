@@ -178,46 +178,27 @@ struct BiasAndMask {
 
   // add for a staged term (Term: the bias's element type, or bool for the mask): the elements
   // from this warp's buffer, a pair of adjacent keys a read, the logits in logit_scale's units.
+  // A tile that no bound crosses for the warp (interior) takes an instantiation of its own,
+  // with no test of the elements' columns.
   template <typename Term>
   __device__ __forceinline__ void add_staged(float (&s)[1][kNTiles][4], const ForwardTile& t,
                                              int j, bool interior) const {
-    using Layout = StageLayout<int(sizeof(Term))>;
-    constexpr bool kMask = std::is_same_v<Term, bool>;
-    const int key0 = (t.tile_begin + j) * kBlockN;
-    const cuda::TileVisibility tile_vis = bounds_of(t, key0, interior);
-    const float scale = p.scale;
+    const cuda::TileVisibility tile_vis = bounds_of(t, (t.tile_begin + j) * kBlockN, interior);
     ptx::cp_async_wait<0>();
     __syncwarp();
-    if (interior) {
-      // No bound crosses the tile for the warp: every element takes its term (or the mask's
-      // -inf) without a test of its column.
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t thread_at = stage + Layout::thread_at(lane / 4 + 8 * h, quad_col);
-#pragma unroll
-        for (int c = 0; c < kNTiles; ++c) {
-          const uint32_t at = thread_at + Layout::column_at(c);
-          float& s0 = s[0][c][2 * h];
-          float& s1 = s[0][c][2 * h + 1];
-          if constexpr (kMask) {
-            const uint16_t pair = ptx::ld_shared_b16(at);
-            s0 = (pair & 0xff) != 0 ? s0 : -INFINITY;
-            s1 = (pair >> 8) != 0 ? s1 : -INFINITY;
-          } else {
-            const uint32_t pair = ptx::ld_shared_b32(at);
-            Term x[2];
-            memcpy(x, &pair, 4);
-            s0 = fmaf(s0, scale, cuda::to_float(x[0]));
-            s1 = fmaf(s1, scale, cuda::to_float(x[1]));
-          }
-        }
-      }
-      return;
-    }
+    if (interior) return add_staged_tile<Term, true>(s, tile_vis);
+    add_staged_tile<Term, false>(s, tile_vis);
+  }
+  template <typename Term, bool kInterior>
+  __device__ __forceinline__ void add_staged_tile(float (&s)[1][kNTiles][4],
+                                                  const cuda::TileVisibility& tile_vis) const {
+    using Layout = StageLayout<int(sizeof(Term))>;
+    constexpr bool kMask = std::is_same_v<Term, bool>;
+    const float scale = p.scale;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint32_t bits[kBitWords];
-      visible_bits(tile_vis, interior, h, bits);
+      [[maybe_unused]] uint32_t bits[kBitWords];
+      if constexpr (!kInterior) tile_vis.column_bits<kNTiles>(row + 8 * h, quad_col, bits);
       const uint32_t thread_at = stage + Layout::thread_at(lane / 4 + 8 * h, quad_col);
 #pragma unroll
       for (int c = 0; c < kNTiles; ++c) {
@@ -237,7 +218,9 @@ struct BiasAndMask {
         }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const bool visible = cuda::TileVisibility::column_visible(bits, 2 * c + e) && keep[e];
+          bool visible = keep[e];
+          if constexpr (!kInterior)
+            visible = visible && cuda::TileVisibility::column_visible(bits, 2 * c + e);
           float& score = s[0][c][2 * h + e];
           const float logit = kMask ? score : fmaf(score, scale, term[e]);
           score = visible ? logit : -INFINITY;
