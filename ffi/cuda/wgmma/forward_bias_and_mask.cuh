@@ -41,6 +41,7 @@ struct BiasAndMask {
   const int quad_col;  // its first key of each 8-key column tile
   const int lane;
   const uint32_t stage;  // this warp's staging buffer (Traits::kTermStageBytes)
+  const StagedTerm staged;  // kStagedTerm: the call's staged term (staged_term); else kNone
 
   // The offset of element (row, key) of tile t's (batch, head) in a tensor that broadcasts to
   // [batch, N, T, S] (a bias or mask) with unit stride along the keys, or a single key. Worked
@@ -127,8 +128,8 @@ struct BiasAndMask {
     const int64_t key = int64_t(t.tile_begin) * kBlockN + (lane % 2) * (kBlockN / 2);
     return static_cast<const char*>(base) + offset_of(st, t, r, key) * kBytes;
   }
-  __device__ __forceinline__ const char* staged_row(StagedTerm term, const ForwardTile& t) const {
-    if (term == StagedTerm::kMask) return staged_row<1>(p.mask, p.mask_strides, t);
+  __device__ __forceinline__ const char* staged_row(const ForwardTile& t) const {
+    if (staged == StagedTerm::kMask) return staged_row<1>(p.mask, p.mask_strides, t);
     return staged_row<2>(p.bias, p.bias_strides, t);
   }
 
@@ -158,11 +159,10 @@ struct BiasAndMask {
     ptx::cp_async_commit();
     if (prefetch_next && chunk_keys > kBlockN) ptx::prefetch_l2(src + kBlockN * kBytes);
   }
-  // Key tile j's staged term, for a call with one (staged_term), from this lane's src_row.
-  __device__ __forceinline__ void stage_tile(StagedTerm term, const char* src_row,
-                                             const ForwardTile& t, int j,
+  // Key tile j's staged term, for a call with one (staged), from this lane's src_row.
+  __device__ __forceinline__ void stage_tile(const char* src_row, const ForwardTile& t, int j,
                                              bool prefetch_next) const {
-    if (term == StagedTerm::kMask) return stage_term<1>(src_row, t, j, prefetch_next);
+    if (staged == StagedTerm::kMask) return stage_term<1>(src_row, t, j, prefetch_next);
     stage_term<2>(src_row, t, j, prefetch_next);
   }
 
@@ -271,7 +271,7 @@ struct BiasAndMask {
                                                     const ForwardTile& t, int j,
                                                     bool interior) const {
     if constexpr (Traits::kStagedTerm) {
-      switch (staged_term(p)) {
+      switch (staged) {
         case StagedTerm::kBFloat16Bias: return add_staged<__nv_bfloat16>(s, t, j, interior);
         case StagedTerm::kFloat16Bias: return add_staged<__half>(s, t, j, interior);
         default: return add_staged<bool>(s, t, j, interior);

@@ -127,6 +127,12 @@ struct ForwardConsumer {
   struct NoSoftCap {};
   using SoftCap = std::conditional_t<Traits::kSoftCap, cuda::SoftCapLogits, NoSoftCap>;
   const SoftCap soft_cap;
+  // kStagedTerm: the call's staged term (staged_term), worked out once: read per tile, it took
+  // some 12 instructions from constant memory at each of its two uses. An empty type elsewhere,
+  // as soft_cap.
+  struct NoStagedTerm {};
+  using StagedTermOf = std::conditional_t<Traits::kStagedTerm, StagedTerm, NoStagedTerm>;
+  const StagedTermOf staged;
   // The call's windows, for every tile read (moved to the entry's by tile_window).
   const variant::KeyWindow<int> call_vis;
 
@@ -165,6 +171,7 @@ struct ForwardConsumer {
                       : Traits::kAlibi       ? 1.f
                                              : params.scale * cuda::kLog2e),
         soft_cap(make_soft_cap(params)),
+        staged(make_staged_term(params)),
         call_vis(variant::KeyWindow<int>::make(params)) {}
 
   // Ping-pong: consumer c issues its products only while it holds the turn (named barrier
@@ -295,11 +302,17 @@ struct ForwardConsumer {
     if constexpr (Traits::kSoftCap) return cuda::SoftCapLogits::make(params);
     else return NoSoftCap{};
   }
+  __device__ __forceinline__ static StagedTermOf make_staged_term(const AttentionParams& params) {
+    if constexpr (Traits::kStagedTerm) return staged_term(params);
+    else return NoStagedTerm{};
+  }
 
   // kBiasAndMask: the terms as this thread reads or computes them (forward_bias_and_mask.cuh).
   __device__ __forceinline__ BiasAndMask<Traits> bias_and_mask() const {
+    StagedTerm term = StagedTerm::kNone;
+    if constexpr (Traits::kStagedTerm) term = staged;
     return BiasAndMask<Traits>{p, warp_row0 + quad_row, quad_col, lane,
-                               smem.term_stage(4 * consumer + warp)};
+                               smem.term_stage(4 * consumer + warp), term};
   }
 
   // kSoftCap: the scores in s_acc as tanh(s scale / cap), before any mask (softmax_scale makes
@@ -491,7 +504,7 @@ struct ForwardConsumer {
   __device__ __forceinline__ void stage_next(const ConsumerTile& w, int j) const {
     if constexpr (Traits::kStagedTerm)
       if (j < w.wg_tiles)
-        bias_and_mask().stage_tile(staged_term(p), w.term_row, w.t, j, j + 1 < w.wg_tiles);
+        bias_and_mask().stage_tile(w.term_row, w.t, j, j + 1 < w.wg_tiles);
   }
 
   // Tile t's window: the slot's lengths with the call's sides (TileSlot::load), moved to the
@@ -549,7 +562,7 @@ struct ForwardConsumer {
       }
     }
     if constexpr (Traits::kStagedTerm) {
-      w.term_row = bias_and_mask().staged_row(staged_term(p), t);
+      w.term_row = bias_and_mask().staged_row(t);
       stage_next(w, 0);
     } else if constexpr (Traits::kBiasAndMask) {
       bias_and_mask().prefetch(t, 0);
