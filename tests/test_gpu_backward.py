@@ -148,7 +148,7 @@ def deterministic(request):
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
-@pytest.mark.parametrize("head_dim", [32, 64, 72, 96, 128, 192, 256])
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 32, 64, 72, 96, 128, 192, 256])
 def test_tc_head_dims(rng, dtype, head_dim, deterministic):
     check_grads(rng, *random_qkv(rng, 2, 77, 131, 4, 2, head_dim, dtype),
                 deterministic=deterministic)
@@ -216,6 +216,12 @@ def test_tc_seq_lengths_zero_rows(rng, dtype, deterministic):
 def test_tc_large_inputs(rng, dtype, head_dim, deterministic):
     check_grads(rng, *random_qkv(rng, 1, 256, 256, 2, 2, head_dim, dtype, magnitude=3.0),
                 is_causal=True, deterministic=deterministic)
+
+
+def test_tc_queries_past_preprocess_grid(rng):
+    """More queries than the preprocess's grid has runs of rows (65535 runs of 8 rows at head
+    dim 256), so its blocks stride over the rest; two heads, so each starts mid-buffer."""
+    check_grads(rng, *random_qkv(rng, 1, 530_001, 16, 2, 1, 136, jnp.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)

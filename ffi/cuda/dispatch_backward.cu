@@ -40,6 +40,32 @@ int64_t elementwise_blocks(int64_t threads) {
   return (threads + mma_sync::kElementwiseThreads - 1) / mma_sync::kElementwiseThreads;
 }
 
+// The preprocess at preprocess_lanes(head_dim) lanes a row (head dims up to 256: 32 lanes).
+template <typename Elem>
+cudaError_t launch_preprocess(const AttentionParams& p, bool zero_dq_accum, cudaStream_t stream) {
+  const int lanes = mma_sync::preprocess_lanes(p.head_dim);
+  const int64_t runs = (p.seqlen_q * lanes + mma_sync::kElementwiseThreads - 1) /
+                       mma_sync::kElementwiseThreads;
+  const int64_t head_pairs = p.batch * p.num_heads;
+  if (head_pairs > 0x7fffffff || lanes > 32) return cudaErrorInvalidConfiguration;
+  const dim3 grid(unsigned(head_pairs),
+                  unsigned(runs < mma_sync::kPreprocessMaxQueryRuns
+                               ? runs
+                               : mma_sync::kPreprocessMaxQueryRuns));
+  const auto launch = [&](auto kernel) {
+    kernel<<<grid, mma_sync::kElementwiseThreads, 0, stream>>>(p, zero_dq_accum);
+    return cudaGetLastError();
+  };
+  switch (lanes) {
+    case 1: return launch(mma_sync::backward_preprocess_kernel<Elem, 1>);
+    case 2: return launch(mma_sync::backward_preprocess_kernel<Elem, 2>);
+    case 4: return launch(mma_sync::backward_preprocess_kernel<Elem, 4>);
+    case 8: return launch(mma_sync::backward_preprocess_kernel<Elem, 8>);
+    case 16: return launch(mma_sync::backward_preprocess_kernel<Elem, 16>);
+    default: return launch(mma_sync::backward_preprocess_kernel<Elem, 32>);
+  }
+}
+
 // The preprocess, the passes of `kernel` (kSm90 or kSm80), then the dQ conversion unless the
 // passes wrote dQ themselves (the mma.sync family's deterministic mode). The Hopper kernel's
 // deterministic mode starts from zeroed dQ semaphores.
@@ -47,18 +73,15 @@ template <typename Elem>
 cudaError_t launch_tensor_core(const AttentionParams& p, BackwardKernel kernel,
                                cudaStream_t stream) {
   const int64_t rows = p.batch * p.seqlen_q * p.num_heads;
-  const int64_t preprocess_blocks = elementwise_blocks(rows * 32);
   const int64_t convert_blocks = elementwise_blocks(rows * p.head_dim / 8);
-  if (preprocess_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if (convert_blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   const bool dq_pass = p.deterministic && kernel == BackwardKernel::kSm80;
   if (p.deterministic && kernel == BackwardKernel::kSm90) {
     const size_t bytes = size_t(p.dq_semaphores_needed()) * sizeof(int32_t);
     if (cudaError_t e = cudaMemsetAsync(p.dq_semaphores, 0, bytes, stream); e != cudaSuccess)
       return e;
   }
-  mma_sync::backward_preprocess_kernel<Elem>
-      <<<unsigned(preprocess_blocks), mma_sync::kElementwiseThreads, 0, stream>>>(p, !dq_pass);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  if (cudaError_t e = launch_preprocess<Elem>(p, !dq_pass, stream); e != cudaSuccess) return e;
   const cudaError_t passes = kernel == BackwardKernel::kSm90
                                  ? launch_sm90_for_head_dim<Elem>(p, stream)
                                  : launch_sm80_for_head_dim<Elem>(p, stream);
