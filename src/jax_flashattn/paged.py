@@ -1,0 +1,294 @@
+"""Attention over a paged KV cache, and the cache's update.
+
+A server keeps each sequence's keys and values in fixed-size pages of one pool, [P, page_size,
+K, H], and a page table [B, max_pages] of int32 page ids: sequence b's token j lives in page
+page_table[b, j // page_size] at slot j % page_size. `paged_attention` attends each sequence's
+newest tokens (a decode step, T = 1, or a chunk of a prefill) to its first kv_len cached tokens,
+causal with the diagonal at the bottom right of each sequence (query i of entry b at position
+kv_len_b - q_len_b + i); `paged_cache_update` writes new tokens into their pages.
+
+The pages are gathered into one contiguous [B, max_pages x page_size, K, H] view per call
+(three times the bytes a kernel that read the pages in place would move) and attended by the
+kernels `attention` runs, every option of it included; an FP8 (e4m3) cache is dequantised in
+that gather.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flashattn import _validate
+from jax_flashattn.attention import attention
+
+# Page sizes: a power of two from 16 to 256 tokens.
+PAGE_SIZES = tuple(2**i for i in range(4, 9))
+# The dtypes of a cache beside q's own: stored e4m3 values times a float32 descale.
+FP8_DTYPES = (jnp.float8_e4m3fn,)
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_cache(key_cache, value_cache, query):
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.ndim != 4:
+            raise ValueError(f"{name} must be [P, page_size, K, H], got "
+                             f"{_validate._describe(cache)}")
+        if cache.dtype != query.dtype and cache.dtype not in FP8_DTYPES:
+            raise TypeError(f"{name} must have query's dtype ({query.dtype}) or be float8_e4m3fn "
+                            f"with a descale, got {_validate._describe(cache)}")
+    if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"value_cache must have the shape and dtype of key_cache "
+                         f"({_validate._describe(key_cache)}), got "
+                         f"{_validate._describe(value_cache)}")
+    pages, page_size, kv_heads, head_dim = key_cache.shape
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"key_cache's page size (its axis 1) must be a power of two from 16 to "
+                         f"256, got {page_size}")
+    if pages < 1:
+        raise ValueError(f"key_cache must hold at least one page, got "
+                         f"{_validate._describe(key_cache)}")
+    if head_dim != query.shape[-1]:
+        raise ValueError(f"key_cache's head dim {head_dim} must equal query's "
+                         f"{query.shape[-1]}")
+    if kv_heads < 1 or query.shape[2] % kv_heads:
+        raise ValueError(f"query's {query.shape[2]} heads must be a multiple of key_cache's "
+                         f"{kv_heads} (GQA/MQA)")
+
+
+def _descale(x, name: str, cache, batch: int):
+    """A float32 descale as [B, 1, K, 1] (from a scalar or [B, K]); None without one."""
+    kv_heads = cache.shape[2]
+    if x is None:
+        return None
+    if cache.dtype not in FP8_DTYPES:
+        raise ValueError(f"{name} applies to a float8_e4m3fn cache only, got a "
+                         f"{cache.dtype} cache")
+    x = _validate._as_array(x, name)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be float32, got {_validate._describe(x)}")
+    if x.ndim == 0:
+        x = jnp.broadcast_to(x, (batch, kv_heads))
+    if tuple(x.shape) != (batch, kv_heads):
+        raise ValueError(f"{name} must be a scalar or [B, K] = {(batch, kv_heads)}, got "
+                         f"{_validate._describe(x)}")
+    return x.astype(jnp.float32)[:, None, :, None]
+
+
+def _check_table_values(page_table, kv_lens, q_lens, pages: int, page_size: int, t: int):
+    """With concrete operands, the checks under jit become NaN rows (_poison): a length past
+    the table or below the queries', a page id outside [0, P) among a sequence's pages."""
+    table = np.asarray(page_table)
+    kv = np.asarray(kv_lens)
+    q = np.full(kv.shape, t) if q_lens is None else np.asarray(q_lens)
+    capacity = table.shape[1] * page_size
+    for b in range(table.shape[0]):
+        if not 0 <= kv[b] <= capacity:
+            raise ValueError(f"key_value_seq_lengths[{b}] = {kv[b]} must be in [0, max_pages x "
+                             f"page_size] = [0, {capacity}]")
+        if q_lens is not None and not 0 <= q[b] <= t:
+            raise ValueError(f"query_seq_lengths[{b}] = {q[b]} must be in [0, T] = [0, {t}]")
+        if q[b] > kv[b]:
+            raise ValueError(f"sequence {b} has {q[b]} new queries but {kv[b]} cached tokens: "
+                             "the cache holds the new tokens too (key_value_seq_lengths counts "
+                             "them), so it needs query_seq_lengths <= key_value_seq_lengths")
+        used = table[b, :(int(kv[b]) + page_size - 1) // page_size]
+        bad = (used < 0) | (used >= pages)
+        if bad.any():
+            j = int(np.argmax(bad))
+            raise ValueError(f"page_table[{b}, {j}] = {used[j]} is not a page of the cache "
+                             f"([0, {pages})), and sequence {b}'s {kv[b]} tokens use it")
+
+
+def _invalid_entries(page_table, kv_lens, q_lens, pages: int, page_size: int, t: int):
+    """bool [B]: the entries _check_table_values would refuse, computed on the device."""
+    capacity = page_table.shape[1] * page_size
+    q = jnp.full_like(kv_lens, t) if q_lens is None else q_lens
+    used = jnp.arange(page_table.shape[1])[None, :] * page_size < kv_lens[:, None]
+    bad_page = jnp.any(used & ((page_table < 0) | (page_table >= pages)), axis=1)
+    return (bad_page | (kv_lens < 0) | (kv_lens > capacity) | (q < 0) | (q > t)
+            | (q > kv_lens))
+
+
+def _gather(cache, page_table, descale, dtype):
+    """[P, page_size, K, H] pages -> [B, max_pages x page_size, K, H] in `dtype`; page ids
+    outside [0, P) read page 0 (their entries are NaN'd by the caller)."""
+    pages, page_size, kv_heads, head_dim = cache.shape
+    batch, max_pages = page_table.shape
+    ids = jnp.where((page_table >= 0) & (page_table < pages), page_table, 0)
+    x = jnp.take(cache, ids, axis=0).reshape(batch, max_pages * page_size, kv_heads, head_dim)
+    if descale is None:
+        return x.astype(dtype)
+    return (x.astype(jnp.float32) * descale).astype(dtype)
+
+
+@jax.custom_vjp
+def _forward_only(x):
+    return x
+
+
+def _forward_only_fwd(x):
+    return x, None
+
+
+def _forward_only_bwd(_, g):
+    raise TypeError("paged_attention is forward-only (inference): it has no gradient; train "
+                    "with jax_flashattn.attention on contiguous keys and values")
+
+
+_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
+
+
+def paged_attention(query, key_cache, value_cache, page_table, key_value_seq_lengths, *,
+                    scale=None, query_seq_lengths=None, local_window_size=None,
+                    logits_soft_cap=None, sinks=None, descale_k=None, descale_v=None,
+                    implementation=None, return_residual=False):
+    """Attention of each sequence's newest tokens to its paged KV cache (forward only).
+
+    query [B, T, N, H]: each sequence's T newest tokens (T = 1 to decode, more for a chunk of
+    a prefill), or its first query_seq_lengths[b] rows of them ([B] int32, for ragged chunks;
+    the rows past it return 0). key_cache, value_cache [P, page_size, K, H] (page_size a power
+    of two from 16 to 256, N a multiple of K): pages of query's dtype, or float8_e4m3fn with
+    descale_k / descale_v (float32 scalars or [B, K]; the value is stored x descale).
+    page_table int32 [B, max_pages]: sequence b's token j is in page page_table[b, j //
+    page_size], slot j % page_size. key_value_seq_lengths int32 [B]: the tokens in sequence b's
+    cache, the new ones included (paged_cache_update writes them first).
+
+    Causal with the diagonal at the bottom right of each sequence: query i of entry b sits at
+    position kv_len_b - q_len_b + i and sees the cached tokens up to it, and with
+    local_window_size (left, right) as in `attention` no further back than left tokens (being
+    causal, the right side changes nothing). scale, logits_soft_cap, sinks and implementation
+    as in `attention`. Returns [B, T, N, H] in query's dtype, and with
+    return_residual the lse [B, T, N] (float32) too.
+
+    Checks: shapes and dtypes raise at trace time. With concrete page_table and lengths, a
+    length past max_pages x page_size, query_seq_lengths > key_value_seq_lengths, or a page id
+    outside [0, P) among a sequence's pages raise a ValueError; under jit, where their values
+    are not known until the call runs, they make that sequence's output rows NaN (no page is
+    read out of bounds). jax.grad through it raises a TypeError.
+    """
+    query = _validate._as_array(query, "query")
+    key_cache = _validate._as_array(key_cache, "key_cache")
+    value_cache = _validate._as_array(value_cache, "value_cache")
+    if query.ndim != 4:
+        raise ValueError(f"query must be [B, T, N, H], got {_validate._describe(query)}")
+    _check_cache(key_cache, value_cache, query)
+    batch, t = query.shape[:2]
+    pages, page_size = key_cache.shape[:2]
+    if page_table is None:
+        raise TypeError("page_table must be an int32 array [B, max_pages], got None")
+    table_arg = page_table
+    if not isinstance(page_table, jax.Array):
+        page_table = _validate.host_integers(page_table, "page_table")
+    page_table = _validate._as_array(page_table, "page_table")
+    if page_table.ndim != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"page_table must be [B, max_pages] with B = {batch}, got "
+                         f"{_validate._describe(page_table)}")
+    page_table = _validate._int32_array(page_table, "page_table", tuple(page_table.shape),
+                                        "page ids of each sequence", "page ids")
+    if key_value_seq_lengths is None:
+        raise TypeError("key_value_seq_lengths must be an int32 array [B] (each sequence's "
+                        "cached tokens), got None")
+    lengths_args = (key_value_seq_lengths, query_seq_lengths)
+    kv_lens = _validate._seq_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch)
+    q_lens = _validate._seq_lengths(query_seq_lengths, "query_seq_lengths", batch)
+    descale_k = _descale(descale_k, "descale_k", key_cache, batch)
+    descale_v = _descale(descale_v, "descale_v", value_cache, batch)
+    if all(_is_concrete(x) for x in (table_arg, *lengths_args)):
+        _check_table_values(page_table, kv_lens, q_lens, pages, page_size, t)
+    if sinks is not None:
+        sinks = _forward_only(_validate._as_array(sinks, "sinks"))
+    keys = _gather(key_cache, page_table, descale_k, query.dtype)
+    values = _gather(value_cache, page_table, descale_v, query.dtype)
+    out = attention(_forward_only(query), _forward_only(keys), _forward_only(values),
+                    scale=scale, is_causal=True, diagonal_alignment="bottom_right",
+                    query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
+                    local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                    sinks=sinks, implementation=implementation, return_residual=return_residual)
+    invalid = _invalid_entries(page_table, kv_lens, q_lens, pages, page_size, t)
+    if return_residual:
+        out, lse = out
+        return (jnp.where(invalid[:, None, None, None], jnp.nan, out).astype(out.dtype),
+                jnp.where(invalid[:, None, None], jnp.nan, lse))
+    return jnp.where(invalid[:, None, None, None], jnp.nan, out).astype(out.dtype)
+
+
+def paged_cache_update(key_cache, value_cache, page_table, positions, k_new, v_new):
+    """(key_cache, value_cache) with k_new, v_new [B, T_new, K, H] written at their positions.
+
+    positions: int32 [B] (the position of each sequence's first new token; its T_new tokens
+    follow it) or [B, T_new] (each token's own; a negative one is not written, for ragged
+    chunks). Token j of sequence b goes to page page_table[b, j // page_size], slot j %
+    page_size. k_new and v_new are cast to the cache's dtype (an FP8 cache: quantise them
+    first). In place under jit when the caches are donated (jax.jit(..., donate_argnums=...)).
+
+    With concrete page_table and positions, a position past max_pages x page_size or a page id
+    outside [0, P) raises a ValueError; under jit such tokens are not written.
+    """
+    key_cache = _validate._as_array(key_cache, "key_cache")
+    value_cache = _validate._as_array(value_cache, "value_cache")
+    k_new = _validate._as_array(k_new, "k_new")
+    v_new = _validate._as_array(v_new, "v_new")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.ndim != 4 or cache.shape[1] not in PAGE_SIZES:
+            raise ValueError(f"{name} must be [P, page_size, K, H] with page_size a power of "
+                             f"two from 16 to 256, got {_validate._describe(cache)}")
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(f"value_cache must have the shape of key_cache "
+                         f"{tuple(key_cache.shape)}, got {tuple(value_cache.shape)}")
+    pages, page_size, kv_heads, head_dim = key_cache.shape
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        if x.ndim != 4 or tuple(x.shape[2:]) != (kv_heads, head_dim):
+            raise ValueError(f"{name} must be [B, T_new, K, H] with K, H = {kv_heads}, "
+                             f"{head_dim} (the cache's), got {_validate._describe(x)}")
+    if k_new.shape != v_new.shape:
+        raise ValueError(f"v_new must have the shape of k_new {tuple(k_new.shape)}, got "
+                         f"{tuple(v_new.shape)}")
+    batch, t_new = k_new.shape[:2]
+    table_arg, positions_arg = page_table, positions
+    if not isinstance(page_table, jax.Array):
+        page_table = _validate.host_integers(page_table, "page_table")
+    page_table = _validate._as_array(page_table, "page_table")
+    if page_table.ndim != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"page_table must be [B, max_pages] with B = {batch}, got "
+                         f"{_validate._describe(page_table)}")
+    page_table = _validate._int32_array(page_table, "page_table", tuple(page_table.shape),
+                                        "page ids of each sequence", "page ids")
+    if positions is None:
+        raise TypeError("positions must be an int32 array [B] or [B, T_new], got None")
+    if not isinstance(positions, jax.Array):
+        positions = _validate.host_integers(positions, "positions")
+    positions = _validate._as_array(positions, "positions")
+    if positions.ndim == 1:
+        positions = _validate._int32_array(positions, "positions", (batch,),
+                                           "each sequence's first new position", "positions")
+        positions = positions[:, None] + jnp.arange(t_new, dtype=jnp.int32)[None, :]
+    else:
+        positions = _validate._int32_array(positions, "positions", (batch, t_new),
+                                           "each new token's position", "positions")
+    max_pages = page_table.shape[1]
+    if _is_concrete(table_arg) and _is_concrete(positions_arg):
+        table, pos = np.asarray(page_table), np.asarray(positions)
+        for b, j in zip(*np.nonzero(pos >= max_pages * page_size)):
+            raise ValueError(f"position {pos[b, j]} of sequence {b} is past its page table "
+                             f"({max_pages} pages of {page_size})")
+        written = pos >= 0
+        page_ids = table[np.arange(batch)[:, None], np.where(written, pos // page_size, 0)]
+        bad = written & ((page_ids < 0) | (page_ids >= pages))
+        for b, j in zip(*np.nonzero(bad)):
+            raise ValueError(f"page_table[{b}, {pos[b, j] // page_size}] = {page_ids[b, j]} is "
+                             f"not a page of the cache ([0, {pages})), and position "
+                             f"{pos[b, j]} of sequence {b} is written there")
+    in_table = (positions >= 0) & (positions < max_pages * page_size)
+    slot_page = jnp.where(in_table, positions // page_size, 0)
+    page_ids = jnp.take_along_axis(page_table, slot_page, axis=1)
+    # Tokens not written go to page P, which mode="drop" leaves out.
+    page_ids = jnp.where(in_table & (page_ids >= 0) & (page_ids < pages), page_ids, pages)
+    slots = positions % page_size
+
+    def write(cache, new):
+        return cache.at[page_ids, slots].set(new.astype(cache.dtype), mode="drop")
+    return write(key_cache, k_new), write(value_cache, v_new)
