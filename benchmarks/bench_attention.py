@@ -22,7 +22,9 @@ in {512, ..., 16384}, causal and full. Decode preset: B=8, N=32, K=8, H=128, T i
 S=65536; a decode run also measures the device's copy bandwidth before and after its cases and
 gives our K/V rate as a fraction of it (the decode target is 0.85:
 docs/decisions/decode-benchmark-yardstick.md); --soft-cap CAP caps its rows (ours only), --bias
-adds a serving bias [B, N, 1, S] to them (every implementation).
+adds a serving bias [B, N, 1, S] to them (every implementation), --paged 16,64,256 adds a row
+causal at the bottom right per T and that row through a paged KV cache of each page size
+(ours only, jax_flashattn.paged_attention; ours/contiguous sets them against it).
 Variants preset: bf16, B=4, T=S=4096, N=16, H=128, one row per option users pass: full, causal,
 causal sliding window local_window_size=(1024, 0), per-batch lengths (query and key/value lengths
 4096, 3072, 2048, 1024), GQA (16 query heads over 4 kv heads, causal), a bias of q's dtype
@@ -92,6 +94,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _page_sizes(text: str) -> tuple[int, ...]:
+    from jax_flashattn.paged import PAGE_SIZES
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a comma list of integers, got {text!r}")
+    if not sizes or any(size not in PAGE_SIZES for size in sizes):
+        raise argparse.ArgumentTypeError(f"page sizes must be among {PAGE_SIZES}, got {text!r}")
+    return sizes
+
+
 def _row_names(text: str) -> list[str]:
     """The comma list of --rows, split outside brackets: row names such as bias [B,N,T,S]
     hold commas."""
@@ -158,6 +171,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bias", action="store_true",
                    help="decode only: an additive bias [B, N, 1, S] of the rows' dtype, given "
                         "to every implementation")
+    p.add_argument("--paged", type=_page_sizes, default=None,
+                   help="decode only: comma list of page sizes (powers of two, 16-256): each T "
+                        "also gets a row causal at the bottom right and that row through a "
+                        "paged KV cache of each size, pages scattered at random (ours only)")
     p.add_argument("--soft-cap", type=_positive_float, default=None,
                    help="decode only: logits soft-capped at this cap (ours only: jax.nn has no "
                         "soft-capping)")
@@ -184,6 +201,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--soft-cap caps the decode preset's rows: it needs --decode")
     if args.bias and not args.decode:
         p.error("--bias adds a bias to the decode preset's rows: it needs --decode")
+    if args.paged and not args.decode:
+        p.error("--paged adds paged rows to the decode preset: it needs --decode")
+    if args.paged and args.bias:
+        p.error("--paged and --bias: paged_attention takes no bias")
     for name, preset in (("variants", VARIANTS), ("packed", PACKED)):
         if getattr(args, name):
             for key, value in preset.items():
@@ -203,7 +224,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_configs(args) -> list[_bench.Config]:
     if args.decode:
-        configs = _bench.decode_grid(args.dtype, args.seqlen or _bench.DECODE_SEQLENS, args.kv_len)
+        configs = _bench.decode_grid(args.dtype, args.seqlen or _bench.DECODE_SEQLENS, args.kv_len,
+                                     args.paged or ())
         return [dataclasses.replace(c, soft_cap=args.soft_cap,
                                     bias_shape=((c.batch, c.num_heads, 1, c.seqlen_k)
                                                 if args.bias else None))

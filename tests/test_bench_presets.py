@@ -549,3 +549,53 @@ def test_bench_script_packed_smoke(tmp_path, capsys):
             for r in report["results"]} == {("packed", 2, 16, 128, True)}
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "packed_bf16_fwd.png").stat().st_size > 0
+
+
+def test_bench_script_decode_paged():
+    """--paged P,..: each T gets its plain row, a contiguous row causal at the bottom right,
+    and that row through a paged cache of each size; only with --decode, not with --bias,
+    page sizes among paged_attention's."""
+    bench = _load_bench_script()
+    configs = bench.build_configs(bench.parse_args(["--decode", "--paged", "16,256",
+                                                    "--seqlen", "1,8", "--dtype", "bf16"]))
+    assert [(c.seqlen_q, c.variant, c.page_size, c.causal, c.bottom_right) for c in configs] == [
+        (t, variant, size, causal, causal) for t in (1, 8)
+        for variant, size, causal in (("", None, False), ("contiguous", None, True),
+                                      ("paged 16", 16, True), ("paged 256", 256, True))]
+    for argv in (["--paged", "16"], ["--decode", "--paged", "16", "--bias"],
+                 ["--decode", "--paged", "8"], ["--decode", "--paged", "48"],
+                 ["--decode", "--paged", "x"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+
+
+def test_paged_cache_holds_the_sequences_in_its_pages(rng):
+    """The paged rows' inputs: page table entry (b, j) holds tokens [j P, (j + 1) P) of
+    sequence b, the last page zero past S, every page of the pool used once."""
+    from jax_flashattn._bench import impls
+    k = jnp.asarray(rng.standard_normal((3, 50, 2, 4)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((3, 50, 2, 4)), jnp.float32)
+    extras = impls._paged_cache(k, v, 16, seed=5)
+    table = np.asarray(extras["page_table"])
+    assert table.shape == (3, 4) and sorted(table.ravel()) == list(range(12))
+    for name, x in (("key_cache", k), ("value_cache", v)):
+        pool = np.asarray(extras[name])
+        for b in range(3):
+            tokens = pool[table[b]].reshape(64, 2, 4)
+            np.testing.assert_array_equal(tokens[:50], np.asarray(x[b]))
+            assert not tokens[50:].any()
+
+
+def test_bench_script_decode_paged_smoke(capsys):
+    """The paged rows pass the reference check and the table sets them against the
+    contiguous row."""
+    bench = _load_bench_script()
+    status = bench.main(["--decode", "--seqlen", "2", "--kv-len", "40", "--dtype", "bf16",
+                         "--impls", "ours", "--no-progress", "--repeats", "2", "--paged", "16",
+                         "--copy-bytes", str(16 << 20)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "| T | S | variant | ours TB/s | ours us |" in printed
+    assert "ours/contiguous |" in printed
+    row = next(line for line in printed.splitlines() if "| paged 16 |" in line)
+    assert row.split("|")[-2].strip() not in ("-", "")

@@ -23,7 +23,10 @@ What is measured
   also report the bytes of K and V read, and the benchmark script sets that rate against the
   device's copy bandwidth (`copy_bandwidth`: cudaMemcpy device to device, bytes read plus
   written), measured before and after the cases (why that yardstick:
-  docs/decisions/decode-benchmark-yardstick.md).
+  docs/decisions/decode-benchmark-yardstick.md). Its paged rows (`decode_grid`'s page sizes)
+  count the same K and V bytes, read through a page table from pages scattered over a pool
+  (`impls._paged_cache`, built outside the timed call), and are set against the same call on
+  contiguous K and V.
 * "fwdbwd" is one `jax.vjp` of attention with a fixed random cotangent g: the forward, then
   dq, dk, dv. That is `jax.value_and_grad` of the scalar loss sum(out * g) minus the loss's own
   reduction, which would add the same memory pass to every implementation.

@@ -12,7 +12,7 @@ import numpy as np
 
 from jax_flashattn import reference
 from jax_flashattn._bench.configs import Config, DTYPES
-from jax_flashattn._bench.impls import Inputs
+from jax_flashattn._bench.impls import PAGED_EXTRAS, Inputs
 from jax_flashattn._bench.packed import CUDNN_PACKED_EXTRA
 
 
@@ -111,12 +111,12 @@ class ReferenceSlice:
         the checked batch entries, heads and query rows (every key), the sinks and ALiBi
         slopes at the heads,
         lengths and segment ids at the batch entries (every position: _row_visibility picks the
-        rows' ids). cuDNN's lengths and offsets of the packed rows restate the segment ids and
-        are left out."""
+        rows' ids). cuDNN's lengths and offsets of the packed rows restate the segment ids, and
+        the pages of a paged decode row k and v: both are left out."""
         heads = self.kv_heads * cfg.group
         sliced = {}
         for name, x in extras.items():
-            if name == CUDNN_PACKED_EXTRA:
+            if name == CUDNN_PACKED_EXTRA or name in PAGED_EXTRAS:
                 continue
             if name in ("bias", "mask"):
                 sliced[name] = _take_logits_shaped(x, self.batch_index, self.rows, heads=heads)

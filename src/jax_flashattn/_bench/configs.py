@@ -76,6 +76,9 @@ class Config:
     # diagonal_alignment="bottom_right": query t at position t + S - T for causal and the window
     # (jax.nn gets that as a mask).
     bottom_right: bool = False
+    # Decode rows: K/V read from a paged cache of pages of this many tokens, scattered over
+    # the pool at random, through jax_flashattn.paged_attention (ours only).
+    page_size: int | None = None
 
     @property
     def q_shape(self):
@@ -228,12 +231,27 @@ def standard_grid(dtypes=("bf16", "fp16"), head_dims=STANDARD_HEAD_DIMS,
     return configs
 
 
-def decode_grid(dtypes=("bf16", "fp16"), seqlens=DECODE_SEQLENS, kv_len=None) -> list[Config]:
-    """The decode preset: a few query tokens against a long, grouped K/V."""
+def decode_grid(dtypes=("bf16", "fp16"), seqlens=DECODE_SEQLENS, kv_len=None,
+                page_sizes=()) -> list[Config]:
+    """The decode preset: a few query tokens against a long, grouped K/V. With `page_sizes`,
+    each T also gets a row causal at the bottom right (the new tokens' own positions, variant
+    "contiguous") and that call through a paged cache of each page size (variant "paged P"),
+    the yardstick of the paged rows."""
     d = DECODE_SHAPE
-    return [Config(d["batch"], t, kv_len or d["kv_len"], d["num_heads"], d["num_kv_heads"],
-                   d["head_dim"], dtype, False, kind="decode")
-            for dtype in dtypes for t in seqlens]
+    configs = []
+    for dtype in dtypes:
+        for t in seqlens:
+            base = Config(d["batch"], t, kv_len or d["kv_len"], d["num_heads"],
+                          d["num_kv_heads"], d["head_dim"], dtype, False, kind="decode")
+            configs.append(base)
+            if page_sizes:
+                contiguous = dataclasses.replace(base, causal=True, bottom_right=True,
+                                                 variant="contiguous")
+                configs.append(contiguous)
+                configs += [dataclasses.replace(contiguous, page_size=size,
+                                                variant=f"paged {size}")
+                            for size in page_sizes]
+    return configs
 
 
 def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,

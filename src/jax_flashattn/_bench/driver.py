@@ -104,6 +104,9 @@ def config_record(cfg: Config) -> dict:
             record.update(soft_cap=cfg.soft_cap)
         if cfg.bias_shape is not None:
             record.update(bias_shape=cfg.bias_shape)
+        if cfg.variant:  # "contiguous" or "paged P" (decode_grid's page sizes)
+            record.update(variant=cfg.variant, bottom_right=cfg.bottom_right,
+                          page_size=cfg.page_size)
     return record
 
 

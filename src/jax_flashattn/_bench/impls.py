@@ -18,6 +18,8 @@ from jax_flashattn._bench.packed import (
     without_extra)
 
 _GPU_ONLY = ("cudnn", "cudnn-packed")
+# The extras of a paged decode row (`Inputs._draw_extras`), which only its call reads.
+PAGED_EXTRAS = ("key_cache", "value_cache", "page_table")
 
 
 def on_gpu() -> bool:
@@ -92,10 +94,25 @@ def config_attention_fn(impl: str, cfg: Config) -> Callable:
     argument the other implementations do not see."""
     if impl == "cudnn-packed":
         return cudnn_packed_attention(cfg)
+    if cfg.page_size is not None:
+        if impl != "ours":
+            raise Unavailable("jax.nn.dot_product_attention reads no paged KV cache")
+        return functools.partial(_paged, kv_len=cfg.seqlen_k, soft_cap=cfg.soft_cap)
     if cfg.sinks and impl not in ("ours", "ours-deterministic"):
         raise Unavailable("jax.nn.dot_product_attention has no attention sinks")
     fn = attention_fn(impl, cfg.causal, cfg.window, cfg.soft_cap, cfg.bottom_right)
     return without_extra(fn) if cfg.kind == "packed" else fn
+
+
+def _paged(q, k, v, *, key_cache, value_cache, page_table, kv_len, soft_cap=None):
+    """paged_attention of q against the pages that hold k and v (`Inputs._draw_extras`):
+    every sequence's kv_len tokens, causal at the bottom right as the "contiguous" row."""
+    import jax_flashattn
+    del k, v  # the same values, in the pages
+    lengths = jnp.full((q.shape[0],), kv_len, jnp.int32)
+    return jax_flashattn.paged_attention(q, key_cache, value_cache, page_table, lengths,
+                                         logits_soft_cap=soft_cap,
+                                         implementation=ours_implementation())
 
 
 def call_once(fn, mode, q, k, v, g, extras=None):
@@ -128,6 +145,22 @@ def _document_mask(ids, seqlen_q, seqlen_k):
     return (ids[:, None, :seqlen_q, None] == ids[:, None, None, :seqlen_k])
 
 
+def _paged_cache(k, v, page_size: int, seed: int) -> dict:
+    """k and v [B, S, K, H] as pages of `page_size` tokens in pools [P, page_size, K, H] (the
+    last page of a sequence zero-filled past S), scattered over them by a random permutation,
+    and the page table int32 [B, S / page_size rounded up]."""
+    batch, s, kv_heads, head_dim = k.shape
+    per_sequence = -(-s // page_size)
+    order = np.random.default_rng(seed).permutation(batch * per_sequence)
+    table = jnp.asarray(order.reshape(batch, per_sequence).astype(np.int32))
+
+    def pool(x):
+        x = jnp.pad(x, ((0, 0), (0, per_sequence * page_size - s), (0, 0), (0, 0)))
+        pages = x.reshape(batch * per_sequence, page_size, kv_heads, head_dim)
+        return jnp.zeros_like(pages).at[jnp.asarray(order)].set(pages)
+    return dict(key_cache=pool(k), value_cache=pool(v), page_table=table)
+
+
 class Inputs:
     """`n_sets` independent (q, k, v) sets plus a cotangent g, drawn on the device.
 
@@ -146,8 +179,9 @@ class Inputs:
         key_value_seq_lengths (int32), sinks (float32 [N], 2 + standard normal: a weight of
         the order of a tenth of a row's at these sizes), alibi_slopes (float32 [N], BLOOM's
         2^(-8 (i + 1) / N)), and on the packed rows cuDNN's lengths
-        and offsets (CUDNN_PACKED_EXTRA, for "cudnn-packed" only). One copy for every set;
-        never donated."""
+        and offsets (CUDNN_PACKED_EXTRA, for "cudnn-packed" only), and on the paged decode rows
+        the pages of set 0's k and v with their page table (PAGED_EXTRAS, `_paged_cache`).
+        One copy for every set; never donated."""
         cfg, extras = self.cfg, {}
         if cfg.bias_shape is not None:
             key = jax.random.fold_in(jax.random.key(self.seed), 1 << 20)
@@ -173,6 +207,9 @@ class Inputs:
         if cfg.alibi:
             extras["alibi_slopes"] = jnp.asarray(
                 2.0 ** (-8.0 * np.arange(1, cfg.num_heads + 1) / cfg.num_heads), jnp.float32)
+        if cfg.page_size is not None:
+            extras.update(_paged_cache(self.sets[0][1], self.sets[0][2], cfg.page_size,
+                                       self.seed))
         return extras
 
     def _draw(self):

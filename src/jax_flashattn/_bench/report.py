@@ -115,10 +115,16 @@ def markdown_tables(records: Sequence[dict], impls: Sequence[str],
             title = (f"{dtype} decode {MODE_TITLES[mode]}: B={first['batch']}, "
                      f"N={first['num_heads']}, K={first['num_kv_heads']}, "
                      f"H={first['head_dim']}{capped}; K/V read TB/s and time per call")
-            header = (["T", "S"] + [f"{i} TB/s" for i in impls] + [f"{i} us" for i in impls])
+            # With page sizes (decode_grid) each T has a plain row, a "contiguous" one (causal
+            # at the bottom right) and its "paged P" rows, set against it.
+            variants = any(r.get("variant") for by_impl in rows_by_config.values()
+                           for r in by_impl.values())
+            header = (["T", "S"] + (["variant"] if variants else [])
+                      + [f"{i} TB/s" for i in impls] + [f"{i} us" for i in impls])
             rows = []
             for (t, s, h, causal, *_), by_impl in rows_by_config.items():
-                rows.append([str(t), str(s)]
+                variant = next(iter(by_impl.values())).get("variant") or "plain"
+                rows.append([str(t), str(s)] + ([variant] if variants else [])
                             + [_cell(by_impl.get(i), "kv_tbps") for i in impls]
                             + [_cell(by_impl.get(i), "seconds", 1e6) for i in impls])
                 if "ours" in impls and base and base != "ours":
@@ -131,6 +137,17 @@ def markdown_tables(records: Sequence[dict], impls: Sequence[str],
                     ours = by_impl.get("ours")
                     row.append(f"{ours['kv_tbps'] / copy_tbps:.2f}"
                                if ours and ours["status"] == "ok" else "-")
+            if "ours" in impls and any(r.get("page_size") for by_impl in rows_by_config.values()
+                                       for r in by_impl.values()):
+                header.append("ours/contiguous")
+                title += "; ours/contiguous: a paged row's rate over the contiguous row's"
+                contiguous = {(key[0], key[1]): by_impl.get("ours")
+                              for key, by_impl in rows_by_config.items()
+                              if next(iter(by_impl.values())).get("variant") == "contiguous"}
+                for row, (key, by_impl) in zip(rows, rows_by_config.items()):
+                    paged = next(iter(by_impl.values())).get("page_size")
+                    row.append(_ratio(by_impl.get("ours"), contiguous.get((key[0], key[1])),
+                                      "kv_tbps") if paged else "-")
         elif kind == "variants":
             title = (f"{dtype} {MODE_TITLES[mode]} TFLOP/s, options: B={first['batch']}, "
                      f"N={first['num_heads']}, H={first['head_dim']}, T = S; FLOPs count the "
