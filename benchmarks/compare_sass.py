@@ -43,8 +43,14 @@ FAMILIES = {
     "forward_wgmma": ("ffi/cuda/wgmma/traits.h", "kHeadDims"),
     "forward_wgmma_segments": ("ffi/cuda/wgmma/traits.h", "kHeadDims"),
     "forward_wgmma_softcap": ("ffi/cuda/wgmma/traits.h", "kHeadDims"),
+    "forward_wgmma_bias": ("ffi/cuda/wgmma/traits.h", "kHeadDims"),
+    "forward_wgmma_alibi": ("ffi/cuda/wgmma/traits.h", "kHeadDims"),
     "decode_mma_sync": ("ffi/cuda/decode/mma_sync_traits.h", "kDecodeHeadDims"),
     "decode_wgmma": ("ffi/cuda/decode/wgmma_traits.h", "kDecodeHeadDims"),
+    "decode_mma_sync_softcap": ("ffi/cuda/decode/mma_sync_traits.h", "kDecodeHeadDims"),
+    "decode_wgmma_softcap": ("ffi/cuda/decode/wgmma_traits.h", "kDecodeHeadDims"),
+    "decode_mma_sync_bias": ("ffi/cuda/decode/mma_sync_traits.h", "kDecodeHeadDims"),
+    "decode_wgmma_bias": ("ffi/cuda/decode/wgmma_traits.h", "kDecodeHeadDims"),
     "backward_mma_sync": ("ffi/cuda/mma_sync/backward_traits.h", "kBackwardHeadDims"),
     "backward_mma_sync_segments": ("ffi/cuda/mma_sync/backward_traits.h", "kBackwardHeadDims"),
     "backward_mma_sync_softcap": ("ffi/cuda/mma_sync/backward_traits.h", "kBackwardHeadDims"),
@@ -52,6 +58,7 @@ FAMILIES = {
     "backward_wgmma_segments": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardHeadDims"),
     "backward_wgmma_deterministic": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardHeadDims"),
     "backward_wgmma_softcap": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardHeadDims"),
+    "backward_wgmma_bias": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardHeadDims"),
 }
 SIMT = ("ffi/cuda/simt/forward_simt.cu", "ffi/cuda/simt/backward_simt.cu")
 

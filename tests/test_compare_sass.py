@@ -2,6 +2,7 @@
 comparison (CPU only; compiling needs nvcc and nvdisasm)."""
 
 import pathlib
+import re
 
 import pytest
 
@@ -35,6 +36,13 @@ def test_head_dims_match_the_lists_cmake_instantiates():
         dims = sass.head_dims((REPO / header).read_text(), array)
         assert dims and dims == sorted(dims), family
         assert (REPO / "ffi/cuda/instantiations" / f"{family}.cu.in").is_file(), family
+    # Every family CMake instantiates, with the header and list it reads there.
+    cmake = (REPO / "cmake/kernels/CMakeLists.txt").read_text()
+    instantiated = re.findall(r"instantiate_head_dims\((\w+)\s+(\S+)\s+(\w+)\)", cmake)
+    assert instantiated and {f: (h, a) for f, h, a in instantiated} == sass.FAMILIES
+    templates = {path.name[:-len(".cu.in")]
+                 for path in (REPO / "ffi/cuda/instantiations").glob("*.cu.in")}
+    assert templates == set(sass.FAMILIES)
     assert sass.head_dims("inline constexpr int kHeadDims[] = {64, 128};", "kHeadDims") == [64, 128]
     with pytest.raises(ValueError, match="kHeadDims"):
         sass.head_dims("constexpr int other[] = {1};", "kHeadDims")
