@@ -78,6 +78,20 @@ def _descale(x, name: str, cache, batch: int):
     return x.astype(jnp.float32)[:, None, :, None]
 
 
+def _page_table(page_table, batch: int):
+    """page_table as int32 [B, max_pages]; a TypeError or ValueError naming it otherwise."""
+    if page_table is None:
+        raise TypeError("page_table must be an int32 array [B, max_pages], got None")
+    if not isinstance(page_table, jax.Array):
+        page_table = _validate.host_integers(page_table, "page_table")
+    page_table = _validate._as_array(page_table, "page_table")
+    if page_table.ndim != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"page_table must be [B, max_pages] with B = {batch}, got "
+                         f"{_validate._describe(page_table)}")
+    return _validate._int32_array(page_table, "page_table", tuple(page_table.shape),
+                                  "page ids of each sequence", "page ids")
+
+
 def _check_table_values(page_table, kv_lens, q_lens, pages: int, page_size: int, t: int):
     """With concrete operands, the checks under jit become NaN rows (_poison): a length past
     the table or below the queries', a page id outside [0, P) among a sequence's pages."""
@@ -178,17 +192,8 @@ def paged_attention(query, key_cache, value_cache, page_table, key_value_seq_len
     _check_cache(key_cache, value_cache, query)
     batch, t = query.shape[:2]
     pages, page_size = key_cache.shape[:2]
-    if page_table is None:
-        raise TypeError("page_table must be an int32 array [B, max_pages], got None")
     table_arg = page_table
-    if not isinstance(page_table, jax.Array):
-        page_table = _validate.host_integers(page_table, "page_table")
-    page_table = _validate._as_array(page_table, "page_table")
-    if page_table.ndim != 2 or page_table.shape[0] != batch:
-        raise ValueError(f"page_table must be [B, max_pages] with B = {batch}, got "
-                         f"{_validate._describe(page_table)}")
-    page_table = _validate._int32_array(page_table, "page_table", tuple(page_table.shape),
-                                        "page ids of each sequence", "page ids")
+    page_table = _page_table(page_table, batch)
     if key_value_seq_lengths is None:
         raise TypeError("key_value_seq_lengths must be an int32 array [B] (each sequence's "
                         "cached tokens), got None")
@@ -249,14 +254,7 @@ def paged_cache_update(key_cache, value_cache, page_table, positions, k_new, v_n
                          f"{tuple(v_new.shape)}")
     batch, t_new = k_new.shape[:2]
     table_arg, positions_arg = page_table, positions
-    if not isinstance(page_table, jax.Array):
-        page_table = _validate.host_integers(page_table, "page_table")
-    page_table = _validate._as_array(page_table, "page_table")
-    if page_table.ndim != 2 or page_table.shape[0] != batch:
-        raise ValueError(f"page_table must be [B, max_pages] with B = {batch}, got "
-                         f"{_validate._describe(page_table)}")
-    page_table = _validate._int32_array(page_table, "page_table", tuple(page_table.shape),
-                                        "page ids of each sequence", "page ids")
+    page_table = _page_table(page_table, batch)
     if positions is None:
         raise TypeError("positions must be an int32 array [B] or [B, T_new], got None")
     if not isinstance(positions, jax.Array):
