@@ -228,7 +228,8 @@ def paged_cache_update(key_cache, value_cache, page_table, positions, k_new, v_n
     follow it) or [B, T_new] (each token's own; a negative one is not written, for ragged
     chunks). Token j of sequence b goes to page page_table[b, j // page_size], slot j %
     page_size. k_new and v_new are cast to the cache's dtype (an FP8 cache: quantise them
-    first). In place under jit when the caches are donated (jax.jit(..., donate_argnums=...)).
+    first, with quantize_fp8 and the sequence's descale). In place under jit when the caches
+    are donated (jax.jit(..., donate_argnums=...)).
 
     With concrete page_table and positions, a position past max_pages x page_size or a page id
     outside [0, P) raises a ValueError; under jit such tokens are not written.
