@@ -275,17 +275,25 @@ def plot(records, impls, out_dir: str, device: str = "") -> list[str]:
                                  figsize=(5.5 * len(causals), 3.6 * len(heads)))
         for (h, causal) in panels:
             ax = axes[heads.index(h)][causals.index(causal)]
+            # One line per implementation and, on the decode preset's paged rows, per variant
+            # ("contiguous", "paged P").
+            variants = sorted({r.get("variant", "") for r in rs})
             for impl in impls:
-                pts = sorted((r["seqlen_q"], r[key]) for r in rs if r["impl"] == impl and
-                             r["head_dim"] == h and r["causal"] == causal and r["status"] == "ok")
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", label=impl)
+                for variant in variants:
+                    pts = sorted((r["seqlen_q"], r[key]) for r in rs if r["impl"] == impl and
+                                 r["head_dim"] == h and r["causal"] == causal and
+                                 r.get("variant", "") == variant and r["status"] == "ok")
+                    if pts:
+                        ax.plot(*zip(*pts), marker="o",
+                                label=f"{impl}, {variant}" if variant else impl)
             ax.set_xscale("log", base=2)
             ticks = sorted({r["seqlen_q"] for r in rs})
             ax.set_xticks(ticks, [str(t) for t in ticks])
             ax.set_ylim(bottom=0)
-            ax.set_title(f"H={h}" + ("" if kind == "decode" else
-                                     (", causal" if causal else ", full")))
+            if kind == "decode":  # causal only on the paged rows and their yardstick
+                ax.set_title(f"H={h}" + (", causal at the bottom right" if causal else ""))
+            else:
+                ax.set_title(f"H={h}" + (", causal" if causal else ", full"))
             ax.set_xlabel("T (query length)")
             ax.set_ylabel("K/V read TB/s" if kind == "decode" else "TFLOP/s")
             ax.grid(True, alpha=0.3)
