@@ -73,4 +73,5 @@ def test_fp8_paged_cache_from_quantize(rng):
     exact = jax_flashattn.attention(q, jnp.asarray(keys), jnp.asarray(values), is_causal=True,
                                     diagonal_alignment="bottom_right")
     err = np.linalg.norm(np.asarray(out) - np.asarray(exact)) / np.linalg.norm(np.asarray(exact))
-    assert 1e-4 < err < 0.05, err
+    # e4m3's rounding of K and V moves the output by 3-4% here (8 seeds); a lost descale, O(1).
+    assert 1e-4 < err < 0.08, err
