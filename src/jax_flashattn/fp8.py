@@ -12,6 +12,15 @@ E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(E4M3).max)
 
 
+def _axes(axis, ndim: int, name: str) -> tuple[int, ...]:
+    """`axis` (an int or a sequence of them) as sorted non-negative axes of a rank-`ndim` array
+    named `name`; a ValueError otherwise."""
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    if not axes or any(not isinstance(a, int) or not -ndim <= a < ndim for a in axes):
+        raise ValueError(f"axis must be axes of {name} (rank {ndim}), got {axis!r}")
+    return tuple(sorted({a % ndim for a in axes}))
+
+
 def quantize_fp8(x, axis=(1, 3), descale=None):
     """(values, descale): `x` as float8_e4m3fn values and their float32 descale, one per group
     of the elements that share every index outside `axis` (for keys or values [B, S, K, H] and
@@ -27,10 +36,7 @@ def quantize_fp8(x, axis=(1, 3), descale=None):
     x = _validate._as_array(x, "x")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"x must be a floating-point array, got {_validate._describe(x)}")
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
-    if not axes or any(not isinstance(a, int) or not -x.ndim <= a < x.ndim for a in axes):
-        raise ValueError(f"axis must be axes of x (rank {x.ndim}), got {axis!r}")
-    axes = tuple(sorted({a % x.ndim for a in axes}))
+    axes = _axes(axis, x.ndim, "x")
     kept = tuple(d for i, d in enumerate(x.shape) if i not in axes)
     x32 = x.astype(jnp.float32)
     if descale is None:
@@ -54,8 +60,7 @@ def dequantize_fp8(values, descale, axis=(1, 3), dtype=jnp.float32):
     """values * descale in `dtype`: the inverse of quantize_fp8 (the descale spread back over
     `axis`)."""
     values = _validate._as_array(values, "values")
-    axes = (axis,) if isinstance(axis, int) else tuple(axis)
-    axes = tuple(sorted({a % values.ndim for a in axes}))
+    axes = _axes(axis, values.ndim, "values")
     descale = jnp.asarray(descale, jnp.float32)
     return (values.astype(jnp.float32) * jnp.expand_dims(descale, axes)).astype(dtype)
 
