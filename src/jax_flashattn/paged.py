@@ -93,8 +93,9 @@ def _page_table(page_table, batch: int):
 
 
 def _check_table_values(page_table, kv_lens, q_lens, pages: int, page_size: int, t: int):
-    """With concrete operands, the checks under jit become NaN rows (_poison): a length past
-    the table or below the queries', a page id outside [0, P) among a sequence's pages."""
+    """A ValueError naming the first bad entry of concrete operands: a length past the table or
+    below the queries', a page id outside [0, P) among a sequence's pages (under jit,
+    _invalid_entries turns the same conditions into NaN rows)."""
     table = np.asarray(page_table)
     kv = np.asarray(kv_lens)
     q = np.full(kv.shape, t) if q_lens is None else np.asarray(q_lens)
@@ -202,7 +203,9 @@ def paged_attention(query, key_cache, value_cache, page_table, key_value_seq_len
     q_lens = _validate._seq_lengths(query_seq_lengths, "query_seq_lengths", batch)
     descale_k = _descale(descale_k, "descale_k", key_cache, batch)
     descale_v = _descale(descale_v, "descale_v", value_cache, batch)
-    if all(_is_concrete(x) for x in (table_arg, *lengths_args)):
+    # Checked here where the values are known; under jit, bad entries are NaN'd below instead.
+    checked = all(_is_concrete(x) for x in (table_arg, *lengths_args))
+    if checked:
         _check_table_values(page_table, kv_lens, q_lens, pages, page_size, t)
     if sinks is not None:
         sinks = _forward_only(_validate._as_array(sinks, "sinks"))
@@ -213,6 +216,8 @@ def paged_attention(query, key_cache, value_cache, page_table, key_value_seq_len
                     query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
                     local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
                     sinks=sinks, implementation=implementation, return_residual=return_residual)
+    if checked:
+        return out
     invalid = _invalid_entries(page_table, kv_lens, q_lens, pages, page_size, t)
     if return_residual:
         out, lse = out
