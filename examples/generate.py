@@ -31,7 +31,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import jax_flashattn
 
@@ -73,30 +72,13 @@ class GenerationResult:
 
 
 def train_params(config: gpt.Config, steps: int, seed: int):
-    """The example's model trained for `steps` steps with our attention: its parameters."""
-    fn, _ = gpt.attention_fn("flash")
-    model = gpt.GPT(config, fn, False)
+    """The example's model trained for `steps` steps with our attention (gpt.train): its
+    parameters, and the synthetic text it learned, for held-out prompts."""
+    result = gpt.train(config, "flash", steps=steps, warmup=0, seed=seed)
+    print(f"trained {steps} steps, loss {result.losses[-1]:.4f}", flush=True)
     data = gpt.SyntheticText(config.vocab_size, config.seq_len, seed)
-    optimizer = gpt.make_optimizer(config)
-    params = model.init(jax.random.key(seed),
-                        jnp.zeros((config.batch_size, config.seq_len), jnp.int32))["params"]
-    opt_state = optimizer.init(params)
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        def loss_fn(params):
-            logits = model.apply({"params": params}, batch[:, :-1])
-            return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
-                logits, batch[:, 1:]))
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    loss = float("nan")
-    for _ in range(steps):
-        params, opt_state, loss = step(params, opt_state, data.batch(config.batch_size))
-    print(f"trained {steps} steps, loss {float(loss):.4f}", flush=True)
-    return params, data
+    data.rng = np.random.default_rng([seed, 1])  # the same chain, sequences training never drew
+    return result.params, data
 
 
 def generate(config: gpt.Config, params, prompts: np.ndarray, prompt_lens: np.ndarray, *,
@@ -214,6 +196,8 @@ def main(argv=None) -> GenerationResult:
     args = parser.parse_args(argv)
     config = gpt.SIZES[args.size]
     steps = args.steps if args.steps is not None else (200 if args.size == "toy" else 100)
+    if steps < 1:
+        parser.error(f"--steps must be >= 1, got {steps}")
     prompt_len = args.prompt_len or max(2, config.seq_len // 4)
     new_tokens = args.new_tokens if args.new_tokens is not None else config.seq_len - prompt_len
     chunk = args.chunk or max(1, prompt_len // 3)

@@ -211,6 +211,7 @@ class RunResult:
     warmup: int
     num_params: int
     packed: bool = False
+    params: object = None  # the trained parameters (examples/generate.py generates from them)
 
     @property
     def timed(self) -> list[float]:
@@ -281,6 +282,7 @@ def train(config: Config, attention: str, *, steps: int, warmup: int = 2, seed: 
             if log_every and (step % log_every == 0 or step == steps - 1):
                 bar.print(f"{attention} step {step:5d}  loss {loss:8.4f}  "
                           f"{result.step_times[-1] * 1e3:9.1f} ms  {rate:12,.0f} tokens/s")
+    result.params = params
     return result
 
 
