@@ -250,6 +250,11 @@ def test_errors(rng):
         update(key_cache, value_cache, table, np.array([3, 48], np.int32), new, new)
     with pytest.raises(ValueError, match=r"page_table\[1, 0\] = -1"):
         update(key_cache, value_cache, bad, np.array([3, 4], np.int32), new, new)
+    with pytest.raises(ValueError, match="page size"):
+        update(key_cache[:, :8], value_cache[:, :8], table, np.array([3, 4], np.int32), new, new)
+    with pytest.raises(ValueError, match="value_cache must have the shape and dtype"):
+        update(key_cache, value_cache.astype(jnp.bfloat16), table, np.array([3, 4], np.int32),
+               new, new)
     with pytest.raises(ValueError, match="k_new must be"):
         update(key_cache, value_cache, table, np.array([3, 4], np.int32), new[..., :8], new)
     with pytest.raises(ValueError, match="positions must have shape"):

@@ -32,25 +32,33 @@ def _is_concrete(x) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def _check_cache(key_cache, value_cache, query):
+def _check_pool(key_cache, value_cache):
+    """The caches as a pool of pages: [P, page_size, K, H] each, alike, page_size one of
+    PAGE_SIZES, at least one page."""
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         if cache.ndim != 4:
             raise ValueError(f"{name} must be [P, page_size, K, H], got "
                              f"{_validate._describe(cache)}")
-        if cache.dtype != query.dtype and cache.dtype not in FP8_DTYPES:
-            raise TypeError(f"{name} must have query's dtype ({query.dtype}) or be float8_e4m3fn "
-                            f"with a descale, got {_validate._describe(cache)}")
     if key_cache.shape != value_cache.shape or key_cache.dtype != value_cache.dtype:
         raise ValueError(f"value_cache must have the shape and dtype of key_cache "
                          f"({_validate._describe(key_cache)}), got "
                          f"{_validate._describe(value_cache)}")
-    pages, page_size, kv_heads, head_dim = key_cache.shape
+    pages, page_size = key_cache.shape[:2]
     if page_size not in PAGE_SIZES:
         raise ValueError(f"key_cache's page size (its axis 1) must be a power of two from 16 to "
                          f"256, got {page_size}")
     if pages < 1:
         raise ValueError(f"key_cache must hold at least one page, got "
                          f"{_validate._describe(key_cache)}")
+
+
+def _check_cache(key_cache, value_cache, query):
+    """The pool (_check_pool) as paged_attention reads it with `query`."""
+    _check_pool(key_cache, value_cache)
+    if key_cache.dtype != query.dtype and key_cache.dtype not in FP8_DTYPES:
+        raise TypeError(f"key_cache must have query's dtype ({query.dtype}) or be "
+                        f"float8_e4m3fn with a descale, got {_validate._describe(key_cache)}")
+    kv_heads, head_dim = key_cache.shape[2:]
     if head_dim != query.shape[-1]:
         raise ValueError(f"key_cache's head dim {head_dim} must equal query's "
                          f"{query.shape[-1]}")
@@ -243,13 +251,7 @@ def paged_cache_update(key_cache, value_cache, page_table, positions, k_new, v_n
     value_cache = _validate._as_array(value_cache, "value_cache")
     k_new = _validate._as_array(k_new, "k_new")
     v_new = _validate._as_array(v_new, "v_new")
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if cache.ndim != 4 or cache.shape[1] not in PAGE_SIZES:
-            raise ValueError(f"{name} must be [P, page_size, K, H] with page_size a power of "
-                             f"two from 16 to 256, got {_validate._describe(cache)}")
-    if key_cache.shape != value_cache.shape:
-        raise ValueError(f"value_cache must have the shape of key_cache "
-                         f"{tuple(key_cache.shape)}, got {tuple(value_cache.shape)}")
+    _check_pool(key_cache, value_cache)
     pages, page_size, kv_heads, head_dim = key_cache.shape
     for name, x in (("k_new", k_new), ("v_new", v_new)):
         if x.ndim != 4 or tuple(x.shape[2:]) != (kv_heads, head_dim):
