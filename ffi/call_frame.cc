@@ -154,14 +154,21 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
                         AttentionParams& p) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
-  if (qd.size() < 4 || kd.size() != qd.size())
-    return Invalid("query must be [..., B, T, N, H] and key the same rank, got query " +
-                   ShapeString(q) + ", key " + ShapeString(k));
+  const bool paged = attrs.has_page_table != 0;
+  if (paged) {
+    if (qd.size() != 4 || kd.size() != 4)
+      return Invalid("a paged call takes query [B, T, N, H] and key [P, page_size, K, H], got "
+                     "query " + ShapeString(q) + ", key " + ShapeString(k));
+  } else {
+    if (qd.size() < 4 || kd.size() != qd.size())
+      return Invalid("query must be [..., B, T, N, H] and key the same rank, got query " +
+                     ShapeString(q) + ", key " + ShapeString(k));
+    for (size_t i = 0; i + 3 < qd.size(); ++i)
+      if (qd[i] != kd[i])
+        return Invalid("query " + ShapeString(q) + " and key " + ShapeString(k) +
+                       " disagree on the batch dimensions");
+  }
   const size_t r = qd.size();
-  for (size_t i = 0; i + 3 < r; ++i)
-    if (qd[i] != kd[i])
-      return Invalid("query " + ShapeString(q) + " and key " + ShapeString(k) +
-                     " disagree on the batch dimensions");
   if (ffi::Error e = CheckLike(v, k, "value"); e.failure()) return e;
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
       !ToElemType(q.element_type(), p.dtype))
@@ -190,7 +197,33 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   shape.deterministic = attrs.deterministic != 0;
   shape.disable_sm90 = attrs.disable_sm90 != 0;
   shape.sm80_cp_async = attrs.sm80_cp_async != 0;
-  SetLayout(shape, p);
+  if (paged) {
+    // page_size = kd[1], a power of two; S is the table's reach, max_pages page_size.
+    const int64_t page_size = kd[1];
+    if (kd[0] < 1 || page_size < kMinPageSize || (page_size & (page_size - 1)) != 0)
+      return Invalid("a paged key must be [P, page_size, K, H] with P >= 1 and page_size a "
+                     "power of two from " + std::to_string(kMinPageSize) + ", got " +
+                     ShapeString(k));
+    if (optional.size() < 1) return Invalid("a paged call needs its page_table operand");
+    auto table = optional.get<ffi::AnyBuffer>(optional.size() - 1);
+    if (!table.has_value()) return table.error();
+    auto td = table->dimensions();
+    if (table->element_type() != ffi::DataType::S32 || td.size() != 2 || td[0] != qd[0])
+      return Invalid("page_table must be int32 [B, max_pages] with B = " +
+                     std::to_string(qd[0]) + ", got " + ShapeString(*table));
+    if (!attrs.has_kv_seqlens || attrs.has_segment_ids)
+      return Invalid("a paged call needs key_value_seq_lengths and takes no segment ids");
+    shape.seqlen_k = td[1] * page_size;
+    SetLayout(shape, p);
+    p.kv_batch_stride = 0;
+    p.page_table = static_cast<const int32_t*>(table->untyped_data());
+    p.max_pages = td[1];
+    p.num_pages = kd[0];
+    while ((int64_t(1) << p.page_size_log2) < page_size) ++p.page_size_log2;
+    p.kv_page_stride = page_size * p.kv_row_stride;
+  } else {
+    SetLayout(shape, p);
+  }
   p.q = q.untyped_data();
   p.k = k.untyped_data();
   p.v = v.untyped_data();
@@ -198,7 +231,7 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   const size_t expected = size_t(attrs.has_bias != 0) + size_t(attrs.has_mask != 0) +
                           size_t(attrs.has_q_seqlens != 0) + size_t(attrs.has_kv_seqlens != 0) +
                           4 * size_t(attrs.has_segment_ids != 0) +
-                          size_t(attrs.has_alibi != 0);
+                          size_t(attrs.has_alibi != 0) + size_t(paged);
   if (optional.size() != expected)
     return Invalid("expected " + std::to_string(expected) + " optional operands, got " +
                    std::to_string(optional.size()));
@@ -301,6 +334,7 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                           ffi::Result<ffi::AnyBuffer>& dq_semaphores,
                           const ffi::RemainingRets& dbias,
                           const CallAttrs& attrs, AttentionParams& p) {
+  if (attrs.has_page_table) return Invalid("a paged call has no backward");
   if (ffi::Error e = DecodeInputs(q, k, v, optional, attrs, p); e.failure()) return e;
   for (auto [buffer, like, what] : {std::tuple{&out, &q, "out"}, {&d_out, &q, "d_out"},
                                     {&*dq, &q, "dq"}, {&*dk, &k, "dk"}, {&*dv, &k, "dv"}}) {

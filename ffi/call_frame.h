@@ -31,6 +31,9 @@ struct CallAttrs {
   // their diagonal (AttentionParams::alibi_shift).
   int32_t has_alibi;
   int64_t alibi_shift;
+  // Forward only: k and v are a pool of pages [P, page_size, K, H] and the last optional operand
+  // is the page table, int32 [B, max_pages] (AttentionParams::page_table); q is [B, T, N, H].
+  int32_t has_page_table;
   // Backward only (the forward passes 0): dQ without atomics, bit-identical across runs.
   int32_t deterministic;
   // Backward only: the slopes' gradient is a result (after dbias, if any).
@@ -42,8 +45,9 @@ struct CallAttrs {
 
 // Fills every field of p for a forward call: inputs, the optional inputs (which follow the fixed
 // operands in `optional`, in the order bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
-// kv_segment_ids, q_key_spans, kv_query_spans, alibi_slopes, each only when flagged), out, lse
-// and the workspaces. Returns InvalidArgument naming the operand when a shape is wrong.
+// kv_segment_ids, q_key_spans, kv_query_spans, alibi_slopes, page_table, each only when
+// flagged), out, lse and the workspaces. Returns InvalidArgument naming the operand when a
+// shape is wrong.
 ffi::Error DecodeForward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                          const ffi::AnyBuffer& v, const ffi::RemainingArgs& optional,
                          ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& lse,
@@ -71,11 +75,12 @@ template <typename Binding>
 auto BindForward(Binding binding) {
   return std::move(binding)
       .template Arg<ffi::AnyBuffer>()  // q [..., B, T, N, H]
-      .template Arg<ffi::AnyBuffer>()  // k [..., B, S, K, H]
-      .template Arg<ffi::AnyBuffer>()  // v [..., B, S, K, H]
+      .template Arg<ffi::AnyBuffer>()  // k [..., B, S, K, H] (paged: [P, page_size, K, H])
+      .template Arg<ffi::AnyBuffer>()  // v, like k
       .RemainingArgs()                 // bias?, mask?, q_seqlens?, kv_seqlens?,
                                        // q_segment_ids?, kv_segment_ids?,
-                                       // q_key_spans?, kv_query_spans?, alibi_slopes?
+                                       // q_key_spans?, kv_query_spans?, alibi_slopes?,
+                                       // page_table?
       .template Ret<ffi::AnyBuffer>()  // out [..., B, T, N, H]
       .template Ret<ffi::AnyBuffer>()  // lse float32 [..., B, N, T]
       .template Ret<ffi::AnyBuffer>()  // workspace: int32 [..., 1], the Hopper tile counter
@@ -125,6 +130,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_flashattn::CallAttrs,
                                       xla::ffi::StructMember<int32_t>("has_segment_ids"),
                                       xla::ffi::StructMember<int32_t>("has_alibi"),
                                       xla::ffi::StructMember<int64_t>("alibi_shift"),
+                                      xla::ffi::StructMember<int32_t>("has_page_table"),
                                       xla::ffi::StructMember<int32_t>("deterministic"),
                                       xla::ffi::StructMember<int32_t>("want_dslopes"),
                                       xla::ffi::StructMember<int32_t>("disable_sm90"),

@@ -52,6 +52,10 @@ inline constexpr int64_t kUnboundedWindow = std::numeric_limits<int64_t>::min();
 // every kernel's tile would do no better, and 16 divides them all. segments.py's GRANULE.
 inline constexpr int64_t kSegmentGranule = 16;
 
+// The fewest keys a page of a paged K/V holds (AttentionParams::page_table): the decode kernels
+// look a page up once per kMinPageSize keys.
+inline constexpr int kMinPageSize = 16;
+
 // The ALiBi slopes' gradient comes out as partial sums, so that it is the same on every run
 // without an ordered reduction in the kernels: dslopes holds, per (batch entry, head),
 // dslopes_slots(S) float32 slots, and the caller sums them. A writer of a backward kernel
@@ -86,6 +90,17 @@ struct AttentionParams {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
+  // Paged K/V (paged_attention), nullptr where k and v are [batch, S, K, H]: k and v are then
+  // a pool of pages [num_pages, page_size, K, H], and key s of batch entry b lives in page
+  // page_table[b max_pages + s / page_size] (int32 [batch, max_pages]), slot s % page_size.
+  // S is max_pages page_size and kv_batch_stride 0; a forward on the kernels that read pages
+  // (the CPU kernels and the split-KV decode kernels) only, always with kv_seqlens. A page id
+  // outside [0, num_pages) reads page num_pages - 1 (the caller makes those rows NaN).
+  const int32_t* page_table = nullptr;
+  int64_t max_pages = 0;
+  int64_t num_pages = 0;
+  int32_t page_size_log2 = 0;  // page_size a power of two, kMinPageSize or more
+  int64_t kv_page_stride = 0;  // page_size K H
   void* out = nullptr;
   float* lse = nullptr;  // natural log; -inf for rows that see no key
   // Forward workspace: an int32 the Hopper kernel's blocks claim tiles from (zeroed on the
@@ -181,6 +196,16 @@ struct AttentionParams {
   bool sm80_cp_async = false;  // JAX_FLASHATTN_SM80_CP_ASYNC: mma.sync K/V by cp.async on Hopper
 
   JAX_FLASHATTN_HOST_DEVICE int64_t group_size() const { return num_heads / num_kv_heads; }
+  // Elements from k's (and v's) start to key s of batch entry b, kv head 0: through its page
+  // where the call is paged (page_table). An unpaged kernel takes b kv_batch_stride + s
+  // kv_row_stride itself.
+  JAX_FLASHATTN_HOST_DEVICE int64_t kv_row_offset(int64_t b, int64_t s) const {
+    if (page_table == nullptr) return b * kv_batch_stride + s * kv_row_stride;
+    const uint32_t id = uint32_t(page_table[b * max_pages + (s >> page_size_log2)]);
+    const uint32_t last = uint32_t(num_pages - 1);
+    const int64_t page = id < last ? id : last;  // a negative id is a large unsigned one
+    return page * kv_page_stride + (s & ((int64_t(1) << page_size_log2) - 1)) * kv_row_stride;
+  }
   // batch_inner as a 32-bit divisor (BroadcastStrides::head_offset32), 1 where unset.
   JAX_FLASHATTN_HOST_DEVICE uint32_t batch_inner32() const {
     return uint32_t(batch_inner > 0 ? batch_inner : 1);

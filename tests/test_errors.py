@@ -309,7 +309,8 @@ def test_valid_edge_arguments_accepted(rng):
 # --- errors inside the FFI handlers -------------------------------------------------------------
 
 FLAGS = dict(has_bias=np.int32(0), has_mask=np.int32(0), has_q_seqlens=np.int32(0),
-             has_kv_seqlens=np.int32(0), has_segment_ids=np.int32(0), has_alibi=np.int32(0))
+             has_kv_seqlens=np.int32(0), has_segment_ids=np.int32(0), has_alibi=np.int32(0),
+             has_page_table=np.int32(0))
 ATTRS = dict(scale=np.float32(0.25), logits_soft_cap=np.float32(0),
              window_left=np.int64(_ops.UNBOUNDED_WINDOW),
              window_right=np.int64(_ops.UNBOUNDED_WINDOW), align_window_to_lengths=np.int32(0),
@@ -374,6 +375,30 @@ def test_handler_error_is_python_exception(rng, case):
     # The process is fine afterwards.
     out = jax.block_until_ready(jax_flashattn.attention(q, k, v))
     assert np.isfinite(np.asarray(out)).all()
+
+
+PAGED_CASES = {
+    # (page size, table shape, table dtype, with lengths)
+    "page_size_not_a_power_of_two": (24, (B, 4), jnp.int32, True),
+    "page_size_below_16": (8, (B, 4), jnp.int32, True),
+    "page_table_rows": (16, (B + 1, 4), jnp.int32, True),
+    "page_table_dtype": (16, (B, 4), jnp.uint32, True),
+    "without_lengths": (16, (B, 4), jnp.int32, False),
+}
+
+
+@pytest.mark.parametrize("case", list(PAGED_CASES), ids=str)
+def test_paged_handler_error_is_python_exception(rng, case):
+    """A paged call's pools, table and lengths reach the C++ decoder, which refuses bad ones."""
+    page_size, table_shape, table_dtype, with_lengths = PAGED_CASES[case]
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    pool = jnp.asarray(rng.standard_normal((6, page_size, K, H)), jnp.float32)
+    table = jnp.zeros(table_shape, table_dtype)
+    lengths = (jnp.full((B,), 5, jnp.int32),) if with_lengths else ()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="jax_flashattn: "):
+        jax.block_until_ready(_raw_forward(q, pool, pool, *lengths, table,
+                                           has_page_table=np.int32(1),
+                                           has_kv_seqlens=np.int32(with_lengths)))
 
 
 def test_backward_handler_error_is_python_exception(rng):

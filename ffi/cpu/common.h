@@ -33,12 +33,12 @@ inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 // Element offsets of row t, head n of batch element b in q-like ([batch, T, N, H]) and k-like
-// ([batch, S, K, H]) tensors.
+// ([batch, S, K, H], or pages of it: AttentionParams::page_table) tensors.
 inline int64_t q_offset(const AttentionParams& p, int64_t b, int64_t t, int64_t n) {
   return b * p.q_batch_stride + t * p.q_row_stride + n * p.q_head_stride;
 }
 inline int64_t kv_offset(const AttentionParams& p, int64_t b, int64_t s, int64_t kv_head) {
-  return b * p.kv_batch_stride + s * p.kv_row_stride + kv_head * p.kv_head_stride;
+  return p.kv_row_offset(b, s) + kv_head * p.kv_head_stride;
 }
 
 // Rows [s0, s0 + count) of a k-like tensor (kv head kv_head of batch element b) as float32:
