@@ -15,7 +15,8 @@ Shapes are odd (tile edges), with GQA, causal, windows, lengths (bottom-right al
 too), soft-caps, biases and masks (with dbias), ALiBi (with the slopes' gradient), so every
 predicated path runs (and two long forwards take the wide Hopper tiles of head dims 128 and
 64), and the tensor-core backward runs in both dQ modes (atomics and deterministic); the
-script exits non-zero if a result is not finite.
+script exits non-zero if a result is not finite (or, for the paged calls with a bad page
+id, not NaN where it should be).
 """
 
 import contextlib
@@ -296,6 +297,29 @@ def main():
     forward_case(rng, "bias and mask, head dim 256", (2, 300, 700, 4, 2, 256),
                  bias=jnp.asarray(rng.standard_normal((2, 1, 300, 700)), jnp.bfloat16),
                  **bias_case)
+    # Paged caches read in place by the decode kernels: pages shorter than a key tile (each row
+    # from its own page) and holding whole tiles, on the mma.sync kernel (4 rows per block) and
+    # on the wgmma one (32 rows on Hopper), under jit with an id past the pool among a
+    # sequence's pages (read clamped to the pool, that sequence's rows NaN) and ids past the
+    # used pages that must not be read at all.
+    for head_dim, page_size, t in [(128, 16, 1), (128, 256, 8), (256, 16, 1), (64, 64, 8)]:
+        paged_case(rng, head_dim, page_size, t)
+
+
+def paged_case(rng, head_dim, page_size, t):
+    lengths = np.array([1500, 333], np.int32)
+    max_pages = 1600 // page_size + 1
+    pages = 2 * max_pages
+    table = rng.permutation(pages)[:2 * max_pages].reshape(2, max_pages).astype(np.int32)
+    table[1, (333 + page_size - 1) // page_size:] = 10**6  # past sequence 1's pages
+    table[0, 3] = pages + 5  # inside sequence 0's 1500 tokens
+    caches = [jnp.asarray(rng.standard_normal((pages, page_size, 2, head_dim)), jnp.bfloat16)
+              for _ in range(2)]
+    q = jnp.asarray(rng.standard_normal((2, t, 8, head_dim)), jnp.bfloat16)
+    out = np.asarray(jax.jit(lambda *xs: jax_flashattn.paged_attention(
+        *xs, implementation="cuda"))(q, *caches, table, lengths), np.float32)
+    assert np.isnan(out[0]).all() and np.isfinite(out[1]).all(), (head_dim, page_size, t)
+    print(f"ok: paged H={head_dim} page {page_size} T={t}")
 
 
 @contextlib.contextmanager

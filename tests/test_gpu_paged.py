@@ -1,13 +1,14 @@
 """paged_attention on the CUDA kernels (run with `pytest -m gpu` on an NVIDIA GPU): decode
-steps (the split-KV decode kernels) and prefill chunks (the forward kernels) against the float64
-reference of test_paged.py."""
+steps (the split-KV decode kernels, reading the pages in place) and prefill chunks (the forward
+kernels, on gathered pages) against the float64 reference of test_paged.py."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_flashattn
-from test_paged import TOLERANCE, reference, scattered_cache
+from test_paged import TOLERANCE, check, reference, scattered_cache
 
 pytestmark = pytest.mark.gpu
 
@@ -51,3 +52,65 @@ def test_cuda_fp8_cache(rng):
                        descale_k=descale, descale_v=descale)
     out = np.asarray(out, np.float64)
     assert np.linalg.norm(out - ref) <= 2e-2 * np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("page_size", [16, 32, 128, 256])
+@pytest.mark.parametrize("t", [1, 8])
+def test_decode_kernels_read_pages_in_place(rng, head_dim, page_size, t):
+    """Head dims whose key tiles (128 and 32 keys on the mma.sync kernel) are longer and shorter
+    than the pages, 4 and 32 query rows per kv head (the wgmma kernel at head dim 64): the call
+    takes a decode kernel on the pools themselves (no gather in the program)."""
+    kv_lens = [1000, 517, 300]
+    max_pages = 1000 // page_size + 2
+    key_cache, value_cache, table = scattered_cache(rng, 3, kv_lens, page_size, 2, head_dim,
+                                                    max_pages)
+    q = jnp.asarray(rng.standard_normal((3, t, 8, head_dim)), jnp.bfloat16)
+    keys = jax.ShapeDtypeStruct((3, max_pages * page_size, 2, head_dim), jnp.bfloat16)
+    assert jax_flashattn.forward_kernel(q, keys) in ("decode", "decode_sm90")
+    caches = [jnp.asarray(x, jnp.bfloat16) for x in (key_cache, value_cache)]
+    text = jax.jit(jax_flashattn.paged_attention).lower(
+        q, *caches, table, np.array(kv_lens, np.int32)).as_text()
+    assert "jax_flashattn_fwd" in text and "gather" not in text
+    check(rng, jnp.bfloat16, 3, t, 8, 2, head_dim, page_size, kv_lens,
+          q_lens=None if t == 1 else [t, 3, t], implementation="cuda")
+
+
+@pytest.mark.parametrize("kwargs", [dict(local_window_size=(200, 0)),
+                                    dict(logits_soft_cap=5.0, scale=0.1),
+                                    dict(sinks=np.linspace(-1, 2, 8).astype(np.float32))])
+@pytest.mark.parametrize("t", [1, 16])
+def test_decode_options_in_place(rng, kwargs, t):
+    """A window, a soft-cap (the decode kernels' instantiations for it) and sinks on pages of
+    16 at head dim 128, with the lse."""
+    check(rng, jnp.bfloat16, 2, t, 8, 2, 128, 16, [900, 401], **kwargs, implementation="cuda")
+
+
+def test_decode_bad_entries_under_jit(rng):
+    """Under jit an id past the pool among a sequence's pages makes that sequence's rows NaN
+    (the kernel reads a page of the pool there, never past it); the other sequence's rows
+    are its results."""
+    kv_lens = np.array([900, 401], np.int32)
+    key_cache, value_cache, table = scattered_cache(rng, 2, kv_lens, 16, 2, 128, 60)
+    caches = [jnp.asarray(x, jnp.bfloat16) for x in (key_cache, value_cache)]
+    q = jnp.asarray(rng.standard_normal((2, 1, 8, 128)), jnp.bfloat16)
+    f = jax.jit(jax_flashattn.paged_attention)
+    good = np.asarray(f(q, *caches, table, kv_lens), np.float32)
+    bad_table = table.copy()
+    bad_table[0, 7] = 10**6
+    out = np.asarray(f(q, *caches, bad_table, kv_lens), np.float32)
+    assert np.isnan(out[0]).all()
+    np.testing.assert_array_equal(out[1], good[1])
+
+
+def test_cuda_refuses_paged_calls_off_the_decode_kernels(rng):
+    """The paged operands reach only the decode kernels: a paged call with more query rows
+    than they take (paged_attention gathers such a call instead) is an error, not a misread."""
+    from jax_flashattn import _ffi, _ops
+    key_cache, value_cache, table = scattered_cache(rng, 2, [600, 300], 16, 2, 128, 40)
+    caches = [jnp.asarray(x, jnp.bfloat16) for x in (key_cache, value_cache)]
+    q = jnp.asarray(rng.standard_normal((2, 200, 8, 128)), jnp.bfloat16)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="split-KV decode kernels only"):
+        jax.block_until_ready(_ops.paged_forward(
+            q, *caches, jnp.asarray(table), None, jnp.array([600, 300], jnp.int32),
+            scale=0.1, window=(None, 0), switches=_ffi.kernel_switches()))

@@ -290,15 +290,73 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&q_frag)[kKSteps][4],
   }
 }
 
+// Copies rows [0, kRows) of K and V, key key0 + row of batch entry b (kv head offset
+// kv_offset) from its own page (AttentionParams::page_table), into sK and sV laid out as
+// Layout, zero-filling rows >= valid_rows: load_tile's copies (thread tid's chunk column, every
+// kRowStep-th row), for pages shorter than a tile. Pages hold kMinPageSize keys or more, so
+// each aligned run of kMinPageSize rows lies in one page: the table is read once per run (not
+// per row) and only for runs that start below valid_rows (<= the entry's length <= S), never
+// past the entry's max_pages; the run's rows are fixed steps from its first.
+template <typename Traits, int kRows, typename Layout, typename Elem>
+__device__ __forceinline__ void load_paged_tile_rows(Elem* sK, Elem* sV, const AttentionParams& p,
+                                                     int b, int64_t kv_offset, int key0,
+                                                     int valid_rows, int tid) {
+  constexpr int kChunks = Traits::kChunks, kThreads = Traits::kThreads;
+  static_assert(kThreads % kChunks == 0, "a thread copies one chunk column");
+  constexpr int kRowStep = kThreads / kChunks;
+  constexpr int kRun = kMinPageSize;
+  static_assert(kRows % kRun == 0 && (kRun % kRowStep == 0 || kRowStep % kRun == 0),
+                "a thread's rows step through whole runs");
+  // A thread's copies per run, and the runs it copies into (every run, or every
+  // kRowStep / kRun-th one).
+  constexpr int kPerRun = kRowStep < kRun ? kRun / kRowStep : 1;
+  constexpr int kRunStep = kRowStep < kRun ? 1 : kRowStep / kRun;
+  constexpr int kRuns = kRows / kRun / kRunStep;
+  const int row0 = tid / kChunks, chunk = tid % kChunks;
+  const int head_chunks = int((p.head_dim < kChunks * 8 ? p.head_dim : kChunks * 8) + 7) / 8;
+  const bool chunk_valid = chunk < head_chunks;
+  const int64_t step = int64_t(kRowStep) * p.kv_row_stride;
+  const Elem* k = static_cast<const Elem*>(p.k);
+  const Elem* v = static_cast<const Elem*>(p.v);
+#pragma unroll
+  for (int r = 0; r < kRuns; ++r) {
+    // This thread's first row in run r (kRowStep >= kRun: row0 lies in a later run of its own).
+    const int first = r * kRunStep * kRun + row0;
+    const int run0 = first - first % kRun;
+    const int64_t at = run0 < valid_rows ? kv_offset + p.kv_row_offset(b, key0 + run0) +
+                                               (first - run0) * p.kv_row_stride + chunk * 8
+                                         : 0;
+#pragma unroll
+    for (int i = 0; i < kPerRun; ++i) {
+      const int row = first + i * kRowStep;
+      const bool valid = chunk_valid && row < valid_rows;
+      const int64_t src = valid ? at + i * step : 0;
+      ptx::cp_async_16(ptx::smem_address(sK + Layout::offset(row, chunk)), k + src, valid);
+      ptx::cp_async_16(ptx::smem_address(sV + Layout::offset(row, chunk)), v + src, valid);
+    }
+  }
+}
+
 // Issues the cp.async copies of key tile `tile` of split `sp`'s K and V into sK and sV (kBlockN
 // rows each, laid out as Layout). Keys past the batch entry's length are zero-filled, not read:
-// a padded cache may hold anything there.
+// a padded cache may hold anything there. A paged call (AttentionParams::page_table) reads a
+// tile from one page where pages hold whole tiles (both powers of two, so a tile never
+// straddles two), else each row from its own (load_paged_tile_rows).
 template <typename Traits, typename Layout, typename Elem>
 __device__ __forceinline__ void load_split_tile(Elem* sK, Elem* sV, const AttentionParams& p,
                                                 const DecodeSplit& sp, int tile, int tid) {
   constexpr int kBlockN = Traits::kBlockN;
-  const int64_t offset = sp.kv_offset + int64_t(tile) * kBlockN * p.kv_row_stride;
   const int valid_keys = sp.vis.kv_len - tile * kBlockN;
+  int64_t offset = sp.kv_offset + int64_t(tile) * kBlockN * p.kv_row_stride;
+  if (p.page_table != nullptr) {
+    if (kBlockN > (1 << p.page_size_log2)) {
+      load_paged_tile_rows<Traits, kBlockN, Layout>(sK, sV, p, sp.b, sp.kv_offset,
+                                                    tile * kBlockN, valid_keys, tid);
+      return;
+    }
+    // The tile's first key is below the entry's length, so inside its table row.
+    offset = sp.kv_offset + p.kv_row_offset(sp.b, tile * kBlockN);
+  }
   load_tile<Traits, kBlockN, Layout>(sK, static_cast<const Elem*>(p.k) + offset, p.kv_row_stride,
                                      valid_keys, p.head_dim, tid);
   load_tile<Traits, kBlockN, Layout>(sV, static_cast<const Elem*>(p.v) + offset, p.kv_row_stride,
