@@ -142,6 +142,37 @@ def test_fp8_cache_with_descales(rng):
     np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5, rtol=1e-5)
 
 
+def _lowered_text(fn, *args):
+    return jax.jit(fn).lower(*args).as_text()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernels read every call")
+def test_kernels_read_pages_in_place(rng):
+    """The kernel call takes the page pools themselves: no gather of pages into a contiguous
+    copy in the program. An FP8 cache (dequantised in its gather) still gathers."""
+    key_cache, value_cache, table = scattered_cache(rng, 2, [40, 23], 16, 2, 16, 4)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)), jnp.float32)
+    kv = np.array([40, 23], np.int32)
+    text = _lowered_text(jax_flashattn.paged_attention, q, key_cache, value_cache, table, kv)
+    assert "jax_flashattn_fwd" in text and "gather" not in text
+    k8, v8 = (jnp.asarray(x, jnp.float8_e4m3fn) for x in (key_cache, value_cache))
+    assert "gather" in _lowered_text(jax_flashattn.paged_attention, q, k8, v8, table, kv)
+
+
+def test_vmap_over_a_leading_axis(rng):
+    """vmap over queries, tables and lengths with shared pools: one call per element, each what
+    its own call gives."""
+    key_cache, value_cache, table = scattered_cache(rng, 2, [40, 23], 16, 2, 16, 5, spare=20)
+    tables = np.stack([table, table[::-1]])
+    q = jnp.asarray(rng.standard_normal((2, 2, 1, 4, 16)), jnp.float32)
+    kv = np.array([[40, 23], [23, 40]], np.int32)
+    out = jax.vmap(jax_flashattn.paged_attention, in_axes=(0, None, None, 0, 0))(
+        q, key_cache, value_cache, tables, kv)
+    for i in range(2):
+        np.testing.assert_allclose(np.asarray(out[i]), np.asarray(jax_flashattn.paged_attention(
+            q[i], key_cache, value_cache, tables[i], kv[i])), rtol=1e-6, atol=1e-6)
+
+
 def test_jit_matches_eager_and_poisons_bad_entries(rng):
     """Under jit the table's values are not known at trace time: a sequence whose pages or
     length are invalid gets NaN rows, the others their results."""
@@ -262,19 +293,25 @@ def test_errors(rng):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
-def test_head_sharded_without_collectives(rng):
+@pytest.mark.parametrize("split", ["heads", "batch"])
+def test_sharded_without_collectives(rng, split):
     """Query heads and the caches' kv heads split over 2 devices, the table and lengths
-    replicated: each device gathers and attends its own heads, no collective in the program."""
+    replicated; or the sequences (queries, table, lengths) split, the pools replicated: each
+    device attends its own heads or sequences, no collective in the program."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     key_cache, value_cache, table = scattered_cache(rng, 2, [40, 23], 16, 2, 16, 4)
     q = jnp.asarray(rng.standard_normal((2, 3, 4, 16)), jnp.float32)
     kv = np.array([40, 23], np.int32)
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("heads",))
-    heads = NamedSharding(mesh, P(None, None, "heads", None))
-    args = (jax.device_put(q, heads), jax.device_put(key_cache, heads),
-            jax.device_put(value_cache, heads),
-            jax.device_put(table, NamedSharding(mesh, P())),
-            jax.device_put(kv, NamedSharding(mesh, P())))
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), (split,))
+    if split == "heads":
+        heads = pool = NamedSharding(mesh, P(None, None, "heads", None))
+        rows = NamedSharding(mesh, P())
+    else:
+        heads, pool = NamedSharding(mesh, P("batch")), NamedSharding(mesh, P())
+        rows = NamedSharding(mesh, P("batch"))
+    args = (jax.device_put(q, heads), jax.device_put(key_cache, pool),
+            jax.device_put(value_cache, pool), jax.device_put(table, rows),
+            jax.device_put(kv, rows))
     compiled = jax.jit(jax_flashattn.paged_attention).lower(*args).compile()
     text = compiled.as_text()
     for op in ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute"):

@@ -7,20 +7,25 @@ newest tokens (a decode step, T = 1, or a chunk of a prefill) to its first kv_le
 causal with the diagonal at the bottom right of each sequence (query i of entry b at position
 kv_len_b - q_len_b + i); `paged_cache_update` writes new tokens into their pages.
 
-The pages are gathered into one contiguous [B, max_pages x page_size, K, H] view per call
-(three times the bytes a kernel that read the pages in place would move) and attended by the
-kernels `attention` runs, every option of it included; an FP8 (e4m3) cache is dequantised in
-that gather.
+The kernels read the pages in place where they can: the CPU kernels always, on a GPU the
+split-KV decode kernels (a decode step or a short chunk: T (N / K) <= 64 query rows per kv head,
+bf16 or float16, head dims up to 256, a table reaching 256 keys or more). Elsewhere (a longer
+prefill chunk, an FP8 (e4m3) cache, implementation="xla" or "cudnn") the pages are gathered
+into one contiguous [B, max_pages x page_size, K, H] view per call (three times the bytes the
+in-place read moves; an FP8 cache is dequantised in that gather) and attended by the kernels
+`attention` runs.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashattn import _validate
-from jax_flashattn.attention import attention
+from jax_flashattn import _ffi, _paged_kernel, _sinks, _validate
+from jax_flashattn.attention import _check_implementation, attention
 
 # Page sizes: a power of two from 16 to 256 tokens.
 PAGE_SIZES = tuple(2**i for i in range(4, 9))
@@ -148,6 +153,39 @@ def _gather(cache, page_table, descale, dtype):
     return (x.astype(jnp.float32) * descale).astype(dtype)
 
 
+def _reads_pages_in_place(query, key_cache, page_table, q_lens, implementation, scale: float,
+                          soft_cap: float, switches) -> bool:
+    """Whether the kernels read this call's pages in place (the module's docstring says
+    where); False sends it through the gather."""
+    batch, t, n, h = query.shape
+    pages, page_size, kv_heads = key_cache.shape[:3]
+    if (key_cache.dtype in FP8_DTYPES or min(batch, t, n, h, page_table.shape[1]) == 0
+            or _check_implementation(implementation) != "kernels"):
+        return False
+    if implementation == "cpu" or jax.default_backend() == "cpu":
+        return True
+    keys = (batch, page_table.shape[1] * page_size, kv_heads, h)
+    shape = _ffi.call_shape(query.shape, keys, query.dtype, scale=scale,
+                            has_q_seqlens=q_lens is not None, has_kv_seqlens=True,
+                            soft_cap=soft_cap, switches=switches)
+    return _ffi.plan(shape).decode_workspace_floats > 0
+
+
+def _attend_pages(query, key_cache, value_cache, page_table, kv_lens, q_lens, sinks, *, scale,
+                  soft_cap, window, switches):
+    """(out [B, T, N, H], lse [B, T, N]) by the kernels that read the pages in place."""
+    kernel = functools.partial(_paged_kernel.forward, scale=scale,
+                               window=_validate.kernel_window(window, True), switches=switches,
+                               soft_cap=soft_cap)
+    out, lse = _no_gradient(kernel, query, key_cache, value_cache, page_table, kv_lens, q_lens)
+    out, lse = _sinks.apply(out, lse, sinks)
+    return out, jnp.swapaxes(lse, -1, -2)
+
+
+_NO_GRADIENT = ("paged_attention is forward-only (inference): it has no gradient; train "
+                "with jax_flashattn.attention on contiguous keys and values")
+
+
 @jax.custom_vjp
 def _forward_only(x):
     return x
@@ -158,11 +196,27 @@ def _forward_only_fwd(x):
 
 
 def _forward_only_bwd(_, g):
-    raise TypeError("paged_attention is forward-only (inference): it has no gradient; train "
-                    "with jax_flashattn.attention on contiguous keys and values")
+    raise TypeError(_NO_GRADIENT)
 
 
 _forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _no_gradient(fn, *xs):
+    """fn(*xs), whose gradient raises (the paged kernel op has no differentiation rule)."""
+    return fn(*xs)
+
+
+def _no_gradient_fwd(fn, *xs):
+    return fn(*xs), None
+
+
+def _no_gradient_bwd(fn, _, g):
+    raise TypeError(_NO_GRADIENT)
+
+
+_no_gradient.defvjp(_no_gradient_fwd, _no_gradient_bwd)
 
 
 def paged_attention(query, key_cache, value_cache, page_table, key_value_seq_lengths, *,
@@ -217,13 +271,27 @@ def paged_attention(query, key_cache, value_cache, page_table, key_value_seq_len
         _check_table_values(page_table, kv_lens, q_lens, pages, page_size, t)
     if sinks is not None:
         sinks = _forward_only(_validate._as_array(sinks, "sinks"))
-    keys = _gather(key_cache, page_table, descale_k, query.dtype)
-    values = _gather(value_cache, page_table, descale_v, query.dtype)
-    out = attention(_forward_only(query), _forward_only(keys), _forward_only(values),
-                    scale=scale, is_causal=True, diagonal_alignment="bottom_right",
-                    query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
-                    local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
-                    sinks=sinks, implementation=implementation, return_residual=return_residual)
+    _validate.check_options(implementation=implementation)
+    switches = _ffi.kernel_switches()
+    kernel_scale = _validate._scale(scale, query.shape[-1])
+    soft_cap = _validate._soft_cap(logits_soft_cap)
+    if _reads_pages_in_place(query, key_cache, page_table, q_lens, implementation,
+                             kernel_scale, soft_cap, switches):
+        out = _attend_pages(query, key_cache, value_cache, page_table, kv_lens, q_lens,
+                            _validate._sinks(sinks, query.shape[2]), scale=kernel_scale,
+                            soft_cap=soft_cap, window=_validate._window(local_window_size),
+                            switches=switches)
+        if not return_residual:
+            out = out[0]
+    else:
+        keys = _gather(key_cache, page_table, descale_k, query.dtype)
+        values = _gather(value_cache, page_table, descale_v, query.dtype)
+        out = attention(_forward_only(query), _forward_only(keys), _forward_only(values),
+                        scale=scale, is_causal=True, diagonal_alignment="bottom_right",
+                        query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
+                        local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                        sinks=sinks, implementation=implementation,
+                        return_residual=return_residual)
     if checked:
         return out
     invalid = _invalid_entries(page_table, kv_lens, q_lens, pages, page_size, t)
