@@ -97,9 +97,9 @@ def test_copy_bandwidth_on_the_device():
         _ffi._ext.cuda_copy_bandwidth(jax.device_count() + 64, 1 << 20, 1)
 
 def test_bench_script_decode_paged():
-    """--paged P,..: each T gets its plain row, a contiguous row causal at the bottom right,
-    and that row through a paged cache of each size; only with --decode, not with --bias,
-    page sizes among paged_attention's."""
+    """--paged P,..: each T gets its plain row, a contiguous row causal at the bottom right
+    with the lengths a paged call passes, and that row through a paged cache of each size;
+    only with --decode, not with --bias, page sizes among paged_attention's."""
     bench = _load_bench_script()
     configs = bench.build_configs(bench.parse_args(["--decode", "--paged", "16,256",
                                                     "--seqlen", "1,8", "--dtype", "bf16"]))
@@ -107,6 +107,8 @@ def test_bench_script_decode_paged():
         (t, variant, size, causal, causal) for t in (1, 8)
         for variant, size, causal in (("", None, False), ("contiguous", None, True),
                                       ("paged 16", 16, True), ("paged 256", 256, True))]
+    s = configs[0].seqlen_k
+    assert [c.kv_lens for c in configs[1:4]] == [(s,) * configs[0].batch] * 3
     for argv in (["--paged", "16"], ["--decode", "--paged", "16", "--bias"],
                  ["--decode", "--paged", "8"], ["--decode", "--paged", "48"],
                  ["--decode", "--paged", "x"]):

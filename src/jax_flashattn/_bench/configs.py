@@ -234,9 +234,10 @@ def standard_grid(dtypes=("bf16", "fp16"), head_dims=STANDARD_HEAD_DIMS,
 def decode_grid(dtypes=("bf16", "fp16"), seqlens=DECODE_SEQLENS, kv_len=None,
                 page_sizes=()) -> list[Config]:
     """The decode preset: a few query tokens against a long, grouped K/V. With `page_sizes`,
-    each T also gets a row causal at the bottom right (the new tokens' own positions, variant
-    "contiguous") and that call through a paged cache of each page size (variant "paged P"),
-    the yardstick of the paged rows."""
+    each T also gets a row causal at the bottom right (the new tokens' own positions) with
+    each sequence's length given, as a paged call gives it (variant "contiguous", the paged
+    rows' yardstick), and that call through a paged cache of each page size (variant
+    "paged P")."""
     d = DECODE_SHAPE
     configs = []
     for dtype in dtypes:
@@ -246,6 +247,7 @@ def decode_grid(dtypes=("bf16", "fp16"), seqlens=DECODE_SEQLENS, kv_len=None,
             configs.append(base)
             if page_sizes:
                 contiguous = dataclasses.replace(base, causal=True, bottom_right=True,
+                                                 kv_lens=(base.seqlen_k,) * base.batch,
                                                  variant="contiguous")
                 configs.append(contiguous)
                 configs += [dataclasses.replace(contiguous, page_size=size,

@@ -97,20 +97,21 @@ def config_attention_fn(impl: str, cfg: Config) -> Callable:
     if cfg.page_size is not None:
         if impl != "ours":
             raise Unavailable("jax.nn.dot_product_attention reads no paged KV cache")
-        return functools.partial(_paged, kv_len=cfg.seqlen_k, soft_cap=cfg.soft_cap)
+        return functools.partial(_paged, soft_cap=cfg.soft_cap)
     if cfg.sinks and impl not in ("ours", "ours-deterministic"):
         raise Unavailable("jax.nn.dot_product_attention has no attention sinks")
     fn = attention_fn(impl, cfg.causal, cfg.window, cfg.soft_cap, cfg.bottom_right)
     return without_extra(fn) if cfg.kind == "packed" else fn
 
 
-def _paged(q, k, v, *, key_cache, value_cache, page_table, kv_len, soft_cap=None):
+def _paged(q, k, v, *, key_cache, value_cache, page_table, key_value_seq_lengths,
+           soft_cap=None):
     """paged_attention of q against the pages that hold k and v (`Inputs._draw_extras`):
-    every sequence's kv_len tokens, causal at the bottom right as the "contiguous" row."""
+    each sequence's tokens, causal at the bottom right, as in the "contiguous" row."""
     import jax_flashattn
     del k, v  # the same values, in the pages
-    lengths = jnp.full((q.shape[0],), kv_len, jnp.int32)
-    return jax_flashattn.paged_attention(q, key_cache, value_cache, page_table, lengths,
+    return jax_flashattn.paged_attention(q, key_cache, value_cache, page_table,
+                                         key_value_seq_lengths,
                                          logits_soft_cap=soft_cap,
                                          implementation=ours_implementation())
 
