@@ -114,3 +114,36 @@ def test_cuda_refuses_paged_calls_off_the_decode_kernels(rng):
         jax.block_until_ready(_ops.paged_forward(
             q, *caches, jnp.asarray(table), None, jnp.array([600, 300], jnp.int32),
             scale=0.1, window=(None, 0), switches=_ffi.kernel_switches()))
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("split", ["heads", "batch"])
+def test_sharded_decode_on_two_gpus(rng, split):
+    """Query heads and the pools' kv heads split over 2 GPUs (or the sequences: queries,
+    table and lengths): each GPU's decode kernel reads its own pages in place, with no
+    collective in the program, and gives what one GPU gives."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    kv_lens = np.array([1000, 517], np.int32)
+    key_cache, value_cache, table = scattered_cache(rng, 2, kv_lens, 16, 2, 128, 70)
+    caches = [jnp.asarray(x, jnp.bfloat16) for x in (key_cache, value_cache)]
+    q = jnp.asarray(rng.standard_normal((2, 4, 8, 128)), jnp.bfloat16)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), (split,))
+    if split == "heads":
+        rows, pool = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, None, "heads"))
+        queries = pool
+    else:
+        rows, pool = NamedSharding(mesh, P("batch")), NamedSharding(mesh, P())
+        queries = rows
+    args = (jax.device_put(q, queries), *(jax.device_put(c, pool) for c in caches),
+            jax.device_put(table, rows), jax.device_put(kv_lens, rows))
+    compiled = jax.jit(jax_flashattn.paged_attention).lower(*args).compile()
+    text = compiled.as_text()
+    for op in ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute"):
+        assert op + "(" not in text and op + "-start(" not in text, op
+    assert "gather(" not in text
+    out = compiled(*args)
+    assert out.sharding.is_equivalent_to(queries, 4)
+    # Each GPU holds half the work units, so it may plan other splits: equal up to rounding.
+    single = np.asarray(jax_flashattn.paged_attention(q, *caches, table, kv_lens), np.float32)
+    out = np.asarray(out, np.float32)
+    assert np.linalg.norm(out - single) <= 1e-2 * np.linalg.norm(single)
