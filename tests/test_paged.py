@@ -293,16 +293,20 @@ def test_errors(rng):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto", "explicit"])
 @pytest.mark.parametrize("split", ["heads", "batch"])
-def test_sharded_without_collectives(rng, split):
+def test_sharded_without_collectives(rng, split, explicit):
     """Query heads and the caches' kv heads split over 2 devices, the table and lengths
     replicated; or the sequences (queries, table, lengths) split, the pools replicated: each
-    device attends its own heads or sequences, no collective in the program."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    device attends its own heads or sequences, no collective in the program. Under Explicit
+    mesh axes (jax.set_mesh) the result is typed with the queries' sharding."""
+    import contextlib
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     key_cache, value_cache, table = scattered_cache(rng, 2, [40, 23], 16, 2, 16, 4)
     q = jnp.asarray(rng.standard_normal((2, 3, 4, 16)), jnp.float32)
     kv = np.array([40, 23], np.int32)
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), (split,))
+    axis_type = AxisType.Explicit if explicit else AxisType.Auto
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), (split,), axis_types=(axis_type,))
     if split == "heads":
         heads = pool = NamedSharding(mesh, P(None, None, "heads", None))
         rows = NamedSharding(mesh, P())
@@ -312,11 +316,18 @@ def test_sharded_without_collectives(rng, split):
     args = (jax.device_put(q, heads), jax.device_put(key_cache, pool),
             jax.device_put(value_cache, pool), jax.device_put(table, rows),
             jax.device_put(kv, rows))
-    compiled = jax.jit(jax_flashattn.paged_attention).lower(*args).compile()
+    with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
+        compiled = jax.jit(jax_flashattn.paged_attention).lower(*args).compile()
+        out = compiled(*args)
+        typed = tuple(jax.typeof(out).sharding.spec)
+    if explicit:  # the specs padded to q's 4 dims
+
+        def padded(spec):
+            return tuple(spec) + (None,) * (4 - len(spec))
+        assert padded(typed) == padded(heads.spec)
     text = compiled.as_text()
     for op in ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute"):
         assert op + "(" not in text and op + "-start(" not in text, op
-    out = compiled(*args)
     np.testing.assert_allclose(np.asarray(out), np.asarray(jax_flashattn.paged_attention(
         q, key_cache, value_cache, table, kv)), rtol=1e-6, atol=1e-6)
     assert out.sharding.is_equivalent_to(heads, 4)

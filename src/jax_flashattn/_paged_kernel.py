@@ -36,9 +36,11 @@ def forward(q, key_cache, value_cache, page_table, kv_lens, q_lens=None, *, scal
 @functools.lru_cache(maxsize=None)
 def _partitioned(with_q_lens: bool, scale: float, window: tuple, switches, soft_cap: float):
     def body(q, key_cache, value_cache, page_table, kv_lens, *q_lens):
-        return _ops.paged_forward(q, key_cache, value_cache, page_table,
-                                  q_lens[0] if with_q_lens else None, kv_lens, scale=scale,
-                                  window=window, switches=switches, soft_cap=soft_cap)
+        out, lse = _ops.paged_forward(q, key_cache, value_cache, page_table,
+                                      q_lens[0] if with_q_lens else None, kv_lens, scale=scale,
+                                      window=window, switches=switches, soft_cap=soft_cap)
+        # Under Explicit mesh axes, typed with q's sharding (lse [B, N, T] with its B and N).
+        return sharding._typed_like(out, q), sharding._typed_like(lse, q, (0, 2, 1))
 
     op = custom_partitioning(body)
     op.def_partition(partition=functools.partial(_partition, body),
