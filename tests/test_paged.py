@@ -161,13 +161,15 @@ def test_kernels_read_pages_in_place(rng):
 
 def test_vmap_over_a_leading_axis(rng):
     """vmap over queries, tables and lengths with shared pools: one call per element, each what
-    its own call gives."""
+    its own call gives, the pools not copied per element."""
     key_cache, value_cache, table = scattered_cache(rng, 2, [40, 23], 16, 2, 16, 5, spare=20)
     tables = np.stack([table, table[::-1]])
     q = jnp.asarray(rng.standard_normal((2, 2, 1, 4, 16)), jnp.float32)
     kv = np.array([[40, 23], [23, 40]], np.int32)
-    out = jax.vmap(jax_flashattn.paged_attention, in_axes=(0, None, None, 0, 0))(
-        q, key_cache, value_cache, tables, kv)
+    vmapped = jax.vmap(jax_flashattn.paged_attention, in_axes=(0, None, None, 0, 0))
+    copies = "x".join(map(str, (2, *key_cache.shape)))
+    assert f"tensor<{copies}x" not in _lowered_text(vmapped, q, key_cache, value_cache, tables, kv)
+    out = vmapped(q, key_cache, value_cache, tables, kv)
     for i in range(2):
         np.testing.assert_allclose(np.asarray(out[i]), np.asarray(jax_flashattn.paged_attention(
             q[i], key_cache, value_cache, tables[i], kv[i])), rtol=1e-6, atol=1e-6)

@@ -14,7 +14,6 @@ import math
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -49,10 +48,15 @@ def _partitioned(with_q_lens: bool, scale: float, window: tuple, switches, soft_
 
     @op.def_vmap
     def _one_call_per_element(axis_size, in_batched, *xs):
-        # The kernels take one pool and one table per call: a vmapped call runs one per element.
-        xs = tuple(x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
-                   for x, batched in zip(xs, in_batched))
-        return lax.map(lambda args: op(*args), xs), (True, True)
+        # The kernels take one pool and one table per call: a vmapped call runs one per element,
+        # the unbatched operands (a shared pool) passed as they are, not copied per element.
+        del axis_size
+
+        def one(mapped):
+            it = iter(mapped)
+            return op(*(next(it) if batched else x for x, batched in zip(xs, in_batched)))
+        mapped = tuple(x for x, batched in zip(xs, in_batched) if batched)
+        return lax.map(one, mapped), (True, True)
 
     jitted = jax.jit(op)
 
