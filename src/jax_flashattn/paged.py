@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashattn import _ffi, _paged_kernel, _sinks, _validate
+from jax_flashattn import _ffi, _forward_only, _paged_kernel, _sinks, _validate
 from jax_flashattn.attention import _check_implementation, attention
 
 # Page sizes: a power of two from 16 to 256 tokens.
@@ -177,7 +177,8 @@ def _attend_pages(query, key_cache, value_cache, page_table, kv_lens, q_lens, si
     kernel = functools.partial(_paged_kernel.forward, scale=scale,
                                window=_validate.kernel_window(window, True), switches=switches,
                                soft_cap=soft_cap)
-    out, lse = _no_gradient(kernel, query, key_cache, value_cache, page_table, kv_lens, q_lens)
+    out, lse = _forward_only.call(_NO_GRADIENT, kernel, query, key_cache, value_cache,
+                                      page_table, kv_lens, q_lens)
     out, lse = _sinks.apply(out, lse, sinks)
     return out, jnp.swapaxes(lse, -1, -2)
 
@@ -186,37 +187,8 @@ _NO_GRADIENT = ("paged_attention is forward-only (inference): it has no gradient
                 "with jax_flashattn.attention on contiguous keys and values")
 
 
-@jax.custom_vjp
-def _forward_only(x):
-    return x
-
-
-def _forward_only_fwd(x):
-    return x, None
-
-
-def _forward_only_bwd(_, g):
-    raise TypeError(_NO_GRADIENT)
-
-
-_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _no_gradient(fn, *xs):
-    """fn(*xs), whose gradient raises (the paged kernel op has no differentiation rule)."""
-    return fn(*xs)
-
-
-def _no_gradient_fwd(fn, *xs):
-    return fn(*xs), None
-
-
-def _no_gradient_bwd(fn, _, g):
-    raise TypeError(_NO_GRADIENT)
-
-
-_no_gradient.defvjp(_no_gradient_fwd, _no_gradient_bwd)
+def _no_grad(x):
+    return _forward_only.identity(_NO_GRADIENT, x)
 
 
 def paged_attention(query, key_cache, value_cache, page_table, key_value_seq_lengths, *,
@@ -270,7 +242,7 @@ def paged_attention(query, key_cache, value_cache, page_table, key_value_seq_len
     if checked:
         _check_table_values(page_table, kv_lens, q_lens, pages, page_size, t)
     if sinks is not None:
-        sinks = _forward_only(_validate._as_array(sinks, "sinks"))
+        sinks = _no_grad(_validate._as_array(sinks, "sinks"))
     _validate.check_options(implementation=implementation)
     switches = _ffi.kernel_switches()
     kernel_scale = _validate._scale(scale, query.shape[-1])
@@ -286,7 +258,7 @@ def paged_attention(query, key_cache, value_cache, page_table, key_value_seq_len
     else:
         keys = _gather(key_cache, page_table, descale_k, query.dtype)
         values = _gather(value_cache, page_table, descale_v, query.dtype)
-        out = attention(_forward_only(query), _forward_only(keys), _forward_only(values),
+        out = attention(_no_grad(query), _no_grad(keys), _no_grad(values),
                         scale=scale, is_causal=True, diagonal_alignment="bottom_right",
                         query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
                         local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
