@@ -1,10 +1,13 @@
-"""quantize_fp8 / dequantize_fp8, and an e4m3 paged cache filled with them (CPU)."""
+"""quantize_fp8 / dequantize_fp8, an e4m3 paged cache filled with them, and attention on e4m3
+inputs against the float32 reference on their dequantised values (CPU)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_flashattn
+from jax_flashattn import reference
 from jax_flashattn.fp8 import E4M3_MAX
 
 
@@ -75,3 +78,135 @@ def test_fp8_paged_cache_from_quantize(rng):
     err = np.linalg.norm(np.asarray(out) - np.asarray(exact)) / np.linalg.norm(np.asarray(exact))
     # e4m3's rounding of K and V moves the output by 3-4% here (8 seeds); a lost descale, O(1).
     assert 1e-4 < err < 0.08, err
+
+
+def _dequantised(values, descale, heads=None):
+    """float32 values [B, L, K or N, H] times their [B, K] descale, a query head n taking kv
+    head n // (N / K)'s."""
+    x = np.asarray(values, np.float32)
+    d = np.asarray(descale, np.float32)
+    if heads is not None:
+        d = np.repeat(d, heads // d.shape[1], axis=1)
+    return x * d[:, None, :, None]
+
+
+# Each option through the FP8 call: the masks, lengths, a bias, segment ids and the modifiers.
+FP8_OPTIONS = [dict(is_causal=True), dict(local_window_size=(9, 4), query_seq_lengths=[21, 5],
+                                          key_value_seq_lengths=[30, 17]),
+               dict(bias=True, mask=True), dict(logits_soft_cap=5.0, sinks=True),
+               dict(alibi_slopes=True, is_causal=True, diagonal_alignment="bottom_right"),
+               dict(query_segment_ids=True)]
+
+
+def _options(rng, kwargs, b, t, s, n):
+    kwargs = dict(kwargs)
+    if kwargs.pop("bias", False):
+        kwargs["bias"] = jnp.asarray(rng.standard_normal((b, n, t, s)), jnp.float32)
+    if kwargs.pop("mask", False):
+        kwargs["mask"] = rng.random((b, 1, t, s)) < 0.8
+    if kwargs.pop("sinks", False):
+        kwargs["sinks"] = jnp.asarray(rng.standard_normal(n), jnp.float32)
+    if kwargs.pop("alibi_slopes", False):
+        kwargs["alibi_slopes"] = jnp.asarray(2.0 ** -rng.uniform(1, 8, n), jnp.float32)
+    if kwargs.pop("query_segment_ids", False):
+        kwargs["query_segment_ids"] = np.repeat(np.arange(3), [9, 9, t - 18])[None].repeat(b, 0)
+        kwargs["key_value_segment_ids"] = np.repeat(np.arange(3), [11, 9, s - 20])[None].repeat(
+            b, 0)
+    for name in ("query_seq_lengths", "key_value_seq_lengths"):
+        if name in kwargs:
+            kwargs[name] = np.asarray(kwargs[name], np.int32)
+    return kwargs
+
+
+@pytest.mark.parametrize("kwargs", FP8_OPTIONS, ids=lambda k: ",".join(k))
+@pytest.mark.parametrize("output_dtype", [None, jnp.float16])
+def test_fp8_attention_matches_the_dequantised_reference(rng, kwargs, output_dtype):
+    """q, k, v of e4m3 with [B, K] descales (GQA 6 -> 2): the output, bfloat16 by default, is
+    the float32 reference on the dequantised inputs, rounded once to the output dtype."""
+    b, t, s, n, k, h = 2, 23, 30, 6, 2, 16
+    q, kk, v = (rng.standard_normal(shape).astype(np.float32) * 3 for shape in
+                ((b, t, n, h), (b, s, k, h), (b, s, k, h)))
+    q8, dq = jax_flashattn.quantize_fp8(q.reshape(b, t, k, n // k * h))
+    q8 = q8.reshape(q.shape)
+    k8, dk = jax_flashattn.quantize_fp8(kk)
+    v8, dv = jax_flashattn.quantize_fp8(v)
+    options = _options(rng, kwargs, b, t, s, n)
+    out, lse = jax_flashattn.attention(q8, k8, v8, descale_q=dq, descale_k=dk, descale_v=dv,
+                                       output_dtype=output_dtype, return_residual=True,
+                                       **options)
+    want_dtype = jnp.bfloat16 if output_dtype is None else output_dtype
+    assert out.dtype == want_dtype and out.shape == q.shape
+    want, want_lse = reference.attention(
+        jnp.asarray(_dequantised(q8, dq, heads=n)), jnp.asarray(_dequantised(k8, dk)),
+        jnp.asarray(_dequantised(v8, dv)), return_residual=True, **options)
+    want = np.asarray(want, np.float64)
+    error = np.linalg.norm(np.asarray(out, np.float64) - want)
+    assert error <= float(jnp.finfo(want_dtype).eps) * np.linalg.norm(want)
+    finite = np.isfinite(np.asarray(want_lse))
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite],
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_quantised_kv_cache_beside_a_query(rng, dtype):
+    """k and v of e4m3 with scalar and [B, K] descales beside a bfloat16, float16 or float32
+    query (unbatched too, with [K] descales): the output in the query's dtype, under jit."""
+    q = jnp.asarray(rng.standard_normal((2, 1, 8, 32)), dtype)
+    kk, v = (rng.standard_normal((2, 300, 2, 32)).astype(np.float32) for _ in range(2))
+    k8, dk = jax_flashattn.quantize_fp8(kk)
+    v8, _ = jax_flashattn.quantize_fp8(v, descale=0.01)
+    f = jax.jit(lambda q, k, v, dk: jax_flashattn.attention(q, k, v, descale_k=dk,
+                                                             descale_v=0.01))
+    out = f(q, k8, v8, dk)
+    assert out.dtype == dtype
+    want = reference.attention(jnp.asarray(q, jnp.float32), jnp.asarray(_dequantised(k8, dk)),
+                               jnp.asarray(np.asarray(v8, np.float32) * 0.01))
+    error = np.linalg.norm(np.asarray(out, np.float64) - np.asarray(want, np.float64))
+    # bfloat16 / float16: the output's rounding; float32: the kernels' own sums.
+    bound = max(2 * float(jnp.finfo(dtype).eps), 1e-5)
+    assert error <= bound * np.linalg.norm(np.asarray(want))
+    unbatched = jax_flashattn.attention(q[0], k8[0], v8[0], descale_k=dk[0], descale_v=0.01)
+    np.testing.assert_array_equal(np.asarray(unbatched), np.asarray(out[0]))
+
+
+def test_fp8_errors_and_no_gradient(rng):
+    q8, k8, v8 = (jnp.asarray(rng.standard_normal((1, 4, 2, 8)), jnp.float8_e4m3fn)
+                  for _ in range(3))
+    bf16 = jnp.asarray(q8, jnp.bfloat16)
+    with pytest.raises(ValueError, match="descale_k applies to float8_e4m3fn inputs only"):
+        jax_flashattn.attention(bf16, bf16, bf16, descale_k=1.0)
+    with pytest.raises(ValueError, match="descale_q applies to a float8_e4m3fn query only"):
+        jax_flashattn.attention(bf16, k8, v8, descale_q=1.0)
+    with pytest.raises(ValueError, match="output_dtype applies to a float8_e4m3fn query"):
+        jax_flashattn.attention(bf16, k8, v8, output_dtype=jnp.float16)
+    with pytest.raises(TypeError, match="key and value of float8_e4m3fn"):
+        jax_flashattn.attention(q8, k8, bf16)
+    with pytest.raises(TypeError, match="output_dtype must be bfloat16 or float16"):
+        jax_flashattn.attention(q8, k8, v8, output_dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"descale_k must be a scalar or \[B, K\]"):
+        jax_flashattn.attention(q8, k8, v8, descale_k=jnp.ones((1, 3)))
+    with pytest.raises(TypeError, match="descale_v must be float32"):
+        jax_flashattn.attention(q8, k8, v8, descale_v=jnp.ones((1, 2), jnp.int32))
+    bias = jnp.zeros((1, 2, 4, 4), jnp.float32)
+    with pytest.raises(TypeError, match="forward-only"):  # even for the bias's gradient alone
+        jax.grad(lambda b: jnp.sum(jax_flashattn.attention(q8, k8, v8, b).astype(
+            jnp.float32)))(bias)
+
+
+@pytest.mark.parametrize("output_dtype", [jnp.bfloat16, jnp.float16])
+def test_fp8_inputs_for_the_gpu_kernels(rng, output_dtype):
+    """Off the CPU the dequantised inputs are in the output dtype, for the tensor-core kernels:
+    each the stored value times its descale, rounded once."""
+    from jax_flashattn import fp8
+    q, kk = (rng.standard_normal(shape).astype(np.float32) for shape in
+             ((2, 5, 4, 16), (2, 7, 2, 16)))
+    q8, dq = jax_flashattn.quantize_fp8(q.reshape(2, 5, 2, 32))
+    q8 = q8.reshape(q.shape)
+    k8, dk = jax_flashattn.quantize_fp8(kk)
+    q2, k2, v2, out_dtype = fp8.dequantized_inputs(q8, k8, k8, descale_q=dq, descale_k=dk,
+                                                   descale_v=None, output_dtype=output_dtype,
+                                                   float32=False)
+    assert out_dtype == output_dtype and {x.dtype for x in (q2, k2, v2)} == {out_dtype}
+    for got, want in ((q2, _dequantised(q8, dq, heads=4)), (k2, _dequantised(k8, dk)),
+                      (v2, np.asarray(k8, np.float32))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.asarray(want, out_dtype)))

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from jax_flashattn import _ffi, _ops, _sinks, _validate, reference, sharding
+from jax_flashattn import _ffi, _ops, _sinks, _validate, fp8, reference, sharding
 
 _UNSUPPORTED_DERIVATIVE = (
     "jax_flashattn.attention: forward-mode derivatives (jax.jvp, jax.jacfwd, jax.linearize) and "
@@ -138,7 +138,8 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
               implementation=None, return_residual=False, deterministic_backward=False,
               query_segment_ids=None, key_value_segment_ids=None, logits_soft_cap=None,
-              diagonal_alignment="top_left", sinks=None, alibi_slopes=None):
+              diagonal_alignment="top_left", sinks=None, alibi_slopes=None, descale_q=None,
+              descale_k=None, descale_v=None, output_dtype=None):
     """Scaled dot-product attention with the signature of `jax.nn.dot_product_attention`.
 
     Layout [B, T, N, H] (or [T, N, H]); key and value [B, S, K, H] with N % K == 0 (GQA/MQA
@@ -233,9 +234,31 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     CUDA-core path (float32, head dims the tensor cores do not take) apart from a broadcast
     bias's gradient by default. It has no effect with implementation="xla" or "cudnn" (jax.nn's
     own backward).
+
+    FP8 (keyword-only, not in jax.nn): key and value of float8_e4m3fn, with `descale_k` /
+    `descale_v` (float32 scalars or [B, K], [K] unbatched; the real value is the stored one
+    times its descale, 1 where None; jax_flashattn.quantize_fp8 makes them); query e4m3 too
+    with `descale_q` (its heads taking their kv head's), the output then bfloat16, or
+    `output_dtype` float16; or query bfloat16, float16 or float32 (a quantised KV cache), the
+    output in its dtype. Every other option applies. The inputs are dequantised first: to
+    float32 on the CPU (the reference semantics), to the output dtype on a GPU, where the
+    kernels then run as for those inputs (no FP8 tensor-core kernels yet). Forward only:
+    jax.grad raises a TypeError.
     """
     _validate.check_options(implementation=implementation,
                             deterministic_backward=deterministic_backward)
+    if fp8.takes_fp8(query, key, value, descale_q, descale_k, descale_v, output_dtype):
+        q, k, v, out_dtype = fp8.dequantized_inputs(
+            query, key, value, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
+            output_dtype=output_dtype, float32=jax.default_backend() == "cpu")
+        return fp8.result(attention(
+            q, k, v, bias, mask, scale=scale, is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size, implementation=implementation,
+            return_residual=return_residual, deterministic_backward=deterministic_backward,
+            query_segment_ids=query_segment_ids, key_value_segment_ids=key_value_segment_ids,
+            logits_soft_cap=logits_soft_cap, diagonal_alignment=diagonal_alignment,
+            sinks=sinks, alibi_slopes=alibi_slopes), out_dtype)
     kind = _check_implementation(implementation)
     args = _validate.normalize(query, key, value, bias, mask, scale=scale, is_causal=is_causal,
                                query_seq_lengths=query_seq_lengths,

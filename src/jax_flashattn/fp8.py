@@ -1,11 +1,13 @@
-"""FP8 (e4m3) quantisation with a float32 descale per group, the form the paged cache's
-`descale_k` / `descale_v` take: the real value is the stored e4m3 value times its descale."""
+"""FP8 (e4m3) values with a float32 descale per group (the real value is the stored e4m3
+value times its descale): the quantisation helpers, the descales `attention` and the paged
+cache take per (batch entry, kv head), and `attention`'s FP8 inputs."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from jax_flashattn import _validate
+from jax_flashattn import _forward_only, _validate
 
 E4M3 = jnp.float8_e4m3fn
 # The largest finite e4m3fn value: amax scaling maps each group's largest magnitude onto it.
@@ -64,3 +66,103 @@ def dequantize_fp8(values, descale, axis=(1, 3), dtype=jnp.float32):
     descale = jnp.asarray(descale, jnp.float32)
     return (values.astype(jnp.float32) * jnp.expand_dims(descale, axes)).astype(dtype)
 
+
+
+def is_e4m3(x) -> bool:
+    return jnp.dtype(x.dtype) == jnp.dtype(E4M3)
+
+
+def group_descale(x, name: str, batch: int, kv_heads: int) -> jax.Array:
+    """A descale as float32 [B, K] (one per batch entry and kv head) from a real scalar or a
+    [B, K] array; a TypeError or ValueError naming it otherwise."""
+    x = _validate._as_array(x, name)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be float32, got {_validate._describe(x)}")
+    if x.ndim == 0:
+        x = jnp.broadcast_to(x, (batch, kv_heads))
+    if tuple(x.shape) != (batch, kv_heads):
+        raise ValueError(f"{name} must be a scalar or [B, K] = {(batch, kv_heads)}, got "
+                         f"{_validate._describe(x)}")
+    return x.astype(jnp.float32)
+
+
+# The output dtypes of an attention call on e4m3 queries (the first is the default).
+OUTPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_NO_GRADIENT = ("attention on float8_e4m3fn inputs is forward-only (inference): it has no "
+                "gradient; train on bfloat16 or float16 inputs")
+
+
+def takes_fp8(query, key, value, descale_q, descale_k, descale_v, output_dtype) -> bool:
+    """Whether an `attention` call is an FP8 one (e4m3 keys and values); a ValueError for an
+    FP8 option given to a call without them."""
+    arrays = [_validate._as_array(x, name) for x, name in
+              ((query, "query"), (key, "key"), (value, "value"))]
+    if any(is_e4m3(x) for x in arrays):
+        return True
+    for option, name in ((descale_q, "descale_q"), (descale_k, "descale_k"),
+                         (descale_v, "descale_v"), (output_dtype, "output_dtype")):
+        if option is not None:
+            raise ValueError(f"{name} applies to float8_e4m3fn inputs only, got query, key and "
+                             f"value of {', '.join(str(jnp.dtype(x.dtype)) for x in arrays)}")
+    return False
+
+
+def dequantized_inputs(query, key, value, *, descale_q, descale_k, descale_v, output_dtype,
+                       float32: bool):
+    """(query, key, value, out_dtype) of an FP8 `attention` call: key and value e4m3, query
+    e4m3 too (FP8 attention, out in output_dtype, bfloat16 by default) or bfloat16, float16
+    or float32 (a quantised KV cache, out in query's dtype); each e4m3 operand times its
+    descale (float32 scalars or [B, K], [K] unbatched; 1 where None, a query head taking its
+    kv head's), in float32 with `float32`, else in out_dtype."""
+    query, key, value = (_validate._as_array(x, n) for x, n in
+                         ((query, "query"), (key, "key"), (value, "value")))
+    if not (is_e4m3(key) and is_e4m3(value)):
+        raise TypeError(f"an FP8 call takes key and value of float8_e4m3fn, got "
+                        f"{jnp.dtype(key.dtype)} and {jnp.dtype(value.dtype)}")
+    if is_e4m3(query):
+        out_dtype = OUTPUT_DTYPES[0] if output_dtype is None else jnp.dtype(output_dtype)
+        if out_dtype not in OUTPUT_DTYPES:
+            raise TypeError(f"output_dtype must be bfloat16 or float16, got {output_dtype!r}")
+    else:
+        if jnp.dtype(query.dtype) not in _validate.SUPPORTED_DTYPES:
+            raise TypeError(f"query must be float8_e4m3fn, or bfloat16, float16 or float32 "
+                            f"beside an e4m3 key and value, got {jnp.dtype(query.dtype)}")
+        for option, name in ((descale_q, "descale_q"), (output_dtype, "output_dtype")):
+            if option is not None:
+                raise ValueError(f"{name} applies to a float8_e4m3fn query only, got a "
+                                 f"{jnp.dtype(query.dtype)} query")
+        out_dtype = jnp.dtype(query.dtype)
+    if not query.ndim == key.ndim == value.ndim or query.ndim not in (3, 4):
+        raise ValueError(f"query, key and value must be [B, T, N, H], [B, S, K, H] (or "
+                         f"unbatched), got {_validate._describe(query)}, "
+                         f"{_validate._describe(key)} and {_validate._describe(value)}")
+    unbatched = query.ndim == 3
+    q, k, v = (x[None] if unbatched else x for x in (query, key, value))
+    batch, kv_heads, heads = q.shape[0], k.shape[2], q.shape[2]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"query heads N={heads} must be a multiple of key/value heads "
+                         f"K={kv_heads}")
+    compute = jnp.float32 if float32 else out_dtype
+
+    def scaled(x, descale, name):
+        if descale is None:
+            return x.astype(compute)
+        if unbatched and jnp.ndim(descale) == 1:
+            descale = jnp.asarray(descale)[None]
+        d = group_descale(descale, name, batch, kv_heads)  # [B, K]
+        groups = x.reshape(*x.shape[:2], kv_heads, -1, x.shape[-1])
+        out = groups.astype(jnp.float32) * d[:, None, :, None, None]
+        return out.reshape(x.shape).astype(compute)
+
+    q = scaled(q, descale_q, "descale_q") if is_e4m3(query) else q.astype(compute)
+    k, v = scaled(k, descale_k, "descale_k"), scaled(v, descale_v, "descale_v")
+    q, k, v = (x[0] if unbatched else x for x in (q, k, v))
+    return q, k, v, out_dtype
+
+
+def result(out, out_dtype):
+    """`attention`'s result on the dequantised inputs (out, or (out, lse)) with out in
+    out_dtype and a gradient that raises: an FP8 call is forward-only."""
+    if isinstance(out, tuple):
+        return result(out[0], out_dtype), out[1]
+    return _forward_only.identity(_NO_GRADIENT, out.astype(out_dtype))

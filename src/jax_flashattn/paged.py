@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashattn import _ffi, _forward_only, _paged_kernel, _sinks, _validate
+from jax_flashattn import _ffi, _forward_only, _paged_kernel, _sinks, _validate, fp8
 from jax_flashattn.attention import _check_implementation, attention
 
 # Page sizes: a power of two from 16 to 256 tokens.
@@ -74,21 +74,12 @@ def _check_cache(key_cache, value_cache, query):
 
 def _descale(x, name: str, cache, batch: int):
     """A float32 descale as [B, 1, K, 1] (from a scalar or [B, K]); None without one."""
-    kv_heads = cache.shape[2]
     if x is None:
         return None
     if cache.dtype not in FP8_DTYPES:
         raise ValueError(f"{name} applies to a float8_e4m3fn cache only, got a "
                          f"{cache.dtype} cache")
-    x = _validate._as_array(x, name)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{name} must be float32, got {_validate._describe(x)}")
-    if x.ndim == 0:
-        x = jnp.broadcast_to(x, (batch, kv_heads))
-    if tuple(x.shape) != (batch, kv_heads):
-        raise ValueError(f"{name} must be a scalar or [B, K] = {(batch, kv_heads)}, got "
-                         f"{_validate._describe(x)}")
-    return x.astype(jnp.float32)[:, None, :, None]
+    return fp8.group_descale(x, name, batch, cache.shape[2])[:, None, :, None]
 
 
 def _page_table(page_table, batch: int):
