@@ -67,8 +67,8 @@ def dequantize_fp8(values, descale, axis=(1, 3), dtype=jnp.float32):
     return (values.astype(jnp.float32) * jnp.expand_dims(descale, axes)).astype(dtype)
 
 
-
 def is_e4m3(x) -> bool:
+    """Whether array x holds float8_e4m3fn values."""
     return jnp.dtype(x.dtype) == jnp.dtype(E4M3)
 
 
