@@ -12,8 +12,8 @@ split-KV decode kernels (a decode step or a short chunk: T (N / K) <= 64 query r
 bf16 or float16, head dims up to 256, a table reaching 256 keys or more). Elsewhere (a longer
 prefill chunk, an FP8 (e4m3) cache, implementation="xla" or "cudnn") the pages are gathered
 into one contiguous [B, max_pages x page_size, K, H] view per call (three times the bytes the
-in-place read moves; an FP8 cache is dequantised in that gather) and attended by the kernels
-`attention` runs.
+in-place read moves) and attended by `attention`, an FP8 cache with its descales as attention's
+FP8 keys and values.
 """
 
 from __future__ import annotations
@@ -73,13 +73,13 @@ def _check_cache(key_cache, value_cache, query):
 
 
 def _descale(x, name: str, cache, batch: int):
-    """A float32 descale as [B, 1, K, 1] (from a scalar or [B, K]); None without one."""
+    """A float32 descale as [B, K] (from a scalar or [B, K]); None without one."""
     if x is None:
         return None
     if cache.dtype not in FP8_DTYPES:
         raise ValueError(f"{name} applies to a float8_e4m3fn cache only, got a "
                          f"{cache.dtype} cache")
-    return fp8.group_descale(x, name, batch, cache.shape[2])[:, None, :, None]
+    return fp8.group_descale(x, name, batch, cache.shape[2])
 
 
 def _page_table(page_table, batch: int):
@@ -132,16 +132,15 @@ def _invalid_entries(page_table, kv_lens, q_lens, pages: int, page_size: int, t:
             | (q > kv_lens))
 
 
-def _gather(cache, page_table, descale, dtype):
-    """[P, page_size, K, H] pages -> [B, max_pages x page_size, K, H] in `dtype`; page ids
-    outside [0, P) read page 0 (their entries are NaN'd by the caller)."""
+def _gather(cache, page_table):
+    """[P, page_size, K, H] pages -> [B, max_pages x page_size, K, H], in the cache's dtype
+    (an e4m3 cache stays e4m3: `attention` takes it with its descales); page ids outside
+    [0, P) read page 0 (their entries are NaN'd by the caller)."""
     pages, page_size, kv_heads, head_dim = cache.shape
     batch, max_pages = page_table.shape
     ids = jnp.where((page_table >= 0) & (page_table < pages), page_table, 0)
-    x = jnp.take(cache, ids, axis=0).reshape(batch, max_pages * page_size, kv_heads, head_dim)
-    if descale is None:
-        return x.astype(dtype)
-    return (x.astype(jnp.float32) * descale).astype(dtype)
+    return jnp.take(cache, ids, axis=0).reshape(batch, max_pages * page_size, kv_heads,
+                                                head_dim)
 
 
 def _reads_pages_in_place(query, key_cache, page_table, q_lens, implementation, scale: float,
@@ -169,7 +168,7 @@ def _attend_pages(query, key_cache, value_cache, page_table, kv_lens, q_lens, si
                                window=_validate.kernel_window(window, True), switches=switches,
                                soft_cap=soft_cap)
     out, lse = _forward_only.call(_NO_GRADIENT, kernel, query, key_cache, value_cache,
-                                      page_table, kv_lens, q_lens)
+                                  page_table, kv_lens, q_lens)
     out, lse = _sinks.apply(out, lse, sinks)
     return out, jnp.swapaxes(lse, -1, -2)
 
@@ -247,14 +246,14 @@ def paged_attention(query, key_cache, value_cache, page_table, key_value_seq_len
         if not return_residual:
             out = out[0]
     else:
-        keys = _gather(key_cache, page_table, descale_k, query.dtype)
-        values = _gather(value_cache, page_table, descale_v, query.dtype)
+        keys, values = (_gather(cache, page_table) for cache in (key_cache, value_cache))
         out = attention(_no_grad(query), _no_grad(keys), _no_grad(values),
                         scale=scale, is_causal=True, diagonal_alignment="bottom_right",
                         query_seq_lengths=q_lens, key_value_seq_lengths=kv_lens,
                         local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
                         sinks=sinks, implementation=implementation,
-                        return_residual=return_residual)
+                        return_residual=return_residual, descale_k=descale_k,
+                        descale_v=descale_v)
     if checked:
         return out
     invalid = _invalid_entries(page_table, kv_lens, q_lens, pages, page_size, t)
