@@ -16,7 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_flashattn
 from jax_flashattn import flax as jfa_flax
-from jax_flashattn import _ring, reference, sharding
+from jax_flashattn import _ring, _validate, reference, sharding
+from jax_flashattn.attention import _alibi_logits
 from helpers import assert_attention_close, assert_grads_close, assert_lse_close, random_qkv
 # test_soft_cap's shapes, which its options' segment ids and lengths are built for.
 from test_soft_cap import B, H, K, N, S, T, OPTIONS as SOFT_CAP_OPTIONS
@@ -86,9 +87,53 @@ def test_gradients_match_reference(rng, dtype, slopes_shape, option):
     f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, bias, slopes, d_out)]
     want = jax.jit(lambda *a: alibi_grads(reference.attention, *a, **kwargs))(*f32)
     normwise = None if dtype == jnp.float32 else 2e-2
-    for name, g, w in zip(("out", "dq", "dk", "dv", "dbias", "dslopes"), got, want):
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
         assert g.shape == w.shape, name
         assert_grads_close(g, w, normwise=normwise, name=name)
+    if dtype == jnp.float32:
+        assert_grads_close(got[5], want[5], name="dslopes")
+    else:
+        assert_dslopes_close(got[5], want[5], q, k, v, bias, slopes, d_out, got[0],
+                             relative=1e-2, **kwargs)
+
+
+def slopes_terms(q, k, v, bias, slopes, d_out, out, **kwargs):
+    """(model, scale), float64 of the slopes' shape: the slopes' gradient -sum |t + shift - s|
+    dS with the kernels' own rounding, dS = P (dP - D) from the exact P and dP but
+    D = rowsum(dO o out) from the kernels' output `out` (which the float32 reference does not
+    round; the error of D that rounding brings dominates the kernels' dslopes error), and
+    |t + shift - s| |dS| summed, the size of the terms whose signed sum that is (dS sums to
+    about 0 along a row, so the sum cancels), which the tolerances are relative to."""
+    args = _validate.normalize(q, k, v, bias, alibi_slopes=slopes, **kwargs)
+    p = np.asarray(reference._softmax(args, jnp.float32)[0], np.float64)  # [B, N, T, S]
+    group = q.shape[2] // k.shape[2]
+    v64 = np.repeat(np.asarray(v, np.float64), group, axis=2)
+    d_out64, out64 = np.asarray(d_out, np.float64), np.asarray(out, np.float64)
+    dp = np.einsum("btnh,bsnh->bnts", d_out64, v64)
+    d = np.einsum("btnh,btnh->bnt", d_out64, out64)[..., None]
+    ds = p * (dp - d)
+    unit = _validate.normalize(q, k, v, bias, alibi_slopes=jnp.ones(q.shape[:1] + q.shape[2:3]),
+                               **kwargs)
+    distance = -np.asarray(_alibi_logits(unit), np.float64)
+    model, scale = -np.sum(distance * ds, axis=(2, 3)), np.sum(distance * np.abs(ds), axis=(2, 3))
+    if np.ndim(slopes) == 1:  # slopes shared by the batch: gradients summed over it
+        return model.sum(axis=0), scale.sum(axis=0)
+    return model, scale
+
+
+def assert_dslopes_close(got, want, q, k, v, bias, slopes, d_out, out, *, relative, **kwargs):
+    """Low-precision dslopes against the float32 reference `want` within `relative` of the
+    terms' size (the rounding of the output moves D, and so each term), and against the model
+    with that rounding within float32 arithmetic (1e-3 of the terms' size, checked to be below
+    half the gradient: a missing or halved gradient fails it)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == np.shape(slopes) and np.isfinite(got).all(), "dslopes"
+    model, scale = slopes_terms(q, k, v, bias, slopes, d_out, out, **kwargs)
+    err, bound = np.linalg.norm(got - want), relative * np.linalg.norm(scale) + 1e-5
+    assert err <= bound, f"dslopes: normwise error {err:.3g} exceeds {bound:.3g}"
+    err, bound = np.linalg.norm(got - model), 1e-3 * np.linalg.norm(scale) + 1e-5
+    assert err <= bound, f"dslopes against the model: error {err:.3g} exceeds {bound:.3g}"
+    assert bound < 0.5 * np.linalg.norm(model), "dslopes: the model's bound is too loose here"
 
 
 def test_slopes_change_the_result_and_zero_is_none(rng):

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import jax_flashattn
-from jax_flashattn import _validate, reference
-from jax_flashattn.attention import _alibi_logits
+from jax_flashattn import reference
 from helpers import check_cuda_forward, fill_past_lengths, poison, random_qkv, use_family
-from test_alibi import alibi_grads  # (out, dq, dk, dv, dbias or None, dslopes)
+# (out, dq, dk, dv, dbias or None, dslopes), and dslopes against its rounding model.
+from test_alibi import alibi_grads, assert_dslopes_close
 from test_gpu_backward import NORMWISE
 from test_gpu_forward import shared_direction
 # The families a case runs on (fixtures) and the options, as the soft-cap's tests take them
@@ -184,27 +184,6 @@ def test_decode_kernels(rng, monkeypatch, dtype, head_dim, t, s, bounds, decode_
     check_cuda_forward(q, k, v, alibi_slopes=slopes, **kwargs)
 
 
-def slopes_terms(q, k, v, bias, slopes, d_out, out, **kwargs):
-    """(model, scale), float64 [B, N]: the slopes' gradient -sum |t + shift - s| dS with the
-    kernels' own rounding, dS = P (dP - D) from the exact P and dP but D = rowsum(dO o out)
-    from the kernels' output `out` (which the float32 reference does not round; the error of D
-    that rounding brings dominates the kernels' dslopes error), and |t + shift - s| |dS|
-    summed, the size of the terms whose signed sum that is (dS sums to about 0 along a row, so
-    the sum cancels), which the tolerances are relative to."""
-    args = _validate.normalize(q, k, v, bias, alibi_slopes=slopes, **kwargs)
-    p = np.asarray(reference._softmax(args, jnp.float32)[0], np.float64)  # [B, N, T, S]
-    group = q.shape[2] // k.shape[2]
-    v64 = np.repeat(np.asarray(v, np.float64), group, axis=2)
-    d_out64, out64 = np.asarray(d_out, np.float64), np.asarray(out, np.float64)
-    dp = np.einsum("btnh,bsnh->bnts", d_out64, v64)
-    d = np.einsum("btnh,btnh->bnt", d_out64, out64)[..., None]
-    ds = p * (dp - d)
-    unit = _validate.normalize(q, k, v, bias, alibi_slopes=jnp.ones((B, N), jnp.float32),
-                               **kwargs)
-    distance = -np.asarray(_alibi_logits(unit), np.float64)
-    return -np.sum(distance * ds, axis=(2, 3)), np.sum(distance * np.abs(ds), axis=(2, 3))
-
-
 def check_alibi_grads(rng, q, k, v, slopes, bias=None, *, deterministic=False, **kwargs):
     """Gradients of q, k, v, the bias and the slopes against the float32 reference, normwise
     (the slopes' relative to slopes_terms's scale, and against its model); returns ours
@@ -226,18 +205,8 @@ def check_alibi_grads(rng, q, k, v, slopes, bias=None, *, deterministic=False, *
         assert np.isfinite(a).all(), f"{name}: unwritten or non-finite elements"
         err, bound = np.linalg.norm(a - r), tol * np.linalg.norm(r) + 1e-5 * np.sqrt(r.size)
         assert err <= bound, f"{name}: normwise error {err:.3g} exceeds {bound:.3g}"
-    # dslopes: against the float32 reference within the rounding of D that the kernels'
-    # output brings (tol of the terms' size), and against the gradient with that rounding
-    # modelled, within float32 arithmetic (1e-3 of the terms' size, below half the gradient
-    # here: a missing or halved gradient fails it).
-    got, want = np.asarray(ours[5], np.float64), np.asarray(ref[5], np.float64)
-    assert got.shape == slopes.shape and np.isfinite(got).all(), "dslopes"
-    model, scale = slopes_terms(q, k, v, bias, slopes, d_out, ours[0], **kwargs)
-    err, bound = np.linalg.norm(got - want), tol * np.linalg.norm(scale) + 1e-5
-    assert err <= bound, f"dslopes: normwise error {err:.3g} exceeds {bound:.3g}"
-    err, bound = np.linalg.norm(got - model), 1e-3 * np.linalg.norm(scale) + 1e-5
-    assert err <= bound, f"dslopes against the model: error {err:.3g} exceeds {bound:.3g}"
-    assert bound < 0.5 * np.linalg.norm(model), "dslopes: the model's bound is too loose here"
+    assert_dslopes_close(ours[5], ref[5], q, k, v, bias, slopes, d_out, ours[0], relative=tol,
+                         **kwargs)
     return ours
 
 
