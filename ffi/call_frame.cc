@@ -130,6 +130,22 @@ ffi::Error CheckHeadValues(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q, con
   return ffi::Error::Success();
 }
 
+// Float32 values per (batch, kv head), [..., B, K] with the batch dims of q: the descales of
+// e4m3 keys and values.
+ffi::Error CheckKvHeadValues(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q, int64_t kv_heads,
+                             const char* name) {
+  auto xd = x.dimensions();
+  auto qd = q.dimensions();
+  bool fits = x.element_type() == ffi::DataType::F32 && xd.size() + 2 == qd.size() &&
+              xd.back() == kv_heads;
+  for (size_t i = 0; fits && i + 1 < xd.size(); ++i) fits = xd[i] == qd[i];
+  if (!fits)
+    return Invalid(std::string(name) + " must be float32 [..., B, K] with K = " +
+                   std::to_string(kv_heads) + " for query " + ShapeString(q) + ", got " +
+                   ShapeString(x));
+  return ffi::Error::Success();
+}
+
 ffi::Error CheckLike(const ffi::AnyBuffer& buffer, const ffi::AnyBuffer& like, const char* what) {
   auto a = buffer.dimensions();
   auto b = like.dimensions();
@@ -170,9 +186,17 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   }
   const size_t r = qd.size();
   if (ffi::Error e = CheckLike(v, k, "value"); e.failure()) return e;
-  if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
-      !ToElemType(q.element_type(), p.dtype))
+  const bool fp8_kv = attrs.has_kv_descale != 0;
+  if (fp8_kv) {
+    if (k.element_type() != ffi::DataType::F8E4M3FN || !ToElemType(q.element_type(), p.dtype) ||
+        p.dtype == ElemType::kFloat32)
+      return Invalid("a call with key/value descales takes float8_e4m3fn key and value beside "
+                     "a bfloat16 or float16 query, got query " + ShapeString(q) + ", key " +
+                     ShapeString(k));
+  } else if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
+             !ToElemType(q.element_type(), p.dtype)) {
     return Invalid("query, key and value must share one dtype among float32, bfloat16, float16");
+  }
   CallShape shape;
   shape.dtype = p.dtype;
   shape.batch = LeadingProduct(q, 3);
@@ -231,7 +255,7 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   const size_t expected = size_t(attrs.has_bias != 0) + size_t(attrs.has_mask != 0) +
                           size_t(attrs.has_q_seqlens != 0) + size_t(attrs.has_kv_seqlens != 0) +
                           4 * size_t(attrs.has_segment_ids != 0) +
-                          size_t(attrs.has_alibi != 0) + size_t(paged);
+                          size_t(attrs.has_alibi != 0) + 2 * size_t(fp8_kv) + size_t(paged);
   if (optional.size() != expected)
     return Invalid("expected " + std::to_string(expected) + " optional operands, got " +
                    std::to_string(optional.size()));
@@ -293,6 +317,17 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     p.alibi_slopes = static_cast<const float*>(slopes->untyped_data());
     p.alibi_shift = attrs.alibi_shift;
   }
+  if (fp8_kv) {
+    const float** descales[] = {&p.k_descale, &p.v_descale};
+    const char* names[] = {"k_descale", "v_descale"};
+    for (int i = 0; i < 2; ++i) {
+      auto descale = optional.get<ffi::AnyBuffer>(next++);
+      if (!descale.has_value()) return descale.error();
+      if (ffi::Error e = CheckKvHeadValues(*descale, q, p.num_kv_heads, names[i]); e.failure())
+        return e;
+      *descales[i] = static_cast<const float*>(descale->untyped_data());
+    }
+  }
   return ffi::Error::Success();
 }
 
@@ -335,6 +370,8 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                           const ffi::RemainingRets& dbias,
                           const CallAttrs& attrs, AttentionParams& p) {
   if (attrs.has_page_table) return Invalid("a paged call has no backward");
+  if (attrs.has_kv_descale)
+    return Invalid("a call on float8_e4m3fn keys and values has no backward");
   if (ffi::Error e = DecodeInputs(q, k, v, optional, attrs, p); e.failure()) return e;
   for (auto [buffer, like, what] : {std::tuple{&out, &q, "out"}, {&d_out, &q, "d_out"},
                                     {&*dq, &q, "dq"}, {&*dk, &k, "dk"}, {&*dv, &k, "dv"}}) {

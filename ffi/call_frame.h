@@ -34,6 +34,9 @@ struct CallAttrs {
   // Forward only: k and v are a pool of pages [P, page_size, K, H] and the last optional operand
   // is the page table, int32 [B, max_pages] (AttentionParams::page_table); q is [B, T, N, H].
   int32_t has_page_table;
+  // Forward only: k and v are float8_e4m3fn beside a bfloat16 or float16 q, and their descales
+  // (float32 [..., B, K] each, AttentionParams::k_descale / v_descale) follow the ALiBi slopes.
+  int32_t has_kv_descale;
   // Backward only (the forward passes 0): dQ without atomics, bit-identical across runs.
   int32_t deterministic;
   // Backward only: the slopes' gradient is a result (after dbias, if any).
@@ -45,9 +48,9 @@ struct CallAttrs {
 
 // Fills every field of p for a forward call: inputs, the optional inputs (which follow the fixed
 // operands in `optional`, in the order bias, mask, q_seqlens, kv_seqlens, q_segment_ids,
-// kv_segment_ids, q_key_spans, kv_query_spans, alibi_slopes, page_table, each only when
-// flagged), out, lse and the workspaces. Returns InvalidArgument naming the operand when a
-// shape is wrong.
+// kv_segment_ids, q_key_spans, kv_query_spans, alibi_slopes, k_descale, v_descale,
+// page_table, each only when flagged), out, lse and the workspaces. Returns InvalidArgument
+// naming the operand when a shape is wrong.
 ffi::Error DecodeForward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                          const ffi::AnyBuffer& v, const ffi::RemainingArgs& optional,
                          ffi::Result<ffi::AnyBuffer>& out, ffi::Result<ffi::AnyBuffer>& lse,
@@ -80,7 +83,7 @@ auto BindForward(Binding binding) {
       .RemainingArgs()                 // bias?, mask?, q_seqlens?, kv_seqlens?,
                                        // q_segment_ids?, kv_segment_ids?,
                                        // q_key_spans?, kv_query_spans?, alibi_slopes?,
-                                       // page_table?
+                                       // k_descale?, v_descale?, page_table?
       .template Ret<ffi::AnyBuffer>()  // out [..., B, T, N, H]
       .template Ret<ffi::AnyBuffer>()  // lse float32 [..., B, N, T]
       .template Ret<ffi::AnyBuffer>()  // workspace: int32 [..., 1], the Hopper tile counter
@@ -131,6 +134,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_flashattn::CallAttrs,
                                       xla::ffi::StructMember<int32_t>("has_alibi"),
                                       xla::ffi::StructMember<int64_t>("alibi_shift"),
                                       xla::ffi::StructMember<int32_t>("has_page_table"),
+                                      xla::ffi::StructMember<int32_t>("has_kv_descale"),
                                       xla::ffi::StructMember<int32_t>("deterministic"),
                                       xla::ffi::StructMember<int32_t>("want_dslopes"),
                                       xla::ffi::StructMember<int32_t>("disable_sm90"),

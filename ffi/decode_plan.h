@@ -92,11 +92,23 @@ inline bool decode_shape_fits(const AttentionParams& p) {
          p.seqlen_k <= kDecodeMaxKeys;
 }
 
+// Whether a call with float8_e4m3fn keys and values (AttentionParams::k_descale) fits the
+// decode kernels' e4m3 configurations: a decode shape on the plain kernels (no soft-cap, bias,
+// mask or ALiBi) whose rows are whole 16-byte chunks (head dim a multiple of 16).
+inline bool decode_fp8_kv_fits(const AttentionParams& p) {
+  return decode_shape_fits(p) && p.head_dim % 16 == 0 && !p.soft_capped() &&
+         !p.has_elementwise_terms();
+}
+
 // The blocks per SM a call's splits aim at (kDecodeBlocksPerSm* above).
 inline int64_t decode_blocks_per_sm(const AttentionParams& p) {
   if (p.kv_seqlens != nullptr) return kDecodeBlocksPerSmRagged;
-  return decode_rows(p) <= kDecodeOneSlabRows ? kDecodeBlocksPerSmOneSlab
-                                              : kDecodeBlocksPerSmManyRows;
+  // e4m3 keys and values: the widening makes a block's warps wait on arithmetic, not only on
+  // memory, so one slab too takes two blocks per SM, whose warps hide each other's latencies
+  // (mma_sync::DecodeFp8Config).
+  return decode_rows(p) <= kDecodeOneSlabRows && p.k_descale == nullptr
+             ? kDecodeBlocksPerSmOneSlab
+             : kDecodeBlocksPerSmManyRows;
 }
 
 // Splits per work unit the occupancy rule asks for on `multiprocessors` SMs: as many blocks as

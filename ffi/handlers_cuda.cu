@@ -25,18 +25,23 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                                    attrs, p);
       e.failure())
     return e;
-  if (p.page_table != nullptr) {
-    // Only the split-KV decode kernels read pages (ffi/params.h); the Python side sends a
-    // paged call here only where they apply (decode_shape_fits).
+  if (p.page_table != nullptr || p.k_descale != nullptr) {
+    // Only the split-KV decode kernels read pages and e4m3 keys and values (ffi/params.h);
+    // the Python side sends such a call here only where they apply (decode_shape_fits,
+    // decode_fp8_kv_fits).
     int device = 0;
     if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess)
       return ffi::Error::Internal(std::string("jax_flashattn: ") + cudaGetErrorString(e));
     const cuda::ForwardKernel kernel = cuda::choose_forward_kernel(p, device);
     if (kernel != cuda::ForwardKernel::kDecode && kernel != cuda::ForwardKernel::kDecodeSm90)
       return ffi::Error::InvalidArgument(
-          "jax_flashattn: a paged call runs on the split-KV decode kernels only (bf16 or "
-          "float16, head dim a multiple of 8 up to 256, T (N / K) <= 64 query rows per kv "
-          "head, max_pages page_size >= 256 keys)");
+          std::string("jax_flashattn: ") +
+          (p.k_descale != nullptr
+               ? "float8_e4m3fn keys and values run on the split-KV decode kernels only (head "
+                 "dim a multiple of 16 up to 256, no bias, mask, ALiBi or soft-cap"
+               : "a paged call runs on the split-KV decode kernels only (head dim a multiple "
+                 "of 8 up to 256") +
+          ", bf16 or float16 query, T (N / K) <= 64 query rows per kv head, >= 256 keys)");
   }
   if (cudaError_t e = cuda::launch_forward(p, stream); e != cudaSuccess)
     return ffi::Error::Internal(std::string("jax_flashattn: CUDA forward launch failed: ") +

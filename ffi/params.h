@@ -195,6 +195,13 @@ struct AttentionParams {
   bool disable_sm90 = false;   // JAX_FLASHATTN_DISABLE_SM90: Hopper calls on the mma.sync family
   bool sm80_cp_async = false;  // JAX_FLASHATTN_SM80_CP_ASYNC: mma.sync K/V by cp.async on Hopper
 
+  // float8_e4m3fn k and v beside a bfloat16 or float16 q (a quantised KV cache), nullptr
+  // otherwise: the real key or value is the stored one times its kv head's descale, float32
+  // [batch, K] each. A forward on the split-KV decode kernels only (decode_fp8_kv_fits). Last,
+  // so that adding them moved no other field of the kernels' parameter block.
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
+
   JAX_FLASHATTN_HOST_DEVICE int64_t group_size() const { return num_heads / num_kv_heads; }
   // Elements from k's (and v's) start to key s of batch entry b, kv head 0: through its page
   // where the call is paged (page_table). An unpaged kernel takes b kv_batch_stride + s

@@ -304,22 +304,38 @@ def main():
     # used pages that must not be read at all.
     for head_dim, page_size, t in [(128, 16, 1), (128, 256, 8), (256, 16, 1), (64, 64, 8)]:
         paged_case(rng, head_dim, page_size, t)
+    # e4m3 keys and values widened in the decode kernels: contiguous with key lengths (a
+    # partial last tile) at both warp-step configurations, and paged with pages shorter than
+    # the 128-key tiles.
+    for head_dim, t in [(128, 1), (256, 16), (64, 8)]:
+        fp8_case(rng, head_dim, t)
+    paged_case(rng, 128, 16, 1, fp8=True)
 
 
-def paged_case(rng, head_dim, page_size, t):
+def fp8_case(rng, head_dim, t):
+    q = jnp.asarray(rng.standard_normal((2, t, 8, head_dim)), jnp.bfloat16)
+    k8, kd = jax_flashattn.quantize_fp8(rng.standard_normal((2, 900, 2, head_dim)))
+    v8, vd = jax_flashattn.quantize_fp8(rng.standard_normal((2, 900, 2, head_dim)))
+    out = jax_flashattn.attention(q, k8, v8, descale_k=kd, descale_v=vd,
+                                  key_value_seq_lengths=jnp.array([900, 333], jnp.int32))
+    assert np.isfinite(np.asarray(out, np.float32)).all(), (head_dim, t)
+    print(f"ok: e4m3 keys and values H={head_dim} T={t}")
+
+
+def paged_case(rng, head_dim, page_size, t, fp8=False):
     lengths = np.array([1500, 333], np.int32)
     max_pages = 1600 // page_size + 1
     pages = 2 * max_pages
     table = rng.permutation(pages)[:2 * max_pages].reshape(2, max_pages).astype(np.int32)
     table[1, (333 + page_size - 1) // page_size:] = 10**6  # past sequence 1's pages
     table[0, 3] = pages + 5  # inside sequence 0's 1500 tokens
-    caches = [jnp.asarray(rng.standard_normal((pages, page_size, 2, head_dim)), jnp.bfloat16)
-              for _ in range(2)]
+    caches = [jnp.asarray(rng.standard_normal((pages, page_size, 2, head_dim)),
+                          jnp.float8_e4m3fn if fp8 else jnp.bfloat16) for _ in range(2)]
     q = jnp.asarray(rng.standard_normal((2, t, 8, head_dim)), jnp.bfloat16)
     out = np.asarray(jax.jit(lambda *xs: jax_flashattn.paged_attention(
         *xs, implementation="cuda"))(q, *caches, table, lengths), np.float32)
     assert np.isnan(out[0]).all() and np.isfinite(out[1]).all(), (head_dim, page_size, t)
-    print(f"ok: paged H={head_dim} page {page_size} T={t}")
+    print(f"ok: paged H={head_dim} page {page_size} T={t}{' e4m3' if fp8 else ''}")
 
 
 @contextlib.contextmanager

@@ -111,7 +111,7 @@ def test_cuda_refuses_paged_calls_off_the_decode_kernels(rng):
     caches = [jnp.asarray(x, jnp.bfloat16) for x in (key_cache, value_cache)]
     q = jnp.asarray(rng.standard_normal((2, 200, 8, 128)), jnp.bfloat16)
     with pytest.raises(jax.errors.JaxRuntimeError, match="split-KV decode kernels only"):
-        jax.block_until_ready(_ops.paged_forward(
+        jax.block_until_ready(_ops.cache_forward(
             q, *caches, jnp.asarray(table), None, jnp.array([600, 300], jnp.int32),
             scale=0.1, window=(None, 0), switches=_ffi.kernel_switches()))
 

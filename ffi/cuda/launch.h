@@ -56,6 +56,14 @@ cudaError_t launch_forward_decode(const AttentionParams& p, const mma_sync::Deco
 template <typename Elem, int kHeadDim, bool kSoftCap = false, bool kBiasAndMask = false>
 bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int device, bool alibi);
 
+// The same for float8_e4m3fn keys and values beside an Elem query (AttentionParams::k_descale),
+// on the plain kernels' e4m3 configurations (mma_sync::DecodeFp8Config; decode_fp8_kv_fits).
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_decode_fp8(const AttentionParams& p, const mma_sync::DecodePlan& plan,
+                                      cudaStream_t stream);
+template <typename Elem, int kHeadDim>
+bool forward_decode_fp8_merges_in_cluster(const mma_sync::DecodePlan& plan, int device);
+
 // The same with the Hopper decode kernel (an sm_90a build on a compute capability 9.0 device;
 // head dims up to kHeadDim of wgmma::kDecodeHeadDims).
 template <typename Elem, int kHeadDim, bool kSoftCap = false, bool kBiasAndMask = false>

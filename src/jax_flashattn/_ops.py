@@ -27,7 +27,7 @@ def _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi, alibi_
     flags = dict(has_bias=bias is not None, has_mask=mask is not None,
                  has_q_seqlens=q_lens is not None, has_kv_seqlens=kv_lens is not None,
                  has_segment_ids=q_ids is not None, has_alibi=alibi is not None,
-                 has_page_table=False)
+                 has_kv_descale=False, has_page_table=False)
     flags = {k: np.int32(v) for k, v in flags.items()}
     return present, dict(flags, alibi_shift=np.int64(alibi_shift))
 
@@ -114,26 +114,36 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, alibi
     return vary_like((out, lse), (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi))
 
 
-def paged_forward(q, key_cache, value_cache, page_table, q_lens, kv_lens, *, scale: float,
-                  window: tuple, switches: _ffi.KernelSwitches, soft_cap: float = 0.0):
+def cache_forward(q, key_cache, value_cache, page_table, q_lens, kv_lens, *, scale: float,
+                  window: tuple, switches: _ffi.KernelSwitches, soft_cap: float = 0.0,
+                  k_descale=None, v_descale=None, align_window_to_lengths: bool = True):
     """`forward` reading K/V in place from pages: q [B, T, N, H], key_cache and value_cache
     [P, page_size, K, H], page_table int32 [B, max_pages], kv_lens int32 [B] (required),
     q_lens int32 [B] or None; the keys are S = max_pages x page_size long (ffi/params.h's
-    page_table). Window and lengths as in `forward` with align_window_to_lengths. Runs on the
+    page_table). Window and lengths as in `forward` (align_window_to_lengths: True for a
+    paged call, whose windows always move with the lengths). Runs on the
     CPU kernels, or on a GPU where a split-KV decode kernel takes the call (its decode
     workspace is not empty: _ffi.plan); the CUDA handler refuses any other. vmap runs one call
-    per element."""
+    per element. page_table None: key_cache and value_cache are [B, S, K, H] instead (a
+    contiguous cache, kv_lens then optional). k_descale and v_descale (float32 [B, K], both or
+    neither): the caches hold float8_e4m3fn values, q is bfloat16 or float16, and only the GPU
+    decode kernels take the call (ffi/decode_plan.h's decode_fp8_kv_fits)."""
     batch, t, n, _ = q.shape
-    page_size, kv_heads, head_dim = key_cache.shape[1:]
-    keys = (batch, page_table.shape[1] * page_size, kv_heads, head_dim)
-    optional = [x for x in (q_lens, kv_lens) if x is not None] + [page_table]
+    paged = page_table is not None
+    kv_heads, head_dim = key_cache.shape[2:]
+    keys = ((batch, page_table.shape[1] * key_cache.shape[1], kv_heads, head_dim) if paged
+            else key_cache.shape)
+    fp8 = k_descale is not None
+    optional = [x for x in (q_lens, kv_lens) if x is not None]
+    optional += [k_descale, v_descale] if fp8 else []
+    optional += [page_table] if paged else []
     shape = _ffi.call_shape(q.shape, keys, q.dtype, scale=scale,
-                            has_q_seqlens=q_lens is not None, has_kv_seqlens=True,
+                            has_q_seqlens=q_lens is not None, has_kv_seqlens=kv_lens is not None,
                             soft_cap=soft_cap, switches=switches)
     decode_floats = _ffi.plan(shape).decode_workspace_floats
     flags = dict(has_bias=False, has_mask=False, has_q_seqlens=q_lens is not None,
-                 has_kv_seqlens=True, has_segment_ids=False, has_alibi=False,
-                 has_page_table=True)
+                 has_kv_seqlens=kv_lens is not None, has_segment_ids=False, has_alibi=False,
+                 has_kv_descale=fp8, has_page_table=paged)
     call = jax.ffi.ffi_call(
         _ffi.FORWARD_TARGET,
         (jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -145,8 +155,9 @@ def paged_forward(q, key_cache, value_cache, page_table, q_lens, kv_lens, *, sca
                           **{k: np.int32(v) for k, v in flags.items()},
                           alibi_shift=np.int64(0),
                           **_attrs(scale, window, switches, soft_cap=soft_cap,
-                                   align_window_to_lengths=True))
-    return vary_like((out, lse), (q, key_cache, value_cache, page_table, q_lens, kv_lens))
+                                   align_window_to_lengths=align_window_to_lengths))
+    return vary_like((out, lse), (q, key_cache, value_cache, page_table, q_lens, kv_lens,
+                                  k_descale, v_descale))
 
 
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None,

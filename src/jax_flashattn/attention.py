@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from jax_flashattn import _ffi, _ops, _sinks, _validate, fp8, reference, sharding
+from jax_flashattn import _cache_kernel, _ffi, _ops, _sinks, _validate, fp8, reference, sharding
 
 _UNSUPPORTED_DERIVATIVE = (
     "jax_flashattn.attention: forward-mode derivatives (jax.jvp, jax.jacfwd, jax.linearize) and "
@@ -248,6 +248,17 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     _validate.check_options(implementation=implementation,
                             deterministic_backward=deterministic_backward)
     if fp8.takes_fp8(query, key, value, descale_q, descale_k, descale_v, output_dtype):
+        if (bias is None and mask is None and query_segment_ids is None
+                and key_value_segment_ids is None and logits_soft_cap is None and sinks is None
+                and alibi_slopes is None and _check_implementation(implementation) == "kernels"):
+            out = _fp8_kv_in_kernel(
+                query, key, value, scale=scale, is_causal=is_causal,
+                query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+                local_window_size=local_window_size, diagonal_alignment=diagonal_alignment,
+                descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
+                output_dtype=output_dtype, return_residual=return_residual)
+            if out is not None:
+                return out
         q, k, v, out_dtype = fp8.dequantized_inputs(
             query, key, value, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
             output_dtype=output_dtype, float32=jax.default_backend() == "cpu")
@@ -294,6 +305,38 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         return out
     lse = jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2)).reshape(args.out_shape[:-1])
     return out, lse
+
+
+def _fp8_kv_in_kernel(query, key, value, *, descale_q, descale_k, descale_v, output_dtype,
+                      return_residual, **options):
+    """`attention` of a bfloat16 or float16 query to float8_e4m3fn keys and values on the
+    GPU's decode kernels, which widen them in registers (fp8.decode_kernels_take), or None for
+    a call they do not take (the caller dequantises it first). `options`: the masking
+    options, as `attention`'s."""
+    if (fp8.is_e4m3(query) or not (fp8.is_e4m3(key) and fp8.is_e4m3(value))
+            or descale_q is not None or output_dtype is not None):
+        return None  # FP8 attention, or a call fp8.dequantized_inputs refuses
+    args = _validate.normalize(query, key, value, allow_empty=True, fp8_kv=True, **options)
+    if args.zero_size or not fp8.decode_kernels_take(
+            args.query.shape, args.query.dtype, args.key.shape, scale=args.scale,
+            has_q_lens=args.query_seq_lengths is not None,
+            has_kv_lens=args.key_value_seq_lengths is not None,
+            switches=_ffi.kernel_switches()):
+        return None
+    batch, kv_heads = args.key.shape[0], args.key.shape[2]
+    if query.ndim == 3:  # unbatched: descales [K] or scalars
+        descale_k, descale_v = (d if d is None or jnp.ndim(d) != 1 else jnp.asarray(d)[None]
+                                for d in (descale_k, descale_v))
+    k_descale, v_descale = fp8.kernel_descales(descale_k, descale_v, batch, kv_heads)
+    kernel = functools.partial(_cache_kernel.forward, scale=args.scale,
+                               window=args.kernel_window, switches=_ffi.kernel_switches(),
+                               align_window_to_lengths=args.align_window_to_lengths)
+    out, lse = kernel(args.query, args.key, args.value, None, args.key_value_seq_lengths,
+                      args.query_seq_lengths, k_descale, v_descale)
+    out = fp8.result(out.reshape(args.out_shape), query.dtype)
+    if not return_residual:
+        return out
+    return out, jnp.swapaxes(lse, -1, -2).reshape(args.out_shape[:-1])
 
 
 def _call_kernels(args: _validate.Normalized, deterministic_backward: bool):

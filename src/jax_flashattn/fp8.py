@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_flashattn import _forward_only, _validate
+from jax_flashattn import _ffi, _forward_only, _validate
 
 E4M3 = jnp.float8_e4m3fn
 # The largest finite e4m3fn value: amax scaling maps each group's largest magnitude onto it.
@@ -84,6 +84,29 @@ def group_descale(x, name: str, batch: int, kv_heads: int) -> jax.Array:
         raise ValueError(f"{name} must be a scalar or [B, K] = {(batch, kv_heads)}, got "
                          f"{_validate._describe(x)}")
     return x.astype(jnp.float32)
+
+
+def decode_kernels_take(query_shape, query_dtype, keys_shape, *, scale: float, has_q_lens: bool,
+                        has_kv_lens: bool, switches) -> bool:
+    """Whether the GPU's split-KV decode kernels read e4m3 keys and values of this call as
+    they are stored (widened in registers, the descales applied in the kernel): on a GPU, q
+    bfloat16 or float16, a decoding shape of head dim a multiple of 16 (ffi/decode_plan.h's
+    decode_fp8_kv_fits; its other conditions, no soft-cap, bias, mask, ALiBi or segment ids,
+    are the caller's). keys_shape: [B, S, K, H], S the keys the call reaches."""
+    if (jax.default_backend() != "gpu" or not _ffi.cuda_built()
+            or jnp.dtype(query_dtype) not in OUTPUT_DTYPES or query_shape[-1] % 16):
+        return False
+    shape = _ffi.call_shape(query_shape, keys_shape, query_dtype, scale=scale,
+                            has_q_seqlens=has_q_lens, has_kv_seqlens=has_kv_lens,
+                            switches=switches)
+    return _ffi.plan(shape).decode_workspace_floats > 0
+
+
+def kernel_descales(descale_k, descale_v, batch: int, kv_heads: int):
+    """(k_descale, v_descale) as the kernels take them, float32 [B, K] (1 where None)."""
+    ones = jnp.ones((batch, kv_heads), jnp.float32)
+    return tuple(ones if d is None else group_descale(d, name, batch, kv_heads)
+                 for d, name in ((descale_k, "descale_k"), (descale_v, "descale_v")))
 
 
 # The output dtypes of an attention call on e4m3 queries (the first is the default).

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashattn import _ffi, _forward_only, _paged_kernel, _sinks, _validate, fp8
+from jax_flashattn import _cache_kernel, _ffi, _forward_only, _sinks, _validate, fp8
 from jax_flashattn.attention import _check_implementation, attention
 
 # Page sizes: a power of two from 16 to 256 tokens.
@@ -149,26 +149,32 @@ def _reads_pages_in_place(query, key_cache, page_table, q_lens, implementation, 
     where); False sends it through the gather."""
     batch, t, n, h = query.shape
     pages, page_size, kv_heads = key_cache.shape[:3]
-    if (key_cache.dtype in FP8_DTYPES or min(batch, t, n, h, page_table.shape[1]) == 0
+    if (min(batch, t, n, h, page_table.shape[1]) == 0
             or _check_implementation(implementation) != "kernels"):
         return False
+    keys = (batch, page_table.shape[1] * page_size, kv_heads, h)
+    if key_cache.dtype in FP8_DTYPES:
+        return not soft_cap and fp8.decode_kernels_take(
+            query.shape, query.dtype, keys, scale=scale, has_q_lens=q_lens is not None,
+            has_kv_lens=True, switches=switches)
     if jax.default_backend() == "cpu":  # implementation="cpu" needs it too
         return True
-    keys = (batch, page_table.shape[1] * page_size, kv_heads, h)
     shape = _ffi.call_shape(query.shape, keys, query.dtype, scale=scale,
                             has_q_seqlens=q_lens is not None, has_kv_seqlens=True,
                             soft_cap=soft_cap, switches=switches)
     return _ffi.plan(shape).decode_workspace_floats > 0
 
 
-def _attend_pages(query, key_cache, value_cache, page_table, kv_lens, q_lens, sinks, *, scale,
-                  soft_cap, window, switches):
-    """(out [B, T, N, H], lse [B, T, N]) by the kernels that read the pages in place."""
-    kernel = functools.partial(_paged_kernel.forward, scale=scale,
+def _attend_pages(query, key_cache, value_cache, page_table, kv_lens, q_lens, sinks,
+                  descales, *, scale, soft_cap, window, switches):
+    """(out [B, T, N, H], lse [B, T, N]) by the kernels that read the pages in place;
+    descales: (k_descale, v_descale) float32 [B, K] of an e4m3 cache, else None."""
+    kernel = functools.partial(_cache_kernel.forward, scale=scale,
                                window=_validate.kernel_window(window, True), switches=switches,
                                soft_cap=soft_cap)
+    k_descale, v_descale = (None, None) if descales is None else descales
     out, lse = _forward_only.call(_NO_GRADIENT, kernel, query, key_cache, value_cache,
-                                  page_table, kv_lens, q_lens)
+                                  page_table, kv_lens, q_lens, k_descale, v_descale)
     out, lse = _sinks.apply(out, lse, sinks)
     return out, jnp.swapaxes(lse, -1, -2)
 
@@ -239,8 +245,11 @@ def paged_attention(query, key_cache, value_cache, page_table, key_value_seq_len
     soft_cap = _validate._soft_cap(logits_soft_cap)
     if _reads_pages_in_place(query, key_cache, page_table, q_lens, implementation,
                              kernel_scale, soft_cap, switches):
+        descales = (fp8.kernel_descales(descale_k, descale_v, batch, key_cache.shape[2])
+                    if key_cache.dtype in FP8_DTYPES else None)
         out = _attend_pages(query, key_cache, value_cache, page_table, kv_lens, q_lens,
-                            _validate._sinks(sinks, query.shape[2]), scale=kernel_scale,
+                            _validate._sinks(sinks, query.shape[2]), descales,
+                            scale=kernel_scale,
                             soft_cap=soft_cap, window=_validate._window(local_window_size),
                             switches=switches)
         if not return_residual:

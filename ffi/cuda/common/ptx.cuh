@@ -271,6 +271,21 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// a * b per 16-bit half of two float16 pairs, rounded to nearest, subnormals kept (no .ftz).
+__device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// a * b + c per 16-bit half of two bfloat16 pairs, rounded to nearest (sm_80 has no bf16x2
+// mul: a product is this with c = -0).
+__device__ __forceinline__ uint32_t fma_bf16x2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
 // Float32 add to global memory without a return value (the reduction form of atom.add): how
 // the blocks that share a dQ row sum their partial products into the float32 accumulator.
 __device__ __forceinline__ void red_add_f32(float* address, float value) {

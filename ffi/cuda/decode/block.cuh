@@ -11,8 +11,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "ffi/cuda/common/alibi.cuh"
+#include "ffi/cuda/common/e4m3.cuh"
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/smem_tile.cuh"
@@ -267,7 +269,10 @@ __device__ __forceinline__ void cap_decode_scores(const AttentionParams& p,
 // 16 ks + 8 (i / 2) + 2 (lane % 4) + {0, 1} (the mma.sync m16n8k16 A layout, which is also a
 // warp's share of wgmma's register A). Zero past the rows or the head dim. Q is read once per
 // block, a few KiB against the split's K/V, so uncoalesced 4-byte loads cost nothing visible.
-template <typename Elem, int kKSteps>
+// kE4m3Order: columns 16 ks + 4 (lane % 4) + 2 (i / 2) + {0, 1} instead, the order in which an
+// ldmatrix of e4m3 K gives each lane its head-dim elements (decode/mma_sync_kernel.cuh): the
+// product sums over the head dim, so Q and K permuted alike give the same scores.
+template <typename Elem, int kKSteps, bool kE4m3Order = false>
 __device__ __forceinline__ void load_q_fragments(uint32_t (&q_frag)[kKSteps][4],
                                                  const AttentionParams& p, const DecodeSplit& sp,
                                                  const DecodeRows& rows, int64_t num_rows,
@@ -283,11 +288,25 @@ __device__ __forceinline__ void load_q_fragments(uint32_t (&q_frag)[kKSteps][4],
     for (int ks = 0; ks < kKSteps; ++ks)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int col = ks * 16 + half * 8 + quad_col;
+        const int col = kE4m3Order ? ks * 16 + 2 * quad_col + 2 * half
+                                   : ks * 16 + half * 8 + quad_col;
         q_frag[ks][h + 2 * half] =
             r < num_rows && col < p.head_dim ? *reinterpret_cast<const uint32_t*>(q_row + col) : 0u;
       }
   }
+}
+
+// K/V elements per Elem of a shared tile, as a shift: 1 for e4m3 keys and values, copied and
+// laid out by byte pairs (cuda::E4m3Pair) so that the 2-byte tile copies serve them; the
+// parameters' offsets, strides and head dim count elements.
+template <typename Elem>
+inline constexpr int kKvUnitShift = std::is_same_v<Elem, cuda::E4m3Pair> ? 1 : 0;
+
+// `elements` K/V elements (an offset, a stride, the head dim) in Elem units.
+template <typename Elem>
+__device__ __forceinline__ int64_t kv_units(int64_t elements) {
+  if constexpr (kKvUnitShift<Elem> == 0) return elements;
+  else return elements >> kKvUnitShift<Elem>;
 }
 
 // Copies rows [0, kRows) of K and V, key key0 + row of batch entry b (kv head offset
@@ -313,9 +332,12 @@ __device__ __forceinline__ void load_paged_tile_rows(Elem* sK, Elem* sV, const A
   constexpr int kRunStep = kRowStep < kRun ? 1 : kRowStep / kRun;
   constexpr int kRuns = kRows / kRun / kRunStep;
   const int row0 = tid / kChunks, chunk = tid % kChunks;
-  const int head_chunks = int((p.head_dim < kChunks * 8 ? p.head_dim : kChunks * 8) + 7) / 8;
+  const int head_chunks =
+      int((kv_units<Elem>(p.head_dim) < kChunks * 8 ? kv_units<Elem>(p.head_dim) : kChunks * 8) +
+          7) /
+      8;
   const bool chunk_valid = chunk < head_chunks;
-  const int64_t step = int64_t(kRowStep) * p.kv_row_stride;
+  const int64_t step = int64_t(kRowStep) * kv_units<Elem>(p.kv_row_stride);
   const Elem* k = static_cast<const Elem*>(p.k);
   const Elem* v = static_cast<const Elem*>(p.v);
 #pragma unroll
@@ -323,8 +345,10 @@ __device__ __forceinline__ void load_paged_tile_rows(Elem* sK, Elem* sV, const A
     // This thread's first row in run r (kRowStep >= kRun: row0 lies in a later run of its own).
     const int first = r * kRunStep * kRun + row0;
     const int run0 = first - first % kRun;
-    const int64_t at = run0 < valid_rows ? kv_offset + p.kv_row_offset(b, key0 + run0) +
-                                               (first - run0) * p.kv_row_stride + chunk * 8
+    const int64_t at = run0 < valid_rows ? kv_units<Elem>(kv_offset) +
+                                               kv_units<Elem>(p.kv_row_offset(b, key0 + run0)) +
+                                               (first - run0) * kv_units<Elem>(p.kv_row_stride) +
+                                               chunk * 8
                                          : 0;
 #pragma unroll
     for (int i = 0; i < kPerRun; ++i) {
@@ -357,10 +381,40 @@ __device__ __forceinline__ void load_split_tile(Elem* sK, Elem* sV, const Attent
     // The tile's first key is below the entry's length, so inside its table row.
     offset = sp.kv_offset + p.kv_row_offset(sp.b, tile * kBlockN);
   }
-  load_tile<Traits, kBlockN, Layout>(sK, static_cast<const Elem*>(p.k) + offset, p.kv_row_stride,
-                                     valid_keys, p.head_dim, tid);
-  load_tile<Traits, kBlockN, Layout>(sV, static_cast<const Elem*>(p.v) + offset, p.kv_row_stride,
-                                     valid_keys, p.head_dim, tid);
+  load_tile<Traits, kBlockN, Layout>(sK, static_cast<const Elem*>(p.k) + kv_units<Elem>(offset),
+                                     kv_units<Elem>(p.kv_row_stride), valid_keys,
+                                     kv_units<Elem>(p.head_dim), tid);
+  load_tile<Traits, kBlockN, Layout>(sV, static_cast<const Elem*>(p.v) + kv_units<Elem>(offset),
+                                     kv_units<Elem>(p.kv_row_stride), valid_keys,
+                                     kv_units<Elem>(p.head_dim), tid);
+}
+
+// Widens an e4m3 tile of the ring (kBlockN rows of Traits::kSmemDim byte pairs, swizzled) into
+// rows of Traits::kWidenedDim Elem (swizzled, as a 2-byte config's stage), thread tid's share
+// of its 16-byte chunks: per chunk one 16-byte load, 8 widened pairs, two 16-byte stores.
+// Chunks past the head dim were zero-filled, so the widened rows are zero there too.
+template <typename Traits, typename Elem>
+__device__ __forceinline__ void widen_e4m3_tile(const cuda::E4m3Pair* src, Elem* dst, int tid) {
+  constexpr int kChunks = Traits::kChunks, kTotal = Traits::kBlockN * kChunks;
+  static_assert(kTotal % Traits::kThreads == 0,
+                "every thread widens as many chunks (the NaN check votes over whole warps)");
+  static_assert(2 * kChunks * 8 == Traits::kWidenedDim, "the widened rows are whole");
+  using From = SwizzledRows<Traits::kSmemDim>;
+  using To = SwizzledRows<Traits::kWidenedDim>;
+  // Not unrolled: beside the kernel's accumulators an unrolled loop's registers spilled 140
+  // bytes at head dim 256.
+#pragma unroll 1
+  for (int n = 0; n < kTotal / Traits::kThreads; ++n) {
+    const int i = tid + n * Traits::kThreads, row = i / kChunks, chunk = i % kChunks;
+    const uint4 raw = *reinterpret_cast<const uint4*>(src + From::offset(row, chunk));
+    const uint32_t bytes[4] = {raw.x, raw.y, raw.z, raw.w};
+    uint32_t pairs[4][2];
+    cuda::widen_e4m3_x4<Elem, 0, 1, 2, 3>(bytes, pairs);
+    *reinterpret_cast<uint4*>(dst + To::offset(row, 2 * chunk)) =
+        make_uint4(pairs[0][0], pairs[0][1], pairs[1][0], pairs[1][1]);
+    *reinterpret_cast<uint4*>(dst + To::offset(row, 2 * chunk + 1)) =
+        make_uint4(pairs[2][0], pairs[2][1], pairs[3][0], pairs[3][1]);
+  }
 }
 
 // Where one split's partial result goes: row r's normalised O (plan.head_dim floats) at
@@ -379,8 +433,10 @@ __device__ __forceinline__ PartialRows workspace_partial(const DecodePlan& plan,
 }
 
 // Writes a slab's normalised O (accumulator fragments, kDTiles 8-column tiles) and its rows'
-// lse to `dst`.
-template <int kDTiles>
+// lse to `dst`. kE4m3Order: the tiles of O += P V with e4m3 V (decode/mma_sync_kernel.cuh),
+// where tiles 2 j and 2 j + 1 hold the even and the odd columns of columns [16 j, 16 j + 16):
+// a lane's four of them, 16 j + 4 (lane % 4) + {0, 1, 2, 3}, one float4.
+template <int kDTiles, bool kE4m3Order = false>
 __device__ __forceinline__ void store_split_partial(const PartialRows& dst, const DecodePlan& plan,
                                                     const DecodeRows& rows,
                                                     const float (&o)[kDTiles][4],
@@ -391,11 +447,22 @@ __device__ __forceinline__ void store_split_partial(const PartialRows& dst, cons
     const int r = rows.row[h];
     if (r >= plan.rows) continue;
     float* o_row = dst.o + r * dst.o_stride;
+    if constexpr (kE4m3Order) {
 #pragma unroll
-    for (int d = 0; d < kDTiles; ++d) {
-      const int col = d * 8 + quad_col;
-      if (col < plan.head_dim)
-        *reinterpret_cast<float2*>(o_row + col) = make_float2(o[d][2 * h], o[d][2 * h + 1]);
+      for (int j = 0; j < kDTiles / 2; ++j) {
+        const int col = j * 16 + 2 * quad_col;
+        if (col < plan.head_dim)
+          *reinterpret_cast<float4*>(o_row + col) =
+              make_float4(o[2 * j][2 * h], o[2 * j + 1][2 * h], o[2 * j][2 * h + 1],
+                          o[2 * j + 1][2 * h + 1]);
+      }
+    } else {
+#pragma unroll
+      for (int d = 0; d < kDTiles; ++d) {
+        const int col = d * 8 + quad_col;
+        if (col < plan.head_dim)
+          *reinterpret_cast<float2*>(o_row + col) = make_float2(o[d][2 * h], o[d][2 * h + 1]);
+      }
     }
     if (lane % 4 == 0) dst.lse[r] = lse[h];
   }

@@ -14,6 +14,11 @@
 //   mask                   (per-row key bounds: lengths, causal, window)
 //   online softmax         (exp2 with the scale folded into one FFMA)
 //   O += P V               (P re-packed from the S accumulators, V via ldmatrix.trans)
+// With float8_e4m3fn keys and values (Traits::kFp8Kv, a quantised KV cache) the ring holds their
+// bytes, widened to q's dtype (common/e4m3.cuh) in registers after each ldmatrix (one slab of
+// rows) or once per tile into shared memory that the warps read as a 2-byte stage
+// (Traits::kWidenInSmem, more rows); the descales of the unit's kv head scale the scores
+// (folded into the softmax's factor) and the split's O.
 // Warps that computed the same rows on other keys merge their states through shared memory,
 // and the split writes its normalised O and lse to the workspace (layout: ffi/decode_plan.h) or,
 // for the cluster merge, to its shared memory.
@@ -21,7 +26,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
+#include "ffi/cuda/common/e4m3.cuh"
 #include "ffi/cuda/common/fragments.cuh"
 #include "ffi/cuda/common/ptx.cuh"
 #include "ffi/cuda/common/smem_tile.cuh"
@@ -42,12 +49,24 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of O
   constexpr int kStepChunks = Traits::kStepChunks;  // 16-key chunks of a warp step
   constexpr int kStepKeys = kStepChunks * Traits::kChunkKeys;
+  constexpr bool kFp8Kv = Traits::kFp8Kv, kWiden = Traits::kWidenInSmem;
+  // The warps' K and V fragments are e4m3, widened in registers (the one-slab e4m3 configs).
+  constexpr bool kE4m3Fragments = kFp8Kv && !kWiden;
+  static_assert(!kFp8Kv || !(Traits::kSoftCap || Traits::kBiasAndMask),
+                "e4m3 keys and values take the plain kernels (decode_fp8_kv_fits)");
+  // The ring's 2-byte units: q's elements, or pairs of e4m3 bytes.
+  using Unit = std::conditional_t<kFp8Kv, cuda::E4m3Pair, Elem>;
 
   // Aligned to a whole swizzled row (at most 512 bytes) for LdmatrixAddress's XOR.
   extern __shared__ __align__(512) unsigned char smem_raw[];
-  Elem* ring = reinterpret_cast<Elem*>(smem_raw);  // [kStages][K, V][kBlockN][kSmemDim]
+  Unit* ring = reinterpret_cast<Unit*>(smem_raw);  // [kStages][K, V][kBlockN][kSmemDim]
   auto stage_k = [&](int stage) { return ring + stage * 2 * kBlockN * kSmemDim; };
   auto stage_v = [&](int stage) { return stage_k(stage) + kBlockN * kSmemDim; };
+  // kWiden: each tile widened to q's dtype after the ring, [K, V][kBlockN][kWidenedDim], where
+  // the warps read it as a 2-byte ring stage.
+  constexpr int kReadDim = kWiden ? Traits::kWidenedDim : kSmemDim;
+  Elem* widened_k = reinterpret_cast<Elem*>(smem_raw + Traits::kRingBytes);
+  Elem* widened_v = widened_k + kBlockN * Traits::kWidenedDim;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int quad_col = 2 * (lane % 4);  // mma accumulator column pair
@@ -94,11 +113,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   const DecodeRows rows = DecodeRows::make(vis, slab, lane, int(plan.rows), sp.group);
   uint32_t q_frag[kKSteps][4];
-  load_q_fragments<Elem>(q_frag, p, sp, rows, plan.rows, quad_col);
+  load_q_fragments<Elem, kKSteps, kE4m3Fragments>(q_frag, p, sp, rows, plan.rows, quad_col);
   float o_acc[1][kDTiles][4] = {};
   cuda::OnlineSoftmax<1> softmax;
   softmax.init();
-  const float scale_log2 = decode_softmax_scale<Traits>(p);
+  float scale_log2 = decode_softmax_scale<Traits>(p);
+  if constexpr (kFp8Kv) scale_log2 *= p.k_descale[sp.unit];
   [[maybe_unused]] DecodeBiasAndMask terms;
   if constexpr (Traits::kBiasAndMask) {
     terms = DecodeBiasAndMask::make(p, sp, rows);
@@ -117,14 +137,22 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     __syncthreads();
     if (tile + kStages - 1 < tile_end) load_stage(tile + kStages - 1, (j + kStages - 1) % kStages);
     ptx::cp_async_commit();
+    const int stage = j % kStages;
+    if constexpr (kWiden) {
+      // Every thread widens its share of tile j (every warp is done reading tile j - 1's).
+      widen_e4m3_tile<Traits>(stage_k(stage), widened_k, tid);
+      widen_e4m3_tile<Traits>(stage_v(stage), widened_v, tid);
+      __syncthreads();
+    }
     if (!computes) continue;
     if constexpr (Traits::kBiasAndMask)
       if (tile + 1 < tile_end) terms.prefetch(p, (tile + 1) * kBlockN, kBlockN, lane);
 
-    const int stage = j % kStages;
-    using Address = LdmatrixAddress<SwizzledRows<kSmemDim>>;
-    const Address k_address(stage_k(stage), (ld_matrix >> 1) * 8 + ld_row, ld_matrix & 1);
-    const Address v_address(stage_v(stage), (ld_matrix & 1) * 8 + ld_row, ld_matrix >> 1);
+    using Address = LdmatrixAddress<SwizzledRows<kReadDim>>;
+    const void* k_tile = kWiden ? static_cast<const void*>(widened_k) : stage_k(stage);
+    const void* v_tile = kWiden ? static_cast<const void*>(widened_v) : stage_v(stage);
+    const Address k_address(k_tile, (ld_matrix >> 1) * 8 + ld_row, ld_matrix & 1);
+    const Address v_address(v_tile, (ld_matrix & 1) * 8 + ld_row, ld_matrix >> 1);
     for (int step = key_group; step < Traits::kStepsPerTile; step += key_groups) {
       const int key0 = tile * kBlockN + step * kStepKeys;
       if (key0 >= key_hi) break;                // past every row's last key
@@ -134,14 +162,32 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       // S = Q K^T for 16 rows x kStepKeys keys: one accumulator chain per 16-key chunk, the
       // chunks interleaved per k-step so that consecutive mma do not wait on each other.
       float s_acc[1][2 * kStepChunks][4] = {};
+      if constexpr (kE4m3Fragments) {
+        // One ldmatrix of e4m3 K: per 16 keys and 32 head-dim elements, four 8 x 16-byte
+        // matrices (keys 0-7 then 8-15, each for columns 0-15 then 16-31), each a whole B
+        // operand of one k-step: lane l's 4 bytes are key l / 4's columns 4 (l % 4) + {0..3},
+        // widened to the pairs {0, 1} and {2, 3} (Q's fragments are in that order).
 #pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks)
+        for (int kp = 0; kp < kKSteps / 2; ++kp)
 #pragma unroll
-        for (int c = 0; c < kStepChunks; ++c) {
-          uint32_t k_frag[4];
-          ptx::ldmatrix_x4(k_frag, k_address(chunk0 + c, ks));
-          mma_pair<Elem>(s_acc[0], c, q_frag[ks], k_frag);
-        }
+          for (int c = 0; c < kStepChunks; ++c) {
+            uint32_t k8[4], b[4][2];
+            ptx::ldmatrix_x4(k8, k_address(chunk0 + c, kp));
+            cuda::widen_e4m3_x4<Elem, 0, 1, 2, 3>(k8, b);
+#pragma unroll
+            for (int m = 0; m < 4; ++m)
+              ptx::mma_m16n8k16<Elem>(s_acc[0][2 * c + m / 2], q_frag[2 * kp + m % 2], b[m]);
+          }
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks)
+#pragma unroll
+          for (int c = 0; c < kStepChunks; ++c) {
+            uint32_t k_frag[4];
+            ptx::ldmatrix_x4(k_frag, k_address(chunk0 + c, ks));
+            mma_pair<Elem>(s_acc[0], c, q_frag[ks], k_frag);
+          }
+      }
       cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
       if constexpr (Traits::kBiasAndMask)
         terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
@@ -153,14 +199,39 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       uint32_t p_frag[kStepChunks][4];
 #pragma unroll
       for (int c = 0; c < kStepChunks; ++c) pack_a<Elem>(p_frag[c], s_acc[0], c);
+      if constexpr (kE4m3Fragments) {
+        // One transposed ldmatrix of e4m3 V: per 16 keys and 32 columns, four matrices (keys
+        // 0-7 then 8-15 of columns 0-15, then of 16-31) whose 2-byte elements are column
+        // pairs: lane l's register holds keys 2 (l % 4) and + 1 of columns 2 (l / 4) and + 1,
+        // i.e. a B operand pair for column 2 (l / 4) (bytes 0 and 2) and one for column
+        // 2 (l / 4) + 1 (bytes 1 and 3). O's tiles 2 j and 2 j + 1 take the even and the odd
+        // columns of [16 j, 16 j + 16) (store_split_partial's kE4m3Order).
 #pragma unroll
-      for (int c = 0; c < kStepChunks; ++c)
+        for (int c = 0; c < kStepChunks; ++c)
 #pragma unroll
-        for (int dp = 0; dp < kDTiles / 2; ++dp) {
-          uint32_t v_frag[4];
-          ptx::ldmatrix_x4_trans(v_frag, v_address(chunk0 + c, dp));
-          mma_pair<Elem>(o_acc[0], dp, p_frag[c], v_frag);
-        }
+          for (int dq = 0; dq < kDTiles / 4; ++dq) {
+            uint32_t v8[4], v_pairs[4][2];
+            ptx::ldmatrix_x4_trans(v8, v_address(chunk0 + c, dq));
+            cuda::widen_e4m3_x4<Elem, 0, 2, 1, 3>(v8, v_pairs);
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              // Registers 2 half and 2 half + 1: keys 0-7 and 8-15 of columns [16 half, +16).
+              const uint32_t b_even[2] = {v_pairs[2 * half][0], v_pairs[2 * half + 1][0]};
+              const uint32_t b_odd[2] = {v_pairs[2 * half][1], v_pairs[2 * half + 1][1]};
+              ptx::mma_m16n8k16<Elem>(o_acc[0][4 * dq + 2 * half], p_frag[c], b_even);
+              ptx::mma_m16n8k16<Elem>(o_acc[0][4 * dq + 2 * half + 1], p_frag[c], b_odd);
+            }
+          }
+      } else {
+#pragma unroll
+        for (int c = 0; c < kStepChunks; ++c)
+#pragma unroll
+          for (int dp = 0; dp < kDTiles / 2; ++dp) {
+            uint32_t v_frag[4];
+            ptx::ldmatrix_x4_trans(v_frag, v_address(chunk0 + c, dp));
+            mma_pair<Elem>(o_acc[0], dp, p_frag[c], v_frag);
+          }
+      }
     }
   }
 
@@ -223,16 +294,25 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // Normalise this split's O and write it with its lse.
   float row_lse[1][2];
   softmax.finalize(o_acc, scale_log2, row_lse);
+  if constexpr (kFp8Kv) {
+    const float v_descale = p.v_descale[sp.unit];
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o_acc[0][d][i] *= v_descale;
+  }
   if (plan.cluster_merge) {
     // Every warp has read the states the partial overwrites.
     __syncthreads();
-    if (folds) store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
+    if (folds)
+      store_split_partial<kDTiles, kE4m3Fragments>(partial, plan, rows, o_acc[0], row_lse[0],
+                                                   lane);
     merge_cluster_splits<Elem, Traits::kHeadDim, 1>(p, plan, sp, cluster_partial, 0, tid,
                                                     Traits::kThreads);
   } else {
     // The combine may launch now; it waits for this grid's stores before it reads them.
     ptx::launch_dependents();
-    store_split_partial(partial, plan, rows, o_acc[0], row_lse[0], lane);
+    store_split_partial<kDTiles, kE4m3Fragments>(partial, plan, rows, o_acc[0], row_lse[0], lane);
   }
 }
 

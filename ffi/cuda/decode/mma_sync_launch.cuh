@@ -190,4 +190,34 @@ bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int devi
   });
 }
 
+// The e4m3 configuration of head dim kHeadDim a plan takes: widened in registers for one slab
+// of rows, in shared memory past it (decode/mma_sync_traits.h).
+template <int kHeadDim, typename F>
+auto with_decode_fp8_config(const mma_sync::DecodePlan& plan, F&& f) {
+  if (plan.rows <= mma_sync::kDecodeOneSlabRows) return f(mma_sync::DecodeFp8Config<kHeadDim>{});
+  if (plan.rows <= mma_sync::kDecodeChunkStepMaxRows)
+    return f(mma_sync::DecodeFp8WidenConfig<kHeadDim, 1>{});
+  return f(mma_sync::DecodeFp8WidenConfig<kHeadDim,
+                                          mma_sync::kDecodeFp8ManyRowsStepChunks<kHeadDim>>{});
+}
+
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_decode_fp8(const AttentionParams& p, const mma_sync::DecodePlan& plan,
+                                      cudaStream_t stream) {
+  return with_decode_fp8_config<kHeadDim>(plan, [&](auto config) {
+    using Traits = decltype(config);
+    return launch_decode<Elem, mma_sync::decode_split_kernel<Elem, Traits>>(
+        p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
+  });
+}
+
+template <typename Elem, int kHeadDim>
+bool forward_decode_fp8_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
+  return with_decode_fp8_config<kHeadDim>(plan, [&](auto config) {
+    using Traits = decltype(config);
+    return cluster_merge_fits<mma_sync::decode_split_kernel<Elem, Traits>>(
+        plan, Traits::kThreads, Traits::kSmemBytes, device);
+  });
+}
+
 }  // namespace jax_flashattn::cuda

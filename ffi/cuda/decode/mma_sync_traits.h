@@ -46,7 +46,8 @@
 
 namespace jax_flashattn::mma_sync {
 
-template <int kHeadDim_, int kBlockN_, int kStages_, int kMinBlocks_, int kStepChunks_>
+template <int kHeadDim_, int kBlockN_, int kStages_, int kMinBlocks_, int kStepChunks_,
+          int kKvBytes_ = 2, bool kWidenInSmem_ = false>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;  // keys per K/V tile
@@ -63,8 +64,20 @@ struct DecodeTraits {
   // them, in kernels of its own.
   static constexpr bool kBiasAndMask = false;
   static constexpr bool kAlibi = false;
-  static constexpr int kSmemDim = smem_dim_for(kHeadDim);
-  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row that hold data
+  // Bytes per K/V element: 2 (q's dtype), or 1 for float8_e4m3fn keys and values (kFp8Kv;
+  // DecodeFp8Config below), widened to q's dtype in registers after each ldmatrix, or with
+  // kWidenInSmem once per tile into a tile of q's dtype that the warps then read as the 2-byte
+  // configs read their ring (kWidenedBytes after the ring: K and V of kBlockN rows of
+  // kWidenedDim elements).
+  static constexpr int kKvBytes = kKvBytes_;
+  static constexpr bool kFp8Kv = kKvBytes == 1;
+  static constexpr bool kWidenInSmem = kWidenInSmem_;
+  static constexpr int kWidenedDim = smem_dim_for(kHeadDim);
+  static constexpr int kWidenedBytes = kWidenInSmem ? 2 * kBlockN * kWidenedDim * 2 : 0;
+  // Shared-memory rows in 2-byte units (e4m3 bytes by pairs), padded to a whole 128-byte span
+  // (the XOR swizzle spreads 8 rows over all banks), and their 16-byte chunks that hold data.
+  static constexpr int kSmemDim = smem_dim_for(kHeadDim * kKvBytes / 2);
+  static constexpr int kChunks = kHeadDim * kKvBytes / 16;
   static constexpr int kElemBytes = 2;
   static constexpr int kStageBytes = 2 * kBlockN * kSmemDim * kElemBytes;  // K tile + V tile
   static constexpr int kRingBytes = kStages * kStageBytes;
@@ -75,13 +88,14 @@ struct DecodeTraits {
   // After that merge the drained ring also holds the split's result for the cluster merge
   // (decode/cluster_merge.cuh, ClusterPartial: 64 rows of kHeadDim + 8 floats and their
   // lse, 34.3 KiB at head dim 128, 66.3 KiB at 256; checked in the kernel).
-  static constexpr int kSmemBytes = kRingBytes;
+  static constexpr int kSmemBytes = kRingBytes + kWidenedBytes;
 
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= kDecodeMaxHeadDim, "mma k-steps are 16 wide");
   static_assert(kBlockN % kChunkKeys == 0, "warps take whole 16-key chunks");
   static_assert(kChunksPerTile % kStepChunks == 0, "warps take whole steps");
   static_assert(kWarps * 16 >= kDecodeMaxRows, "one warp per 16-row slab at the most rows");
-  static_assert(kMergeBytes <= kRingBytes, "the merge reuses the drained K/V ring");
+  static_assert(kMergeBytes <= kSmemBytes, "the merge reuses the drained K/V ring");
+  static_assert(!kWidenInSmem || kFp8Kv, "only e4m3 tiles are widened");
   static_assert(kSmemBytes <= 99 * 1024, "fits the opt-in shared memory of every sm_8x/sm_120");
 };
 
@@ -106,6 +120,48 @@ struct DecodeConfig<128, kStepChunks> : DecodeTraits<128, 64, 3, 2, kStepChunks>
 template <int kStepChunks>
 struct DecodeConfig<256, kStepChunks> : DecodeTraits<256, 32, 3, 2, kStepChunks> {};
 
+// Configurations for float8_e4m3fn keys and values (a quantised KV cache beside a bfloat16 or
+// float16 query). Up to 16 query rows (one slab, split over the warps by keys) each warp widens
+// the fragments it loads, in registers: tiles of twice the keys at head dims 128 and 256, so
+// that a stage keeps the 32 KiB of the 2-byte configs in flight (the same bytes per SM; half
+// the tiles per key), and the same tile at 64, whose 64-byte rows pad to a 128-byte span.
+// Stage 128 * 128 B * 2 (64), 128 * 128 B * 2 (128), 64 * 256 B * 2 (256) = 32 KiB; ring
+// 96 KiB; two blocks per SM (decode_blocks_per_sm), as the widening makes the warps wait on
+// arithmetic as well as on memory (one block per SM read the cache at 0.45 of the copy
+// bandwidth, two at 0.62; four blocks of 48 KiB rings at 0.60). 16-key steps. ptxas (nvcc
+// 13.0, sm_90a, bf16): 149 / 221 / 255 registers at 64 / 128 / 256, no spills.
+template <int kHeadDim>
+struct DecodeFp8Config;
+template <>
+struct DecodeFp8Config<64> : DecodeTraits<64, 128, 3, 2, 1, 1> {};
+template <>
+struct DecodeFp8Config<128> : DecodeTraits<128, 128, 3, 2, 1, 1> {};
+template <>
+struct DecodeFp8Config<256> : DecodeTraits<256, 64, 3, 2, 1, 1> {};
+
+// Past 16 rows each warp owns a slab and reads every key of its tiles, so widening in registers
+// would widen each tile once per slab (0.39x the bf16 cache's call at 64 rows, 0.61x this way:
+// docs/decisions/fp8-kv-decode.md);
+// instead the block widens each tile once into a tile of q's dtype (kWidenInSmem), which the
+// warps read as the 2-byte configs do, in the 2-byte configs' steps. The ring has four stages
+// of the 2-byte configs' keys in e4m3 (five at 64, whose rows are padded), beside the widened
+// tile: 4 * 16 KiB + 32 KiB (128: 64 keys; 256: 32 keys), 5 * 16 KiB + 16 KiB (64: 64 keys)
+// = 96 KiB, two blocks per SM as the 2-byte configs; 48-64 KiB of a block in flight. ptxas
+// (nvcc 13.0, sm_90a, bf16): 215 / 243 registers at head dim 128 (16-key / whole-tile steps),
+// 161 / 184 at 64, no spills; at 256 255 registers and 72 bytes of spills (the widening's
+// registers beside Q and O, 192 of them).
+template <int kHeadDim, int kStepChunks>
+struct DecodeFp8WidenConfig;
+template <int kStepChunks>
+struct DecodeFp8WidenConfig<64, kStepChunks>
+    : DecodeTraits<64, 64, 5, 2, kStepChunks, 1, true> {};
+template <int kStepChunks>
+struct DecodeFp8WidenConfig<128, kStepChunks>
+    : DecodeTraits<128, 64, 4, 2, kStepChunks, 1, true> {};
+template <int kStepChunks>
+struct DecodeFp8WidenConfig<256, kStepChunks>
+    : DecodeTraits<256, 32, 4, 2, kStepChunks, 1, true> {};
+
 // The step past kDecodeChunkStepMaxRows rows: the whole tile, except at head dim 256, where S
 // and P of a 32-key tile on top of O and Q (192 registers) make ptxas spill; its tiles have
 // two chunks, so its 16-key steps are two chains per tile, not four
@@ -114,6 +170,14 @@ template <int kHeadDim>
 inline constexpr int kDecodeManyRowsStepChunks = DecodeConfig<kHeadDim, 1>::kChunksPerTile;
 template <>
 inline constexpr int kDecodeManyRowsStepChunks<256> = 1;
+
+// The widened configs' step past kDecodeChunkStepMaxRows rows: the 2-byte configs', within
+// their 64-key tiles.
+template <int kHeadDim>
+inline constexpr int kDecodeFp8ManyRowsStepChunks =
+    kDecodeManyRowsStepChunks<kHeadDim> < DecodeFp8WidenConfig<kHeadDim, 1>::kChunksPerTile
+        ? kDecodeManyRowsStepChunks<kHeadDim>
+        : DecodeFp8WidenConfig<kHeadDim, 1>::kChunksPerTile;
 
 // The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one
 // that is at least as large. The kernel reads no more HBM bytes for the padding (the columns
