@@ -24,7 +24,10 @@ gives our K/V rate as a fraction of it (the decode target is 0.85:
 docs/decisions/decode-benchmark-yardstick.md); --soft-cap CAP caps its rows (ours only), --bias
 adds a serving bias [B, N, 1, S] to them (every implementation), --paged 16,64,256 adds a row
 causal at the bottom right per T and that row through a paged KV cache of each page size
-(ours only, jax_flashattn.paged_attention; ours/contiguous sets them against it).
+(ours only, jax_flashattn.paged_attention; ours/contiguous sets them against it), --fp8 adds
+after each T's plain row that call on K and V stored as float8_e4m3fn with [B, K] descales
+(ours only, quantised outside the timed call; TB/s counts one byte per K/V element, and
+ours/<dtype> cache gives its calls per second over the plain row's).
 Variants preset: bf16, B=4, T=S=4096, N=16, H=128, one row per option users pass: full, causal,
 causal sliding window local_window_size=(1024, 0), per-batch lengths (query and key/value lengths
 4096, 3072, 2048, 1024), GQA (16 query heads over 4 kv heads, causal), a bias of q's dtype
@@ -175,6 +178,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="decode only: comma list of page sizes (powers of two, 16-256): each T "
                         "also gets a row causal at the bottom right and that row through a "
                         "paged KV cache of each size, pages scattered at random (ours only)")
+    p.add_argument("--fp8", action="store_true",
+                   help="decode only: each T also gets its plain row's call on K and V stored "
+                        "as float8_e4m3fn with [B, K] descales (ours only), set against the "
+                        "plain row")
     p.add_argument("--soft-cap", type=_positive_float, default=None,
                    help="decode only: logits soft-capped at this cap (ours only: jax.nn has no "
                         "soft-capping)")
@@ -203,6 +210,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--bias adds a bias to the decode preset's rows: it needs --decode")
     if args.paged and not args.decode:
         p.error("--paged adds paged rows to the decode preset: it needs --decode")
+    if args.fp8 and not args.decode:
+        p.error("--fp8 adds e4m3 rows to the decode preset: it needs --decode")
     if args.paged and args.bias:
         p.error("--paged and --bias: paged_attention takes no bias")
     for name, preset in (("variants", VARIANTS), ("packed", PACKED)):
@@ -225,7 +234,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build_configs(args) -> list[_bench.Config]:
     if args.decode:
         configs = _bench.decode_grid(args.dtype, args.seqlen or _bench.DECODE_SEQLENS, args.kv_len,
-                                     args.paged or ())
+                                     args.paged or (), args.fp8)
         return [dataclasses.replace(c, soft_cap=args.soft_cap,
                                     bias_shape=((c.batch, c.num_heads, 1, c.seqlen_k)
                                                 if args.bias else None))
@@ -275,8 +284,8 @@ def plot(records, impls, out_dir: str, device: str = "") -> list[str]:
                                  figsize=(5.5 * len(causals), 3.6 * len(heads)))
         for (h, causal) in panels:
             ax = axes[heads.index(h)][causals.index(causal)]
-            # One line per implementation and, on the decode preset's paged rows, per variant
-            # ("contiguous", "paged P").
+            # One line per implementation and, on the decode preset's paged and e4m3 rows, per
+            # variant ("contiguous", "paged P", "e4m3").
             variants = sorted({r.get("variant", "") for r in rs})
             for impl in impls:
                 for variant in variants:

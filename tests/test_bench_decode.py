@@ -1,5 +1,7 @@
 """The benchmark's decode preset on the CPU at tiny size: its grid (with the serving bias,
-the soft-cap and the paged rows), its copy-bandwidth yardstick, tables and script."""
+the soft-cap, the paged and the e4m3 rows), its copy-bandwidth yardstick, tables and script."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -145,4 +147,85 @@ def test_bench_script_decode_paged_smoke(capsys):
     assert "| T | S | variant | ours TB/s | ours us |" in printed
     assert "ours/contiguous |" in printed
     row = next(line for line in printed.splitlines() if "| paged 16 |" in line)
+    assert row.split("|")[-2].strip() not in ("-", "")
+
+
+def test_decode_grid_fp8_adds_an_e4m3_row_after_each_plain_row():
+    """fp8: each T's plain row is followed by the same call on e4m3 K/V, which reads one byte
+    per K/V element (half the plain row's bf16 bytes); it combines with the page sizes."""
+    configs = _bench.decode_grid(("bf16",), (1, 8), 256, (16,), fp8=True)
+    assert [(c.seqlen_q, c.variant, c.kv_fp8) for c in configs] == [
+        (t, variant, variant == "e4m3") for t in (1, 8)
+        for variant in ("", "e4m3", "contiguous", "paged 16")]
+    plain, e4m3 = configs[:2]
+    assert e4m3 == dataclasses.replace(plain, kv_fp8=True, variant="e4m3")
+    assert e4m3.kv_bytes() == plain.kv_bytes() // 2 == 8 * 256 * 8 * 128 * 2
+    assert not any(c.kv_fp8 for c in _bench.decode_grid(("bf16",), (1,), 256, (16,)))
+
+
+def test_bench_script_decode_fp8():
+    """--fp8 adds the e4m3 rows, only with --decode."""
+    bench = _load_bench_script()
+    configs = bench.build_configs(bench.parse_args(["--decode", "--fp8", "--seqlen", "1,8",
+                                                    "--dtype", "bf16"]))
+    assert [(c.seqlen_q, c.variant, c.kv_fp8) for c in configs] == [
+        (1, "", False), (1, "e4m3", True), (8, "", False), (8, "e4m3", True)]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--fp8"])
+
+
+def test_decode_table_sets_the_e4m3_row_against_the_plain_row():
+    """ours/bf16 cache: the e4m3 row's calls per second over the plain row's of its T; "-" on
+    the other rows, and no such column without an e4m3 row."""
+    configs = _bench.decode_grid(("bf16",), (1, 8), 256, fp8=True)
+    seconds = {(1, ""): 2e-3, (1, "e4m3"): 1.25e-3, (8, ""): 3e-3, (8, "e4m3"): 2e-3}
+    records = [dict(_bench.config_record(c), impl="ours", mode="fwd", status="ok",
+                    seconds=seconds[c.seqlen_q, c.variant],
+                    kv_tbps=c.kv_bytes() / seconds[c.seqlen_q, c.variant] / 1e12)
+               for c in configs]
+    (title, table), = _bench.markdown_tables(records, ["ours"])
+    assert "; ours/bf16 cache: an e4m3 row's calls per second over the plain row's" in title
+    lines = table.splitlines()
+    assert lines[0] == "| T | S | variant | ours TB/s | ours us | ours/bf16 cache |"
+    assert [line.split("|")[3:4] + line.split("|")[-2:-1] for line in lines[2:]] == [
+        [" plain ", " - "], [" e4m3 ", " 1.60 "], [" plain ", " - "], [" e4m3 ", " 1.50 "]]
+    (_, table), = _bench.markdown_tables(records[:1], ["ours"])
+    assert "cache" not in table
+
+
+def test_e4m3_row_calls_ours_on_e4m3_kv_and_passes_the_gate():
+    """An e4m3 row's extras are set 0's k and v as e4m3 with [B, K] descales; ours on them
+    matches the plain call to e4m3's precision and passes the gate (its reference reads the
+    e4m3 values), and the other implementations are unavailable."""
+    from jax_flashattn._bench import checks, impls
+    plain = _bench.Config(2, 2, 40, 4, 2, 32, "bf16", False, kind="decode")
+    cfg = dataclasses.replace(plain, kv_fp8=True, variant="e4m3")
+    inputs = _bench.Inputs(cfg, 1)
+    extras = inputs.extras
+    assert set(extras) == set(impls.FP8_EXTRAS)
+    assert extras["key_e4m3"].dtype == jnp.float8_e4m3fn
+    assert extras["descale_v"].shape == (2, 2) and extras["descale_v"].dtype == jnp.float32
+    q, k, v = inputs.sets[0]
+    out = impls.config_attention_fn("ours", cfg)(q, k, v, **extras)
+    expected = impls.config_attention_fn("ours", plain)(q, k, v)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert np.allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32), atol=0.1)
+    ref = checks.reference_slice(cfg, inputs, with_grads=False)
+    verdict = checks.check_outputs(cfg, (out,), ref)
+    assert verdict.ok, verdict.detail
+    with pytest.raises(_bench.Unavailable):
+        impls.config_attention_fn("xla", cfg)
+
+
+def test_bench_script_decode_fp8_smoke(capsys):
+    """The e4m3 rows pass the reference check and the table sets them against the plain
+    row."""
+    bench = _load_bench_script()
+    status = bench.main(["--decode", "--seqlen", "2", "--kv-len", "40", "--dtype", "bf16",
+                         "--impls", "ours", "--no-progress", "--repeats", "2", "--fp8",
+                         "--copy-bytes", str(16 << 20)])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "ours/bf16 cache |" in printed
+    row = next(line for line in printed.splitlines() if "| e4m3 |" in line)
     assert row.split("|")[-2].strip() not in ("-", "")

@@ -26,7 +26,10 @@ What is measured
   docs/decisions/decode-benchmark-yardstick.md). Its paged rows (`decode_grid`'s page sizes)
   count the same K and V bytes, read through a page table from pages scattered over a pool
   (`impls._paged_cache`, built outside the timed call), and are set against the same call on
-  contiguous K and V.
+  contiguous K and V. Its e4m3 rows (`decode_grid`'s fp8) make the plain row's call on K and
+  V quantised to float8_e4m3fn outside the timed call (`impls._e4m3_kv`), count one byte per
+  K/V element, and are checked against the reference on those e4m3 values times their
+  descales and set against the plain row by their calls per second.
 * "fwdbwd" is one `jax.vjp` of attention with a fixed random cotangent g: the forward, then
   dq, dk, dv. That is `jax.value_and_grad` of the scalar loss sum(out * g) minus the loss's own
   reduction, which would add the same memory pass to every implementation.

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_flashattn import reference
+from jax_flashattn import dequantize_fp8, reference
 from jax_flashattn._bench.configs import Config, DTYPES
-from jax_flashattn._bench.impls import PAGED_EXTRAS, Inputs
+from jax_flashattn._bench.impls import FP8_EXTRAS, PAGED_EXTRAS, Inputs
 from jax_flashattn._bench.packed import CUDNN_PACKED_EXTRA
 
 
@@ -111,12 +111,14 @@ class ReferenceSlice:
         the checked batch entries, heads and query rows (every key), the sinks and ALiBi
         slopes at the heads,
         lengths and segment ids at the batch entries (every position: _row_visibility picks the
-        rows' ids). cuDNN's lengths and offsets of the packed rows restate the segment ids, and
-        the pages of a paged decode row k and v: both are left out."""
+        rows' ids). cuDNN's lengths and offsets of the packed rows restate the segment ids, the
+        pages of a paged decode row k and v, and the e4m3 copies of an e4m3 row k and v as
+        its call reads them (`reference_slice` takes those as its k and v): all are left
+        out."""
         heads = self.kv_heads * cfg.group
         sliced = {}
         for name, x in extras.items():
-            if name == CUDNN_PACKED_EXTRA or name in PAGED_EXTRAS:
+            if name == CUDNN_PACKED_EXTRA or name in PAGED_EXTRAS or name in FP8_EXTRAS:
                 continue
             if name in ("bias", "mask"):
                 sliced[name] = _take_logits_shaped(x, self.batch_index, self.rows, heads=heads)
@@ -239,8 +241,13 @@ def _reference_device():
 def reference_slice(cfg: Config, inputs: Inputs, with_grads: bool,
                     budget: int = DEFAULT_CHECK_BUDGET) -> ReferenceSlice:
     """Forward: up to FORWARD_CHECK_ROWS query rows against all keys. Forward+backward: every
-    row (dk and dv sum over all of them) of fewer heads. Both on the host CPU."""
+    row (dk and dv sum over all of them) of fewer heads. Both on the host CPU. An e4m3 row's
+    reference reads the K and V its call reads, the e4m3 values times their descales: the
+    rounding to e4m3 is the cache's, not the kernel's, and the gate judges the kernel."""
     q, k, v = inputs.sets[0]
+    if cfg.kv_fp8:
+        k = dequantize_fp8(inputs.extras["key_e4m3"], inputs.extras["descale_k"])
+        v = dequantize_fp8(inputs.extras["value_e4m3"], inputs.extras["descale_v"])
     if with_grads:
         batch_index, rows, kv_heads = _slice_plan(cfg, budget, None)
     else:

@@ -79,6 +79,9 @@ class Config:
     # Decode rows: K/V read from a paged cache of pages of this many tokens, scattered over
     # the pool at random, through jax_flashattn.paged_attention (ours only).
     page_size: int | None = None
+    # Decode rows: K and V stored as float8_e4m3fn with float32 [B, K] descales (made from the
+    # drawn ones outside the timed call), given to jax_flashattn.attention (ours only).
+    kv_fp8: bool = False
 
     @property
     def q_shape(self):
@@ -147,8 +150,10 @@ class Config:
         return forward * (1.0 if mode == "fwd" else 1.0 + BACKWARD_FLOP_FACTOR)
 
     def kv_bytes(self) -> int:
-        """Bytes of K and V one forward call must read."""
-        return 2 * math.prod(self.kv_shape) * jnp.dtype(self.jnp_dtype).itemsize
+        """Bytes of K and V one forward call must read: one per element when they are stored
+        as e4m3 (their descales, 8 bytes per batch entry and kv head, are left out)."""
+        item = 1 if self.kv_fp8 else jnp.dtype(self.jnp_dtype).itemsize
+        return 2 * math.prod(self.kv_shape) * item
 
     def term_bytes(self) -> int:
         """Bytes of the bias and boolean mask as passed: the bias in q's dtype, the mask [B, 1,
@@ -232,12 +237,13 @@ def standard_grid(dtypes=("bf16", "fp16"), head_dims=STANDARD_HEAD_DIMS,
 
 
 def decode_grid(dtypes=("bf16", "fp16"), seqlens=DECODE_SEQLENS, kv_len=None,
-                page_sizes=()) -> list[Config]:
-    """The decode preset: a few query tokens against a long, grouped K/V. With `page_sizes`,
-    each T also gets a row causal at the bottom right (the new tokens' own positions) with
-    each sequence's length given, as a paged call gives it (variant "contiguous", the paged
-    rows' yardstick), and that call through a paged cache of each page size (variant
-    "paged P")."""
+                page_sizes=(), fp8=False) -> list[Config]:
+    """The decode preset: a few query tokens against a long, grouped K/V. With `fp8`, each
+    T's plain row is followed by the same call on K and V stored as e4m3 (variant "e4m3").
+    With `page_sizes`, each T also gets a row causal at the bottom right (the new tokens' own
+    positions) with each sequence's length given, as a paged call gives it (variant
+    "contiguous", the paged rows' yardstick), and that call through a paged cache of each page
+    size (variant "paged P")."""
     d = DECODE_SHAPE
     configs = []
     for dtype in dtypes:
@@ -245,6 +251,8 @@ def decode_grid(dtypes=("bf16", "fp16"), seqlens=DECODE_SEQLENS, kv_len=None,
             base = Config(d["batch"], t, kv_len or d["kv_len"], d["num_heads"],
                           d["num_kv_heads"], d["head_dim"], dtype, False, kind="decode")
             configs.append(base)
+            if fp8:
+                configs.append(dataclasses.replace(base, kv_fp8=True, variant="e4m3"))
             if page_sizes:
                 contiguous = dataclasses.replace(base, causal=True, bottom_right=True,
                                                  kv_lens=(base.seqlen_k,) * base.batch,

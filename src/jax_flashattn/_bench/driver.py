@@ -104,9 +104,9 @@ def config_record(cfg: Config) -> dict:
             record.update(soft_cap=cfg.soft_cap)
         if cfg.bias_shape is not None:
             record.update(bias_shape=cfg.bias_shape)
-        if cfg.variant:  # "contiguous" or "paged P" (decode_grid's page sizes)
+        if cfg.variant:  # "contiguous" or "paged P" (decode_grid's page sizes), or "e4m3"
             record.update(variant=cfg.variant, bottom_right=cfg.bottom_right,
-                          page_size=cfg.page_size)
+                          page_size=cfg.page_size, kv_fp8=cfg.kv_fp8)
     return record
 
 

@@ -20,6 +20,8 @@ from jax_flashattn._bench.packed import (
 _GPU_ONLY = ("cudnn", "cudnn-packed")
 # The extras of a paged decode row (`Inputs._draw_extras`), which only its call reads.
 PAGED_EXTRAS = ("key_cache", "value_cache", "page_table")
+# The extras of an e4m3 decode row (`Inputs._draw_extras`), which only its call reads.
+FP8_EXTRAS = ("key_e4m3", "value_e4m3", "descale_k", "descale_v")
 
 
 def on_gpu() -> bool:
@@ -98,6 +100,10 @@ def config_attention_fn(impl: str, cfg: Config) -> Callable:
         if impl != "ours":
             raise Unavailable("jax.nn.dot_product_attention reads no paged KV cache")
         return functools.partial(_paged, soft_cap=cfg.soft_cap)
+    if cfg.kv_fp8:
+        if impl != "ours":
+            raise Unavailable("jax.nn.dot_product_attention takes no e4m3 K/V with descales")
+        return functools.partial(_e4m3, soft_cap=cfg.soft_cap)
     if cfg.sinks and impl not in ("ours", "ours-deterministic"):
         raise Unavailable("jax.nn.dot_product_attention has no attention sinks")
     fn = attention_fn(impl, cfg.causal, cfg.window, cfg.soft_cap, cfg.bottom_right)
@@ -114,6 +120,17 @@ def _paged(q, k, v, *, key_cache, value_cache, page_table, key_value_seq_lengths
                                          key_value_seq_lengths,
                                          logits_soft_cap=soft_cap,
                                          implementation=ours_implementation())
+
+
+def _e4m3(q, k, v, *, key_e4m3, value_e4m3, descale_k, descale_v, soft_cap=None,
+          **extras):
+    """attention of q against the e4m3 copies of k and v and their descales
+    (`Inputs._draw_extras`), otherwise the plain decode row's call (its bias, where given)."""
+    import jax_flashattn
+    del k, v  # the same values, stored as e4m3
+    return jax_flashattn.attention(q, key_e4m3, value_e4m3, descale_k=descale_k,
+                                   descale_v=descale_v, logits_soft_cap=soft_cap,
+                                   implementation=ours_implementation(), **extras)
 
 
 def call_once(fn, mode, q, k, v, g, extras=None):
@@ -162,6 +179,15 @@ def _paged_cache(k, v, page_size: int, seed: int) -> dict:
     return dict(key_cache=pool(k), value_cache=pool(v), page_table=table)
 
 
+def _e4m3_kv(k, v) -> dict:
+    """k and v [B, S, K, H] as float8_e4m3fn values and their float32 [B, K] descales
+    (jax_flashattn.quantize_fp8's amax scaling per batch entry and kv head)."""
+    import jax_flashattn
+    key, descale_k = jax_flashattn.quantize_fp8(k)
+    value, descale_v = jax_flashattn.quantize_fp8(v)
+    return dict(key_e4m3=key, value_e4m3=value, descale_k=descale_k, descale_v=descale_v)
+
+
 class Inputs:
     """`n_sets` independent (q, k, v) sets plus a cotangent g, drawn on the device.
 
@@ -180,9 +206,10 @@ class Inputs:
         key_value_seq_lengths (int32), sinks (float32 [N], 2 + standard normal: a weight of
         the order of a tenth of a row's at these sizes), alibi_slopes (float32 [N], BLOOM's
         2^(-8 (i + 1) / N)), and on the packed rows cuDNN's lengths
-        and offsets (CUDNN_PACKED_EXTRA, for "cudnn-packed" only), and on the paged decode rows
-        the pages of set 0's k and v with their page table (PAGED_EXTRAS, `_paged_cache`).
-        One copy for every set; never donated."""
+        and offsets (CUDNN_PACKED_EXTRA, for "cudnn-packed" only), on the paged decode rows
+        the pages of set 0's k and v with their page table (PAGED_EXTRAS, `_paged_cache`), and
+        on the e4m3 decode rows set 0's k and v as e4m3 with their descales (FP8_EXTRAS,
+        `_e4m3_kv`). One copy for every set; never donated."""
         cfg, extras = self.cfg, {}
         if cfg.bias_shape is not None:
             key = jax.random.fold_in(jax.random.key(self.seed), 1 << 20)
@@ -211,6 +238,8 @@ class Inputs:
         if cfg.page_size is not None:
             extras.update(_paged_cache(self.sets[0][1], self.sets[0][2], cfg.page_size,
                                        self.seed))
+        if cfg.kv_fp8:
+            extras.update(_e4m3_kv(self.sets[0][1], self.sets[0][2]))
         return extras
 
     def _draw(self):

@@ -116,7 +116,8 @@ def markdown_tables(records: Sequence[dict], impls: Sequence[str],
                      f"N={first['num_heads']}, K={first['num_kv_heads']}, "
                      f"H={first['head_dim']}{capped}; K/V read TB/s and time per call")
             # With page sizes (decode_grid) each T has a plain row, a "contiguous" one (causal
-            # at the bottom right) and its "paged P" rows, set against it.
+            # at the bottom right) and its "paged P" rows, set against it; with fp8 an "e4m3"
+            # row, set against the plain one.
             variants = any(r.get("variant") for by_impl in rows_by_config.values()
                            for r in by_impl.values())
             header = (["T", "S"] + (["variant"] if variants else [])
@@ -148,6 +149,20 @@ def markdown_tables(records: Sequence[dict], impls: Sequence[str],
                     paged = next(iter(by_impl.values())).get("page_size")
                     row.append(_ratio(by_impl.get("ours"), contiguous.get((key[0], key[1])),
                                       "kv_tbps") if paged else "-")
+            if "ours" in impls and any(r.get("kv_fp8") for by_impl in rows_by_config.values()
+                                       for r in by_impl.values()):
+                # Calls per second, not TB/s: the e4m3 row reads fewer bytes for the same call,
+                # and what they buy is the time of a call.
+                header.append(f"ours/{dtype} cache")
+                title += (f"; ours/{dtype} cache: an e4m3 row's calls per second over the plain "
+                          f"row's ({dtype} K/V)")
+                plain = {(key[0], key[1]): by_impl.get("ours")
+                         for key, by_impl in rows_by_config.items()
+                         if not next(iter(by_impl.values())).get("variant")}
+                for row, (key, by_impl) in zip(rows, rows_by_config.items()):
+                    fp8 = next(iter(by_impl.values())).get("kv_fp8")
+                    row.append(_ratio(by_impl.get("ours"), plain.get((key[0], key[1])),
+                                      "seconds", invert=True) if fp8 else "-")
         elif kind == "variants":
             title = (f"{dtype} {MODE_TITLES[mode]} TFLOP/s, options: B={first['batch']}, "
                      f"N={first['num_heads']}, H={first['head_dim']}, T = S; FLOPs count the "
