@@ -210,3 +210,79 @@ def test_fp8_inputs_for_the_gpu_kernels(rng, output_dtype):
     for got, want in ((q2, _dequantised(q8, dq, heads=4)), (k2, _dequantised(k8, dk)),
                       (v2, np.asarray(k8, np.float32))):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.asarray(want, out_dtype)))
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 devices")
+@pytest.mark.parametrize("split", ["heads", "batch"])
+def test_cache_op_on_contiguous_keys_partitions_without_collectives(rng, split):
+    """The op the GPU decode kernels take an e4m3 cache through (_cache_kernel.forward without
+    a page table), here on the CPU kernels with float32 keys and values and key lengths: split
+    by kv heads or by batch entries over 2 devices it runs with no collective and gives
+    `attention`'s result."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax_flashattn import _cache_kernel, _ffi
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 37, 2, 16)), jnp.float32) for _ in range(2))
+    kv_lens = jnp.asarray([37, 20], jnp.int32)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), (split,))
+    spec = P(None, None, "heads", None) if split == "heads" else P("batch")
+    rows = NamedSharding(mesh, P() if split == "heads" else P("batch"))
+    args = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+    kernel = jax.jit(lambda q, k, v, lens: _cache_kernel.forward(
+        q, k, v, None, lens, scale=0.25, window=(None, 0), switches=_ffi.kernel_switches(),
+        align_window_to_lengths=True))
+    compiled = kernel.lower(*args, jax.device_put(kv_lens, rows)).compile()
+    text = compiled.as_text()
+    for op in ("all-gather", "all-to-all", "all-reduce", "reduce-scatter", "collective-permute"):
+        assert op + "(" not in text and op + "-start(" not in text, op
+    out, lse = compiled(*args, jax.device_put(kv_lens, rows))
+    want, want_lse = jax_flashattn.attention(
+        q, k, v, scale=0.25, is_causal=True, diagonal_alignment="bottom_right",
+        key_value_seq_lengths=kv_lens, return_residual=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jnp.swapaxes(lse, 1, 2)), np.asarray(want_lse),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_cache_op_shards_descales_with_their_batch_entries_and_kv_heads():
+    """The cache op's Shardy rule and partition: contiguous keys and values and the [B, K]
+    descales split by batch entry and kv head like q; the pools of a paged call by kv head
+    alone, its table by batch entry."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax_flashattn import _cache_kernel
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("x",))
+    q = jax.ShapeDtypeStruct((2, 1, 8, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 300, 2, 64), jnp.float8_e4m3fn)
+    descale = jax.ShapeDtypeStruct((2, 2), jnp.float32)
+    lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+    contiguous = (False, True, False, True)  # (page table, kv lengths, q lengths, descales)
+    rule, factors = _cache_kernel._sharding_rule(contiguous, mesh, [q, kv, kv, lens, descale,
+                                                                    descale], None)
+    assert rule == ("b t (k g) h, b s k h, b s k h, b, b k, b k -> b t (k g) h, b (k g) t")
+    assert factors["g"] == 4 and "s" in factors["need_replication_factors"]
+    paged = (True, True, False, True)
+    pool = jax.ShapeDtypeStruct((9, 64, 2, 64), jnp.float8_e4m3fn)
+    table = jax.ShapeDtypeStruct((2, 5), jnp.int32)
+    rule, _ = _cache_kernel._sharding_rule(paged, mesh, [q, pool, pool, table, lens, descale,
+                                                         descale], None)
+    assert rule == ("b t (k g) h, p s k h, p s k h, b m, b, b k, b k -> b t (k g) h, "
+                    "b (k g) t")
+    if len(jax.devices()) < 2:
+        return
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ("x",))
+    operands = (q, kv, kv, lens, descale, descale)
+
+    def padded(spec, rank):
+        return tuple(spec) + (None,) * (rank - len(spec))
+    # q split by batch entry, or by heads: keys, values, lengths and descales follow.
+    for q_spec, kv_spec, lens_spec, descale_spec in (
+            (P("x"), P("x"), P("x"), P("x")),
+            (P(None, None, "x"), P(None, None, "x"), P(), P(None, "x"))):
+        # The partition follows q's sharding; the others' are whatever the caller had.
+        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                       sharding=NamedSharding(mesh, q_spec if i == 0 else P()))
+                  for i, x in enumerate(operands)]
+        _, _, _, args = _cache_kernel._partition(None, contiguous, mesh, shapes, None)
+        want = (q_spec, kv_spec, kv_spec, lens_spec, descale_spec, descale_spec)
+        assert ([padded(a.spec, len(x.shape)) for a, x in zip(args, operands)]
+                == [padded(w, len(x.shape)) for w, x in zip(want, operands)])
