@@ -286,3 +286,45 @@ def test_cache_op_shards_descales_with_their_batch_entries_and_kv_heads():
         want = (q_spec, kv_spec, kv_spec, lens_spec, descale_spec, descale_spec)
         assert ([padded(a.spec, len(x.shape)) for a, x in zip(args, operands)]
                 == [padded(w, len(x.shape)) for w, x in zip(want, operands)])
+
+
+def test_kernel_operands_move_the_key_descale_sign_into_the_query(rng):
+    """The decode kernels take a positive key descale (their softmax's factor): a negative one's
+    sign goes into the query heads of its group, a zero one zeroes them (each score 0, as the
+    dequantised keys give), a NaN one makes them NaN; the scores q . k descale are unchanged."""
+    from jax_flashattn import fp8
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 16)), jnp.bfloat16)
+    k8 = jnp.asarray(rng.standard_normal((2, 5, 2, 16)), jnp.float8_e4m3fn)
+    descale_k = jnp.asarray([[0.5, -0.25], [0.0, np.nan]], jnp.float32)
+    q2, k_descale, v_descale = fp8.kernel_operands(q, descale_k, None, 2)
+    assert q2.dtype == q.dtype and k_descale.shape == v_descale.shape == (2, 2)
+    np.testing.assert_array_equal(np.asarray(v_descale), 1.0)
+    np.testing.assert_array_equal(np.asarray(k_descale)[:, :1], [[0.5], [1.0]])
+    assert np.asarray(k_descale)[0, 1] == 0.25 and np.isnan(np.asarray(k_descale)[1, 1])
+    group = np.repeat(np.arange(2), 2)  # query head -> kv head
+
+    def scores(q, k, descale):
+        k = np.asarray(k, np.float64)[:, :, group] * np.asarray(descale, np.float64)[
+            :, None, group, None]
+        return np.einsum("btnh,bsnh->bnts", np.asarray(q, np.float64), k)
+    want, got = scores(q, k8, descale_k), scores(q2, k8, k_descale)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), rtol=1e-12, atol=0)
+    assert (got[1, :2] == 0).all()  # the zero descale's heads
+
+
+def test_in_kernel_path_gradient_raises_the_forward_only_error(rng, monkeypatch):
+    """jax.grad through a call the GPU decode kernels take on an e4m3 cache raises the FP8
+    TypeError before JAX meets the kernel op (which has no derivative rule). The path is
+    forced here (the CPU kernels take no e4m3) and only traced."""
+    from jax_flashattn import fp8
+    monkeypatch.setattr(fp8, "decode_kernels_take", lambda *a, **k: True)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)), jnp.bfloat16)
+    k8, kd = jax_flashattn.quantize_fp8(rng.standard_normal((2, 300, 2, 16)))
+
+    def loss(q, kd):
+        out = jax_flashattn.attention(q, k8, k8, descale_k=kd, descale_v=kd)
+        return jnp.sum(out.astype(jnp.float32))
+    for argnum in (0, 1):
+        with pytest.raises(TypeError, match="forward-only"):
+            jax.jit(jax.grad(loss, argnums=argnum)).lower(q, kd)

@@ -74,34 +74,61 @@ def test_decode_reads_the_e4m3_cache(rng, dtype, head_dim, t, option):
     np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=2e-3, atol=2e-3)
 
 
-def test_descales_scale_scores_and_values(rng):
-    """Descales far from 1 (and different per batch entry and kv head): the scores take the
-    key's, the output the value's; a descale of 0 for the values zeroes that kv head's rows."""
-    q = jnp.asarray(rng.standard_normal((B, 4, N, 128)), jnp.bfloat16)
+@pytest.mark.parametrize("t", [1, 16])
+def test_descales_scale_scores_and_values(rng, t):
+    """Descales far from 1, negative and zero (different per batch entry and kv head): the
+    scores take the key's (its sign through the query: fp8.kernel_operands), the output the
+    value's; a value descale of 0 zeroes that kv head's rows."""
+    q = jnp.asarray(rng.standard_normal((B, t, N, 128)), jnp.bfloat16)
     k8, v8, _, _, _, _ = quantized_cache(rng, B, 2048, K, 128)
-    kd = jnp.asarray([[0.01, 0.2], [0.05, 0.003]], jnp.float32)
-    vd = jnp.asarray([[3.0, 0.0], [0.5, 40.0]], jnp.float32)
-    out = jax_flashattn.attention(q, k8, v8, descale_k=kd, descale_v=vd)
+    kd = jnp.asarray([[0.01, -0.2], [0.0, 0.003]], jnp.float32)
+    vd = jnp.asarray([[3.0, 0.0], [-0.5, 40.0]], jnp.float32)
+
+    def f(q, k8, v8, kd, vd):
+        return jax_flashattn.attention(q, k8, v8, descale_k=kd, descale_v=vd)
+    assert reads_e4m3_in_the_kernel(f, q, k8, v8, kd, vd)
+    out = jax.jit(f)(q, k8, v8, kd, vd)
     k_deq, v_deq = (jax_flashattn.dequantize_fp8(x, d) for x, d in ((k8, kd), (v8, vd)))
     assert_attention_close(out, q, k_deq, v_deq)
     assert (np.asarray(out, np.float32)[0, :, N // K:] == 0).all()
 
 
-def test_nan_in_the_cache(rng):
-    """An e4m3 NaN at a key some rows see makes exactly those rows NaN; one past a batch
-    entry's length is never read."""
-    q = jnp.asarray(rng.standard_normal((B, 1, N, 128)), jnp.bfloat16)
+def e4m3_bits(byte):
+    return jax.lax.bitcast_convert_type(jnp.uint8(byte), E4M3)
+
+
+@pytest.mark.parametrize("t", [1, 16])
+def test_nan_in_the_cache(rng, t):
+    """e4m3 NaNs (0x7f and 0xff) at keys some rows see make exactly those rows NaN, in K and
+    in V, whether widened in registers (T = 1) or in shared memory (T = 16); one past a batch
+    entry's length, inside its last tile, is never read."""
+    q = jnp.asarray(rng.standard_normal((B, t, N, 128)), jnp.bfloat16)
     k8, v8, kd, vd, _, _ = quantized_cache(rng, B, 1024, K, 128)
-    nan = jnp.asarray(jnp.nan, E4M3)
-    k8 = k8.at[0, 500, 1, 7].set(nan)      # seen by entry 0's kv head 1
-    v8 = v8.at[1, 900, 0, 3].set(nan)      # past entry 1's length
+    k8 = k8.at[0, 500, 1, 7].set(e4m3_bits(0x7f))  # seen by entry 0's kv head 1
+    v8 = v8.at[1, 100, 0, 3].set(e4m3_bits(0xff))  # seen by entry 1's kv head 0
+    k8 = k8.at[1, 620, 1, 9].set(e4m3_bits(0x7f))  # past entry 1's length, in its last tile
+    v8 = v8.at[1, 630, 1, 2].set(e4m3_bits(0xff))
     lens = np.array([1024, 600], np.int32)
     out = np.asarray(jax_flashattn.attention(q, k8, v8, descale_k=kd, descale_v=vd,
                                              key_value_seq_lengths=lens), np.float32)
     rows_nan = np.isnan(out).any(axis=-1)  # [B, T, N]
     want = np.zeros_like(rows_nan)
     want[0, :, N // K:] = True
+    want[1, :, :N // K] = True
     np.testing.assert_array_equal(rows_nan, want)
+
+
+def test_gradient_raises(rng):
+    """Forward only: jax.grad of the query or the descales raises the FP8 TypeError."""
+    q = jnp.asarray(rng.standard_normal((B, 1, N, 64)), jnp.bfloat16)
+    k8, v8, kd, vd, _, _ = quantized_cache(rng, B, 512, K, 64)
+
+    def loss(q, kd):
+        out = jax_flashattn.attention(q, k8, v8, descale_k=kd, descale_v=vd)
+        return jnp.sum(out.astype(jnp.float32))
+    for argnum in (0, 1):
+        with pytest.raises(TypeError, match="forward-only"):
+            jax.grad(loss, argnums=argnum)(q, kd)
 
 
 @pytest.mark.parametrize("case", ["head_dim_72", "soft_cap", "prefill"])
@@ -130,7 +157,9 @@ def test_paged_e4m3_cache_in_place(rng, page_size, t):
                                                     max_pages)
     (k8, kd), (v8, vd) = (jax_flashattn.quantize_fp8(jnp.asarray(x), axis=(0, 1, 3))
                           for x in (key_cache, value_cache))
-    kd, vd = (jnp.broadcast_to(d, (2, K)) * jnp.asarray([[1.0], [0.5]]) for d in (kd, vd))
+    # Per entry, the second entry's key descale negative (its sign moves into the query).
+    kd, vd = (jnp.broadcast_to(d, (2, K)) * jnp.asarray([[1.0], [f]])
+              for d, f in ((kd, -0.5), (vd, 0.5)))
     q = jnp.asarray(rng.standard_normal((2, t, N, 128)), jnp.bfloat16)
     q_lens = None if t == 1 else np.array([t, t // 2], np.int32)
 

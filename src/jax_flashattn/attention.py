@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from jax_flashattn import _cache_kernel, _ffi, _ops, _sinks, _validate, fp8, reference, sharding
+from jax_flashattn import (_cache_kernel, _ffi, _forward_only, _ops, _sinks, _validate, fp8,
+                           reference, sharding)
 
 _UNSUPPORTED_DERIVATIVE = (
     "jax_flashattn.attention: forward-mode derivatives (jax.jvp, jax.jacfwd, jax.linearize) and "
@@ -323,17 +324,20 @@ def _fp8_kv_in_kernel(query, key, value, *, descale_q, descale_k, descale_v, out
             has_kv_lens=args.key_value_seq_lengths is not None,
             switches=_ffi.kernel_switches()):
         return None
-    batch, kv_heads = args.key.shape[0], args.key.shape[2]
+    kv_heads = args.key.shape[2]
     if query.ndim == 3:  # unbatched: descales [K] or scalars
         descale_k, descale_v = (d if d is None or jnp.ndim(d) != 1 else jnp.asarray(d)[None]
                                 for d in (descale_k, descale_v))
-    k_descale, v_descale = fp8.kernel_descales(descale_k, descale_v, batch, kv_heads)
+    q, k_descale, v_descale = fp8.kernel_operands(args.query, descale_k, descale_v, kv_heads)
     kernel = functools.partial(_cache_kernel.forward, scale=args.scale,
                                window=args.kernel_window, switches=_ffi.kernel_switches(),
                                align_window_to_lengths=args.align_window_to_lengths)
-    out, lse = kernel(args.query, args.key, args.value, None, args.key_value_seq_lengths,
-                      args.query_seq_lengths, k_descale, v_descale)
-    out = fp8.result(out.reshape(args.out_shape), query.dtype)
+    # Forward only: its gradient raises fp8's TypeError before JAX meets the kernel op, which
+    # has no derivative rule.
+    out, lse = _forward_only.call(fp8.NO_GRADIENT, kernel, q, args.key, args.value, None,
+                                  args.key_value_seq_lengths, args.query_seq_lengths,
+                                  k_descale, v_descale)
+    out = out.reshape(args.out_shape)
     if not return_residual:
         return out
     return out, jnp.swapaxes(lse, -1, -2).reshape(args.out_shape[:-1])

@@ -102,16 +102,27 @@ def decode_kernels_take(query_shape, query_dtype, keys_shape, *, scale: float, h
     return _ffi.plan(shape).decode_workspace_floats > 0
 
 
-def kernel_descales(descale_k, descale_v, batch: int, kv_heads: int):
-    """(k_descale, v_descale) as the kernels take them, float32 [B, K] (1 where None)."""
+def kernel_operands(query, descale_k, descale_v, kv_heads: int):
+    """(query, k_descale, v_descale) as the decode kernels take a call on an e4m3 cache: query
+    [B, T, N, H] and the descales float32 [B, K] (1 where None). The kernels fold the key's
+    descale into the softmax's factor, which must be positive (the softmax takes each row's
+    maximum before scaling), so its sign goes into the query instead, exactly: the query's
+    heads times -1, or 0 for a descale of 0 (every score 0, as the dequantised keys give), and
+    the kernels take its magnitude (1 for 0). A NaN descale makes the query NaN, as it makes
+    the dequantised keys."""
+    batch, heads = query.shape[0], query.shape[2]
     ones = jnp.ones((batch, kv_heads), jnp.float32)
-    return tuple(ones if d is None else group_descale(d, name, batch, kv_heads)
-                 for d, name in ((descale_k, "descale_k"), (descale_v, "descale_v")))
+    k_descale, v_descale = (ones if d is None else group_descale(d, name, batch, kv_heads)
+                            for d, name in ((descale_k, "descale_k"), (descale_v, "descale_v")))
+    sign = jnp.repeat(jnp.sign(k_descale), heads // kv_heads, axis=1)  # [B, N]
+    query = query * sign[:, None, :, None].astype(query.dtype)
+    k_descale = jnp.where(k_descale == 0, 1.0, jnp.abs(k_descale))
+    return query, k_descale, v_descale
 
 
 # The output dtypes of an attention call on e4m3 queries (the first is the default).
 OUTPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_NO_GRADIENT = ("attention on float8_e4m3fn inputs is forward-only (inference): it has no "
+NO_GRADIENT = ("attention on float8_e4m3fn inputs is forward-only (inference): it has no "
                 "gradient; train on bfloat16 or float16 inputs")
 
 
@@ -188,4 +199,4 @@ def result(out, out_dtype):
     out_dtype and a gradient that raises: an FP8 call is forward-only."""
     if isinstance(out, tuple):
         return result(out[0], out_dtype), out[1]
-    return _forward_only.identity(_NO_GRADIENT, out.astype(out_dtype))
+    return _forward_only.identity(NO_GRADIENT, out.astype(out_dtype))
