@@ -114,6 +114,8 @@ def kernel_operands(query, descale_k, descale_v, kv_heads: int):
     ones = jnp.ones((batch, kv_heads), jnp.float32)
     k_descale, v_descale = (ones if d is None else group_descale(d, name, batch, kv_heads)
                             for d, name in ((descale_k, "descale_k"), (descale_v, "descale_v")))
+    if descale_k is None:  # all ones: nothing to move (no elementwise op on the query)
+        return query, k_descale, v_descale
     sign = jnp.repeat(jnp.sign(k_descale), heads // kv_heads, axis=1)  # [B, N]
     query = query * sign[:, None, :, None].astype(query.dtype)
     k_descale = jnp.where(k_descale == 0, 1.0, jnp.abs(k_descale))
