@@ -188,11 +188,10 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   if (ffi::Error e = CheckLike(v, k, "value"); e.failure()) return e;
   const bool fp8_kv = attrs.has_kv_descale != 0;
   if (fp8_kv) {
-    if (k.element_type() != ffi::DataType::F8E4M3FN || !ToElemType(q.element_type(), p.dtype) ||
-        p.dtype == ElemType::kFloat32)
+    if (k.element_type() != ffi::DataType::F8E4M3FN || !ToElemType(q.element_type(), p.dtype))
       return Invalid("a call with key/value descales takes float8_e4m3fn key and value beside "
-                     "a bfloat16 or float16 query, got query " + ShapeString(q) + ", key " +
-                     ShapeString(k));
+                     "a float32, bfloat16 or float16 query, got query " + ShapeString(q) +
+                     ", key " + ShapeString(k));
   } else if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
              !ToElemType(q.element_type(), p.dtype)) {
     return Invalid("query, key and value must share one dtype among float32, bfloat16, float16");

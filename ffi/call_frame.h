@@ -34,7 +34,8 @@ struct CallAttrs {
   // Forward only: k and v are a pool of pages [P, page_size, K, H] and the last optional operand
   // is the page table, int32 [B, max_pages] (AttentionParams::page_table); q is [B, T, N, H].
   int32_t has_page_table;
-  // Forward only: k and v are float8_e4m3fn beside a bfloat16 or float16 q, and their descales
+  // Forward only: k and v are float8_e4m3fn beside a float32, bfloat16 or float16 q (the CUDA
+  // kernels: bfloat16 or float16), and their descales
   // (float32 [..., B, K] each, AttentionParams::k_descale / v_descale) follow the ALiBi slopes.
   int32_t has_kv_descale;
   // Backward only (the forward passes 0): dQ without atomics, bit-identical across runs.

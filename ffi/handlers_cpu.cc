@@ -29,10 +29,6 @@ ffi::Error ForwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                    attrs, p);
       e.failure())
     return e;
-  if (p.k_descale != nullptr)
-    return ffi::Error::InvalidArgument(
-        "jax_flashattn: float8_e4m3fn keys and values run on the CUDA decode kernels only; "
-        "on the CPU, attention takes them dequantised to float32");
   return RunGuarded([&] { cpu::forward(p); });
 }
 

@@ -195,10 +195,11 @@ struct AttentionParams {
   bool disable_sm90 = false;   // JAX_FLASHATTN_DISABLE_SM90: Hopper calls on the mma.sync family
   bool sm80_cp_async = false;  // JAX_FLASHATTN_SM80_CP_ASYNC: mma.sync K/V by cp.async on Hopper
 
-  // float8_e4m3fn k and v beside a bfloat16 or float16 q (a quantised KV cache), nullptr
+  // float8_e4m3fn k and v beside a q of another dtype (a quantised KV cache), nullptr
   // otherwise: the real key or value is the stored one times its kv head's descale, float32
-  // [batch, K] each. A forward on the split-KV decode kernels only (decode_fp8_kv_fits). Last,
-  // so that adding them moved no other field of the kernels' parameter block.
+  // [batch, K] each. A forward only, on the CPU kernels or the split-KV decode kernels
+  // (decode_fp8_kv_fits: a bf16 or float16 q). Last, so that adding them moved no other field
+  // of the kernels' parameter block.
   const float* k_descale = nullptr;
   const float* v_descale = nullptr;
 

@@ -410,25 +410,24 @@ def test_paged_handler_error_is_python_exception(rng, case):
 FP8_CASES = {
     # (k dtype, q dtype, descale shape): what the decoder says
     "bf16 keys": (jnp.bfloat16, jnp.bfloat16, (B, K), "float8_e4m3fn key and value"),
-    "float32 query": (jnp.float8_e4m3fn, jnp.float32, (B, K), "bfloat16 or float16 query"),
+    "bf16 value": (jnp.float8_e4m3fn, jnp.bfloat16, (B, K), "value must have shape"),
     "descale per head": (jnp.float8_e4m3fn, jnp.bfloat16, (B, N), r"k_descale must be float32 "
                          r"\[\.\.\., B, K\]"),
     "descale without batch": (jnp.float8_e4m3fn, jnp.bfloat16, (K,), "k_descale must be"),
-    # Well formed: the CPU kernels refuse e4m3 keys and values (attention dequantises them).
-    "on the CPU": (jnp.float8_e4m3fn, jnp.bfloat16, (B, K), "decode kernels only"),
 }
 
 
 @pytest.mark.parametrize("case", list(FP8_CASES), ids=str)
 def test_fp8_handler_error_is_python_exception(rng, case):
-    """e4m3 keys and values with their descales reach the C++ decoder, which refuses bad ones
-    (and the CPU kernels, which do not read e4m3)."""
+    """e4m3 keys and values with their descales reach the C++ decoder, which refuses bad
+    ones."""
     k_dtype, q_dtype, descale_shape, message = FP8_CASES[case]
     q = jnp.asarray(rng.standard_normal((B, T, N, H)), q_dtype)
     k = jnp.asarray(rng.standard_normal((B, S, K, H)), k_dtype)
+    v = k.astype(jnp.bfloat16) if case == "bf16 value" else k
     descale = jnp.ones(descale_shape, jnp.float32)
     with pytest.raises(jax.errors.JaxRuntimeError, match=message):
-        jax.block_until_ready(_raw_forward(q, k, k, descale, descale,
+        jax.block_until_ready(_raw_forward(q, k, v, descale, descale,
                                            has_kv_descale=np.int32(1)))
 
 

@@ -313,12 +313,9 @@ def test_kernel_operands_move_the_key_descale_sign_into_the_query(rng):
     assert (got[1, :2] == 0).all()  # the zero descale's heads
 
 
-def test_in_kernel_path_gradient_raises_the_forward_only_error(rng, monkeypatch):
-    """jax.grad through a call the GPU decode kernels take on an e4m3 cache raises the FP8
-    TypeError before JAX meets the kernel op (which has no derivative rule). The path is
-    forced here (the CPU kernels take no e4m3) and only traced."""
-    from jax_flashattn import fp8
-    monkeypatch.setattr(fp8, "decode_kernels_take", lambda *a, **k: True)
+def test_in_kernel_path_gradient_raises_the_forward_only_error(rng):
+    """jax.grad through a call the kernels take on an e4m3 cache as stored raises the FP8
+    TypeError before JAX meets the kernel op (which has no derivative rule)."""
     q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)), jnp.bfloat16)
     k8, kd = jax_flashattn.quantize_fp8(rng.standard_normal((2, 300, 2, 16)))
 
@@ -328,3 +325,52 @@ def test_in_kernel_path_gradient_raises_the_forward_only_error(rng, monkeypatch)
     for argnum in (0, 1):
         with pytest.raises(TypeError, match="forward-only"):
             jax.jit(jax.grad(loss, argnums=argnum)).lower(q, kd)
+
+
+def _reads_e4m3_in_the_kernel(fn, *args) -> bool:
+    """Whether the compiled fn hands e4m3 operands to our forward custom call."""
+    from jax_flashattn import _ffi
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    calls = [line for line in text.splitlines()
+             if f'custom_call_target="{_ffi.FORWARD_TARGET}"' in line]
+    return bool(calls) and all("f8e4m3fn[" in line for line in calls)
+
+
+KV_CACHE_OPTIONS = {
+    "plain": {},
+    "lengths": dict(query_seq_lengths=[5, 2], key_value_seq_lengths=[37, 19]),
+    "bottom_right_causal": dict(is_causal=True, diagonal_alignment="bottom_right"),
+    "window": dict(is_causal=True, local_window_size=(6, 0)),
+}
+
+
+@pytest.mark.parametrize("option", sorted(KV_CACHE_OPTIONS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_cpu_kernels_read_the_e4m3_cache(rng, option, dtype):
+    """The CPU kernels take e4m3 keys and values as stored, each dequantised as it is loaded:
+    the result is the reference on the dequantised values, rounded once to the query's dtype,
+    with descales of every sign per (batch entry, kv head) (a negative key descale's sign goes
+    through the query, a zero one gives equal scores), and NaN rows exactly where a visible
+    key or value is NaN."""
+    b, t, s, n, k, h = 2, 5, 37, 6, 2, 24
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
+    k8, v8 = (jnp.asarray(rng.standard_normal((b, s, k, h)) * 4, jnp.float8_e4m3fn)
+              for _ in range(2))
+    k8 = k8.at[1, 3, 0, 5].set(jnp.nan)  # seen by every row of entry 1's kv head 0
+    descale_k = jnp.asarray([[0.3, -0.7], [0.2, 0.0]], jnp.float32)
+    descale_v = jnp.asarray([[-1.5, 0.25], [2.0, 0.5]], jnp.float32)
+    options = _options(rng, KV_CACHE_OPTIONS[option], b, t, s, n)
+
+    def f(q, k8, v8, descale_k, descale_v):
+        return jax_flashattn.attention(q, k8, v8, descale_k=descale_k, descale_v=descale_v,
+                                       **options)
+    assert _reads_e4m3_in_the_kernel(f, q, k8, v8, descale_k, descale_v)
+    out = np.asarray(jax.jit(f)(q, k8, v8, descale_k, descale_v), np.float64)
+    want = np.asarray(reference.attention(
+        jnp.asarray(q, jnp.float32), jnp.asarray(_dequantised(k8, descale_k)),
+        jnp.asarray(_dequantised(v8, descale_v)), **options), np.float64)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    assert np.isnan(want[1, :, :n // k]).any()  # the NaN key is visible
+    out, want = np.nan_to_num(out), np.nan_to_num(want)
+    bound = max(float(jnp.finfo(dtype).eps), 1e-5) * (np.abs(want).max() + 1)
+    np.testing.assert_allclose(out, want, rtol=0, atol=bound)

@@ -3,6 +3,8 @@ sequence's tokens through its page table (every platform; the CPU kernels in CI)
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,14 +151,18 @@ def _lowered_text(fn, *args):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernels read every call")
 def test_kernels_read_pages_in_place(rng):
     """The kernel call takes the page pools themselves: no gather of pages into a contiguous
-    copy in the program. An FP8 cache (dequantised in its gather) still gathers."""
+    copy in the program, e4m3 pages too (dequantised as the kernels load them), but for
+    e4m3 pages with a soft-cap (the GPU decode kernels' e4m3 configurations have none), which
+    gather."""
     key_cache, value_cache, table = scattered_cache(rng, 2, [40, 23], 16, 2, 16, 4)
     q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)), jnp.float32)
     kv = np.array([40, 23], np.int32)
     text = _lowered_text(jax_flashattn.paged_attention, q, key_cache, value_cache, table, kv)
     assert "jax_flashattn_fwd" in text and "gather" not in text
     k8, v8 = (jnp.asarray(x, jnp.float8_e4m3fn) for x in (key_cache, value_cache))
-    assert "gather" in _lowered_text(jax_flashattn.paged_attention, q, k8, v8, table, kv)
+    assert "gather" not in _lowered_text(jax_flashattn.paged_attention, q, k8, v8, table, kv)
+    capped = functools.partial(jax_flashattn.paged_attention, logits_soft_cap=5.0)
+    assert "gather" in _lowered_text(capped, q, k8, v8, table, kv)
 
 
 def test_vmap_over_a_leading_axis(rng):

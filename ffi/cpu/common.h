@@ -44,12 +44,18 @@ inline int64_t kv_offset(const AttentionParams& p, int64_t b, int64_t s, int64_t
 // Rows [s0, s0 + count) of a k-like tensor (kv head kv_head of batch element b) as float32:
 // rows[j][0, H) with row stride `ld`, and, where `transposed` is given, transposed[d][j] with row
 // stride kTileKeys. Padding (rows past count, columns past H) keeps the zeros it was made with.
+// With `descale` (float32 [batch, K], AttentionParams::k_descale or v_descale) the tensor holds
+// e4m3 values, dequantised by their kv head's descale.
 inline void load_key_rows(const AttentionParams& p, const void* base, int64_t b, int64_t kv_head,
                           int64_t s0, int64_t count, float* rows, int64_t ld,
-                          float* transposed = nullptr) {
+                          float* transposed = nullptr, const float* descale = nullptr) {
   for (int64_t j = 0; j < count; ++j) {
     float* row = rows + j * ld;
-    load_row(p.dtype, base, kv_offset(p, b, s0 + j, kv_head), p.head_dim, row);
+    const int64_t offset = kv_offset(p, b, s0 + j, kv_head);
+    if (descale != nullptr)
+      load_e4m3_row(base, offset, p.head_dim, descale[b * p.num_kv_heads + kv_head], row);
+    else
+      load_row(p.dtype, base, offset, p.head_dim, row);
     if (transposed != nullptr)
       for (int64_t d = 0; d < p.head_dim; ++d) transposed[d * kTileKeys + j] = row[d];
   }

@@ -74,6 +74,28 @@ inline uint16_t float_to_fp16(float f) {
   return static_cast<uint16_t>(sign | ((rebiased + 0xfffu + lsb) >> 13));
 }
 
+// A float8_e4m3fn value (sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinity, NaN at
+// magnitude 0x7f) as float32, exactly.
+inline float e4m3_to_float(uint8_t x) {
+  const uint32_t sign = uint32_t{x & 0x80u} << 24;
+  const uint32_t exponent = (x >> 3) & 0xfu, mantissa = x & 0x7u;
+  if ((x & 0x7fu) == 0x7fu) return bits_float(sign | 0x7fc00000u);
+  if (exponent == 0) {
+    // Zero or subnormal: mantissa * 2^-9, exact in float32.
+    const float magnitude = static_cast<float>(mantissa) * 0x1p-9f;
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_float(sign | ((exponent + (127 - 7)) << 23) | (mantissa << 20));
+}
+
+// dst[i] = float(base[offset + i]) * descale for i in [0, n), base holding e4m3 values: their
+// dequantised float32 values, as fp8.dequantize_fp8 computes them.
+inline void load_e4m3_row(const void* base, int64_t offset, int64_t n, float descale,
+                          float* dst) {
+  const uint8_t* src = static_cast<const uint8_t*>(base) + offset;
+  for (int64_t i = 0; i < n; ++i) dst[i] = e4m3_to_float(src[i]) * descale;
+}
+
 // dst[i] = float(base[offset + i * stride]) for i in [0, n). stride 0 broadcasts one element.
 inline void load_row(ElemType type, const void* base, int64_t offset, int64_t n, float* dst,
                      int64_t stride = 1) {

@@ -4,7 +4,8 @@
 //   masks and bias      TileLogits
 //   P = 2^(S - m)       online softmax against the running row maxima m, exp2_row
 //   O = O c + P V       matmul, c = 2^(m_old - m_new) per row
-// and finally O / l and lse. Tiles are float32 copies padded with zeros to the matmul's blocks.
+// and finally O / l and lse. Tiles are float32 copies padded with zeros to the matmul's blocks
+// (e4m3 keys and values dequantised by their descales as they are copied).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -62,8 +63,8 @@ void forward_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0) {
       std::fill(kt.begin(), kt.end(), 0.0f);
       std::fill(v.begin(), v.end(), 0.0f);
     }
-    load_key_rows(p, p.k, b, kv_head, k0, count, k_rows.data(), hp, kt.data());
-    load_key_rows(p, p.v, b, kv_head, k0, count, v.data(), hp);
+    load_key_rows(p, p.k, b, kv_head, k0, count, k_rows.data(), hp, kt.data(), p.k_descale);
+    load_key_rows(p, p.v, b, kv_head, k0, count, v.data(), hp, nullptr, p.v_descale);
     matmul(q.data(), hp, kt.data(), kTileKeys, s.data(), kTileKeys, kTileRows, hp, kTileKeys,
            false);
 

@@ -241,10 +241,13 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     times its descale, 1 where None; jax_flashattn.quantize_fp8 makes them); query e4m3 too
     with `descale_q` (its heads taking their kv head's), the output then bfloat16, or
     `output_dtype` float16; or query bfloat16, float16 or float32 (a quantised KV cache), the
-    output in its dtype. Every other option applies. The inputs are dequantised first: to
-    float32 on the CPU (the reference semantics), to the output dtype on a GPU, where the
-    kernels then run as for those inputs (no FP8 tensor-core kernels yet). Forward only:
-    jax.grad raises a TypeError.
+    output in its dtype. Every other option applies. Without a bias, mask, ALiBi, soft-cap,
+    sinks or segment ids the kernels read e4m3 keys and values as stored beside a query of
+    another dtype (dequantising each value as they load it): the CPU kernels always, a GPU's
+    split-KV decode kernels for a bfloat16 or float16 query on a decoding shape of head dim a
+    multiple of 16. Other calls are dequantised first: to float32 on the CPU (the reference
+    semantics), to the output dtype on a GPU, where the kernels then run as for those inputs
+    (no FP8 tensor-core kernels yet). Forward only: jax.grad raises a TypeError.
     """
     _validate.check_options(implementation=implementation,
                             deterministic_backward=deterministic_backward)
@@ -310,15 +313,15 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
 
 def _fp8_kv_in_kernel(query, key, value, *, descale_q, descale_k, descale_v, output_dtype,
                       return_residual, **options):
-    """`attention` of a bfloat16 or float16 query to float8_e4m3fn keys and values on the
-    GPU's decode kernels, which widen them in registers (fp8.decode_kernels_take), or None for
-    a call they do not take (the caller dequantises it first). `options`: the masking
-    options, as `attention`'s."""
+    """`attention` of a query to float8_e4m3fn keys and values on the kernels that read them
+    as stored (fp8.kernels_take: the CPU kernels, a GPU's decode kernels), or None for a call
+    they do not take (the caller dequantises it first). `options`: the masking options, as
+    `attention`'s."""
     if (fp8.is_e4m3(query) or not (fp8.is_e4m3(key) and fp8.is_e4m3(value))
             or descale_q is not None or output_dtype is not None):
         return None  # FP8 attention, or a call fp8.dequantized_inputs refuses
     args = _validate.normalize(query, key, value, allow_empty=True, fp8_kv=True, **options)
-    if args.zero_size or not fp8.decode_kernels_take(
+    if args.zero_size or not fp8.kernels_take(
             args.query.shape, args.query.dtype, args.key.shape, scale=args.scale,
             has_q_lens=args.query_seq_lengths is not None,
             has_kv_lens=args.key_value_seq_lengths is not None,

@@ -86,14 +86,19 @@ def group_descale(x, name: str, batch: int, kv_heads: int) -> jax.Array:
     return x.astype(jnp.float32)
 
 
-def decode_kernels_take(query_shape, query_dtype, keys_shape, *, scale: float, has_q_lens: bool,
-                        has_kv_lens: bool, switches) -> bool:
-    """Whether the GPU's split-KV decode kernels read e4m3 keys and values of this call as
-    they are stored (widened in registers, the descales applied in the kernel): on a GPU, q
-    bfloat16 or float16, a decoding shape of head dim a multiple of 16 (ffi/decode_plan.h's
-    decode_fp8_kv_fits; its other conditions, no soft-cap, bias, mask, ALiBi or segment ids,
-    are the caller's). keys_shape: [B, S, K, H], S the keys the call reaches."""
-    if (jax.default_backend() != "gpu" or not _ffi.cuda_built()
+def kernels_take(query_shape, query_dtype, keys_shape, *, scale: float, has_q_lens: bool,
+                 has_kv_lens: bool, switches) -> bool:
+    """Whether the kernels read e4m3 keys and values of this call as they are stored (each
+    value dequantised as it is loaded, the descales applied in the kernel): the CPU kernels
+    for a float32, bfloat16 or float16 query; on a GPU, the split-KV decode kernels for a
+    bfloat16 or float16 query on a decoding shape of head dim a multiple of 16
+    (ffi/decode_plan.h's decode_fp8_kv_fits). The other conditions (no soft-cap, bias, mask,
+    ALiBi, sinks or segment ids) are the caller's. keys_shape: [B, S, K, H], S the keys the
+    call reaches."""
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return jnp.dtype(query_dtype) in _validate.SUPPORTED_DTYPES
+    if (backend != "gpu" or not _ffi.cuda_built()
             or jnp.dtype(query_dtype) not in OUTPUT_DTYPES or query_shape[-1] % 16):
         return False
     shape = _ffi.call_shape(query_shape, keys_shape, query_dtype, scale=scale,
@@ -103,10 +108,10 @@ def decode_kernels_take(query_shape, query_dtype, keys_shape, *, scale: float, h
 
 
 def kernel_operands(query, descale_k, descale_v, kv_heads: int):
-    """(query, k_descale, v_descale) as the decode kernels take a call on an e4m3 cache: query
-    [B, T, N, H] and the descales float32 [B, K] (1 where None). The kernels fold the key's
-    descale into the softmax's factor, which must be positive (the softmax takes each row's
-    maximum before scaling), so its sign goes into the query instead, exactly: the query's
+    """(query, k_descale, v_descale) as the kernels take a call on an e4m3 cache: query
+    [B, T, N, H] and the descales float32 [B, K] (1 where None). The GPU decode kernels fold
+    the key's descale into the softmax's factor, which must be positive (the softmax takes each
+    row's maximum before scaling), so its sign goes into the query instead, exactly: the query's
     heads times -1, or 0 for a descale of 0 (every score 0, as the dequantised keys give), and
     the kernels take its magnitude (1 for 0). A NaN descale makes the query NaN, as it makes
     the dequantised keys."""

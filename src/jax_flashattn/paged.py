@@ -9,11 +9,12 @@ kv_len_b - q_len_b + i); `paged_cache_update` writes new tokens into their pages
 
 The kernels read the pages in place where they can: the CPU kernels always, on a GPU the
 split-KV decode kernels (a decode step or a short chunk: T (N / K) <= 64 query rows per kv head,
-bf16 or float16, head dims up to 256, a table reaching 256 keys or more). Elsewhere (a longer
-prefill chunk, an FP8 (e4m3) cache, implementation="xla" or "cudnn") the pages are gathered
-into one contiguous [B, max_pages x page_size, K, H] view per call (three times the bytes the
-in-place read moves) and attended by `attention`, an FP8 cache with its descales as attention's
-FP8 keys and values.
+bf16 or float16, head dims up to 256, a table reaching 256 keys or more; an FP8 (e4m3) cache
+too, at head dims a multiple of 16, dequantised as the kernels load it). Elsewhere (a longer
+prefill chunk, an e4m3 cache with a soft-cap, implementation="xla" or "cudnn") the pages are
+gathered into one contiguous [B, max_pages x page_size, K, H] view per call (three times the
+bytes the in-place read moves) and attended by `attention`, an FP8 cache with its descales as
+attention's FP8 keys and values.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def _reads_pages_in_place(query, key_cache, page_table, q_lens, implementation, 
         return False
     keys = (batch, page_table.shape[1] * page_size, kv_heads, h)
     if key_cache.dtype in FP8_DTYPES:
-        return not soft_cap and fp8.decode_kernels_take(
+        return not soft_cap and fp8.kernels_take(
             query.shape, query.dtype, keys, scale=scale, has_q_lens=q_lens is not None,
             has_kv_lens=True, switches=switches)
     if jax.default_backend() == "cpu":  # implementation="cpu" needs it too
