@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jax_flashattn
-from jax_flashattn import _validate, reference
+from jax_flashattn import _ffi, _validate, reference
 
 # Above this many [B, N, T, S] logits (256 MiB of float32), the reference runs one batch entry at
 # a time: its logits and probabilities are live together, and GPU tests share one device among
@@ -274,3 +274,12 @@ def jaxpr_sizes(jaxpr):
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from jaxpr_sizes(sub)
 
+
+
+def reads_e4m3_in_the_kernel(fn, *args) -> bool:
+    """Whether the compiled fn hands e4m3 operands to our forward custom call (the kernels
+    read an e4m3 cache as stored), rather than converting them first."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    calls = [line for line in text.splitlines()
+             if f'custom_call_target="{_ffi.FORWARD_TARGET}"' in line]
+    return bool(calls) and all("f8e4m3fn[" in line for line in calls)

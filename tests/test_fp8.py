@@ -9,6 +9,7 @@ import pytest
 import jax_flashattn
 from jax_flashattn import reference
 from jax_flashattn.fp8 import E4M3_MAX
+from helpers import reads_e4m3_in_the_kernel
 
 
 def test_amax_scaling_round_trip(rng):
@@ -327,15 +328,6 @@ def test_in_kernel_path_gradient_raises_the_forward_only_error(rng):
             jax.jit(jax.grad(loss, argnums=argnum)).lower(q, kd)
 
 
-def _reads_e4m3_in_the_kernel(fn, *args) -> bool:
-    """Whether the compiled fn hands e4m3 operands to our forward custom call."""
-    from jax_flashattn import _ffi
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    calls = [line for line in text.splitlines()
-             if f'custom_call_target="{_ffi.FORWARD_TARGET}"' in line]
-    return bool(calls) and all("f8e4m3fn[" in line for line in calls)
-
-
 KV_CACHE_OPTIONS = {
     "plain": {},
     "lengths": dict(query_seq_lengths=[5, 2], key_value_seq_lengths=[37, 19]),
@@ -364,7 +356,7 @@ def test_cpu_kernels_read_the_e4m3_cache(rng, option, dtype):
     def f(q, k8, v8, descale_k, descale_v):
         return jax_flashattn.attention(q, k8, v8, descale_k=descale_k, descale_v=descale_v,
                                        **options)
-    assert _reads_e4m3_in_the_kernel(f, q, k8, v8, descale_k, descale_v)
+    assert reads_e4m3_in_the_kernel(f, q, k8, v8, descale_k, descale_v)
     out = np.asarray(jax.jit(f)(q, k8, v8, descale_k, descale_v), np.float64)
     want = np.asarray(reference.attention(
         jnp.asarray(q, jnp.float32), jnp.asarray(_dequantised(k8, descale_k)),

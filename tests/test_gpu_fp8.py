@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 import jax_flashattn
-from jax_flashattn import _ffi
-from helpers import assert_attention_close
+from helpers import assert_attention_close, reads_e4m3_in_the_kernel
 from test_paged import TOLERANCE, reference, scattered_cache
 
 pytestmark = pytest.mark.gpu
@@ -31,15 +30,6 @@ def quantized_cache(rng, b, s, k, h, magnitude=1.0):
         out.append((values, descale, jax_flashattn.dequantize_fp8(values, descale)))
     (k8, kd, k_deq), (v8, vd, v_deq) = out
     return k8, v8, kd, vd, k_deq, v_deq
-
-
-def reads_e4m3_in_the_kernel(fn, *args) -> bool:
-    """Whether the compiled fn hands e4m3 operands to our forward custom call (the decode
-    kernels widen them), rather than converting them first."""
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    calls = [line for line in text.splitlines()
-             if f'custom_call_target="{_ffi.FORWARD_TARGET}"' in line]
-    return bool(calls) and all("f8e4m3fn[" in line for line in calls)
 
 
 OPTIONS = {
