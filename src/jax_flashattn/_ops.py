@@ -117,17 +117,17 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, alibi
 def cache_forward(q, key_cache, value_cache, page_table, q_lens, kv_lens, *, scale: float,
                   window: tuple, switches: _ffi.KernelSwitches, soft_cap: float = 0.0,
                   k_descale=None, v_descale=None, align_window_to_lengths: bool = True):
-    """`forward` reading K/V in place from pages: q [B, T, N, H], key_cache and value_cache
-    [P, page_size, K, H], page_table int32 [B, max_pages], kv_lens int32 [B] (required),
-    q_lens int32 [B] or None; the keys are S = max_pages x page_size long (ffi/params.h's
-    page_table). Window and lengths as in `forward` (align_window_to_lengths: True for a
-    paged call, whose windows always move with the lengths). Runs on the
-    CPU kernels, or on a GPU where a split-KV decode kernel takes the call (its decode
-    workspace is not empty: _ffi.plan); the CUDA handler refuses any other. vmap runs one call
-    per element. page_table None: key_cache and value_cache are [B, S, K, H] instead (a
-    contiguous cache, kv_lens then optional). k_descale and v_descale (float32 [B, K], both or
-    neither): the caches hold float8_e4m3fn values, q is bfloat16 or float16, and only the GPU
-    decode kernels take the call (ffi/decode_plan.h's decode_fp8_kv_fits)."""
+    """`forward` on a KV cache as it is stored. Pages read in place: q [B, T, N, H], key_cache
+    and value_cache [P, page_size, K, H], page_table int32 [B, max_pages], kv_lens int32 [B]
+    (required), q_lens int32 [B] or None; the keys are S = max_pages x page_size long
+    (ffi/params.h's page_table). page_table None: key_cache and value_cache are [B, S, K, H]
+    (kv_lens then optional). k_descale and v_descale (float32 [B, K], both or neither): the
+    caches hold float8_e4m3fn values, dequantised as the kernels load them. Window and lengths
+    as in `forward` (align_window_to_lengths: True for a paged call, whose windows always move
+    with the lengths). Runs on the CPU kernels, or on a GPU where a split-KV decode kernel
+    takes the call (its decode workspace is not empty: _ffi.plan; with e4m3 caches a bf16 or
+    float16 q and ffi/decode_plan.h's decode_fp8_kv_fits); the CUDA handler refuses any
+    other. vmap runs one call per element."""
     batch, t, n, _ = q.shape
     paged = page_table is not None
     kv_heads, head_dim = key_cache.shape[2:]
