@@ -336,6 +336,7 @@ KV_CACHE_OPTIONS = {
 }
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU kernels' path")
 @pytest.mark.parametrize("option", sorted(KV_CACHE_OPTIONS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_cpu_kernels_read_the_e4m3_cache(rng, option, dtype):
@@ -366,3 +367,36 @@ def test_cpu_kernels_read_the_e4m3_cache(rng, option, dtype):
     out, want = np.nan_to_num(out), np.nan_to_num(want)
     bound = max(float(jnp.finfo(dtype).eps), 1e-5) * (np.abs(want).max() + 1)
     np.testing.assert_allclose(out, want, rtol=0, atol=bound)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices")
+@pytest.mark.parametrize("batch_split", [False, True], ids=["heads", "batch_and_heads"])
+def test_e4m3_cache_under_explicit_sharding(rng, batch_split):
+    """Explicit mesh axes over the heads (and the batch), the descales sharded with their kv
+    heads: the call runs (the key descale's sign reaches each query head of its group without
+    a resharding) and gives the unsharded result, a negative descale included."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((2, 2), ("b", "h"), axis_types=(AxisType.Explicit,) * 2)
+    q = jnp.asarray(rng.standard_normal((4, 3, 8, 16)), jnp.float32)
+    k8, descale = jax_flashattn.quantize_fp8(rng.standard_normal((4, 70, 2, 16)))
+    descale = descale * jnp.asarray([1.0, -1.0])
+    want = jax_flashattn.attention(q, k8, k8, descale_k=descale, descale_v=descale)
+    b = "b" if batch_split else None
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in (
+            (q, P(b, None, "h")), (k8, P(b, None, "h")), (descale, P(b, "h")))]
+        out = jax.jit(lambda q, k, d: jax_flashattn.attention(q, k, k, descale_k=d,
+                                                              descale_v=d))(*args)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_zero_size_e4m3_cache():
+    """No keys (S = 0) or a head dim of 0 beside descales: zeros, as without them."""
+    e4m3 = jnp.float8_e4m3fn
+    out = jax_flashattn.attention(jnp.ones((2, 3, 4, 16)), jnp.zeros((2, 0, 2, 16), e4m3),
+                                  jnp.zeros((2, 0, 2, 16), e4m3), descale_k=jnp.ones((2, 2)))
+    assert out.shape == (2, 3, 4, 16) and not np.asarray(out).any()
+    out = jax_flashattn.attention(jnp.ones((2, 3, 4, 0), jnp.bfloat16),
+                                  jnp.zeros((2, 5, 2, 0), e4m3), jnp.zeros((2, 5, 2, 0), e4m3),
+                                  descale_v=jnp.ones((2, 2)))
+    assert out.shape == (2, 3, 4, 0) and out.dtype == jnp.bfloat16

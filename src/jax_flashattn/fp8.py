@@ -121,8 +121,11 @@ def kernel_operands(query, descale_k, descale_v, kv_heads: int):
                             for d, name in ((descale_k, "descale_k"), (descale_v, "descale_v")))
     if descale_k is None:  # all ones: nothing to move (no elementwise op on the query)
         return query, k_descale, v_descale
-    sign = jnp.repeat(jnp.sign(k_descale), heads // kv_heads, axis=1)  # [B, N]
-    query = query * sign[:, None, :, None].astype(query.dtype)
+    # Each query head takes its kv head's sign: [B, K] broadcast over the group, merged into
+    # [B, N] (a reshape that keeps a kv-head sharding whole, where jnp.repeat asks for one).
+    sign = jnp.broadcast_to(jnp.sign(k_descale)[:, :, None], (batch, kv_heads,
+                                                                heads // kv_heads))
+    query = query * sign.reshape(batch, heads)[:, None, :, None].astype(query.dtype)
     k_descale = jnp.where(k_descale == 0, 1.0, jnp.abs(k_descale))
     return query, k_descale, v_descale
 
@@ -191,7 +194,7 @@ def dequantized_inputs(query, key, value, *, descale_q, descale_k, descale_v, ou
         if unbatched and jnp.ndim(descale) == 1:
             descale = jnp.asarray(descale)[None]
         d = group_descale(descale, name, batch, kv_heads)  # [B, K]
-        groups = x.reshape(*x.shape[:2], kv_heads, -1, x.shape[-1])
+        groups = x.reshape(*x.shape[:2], kv_heads, x.shape[2] // kv_heads, x.shape[-1])
         out = groups.astype(jnp.float32) * d[:, None, :, None, None]
         return out.reshape(x.shape).astype(compute)
 

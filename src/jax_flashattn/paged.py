@@ -10,11 +10,11 @@ kv_len_b - q_len_b + i); `paged_cache_update` writes new tokens into their pages
 The kernels read the pages in place where they can: the CPU kernels always, on a GPU the
 split-KV decode kernels (a decode step or a short chunk: T (N / K) <= 64 query rows per kv head,
 bf16 or float16, head dims up to 256, a table reaching 256 keys or more; an FP8 (e4m3) cache
-too, at head dims a multiple of 16, dequantised as the kernels load it). Elsewhere (a longer
-prefill chunk, an e4m3 cache with a soft-cap, implementation="xla" or "cudnn") the pages are
-gathered into one contiguous [B, max_pages x page_size, K, H] view per call (three times the
-bytes the in-place read moves) and attended by `attention`, an FP8 cache with its descales as
-attention's FP8 keys and values.
+too, dequantised as the kernels load it, on a GPU at head dims a multiple of 16). Elsewhere (a
+longer prefill chunk, an e4m3 cache with a soft-cap, implementation="xla" or "cudnn") the pages
+are gathered into one contiguous [B, max_pages x page_size, K, H] view per call (three times
+the bytes the in-place read moves) and attended by `attention`, an FP8 cache with its descales
+as attention's FP8 keys and values.
 """
 
 from __future__ import annotations
