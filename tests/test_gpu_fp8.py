@@ -175,3 +175,17 @@ def test_under_vmap(rng):
         xs[0], xs[1], xs[2], descale_k=xs[3], descale_v=xs[4]))(q, k8, v8, kd, vd)
     for i in range(3):
         assert_attention_close(out[i], q[i], k_deq[i], v_deq[i])
+
+
+def test_cuda_refuses_e4m3_off_the_decode_kernels(rng):
+    """The CUDA handler takes e4m3 keys and values on the decode kernels only: a float32 query
+    (which the CPU kernels take) or a prefill's rows are an error, not a misread."""
+    from jax_flashattn import _ffi, _ops
+    k8, v8, kd, vd, _, _ = quantized_cache(rng, B, 512, K, 64)
+    for dtype, t in ((jnp.float32, 1), (jnp.bfloat16, 300)):
+        q = jnp.asarray(rng.standard_normal((B, t, N, 64)), dtype)
+        with pytest.raises(jax.errors.JaxRuntimeError, match="decode kernels only"):
+            jax.block_until_ready(_ops.cache_forward(
+                q, k8, v8, None, None, None, scale=0.125, window=(None, None),
+                switches=_ffi.kernel_switches(), k_descale=kd, v_descale=vd,
+                align_window_to_lengths=False))
