@@ -111,38 +111,25 @@ ffi::Error SegmentSpans(const ffi::AnyBuffer& x, const ffi::AnyBuffer& ids, cons
   return ffi::Error::Success();
 }
 
-// Float32 values per (batch, query head), [..., B, N] with the batch dims of q, and with
-// `slots` >= 0 a last dimension of that many: the ALiBi slopes, and their gradient's partial
-// sums (dslopes_slots).
+// Float32 values per (batch, head), [..., B, heads] with the batch dims of q (`label` names
+// the heads: N, q's own, or K), and with `slots` >= 0 a last dimension of that many: the ALiBi
+// slopes and their gradient's partial sums (dslopes_slots) per query head, the descales of e4m3
+// keys and values per kv head.
 ffi::Error CheckHeadValues(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q, const char* name,
-                           int64_t slots = -1) {
+                           int64_t slots = -1, int64_t heads = -1, const char* label = "N") {
   auto xd = x.dimensions();
   auto qd = q.dimensions();
+  if (heads < 0) heads = qd[qd.size() - 2];
   const size_t extra = slots >= 0 ? 1 : 0;
   bool fits = x.element_type() == ffi::DataType::F32 && xd.size() + 2 == qd.size() + extra;
   for (size_t i = 0; fits && i + 1 + extra < xd.size(); ++i) fits = xd[i] == qd[i];
-  if (fits) fits = xd[xd.size() - 1 - extra] == qd[qd.size() - 2];
+  if (fits) fits = xd[xd.size() - 1 - extra] == heads;
   if (fits && slots >= 0) fits = xd.back() == slots;
   if (!fits)
-    return Invalid(std::string(name) + " must be float32 [..., B, N" +
-                   (slots >= 0 ? ", " + std::to_string(slots) : std::string()) +
-                   "] for query " + ShapeString(q) + ", got " + ShapeString(x));
-  return ffi::Error::Success();
-}
-
-// Float32 values per (batch, kv head), [..., B, K] with the batch dims of q: the descales of
-// e4m3 keys and values.
-ffi::Error CheckKvHeadValues(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q, int64_t kv_heads,
-                             const char* name) {
-  auto xd = x.dimensions();
-  auto qd = q.dimensions();
-  bool fits = x.element_type() == ffi::DataType::F32 && xd.size() + 2 == qd.size() &&
-              xd.back() == kv_heads;
-  for (size_t i = 0; fits && i + 1 < xd.size(); ++i) fits = xd[i] == qd[i];
-  if (!fits)
-    return Invalid(std::string(name) + " must be float32 [..., B, K] with K = " +
-                   std::to_string(kv_heads) + " for query " + ShapeString(q) + ", got " +
-                   ShapeString(x));
+    return Invalid(std::string(name) + " must be float32 [..., B, " + label +
+                   (slots >= 0 ? ", " + std::to_string(slots) : std::string()) + "] with " +
+                   label + " = " + std::to_string(heads) + " for query " + ShapeString(q) +
+                   ", got " + ShapeString(x));
   return ffi::Error::Success();
 }
 
@@ -322,7 +309,8 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     for (int i = 0; i < 2; ++i) {
       auto descale = optional.get<ffi::AnyBuffer>(next++);
       if (!descale.has_value()) return descale.error();
-      if (ffi::Error e = CheckKvHeadValues(*descale, q, p.num_kv_heads, names[i]); e.failure())
+      if (ffi::Error e = CheckHeadValues(*descale, q, names[i], -1, p.num_kv_heads, "K");
+          e.failure())
         return e;
       *descales[i] = static_cast<const float*>(descale->untyped_data());
     }
