@@ -327,11 +327,8 @@ def _fp8_kv_in_kernel(query, key, value, *, descale_q, descale_k, descale_v, out
             has_kv_lens=args.key_value_seq_lengths is not None,
             switches=_ffi.kernel_switches()):
         return None
-    kv_heads = args.key.shape[2]
-    if query.ndim == 3:  # unbatched: descales [K] or scalars
-        descale_k, descale_v = (d if d is None or jnp.ndim(d) != 1 else jnp.asarray(d)[None]
-                                for d in (descale_k, descale_v))
-    q, k_descale, v_descale = fp8.kernel_operands(args.query, descale_k, descale_v, kv_heads)
+    q, k_descale, v_descale = fp8.kernel_operands(args.query, descale_k, descale_v,
+                                                  args.key.shape[2], unbatched=query.ndim == 3)
     kernel = functools.partial(_cache_kernel.forward, scale=args.scale,
                                window=args.kernel_window, switches=_ffi.kernel_switches(),
                                align_window_to_lengths=args.align_window_to_lengths)

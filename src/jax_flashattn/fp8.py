@@ -72,12 +72,15 @@ def is_e4m3(x) -> bool:
     return jnp.dtype(x.dtype) == jnp.dtype(E4M3)
 
 
-def group_descale(x, name: str, batch: int, kv_heads: int) -> jax.Array:
+def group_descale(x, name: str, batch: int, kv_heads: int, unbatched: bool = False) -> jax.Array:
     """A descale as float32 [B, K] (one per batch entry and kv head) from a real scalar or a
-    [B, K] array; a TypeError or ValueError naming it otherwise."""
+    [B, K] array ([K] for an `unbatched` call, whose B is 1); a TypeError or ValueError naming
+    it otherwise."""
     x = _validate._as_array(x, name)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{name} must be float32, got {_validate._describe(x)}")
+    if unbatched and x.ndim == 1:
+        x = x[None]
     if x.ndim == 0:
         x = jnp.broadcast_to(x, (batch, kv_heads))
     if tuple(x.shape) != (batch, kv_heads):
@@ -107,17 +110,19 @@ def kernels_take(query_shape, query_dtype, keys_shape, *, scale: float, has_q_le
     return _ffi.plan(shape).decode_workspace_floats > 0
 
 
-def kernel_operands(query, descale_k, descale_v, kv_heads: int):
+def kernel_operands(query, descale_k, descale_v, kv_heads: int, unbatched: bool = False):
     """(query, k_descale, v_descale) as the kernels take a call on an e4m3 cache: query
     [B, T, N, H] and the descales float32 [B, K] (1 where None). The GPU decode kernels fold
     the key's descale into the softmax's factor, which must be positive (the softmax takes each
     row's maximum before scaling), so its sign goes into the query instead, exactly: the query's
     heads times -1, or 0 for a descale of 0 (every score 0, as the dequantised keys give), and
     the kernels take its magnitude (1 for 0). A NaN descale makes the query NaN, as it makes
-    the dequantised keys."""
+    the dequantised keys. `unbatched`: the call's inputs had no batch dim (query has B = 1
+    here), its descales are scalars or [K]."""
     batch, heads = query.shape[0], query.shape[2]
     ones = jnp.ones((batch, kv_heads), jnp.float32)
-    k_descale, v_descale = (ones if d is None else group_descale(d, name, batch, kv_heads)
+    k_descale, v_descale = (ones if d is None else group_descale(d, name, batch, kv_heads,
+                                                                 unbatched)
                             for d, name in ((descale_k, "descale_k"), (descale_v, "descale_v")))
     if descale_k is None:  # all ones: nothing to move (no elementwise op on the query)
         return query, k_descale, v_descale
@@ -191,9 +196,7 @@ def dequantized_inputs(query, key, value, *, descale_q, descale_k, descale_v, ou
     def scaled(x, descale, name):
         if descale is None:
             return x.astype(compute)
-        if unbatched and jnp.ndim(descale) == 1:
-            descale = jnp.asarray(descale)[None]
-        d = group_descale(descale, name, batch, kv_heads)  # [B, K]
+        d = group_descale(descale, name, batch, kv_heads, unbatched)  # [B, K]
         groups = x.reshape(*x.shape[:2], kv_heads, x.shape[2] // kv_heads, x.shape[-1])
         out = groups.astype(jnp.float32) * d[:, None, :, None, None]
         return out.reshape(x.shape).astype(compute)
