@@ -289,29 +289,51 @@ def test_cache_op_shards_descales_with_their_batch_entries_and_kv_heads():
                 == [padded(w, len(x.shape)) for w, x in zip(want, operands)])
 
 
-def test_kernel_operands_move_the_key_descale_sign_into_the_query(rng):
-    """The decode kernels take a positive key descale (their softmax's factor): a negative one's
-    sign goes into the query heads of its group, a zero one zeroes them (each score 0, as the
-    dequantised keys give), a NaN one makes them NaN; the scores q . k descale are unchanged."""
+def test_kernels_take_the_descales_as_given(rng):
+    """The kernels take each [B, K] descale as given, negative, zero and NaN ones included (the
+    CPU kernels multiply the rows they load by it, the GPU decode kernels fold its sign into
+    their query fragments): 1 where None, scalars and [K] of an unbatched call grouped, and no
+    elementwise op on the query before the kernel."""
     from jax_flashattn import fp8
+    descale_k = jnp.asarray([[0.5, -0.25], [0.0, np.nan]], jnp.float32)
+    k_descale, v_descale = fp8.kernel_descales(descale_k, None, 2, 2)
+    np.testing.assert_array_equal(np.asarray(k_descale), np.asarray(descale_k))
+    np.testing.assert_array_equal(np.asarray(v_descale), np.ones((2, 2)))
+    k_descale, v_descale = fp8.kernel_descales(jnp.float32(-2.0), jnp.asarray([3.0, 0.0]), 1, 2,
+                                               unbatched=True)
+    np.testing.assert_array_equal(np.asarray(k_descale), [[-2.0, -2.0]])
+    np.testing.assert_array_equal(np.asarray(v_descale), [[3.0, 0.0]])
+
     q = jnp.asarray(rng.standard_normal((2, 3, 4, 16)), jnp.bfloat16)
     k8 = jnp.asarray(rng.standard_normal((2, 5, 2, 16)), jnp.float8_e4m3fn)
-    descale_k = jnp.asarray([[0.5, -0.25], [0.0, np.nan]], jnp.float32)
-    q2, k_descale, v_descale = fp8.kernel_operands(q, descale_k, None, 2)
-    assert q2.dtype == q.dtype and k_descale.shape == v_descale.shape == (2, 2)
-    np.testing.assert_array_equal(np.asarray(v_descale), 1.0)
-    np.testing.assert_array_equal(np.asarray(k_descale)[:, :1], [[0.5], [1.0]])
-    assert np.asarray(k_descale)[0, 1] == 0.25 and np.isnan(np.asarray(k_descale)[1, 1])
-    group = np.repeat(np.arange(2), 2)  # query head -> kv head
 
-    def scores(q, k, descale):
-        k = np.asarray(k, np.float64)[:, :, group] * np.asarray(descale, np.float64)[
-            :, None, group, None]
-        return np.einsum("btnh,bsnh->bnts", np.asarray(q, np.float64), k)
-    want, got = scores(q, k8, descale_k), scores(q2, k8, k_descale)
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), rtol=1e-12, atol=0)
-    assert (got[1, :2] == 0).all()  # the zero descale's heads
+    def f(q, k8, descale):
+        return jax_flashattn.attention(q, k8, k8, descale_k=descale, descale_v=descale)
+    assert reads_e4m3_in_the_kernel(f, q, k8, descale_k)
+    ops = jax.jit(f).lower(q, k8, descale_k).as_text()
+    assert not any(op in ops for op in ("multiply", "sign", "select")), ops
+
+
+@pytest.mark.parametrize("t", [1, 4])
+def test_nan_key_descale_makes_its_heads_nan(rng, t):
+    """A NaN key descale makes exactly the rows of its (batch entry, kv head) NaN, as the
+    dequantised keys do; a negative and a zero one beside it give the reference."""
+    b, s, n, k, h = 2, 40, 4, 2, 16
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.bfloat16)
+    k8, v8 = (jnp.asarray(rng.standard_normal((b, s, k, h)), jnp.float8_e4m3fn)
+              for _ in range(2))
+    descale_k = jnp.asarray([[0.7, np.nan], [-0.4, 0.0]], jnp.float32)
+    descale_v = jnp.asarray([[1.5, 0.5], [2.0, -1.0]], jnp.float32)
+    out = np.asarray(jax_flashattn.attention(q, k8, v8, descale_k=descale_k,
+                                             descale_v=descale_v), np.float64)
+    want = np.asarray(reference.attention(
+        jnp.asarray(q, jnp.float32), jnp.asarray(_dequantised(k8, descale_k)),
+        jnp.asarray(_dequantised(v8, descale_v))), np.float64)
+    nan_rows = np.zeros((b, t, n), bool)
+    nan_rows[0, :, n // k:] = True
+    np.testing.assert_array_equal(np.isnan(out).any(axis=-1), nan_rows)
+    np.testing.assert_allclose(out[~nan_rows], want[~nan_rows], rtol=0,
+                               atol=1e-2 * (np.abs(want[~nan_rows]).max() + 1))
 
 
 def test_in_kernel_path_gradient_raises_the_forward_only_error(rng):

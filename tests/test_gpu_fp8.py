@@ -67,7 +67,7 @@ def test_decode_reads_the_e4m3_cache(rng, dtype, head_dim, t, option):
 @pytest.mark.parametrize("t", [1, 16])
 def test_descales_scale_scores_and_values(rng, t):
     """Descales far from 1, negative and zero (different per batch entry and kv head): the
-    scores take the key's (its sign through the query: fp8.kernel_operands), the output the
+    scores take the key's (its sign folded into the kernel's query fragments), the output the
     value's; a value descale of 0 zeroes that kv head's rows."""
     q = jnp.asarray(rng.standard_normal((B, t, N, 128)), jnp.bfloat16)
     k8, v8, _, _, _, _ = quantized_cache(rng, B, 2048, K, 128)
@@ -81,6 +81,28 @@ def test_descales_scale_scores_and_values(rng, t):
     k_deq, v_deq = (jax_flashattn.dequantize_fp8(x, d) for x, d in ((k8, kd), (v8, vd)))
     assert_attention_close(out, q, k_deq, v_deq)
     assert (np.asarray(out, np.float32)[0, :, N // K:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("t", [1, 16])
+def test_nan_key_descale(rng, t, dtype):
+    """A NaN key descale makes exactly its (batch entry, kv head)'s rows NaN, in both
+    configurations (T = 1 widens in registers, T = 16 in shared memory); the negative and the
+    zero one beside it give the reference."""
+    q = jnp.asarray(rng.standard_normal((B, t, N, 128)), dtype)
+    k8, v8, _, _, _, _ = quantized_cache(rng, B, 700, K, 128)
+    kd = jnp.asarray([[0.02, np.nan], [-0.05, 0.0]], jnp.float32)
+    vd = jnp.asarray([[3.0, 0.5], [-0.5, 2.0]], jnp.float32)
+
+    def f(q, k8, v8, kd, vd):
+        return jax_flashattn.attention(q, k8, v8, descale_k=kd, descale_v=vd)
+    assert reads_e4m3_in_the_kernel(f, q, k8, v8, kd, vd)
+    out = jax.jit(f)(q, k8, v8, kd, vd)
+    nan_rows = np.zeros((B, t, N), bool)
+    nan_rows[0, :, N // K:] = True
+    np.testing.assert_array_equal(np.isnan(np.asarray(out, np.float32)).any(axis=-1), nan_rows)
+    k_deq, v_deq = (jax_flashattn.dequantize_fp8(x, d) for x, d in ((k8, kd), (v8, vd)))
+    assert_attention_close(out, q, k_deq, v_deq, nan_rows=True)
 
 
 def e4m3_bits(byte):
@@ -147,7 +169,8 @@ def test_paged_e4m3_cache_in_place(rng, page_size, t):
                                                     max_pages)
     (k8, kd), (v8, vd) = (jax_flashattn.quantize_fp8(jnp.asarray(x), axis=(0, 1, 3))
                           for x in (key_cache, value_cache))
-    # Per entry, the second entry's key descale negative (its sign moves into the query).
+    # Per entry, the second entry's key descale negative (its sign folded into the query
+    # fragments).
     kd, vd = (jnp.broadcast_to(d, (2, K)) * jnp.asarray([[1.0], [f]])
               for d, f in ((kd, -0.5), (vd, 0.5)))
     q = jnp.asarray(rng.standard_normal((2, t, N, 128)), jnp.bfloat16)

@@ -327,15 +327,15 @@ def _fp8_kv_in_kernel(query, key, value, *, descale_q, descale_k, descale_v, out
             has_kv_lens=args.key_value_seq_lengths is not None,
             switches=_ffi.kernel_switches()):
         return None
-    q, k_descale, v_descale = fp8.kernel_operands(args.query, descale_k, descale_v,
-                                                  args.key.shape[2], unbatched=query.ndim == 3)
+    k_descale, v_descale = fp8.kernel_descales(descale_k, descale_v, args.query.shape[0],
+                                               args.key.shape[2], unbatched=query.ndim == 3)
     kernel = functools.partial(_cache_kernel.forward, scale=args.scale,
                                window=args.kernel_window, switches=_ffi.kernel_switches(),
                                align_window_to_lengths=args.align_window_to_lengths)
     # Forward only: its gradient raises fp8's TypeError before JAX meets the kernel op, which
     # has no derivative rule.
-    out, lse = _forward_only.call(fp8.NO_GRADIENT, kernel, q, args.key, args.value, None,
-                                  args.key_value_seq_lengths, args.query_seq_lengths,
+    out, lse = _forward_only.call(fp8.NO_GRADIENT, kernel, args.query, args.key, args.value,
+                                  None, args.key_value_seq_lengths, args.query_seq_lengths,
                                   k_descale, v_descale)
     out = out.reshape(args.out_shape)
     if not return_residual:

@@ -110,29 +110,16 @@ def kernels_take(query_shape, query_dtype, keys_shape, *, scale: float, has_q_le
     return _ffi.plan(shape).decode_workspace_floats > 0
 
 
-def kernel_operands(query, descale_k, descale_v, kv_heads: int, unbatched: bool = False):
-    """(query, k_descale, v_descale) as the kernels take a call on an e4m3 cache: query
-    [B, T, N, H] and the descales float32 [B, K] (1 where None). The GPU decode kernels fold
-    the key's descale into the softmax's factor, which must be positive (the softmax takes each
-    row's maximum before scaling), so its sign goes into the query instead, exactly: the query's
-    heads times -1, or 0 for a descale of 0 (every score 0, as the dequantised keys give), and
-    the kernels take its magnitude (1 for 0). A NaN descale makes the query NaN, as it makes
-    the dequantised keys. `unbatched`: the call's inputs had no batch dim (query has B = 1
-    here), its descales are scalars or [K]."""
-    batch, heads = query.shape[0], query.shape[2]
+def kernel_descales(descale_k, descale_v, batch: int, kv_heads: int, unbatched: bool = False):
+    """(k_descale, v_descale) as the kernels take a call on an e4m3 cache: float32 [B, K] each,
+    1 where None. Any value is taken as given: the CPU kernels multiply the keys and values by
+    it as they load them; the GPU decode kernels fold the key's magnitude into the softmax's
+    factor and its sign (or a zero, or a NaN) into their query fragments, exactly.
+    `unbatched`: the call's inputs had no batch dim (B = 1 here), its descales are scalars or
+    [K]."""
     ones = jnp.ones((batch, kv_heads), jnp.float32)
-    k_descale, v_descale = (ones if d is None else group_descale(d, name, batch, kv_heads,
-                                                                 unbatched)
-                            for d, name in ((descale_k, "descale_k"), (descale_v, "descale_v")))
-    if descale_k is None:  # all ones: nothing to move (no elementwise op on the query)
-        return query, k_descale, v_descale
-    # Each query head takes its kv head's sign: [B, K] broadcast over the group, merged into
-    # [B, N] (a reshape that keeps a kv-head sharding whole, where jnp.repeat asks for one).
-    sign = jnp.broadcast_to(jnp.sign(k_descale)[:, :, None], (batch, kv_heads,
-                                                                heads // kv_heads))
-    query = query * sign.reshape(batch, heads)[:, None, :, None].astype(query.dtype)
-    k_descale = jnp.where(k_descale == 0, 1.0, jnp.abs(k_descale))
-    return query, k_descale, v_descale
+    return tuple(ones if d is None else group_descale(d, name, batch, kv_heads, unbatched)
+                 for d, name in ((descale_k, "descale_k"), (descale_v, "descale_v")))
 
 
 # The output dtypes of an attention call on e4m3 queries (the first is the default).

@@ -169,8 +169,8 @@ def _reads_pages_in_place(query, key_cache, page_table, q_lens, implementation, 
 def _attend_pages(query, key_cache, value_cache, page_table, kv_lens, q_lens, sinks,
                   descales, *, scale, soft_cap, window, switches):
     """(out [B, T, N, H], lse [B, T, N]) by the kernels that read the pages in place;
-    descales: (k_descale, v_descale) float32 [B, K] of an e4m3 cache, with the query, as
-    fp8.kernel_operands makes them; else None."""
+    descales: (k_descale, v_descale) float32 [B, K] of an e4m3 cache, as
+    fp8.kernel_descales makes them; else None."""
     kernel = functools.partial(_cache_kernel.forward, scale=scale,
                                window=_validate.kernel_window(window, True), switches=switches,
                                soft_cap=soft_cap)
@@ -247,11 +247,11 @@ def paged_attention(query, key_cache, value_cache, page_table, key_value_seq_len
     soft_cap = _validate._soft_cap(logits_soft_cap)
     if _reads_pages_in_place(query, key_cache, page_table, q_lens, implementation,
                              kernel_scale, soft_cap, switches):
-        kernel_query, descales = query, None
+        descales = None
         if key_cache.dtype in FP8_DTYPES:
-            kernel_query, *descales = fp8.kernel_operands(query, descale_k, descale_v,
-                                                          key_cache.shape[2])
-        out = _attend_pages(kernel_query, key_cache, value_cache, page_table, kv_lens, q_lens,
+            descales = fp8.kernel_descales(descale_k, descale_v, query.shape[0],
+                                           key_cache.shape[2])
+        out = _attend_pages(query, key_cache, value_cache, page_table, kv_lens, q_lens,
                             _validate._sinks(sinks, query.shape[2]), descales,
                             scale=kernel_scale,
                             soft_cap=soft_cap, window=_validate._window(local_window_size),

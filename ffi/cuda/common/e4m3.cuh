@@ -94,4 +94,25 @@ __device__ __forceinline__ void widen_e4m3_x4(const uint32_t (&r)[4], uint32_t (
   }
 }
 
+// A call's key descale d (the real keys are the stored ones times d) folded into q's fragments
+// and the softmax's factor, which must stay > 0 (each row's maximum is taken before it
+// scales): returns the factor |d| (1 for d = 0), with the fragments negated for d < 0 (each
+// Elem's sign bit), zeroed for d = 0 (every score 0, as the dequantised keys give) and made
+// NaN for a NaN d (as the dequantised keys are). Scores q . k |d| then equal q . (k d),
+// exactly.
+template <typename Elem, int kSteps>
+__device__ __forceinline__ float fold_key_descale(float d, uint32_t (&q_frag)[kSteps][4]) {
+  constexpr bool kBf16 = std::is_same_v<Elem, __nv_bfloat16>;
+  constexpr uint32_t kNanPair = kBf16 ? 0x7fc07fc0u : 0x7e007e00u;
+  if (!(d > 0.f)) {  // the common case, d > 0, leaves the fragments as they are
+    const uint32_t flip = d < 0.f ? 0x80008000u : 0u;
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        q_frag[s][r] = d == 0.f ? 0u : d != d ? kNanPair : q_frag[s][r] ^ flip;
+  }
+  return d == 0.f ? 1.f : fabsf(d);
+}
+
 }  // namespace jax_flashattn::cuda

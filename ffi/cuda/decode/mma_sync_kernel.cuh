@@ -118,9 +118,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   cuda::OnlineSoftmax<1> softmax;
   softmax.init();
   float scale_log2 = decode_softmax_scale<Traits>(p);
-  // The key descale is positive (the caller moves its sign into q: fp8.kernel_operands), so
-  // the factor stays > 0, as the softmax needs.
-  if constexpr (kFp8Kv) scale_log2 *= p.k_descale[sp.unit];
+  if constexpr (kFp8Kv) scale_log2 *= cuda::fold_key_descale<Elem>(p.k_descale[sp.unit], q_frag);
   [[maybe_unused]] DecodeBiasAndMask terms;
   if constexpr (Traits::kBiasAndMask) {
     terms = DecodeBiasAndMask::make(p, sp, rows);
