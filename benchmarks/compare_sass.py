@@ -51,6 +51,7 @@ FAMILIES = {
     "decode_wgmma_softcap": ("ffi/cuda/decode/wgmma_traits.h", "kDecodeHeadDims"),
     "decode_mma_sync_bias": ("ffi/cuda/decode/mma_sync_traits.h", "kDecodeHeadDims"),
     "decode_mma_sync_fp8": ("ffi/cuda/decode/mma_sync_traits.h", "kDecodeHeadDims"),
+    "decode_wgmma_fp8": ("ffi/cuda/decode/wgmma_traits.h", "kDecodeHeadDims"),
     "decode_wgmma_bias": ("ffi/cuda/decode/wgmma_traits.h", "kDecodeHeadDims"),
     "backward_mma_sync": ("ffi/cuda/mma_sync/backward_traits.h", "kBackwardHeadDims"),
     "backward_mma_sync_segments": ("ffi/cuda/mma_sync/backward_traits.h", "kBackwardHeadDims"),

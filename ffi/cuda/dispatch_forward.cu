@@ -59,6 +59,10 @@ template <typename Elem>
 cudaError_t launch_decode_sm90_for_head_dim(const AttentionParams& p,
                                             const mma_sync::DecodePlan& plan,
                                             cudaStream_t stream) {
+  if (p.k_descale != nullptr)
+    return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
+      return launch_forward_decode_sm90_fp8<Elem, decltype(h)::value>(p, plan, stream);
+    });
   return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
     return with_decode_variant(p, [&](auto capped, auto terms) {
       return launch_forward_decode_sm90<Elem, decltype(h)::value, decltype(capped)::value,
@@ -95,10 +99,15 @@ cudaError_t launch_decode_for_head_dim(const AttentionParams& p, const mma_sync:
 template <typename Elem>
 bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const mma_sync::DecodePlan& plan,
                               int device) {
-  if (p.k_descale != nullptr)
+  if (p.k_descale != nullptr) {
+    if (sm90)
+      return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
+        return forward_decode_sm90_fp8_merges_in_cluster<Elem, decltype(h)::value>(plan, device);
+      });
     return for_head_dim<mma_sync::kDecodeHeadDims>(p.head_dim, [&](auto h) {
       return forward_decode_fp8_merges_in_cluster<Elem, decltype(h)::value>(plan, device);
     });
+  }
   return with_decode_variant(p, [&](auto capped, auto terms) {
     constexpr bool kSoftCap = decltype(capped)::value, kTerms = decltype(terms)::value;
     if (sm90)
@@ -168,12 +177,13 @@ ForwardKernel choose_forward_kernel(const AttentionParams& p, int device) {
       p.head_dim > max_head_dim || !(p.scale > 0.f))
     return ForwardKernel::kSimt;
   if (p.k_descale != nullptr) {
-    // e4m3 keys and values: the mma.sync decode kernel's e4m3 configurations or none (the
-    // handler refuses the call).
+    // e4m3 keys and values: a decode kernel's e4m3 configurations, as for 2-byte keys and
+    // values, or none (the handler refuses the call).
     mma_sync::DecodePlan plan;
-    return mma_sync::decode_fp8_kv_fits(p) && decode_plan_for(p, device, plan)
-               ? ForwardKernel::kDecode
-               : ForwardKernel::kSimt;
+    if (!mma_sync::decode_fp8_kv_fits(p) || !decode_plan_for(p, device, plan))
+      return ForwardKernel::kSimt;
+    return wgmma::decode_kernel_applies(p, device) ? ForwardKernel::kDecodeSm90
+                                                  : ForwardKernel::kDecode;
   }
   if (mma_sync::DecodePlan plan; decode_plan_for(p, device, plan))
     return wgmma::decode_kernel_applies(p, device) ? ForwardKernel::kDecodeSm90

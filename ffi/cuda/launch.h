@@ -73,6 +73,13 @@ template <typename Elem, int kHeadDim, bool kSoftCap = false, bool kBiasAndMask 
 bool forward_decode_sm90_merges_in_cluster(const mma_sync::DecodePlan& plan, int device,
                                            bool alibi);
 
+// The same on the Hopper decode kernel's e4m3 configurations (wgmma::DecodeFp8Config).
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_decode_sm90_fp8(const AttentionParams& p,
+                                           const mma_sync::DecodePlan& plan, cudaStream_t stream);
+template <typename Elem, int kHeadDim>
+bool forward_decode_sm90_fp8_merges_in_cluster(const mma_sync::DecodePlan& plan, int device);
+
 // CUDA-core forward for any dtype and head dim (float32 arithmetic throughout).
 cudaError_t launch_forward_simt(const AttentionParams& p, cudaStream_t stream);
 

@@ -43,6 +43,15 @@ struct SwizzledSpans {
   }
 };
 
+// ... or rows of kSmemDim elements one after another, unswizzled: for tiles that only whole
+// 16-byte loads read, consecutive threads consecutive chunks (the wgmma decode kernel's e4m3
+// ring, which its widening reads).
+template <int kSmemDim>
+struct DenseRows {
+  static constexpr int kRowBytes = kSmemDim * 2, kSpanBytes = 0;
+  __device__ static int offset(int row, int chunk) { return row * kSmemDim + chunk * 8; }
+};
+
 // ldmatrix addresses into a tile laid out as Layout, whose start is aligned to its swizzle's
 // period (a whole row of SwizzledRows, a power of two; 1024 bytes for SwizzledSpans). Lane l
 // addresses row `lane_row` (== l % 8 mod 8) and 16-byte chunk `lane_chunk` (0 or 1) of each

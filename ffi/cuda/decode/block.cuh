@@ -389,21 +389,21 @@ __device__ __forceinline__ void load_split_tile(Elem* sK, Elem* sV, const Attent
                                      kv_units<Elem>(p.head_dim), tid);
 }
 
-// Widens an e4m3 tile of the ring (kBlockN rows of Traits::kSmemDim byte pairs, swizzled) into
-// rows of Traits::kWidenedDim Elem (swizzled, as a 2-byte config's stage), thread tid's share
-// of its 16-byte chunks: per chunk one 16-byte load, 8 widened pairs, two 16-byte stores.
-// Chunks past the head dim were zero-filled, so the widened rows are zero there too.
-template <typename Traits, typename Elem>
+// Widens an e4m3 tile of the ring (kBlockN rows of Traits::kSmemDim byte pairs, laid out as
+// From) into rows of Traits::kWidenedDim Elem (laid out as To: a 2-byte config's stage), thread
+// tid's share of its 16-byte chunks: per chunk one 16-byte load, 8 widened pairs, two 16-byte
+// stores. Chunks past the head dim were zero-filled, so the widened rows are zero there too.
+template <typename Traits, typename Elem, typename From = SwizzledRows<Traits::kSmemDim>,
+          typename To = SwizzledRows<Traits::kWidenedDim>>
 __device__ __forceinline__ void widen_e4m3_tile(const cuda::E4m3Pair* src, Elem* dst, int tid) {
   constexpr int kChunks = Traits::kChunks, kTotal = Traits::kBlockN * kChunks;
   static_assert(kTotal % Traits::kThreads == 0,
                 "every thread widens as many chunks (the NaN check votes over whole warps)");
   static_assert(2 * kChunks * 8 == Traits::kWidenedDim, "the widened rows are whole");
-  using From = SwizzledRows<Traits::kSmemDim>;
-  using To = SwizzledRows<Traits::kWidenedDim>;
-  // Not unrolled: beside the kernel's accumulators an unrolled loop's registers spilled 140
-  // bytes at head dim 256.
-#pragma unroll 1
+  // Traits::kWidenUnroll chunks at a time: the mma.sync kernel's one (beside its accumulators
+  // an unrolled loop's registers spilled 140 bytes at head dim 256); the wgmma kernel's every
+  // chunk of the tile at once, whose loads and conversions then overlap.
+#pragma unroll(Traits::kWidenUnroll)
   for (int n = 0; n < kTotal / Traits::kThreads; ++n) {
     const int i = tid + n * Traits::kThreads, row = i / kChunks, chunk = i % kChunks;
     const uint4 raw = *reinterpret_cast<const uint4*>(src + From::offset(row, chunk));

@@ -74,6 +74,7 @@ struct DecodeTraits {
   static constexpr bool kWidenInSmem = kWidenInSmem_;
   static constexpr int kWidenedDim = smem_dim_for(kHeadDim);
   static constexpr int kWidenedBytes = kWidenInSmem ? 2 * kBlockN * kWidenedDim * 2 : 0;
+  static constexpr int kWidenUnroll = 1;  // widen_e4m3_tile's chunks at a time
   // Shared-memory rows in 2-byte units (e4m3 bytes by pairs), padded to a whole 128-byte span
   // (the XOR swizzle spreads 8 rows over all banks), and their 16-byte chunks that hold data.
   static constexpr int kSmemDim = smem_dim_for(kHeadDim * kKvBytes / 2);

@@ -20,11 +20,17 @@
 //   online softmax         exp2 with the scale folded into one FFMA
 //   O += P V               wgmma, P re-packed from the S accumulators
 // and writes its normalised O and lse to the workspace or, for the cluster merge, to its
-// ring's shared memory.
+// ring's shared memory. With float8_e4m3fn keys and values (Traits::kFp8Kv) the ring holds them
+// as stored and the warpgroup widens each tile to q's dtype (mma_sync::widen_e4m3_tile) into
+// the tiles the products read, between the tile's barrier and one more; the key descale folds
+// into Q's fragments and the softmax's factor (cuda::fold_key_descale), the value descale
+// scales O.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
+#include "ffi/cuda/common/e4m3.cuh"
 #include "ffi/cuda/common/fragments.cuh"
 #include "ffi/cuda/common/hopper_ptx.cuh"
 #include "ffi/cuda/common/ptx.cuh"
@@ -38,20 +44,23 @@
 
 namespace jax_flashattn::wgmma {
 
-// A warpgroup's ring: stage s holds its K tile, then its V tile.
+// A warpgroup's ring: stage s holds its K tile, then its V tile, of q's dtype in the layout
+// wgmma's descriptors read, or (kFp8Kv) of e4m3 byte pairs in dense rows.
 template <typename Elem, typename Traits>
 struct DecodeRing {
-  static constexpr int kTileElems = Traits::kBlockN * Traits::kHeadDim;
-  Elem* start;
+  using Unit = std::conditional_t<Traits::kFp8Kv, cuda::E4m3Pair, Elem>;
+  using Layout = std::conditional_t<Traits::kFp8Kv, mma_sync::DenseRows<Traits::kSmemDim>,
+                                    mma_sync::SwizzledSpans<Traits::kBlockN>>;
+  static constexpr int kTileElems = Traits::kBlockN * Traits::kHeadDim * Traits::kKvBytes / 2;
+  Unit* start;
 
-  __device__ Elem* k(int stage) const { return start + stage * 2 * kTileElems; }
-  __device__ Elem* v(int stage) const { return k(stage) + kTileElems; }
-  // Stage `stage` <- key tile `tile` of split sp (keys past the length zero-filled), in the
-  // layout wgmma's descriptors read, by the warpgroup's thread `thread`.
+  __device__ Unit* k(int stage) const { return start + stage * 2 * kTileElems; }
+  __device__ Unit* v(int stage) const { return k(stage) + kTileElems; }
+  // Stage `stage` <- key tile `tile` of split sp (keys past the length zero-filled), by the
+  // warpgroup's thread `thread`.
   __device__ void load(const AttentionParams& p, const mma_sync::DecodeSplit& sp, int tile,
                        int stage, int thread) const {
-    mma_sync::load_split_tile<typename Traits::WarpgroupCopies,
-                              mma_sync::SwizzledSpans<Traits::kBlockN>>(k(stage), v(stage), p, sp,
+    mma_sync::load_split_tile<typename Traits::WarpgroupCopies, Layout>(k(stage), v(stage), p, sp,
                                                                         tile, thread);
   }
 };
@@ -131,6 +140,22 @@ struct DecodeWarpgroup {
     return j % kStages;
   }
 
+  // kFp8Kv: the e4m3 tile in `stage` widened into the K and V tiles the products read (the
+  // region's start, `widened`), by every thread of the warpgroup; next_tile's barrier told
+  // that every warp is done with the tile before, and the one here that every thread's part of
+  // this one is in place (the proxy fence: wgmma reads through the async proxy).
+  __device__ __forceinline__ static void widen(const DecodeRing<Elem, Traits>& ring, int stage,
+                                               Elem* widened, int warpgroup, int group_tid) {
+    using Copies = typename Traits::WarpgroupCopies;
+    using To = mma_sync::SwizzledSpans<Traits::kBlockN>;
+    using From = mma_sync::DenseRows<Traits::kSmemDim>;
+    mma_sync::widen_e4m3_tile<Copies, Elem, From, To>(ring.k(stage), widened, group_tid);
+    mma_sync::widen_e4m3_tile<Copies, Elem, From, To>(
+        ring.v(stage), widened + Traits::kBlockN * Traits::kHeadDim, group_tid);
+    ptx::fence_proxy_async_shared();
+    sync_decode_warpgroup<Traits>(warpgroup);
+  }
+
   // S = Q K^T of the tile in `stage`, waited for.
   __device__ __forceinline__ static void scores(float (&s_acc)[kNTiles][4],
                                                 const uint32_t (&q_frag)[kKSteps][4],
@@ -175,6 +200,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kSplitsPerBlock = Traits::kSplitsPerBlock;
   constexpr int kGroupThreads = Traits::kWarpgroupThreads;
   static_assert(kSplitsPerBlock <= 2, "one named barrier per warpgroup (sync_decode_warpgroup)");
+  static_assert(!Traits::kFp8Kv || !(Traits::kSoftCap || Traits::kBiasAndMask),
+                "e4m3 keys and values take the plain kernels (decode_fp8_kv_fits)");
 
   const int tid = threadIdx.x, lane = tid % 32;
   const int warpgroup = tid / kGroupThreads, group_tid = tid % kGroupThreads;
@@ -187,7 +214,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const uint32_t raw_address = ptx::smem_address(smem_raw);
   const uint32_t rings = (raw_address + kGroupBytes - 1) & ~(kGroupBytes - 1);
   const uint32_t base = rings + warpgroup * Traits::kRingBytes;
-  const DecodeRing<Elem, Traits> ring{reinterpret_cast<Elem*>(smem_raw + (base - raw_address))};
+  // kFp8Kv: the widened K and V tiles first, at base, then the ring.
+  unsigned char* const region = smem_raw + (base - raw_address);
+  using Ring = DecodeRing<Elem, Traits>;
+  const Ring ring{reinterpret_cast<typename Ring::Unit*>(region + Traits::kWidenedBytes)};
 
   // The split, then at once its first tiles' requests (DecodeSplit, decode/block.cuh).
   // plan.blocks_per_unit() in 32 bits, divided by a constant (its splits_per_block is this
@@ -208,7 +238,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       reinterpret_cast<float*>(smem_raw + (rings - raw_address));  // warpgroup 0's
   constexpr int kPartialStride = Traits::kRingBytes / int(sizeof(float));
   const mma_sync::PartialRows partial =
-      plan.cluster_merge ? ClusterPartial::at(reinterpret_cast<float*>(ring.start))
+      plan.cluster_merge ? ClusterPartial::at(reinterpret_cast<float*>(region))
                          : mma_sync::workspace_partial(plan, sp.unit, sp.split);
   if (sp.tile_begin >= sp.tile_end) {
     mma_sync::store_empty_split(partial, plan, group_tid, kGroupThreads);
@@ -225,7 +255,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   float o_acc[1][Warpgroup::kDTiles][4] = {};
   cuda::OnlineSoftmax<1> softmax;
   softmax.init();
-  const float scale_log2 = mma_sync::decode_softmax_scale<Traits>(p);
+  float scale_log2 = mma_sync::decode_softmax_scale<Traits>(p);
+  if constexpr (Traits::kFp8Kv)
+    scale_log2 *= cuda::fold_key_descale<Elem>(p.k_descale[sp.unit], q_frag);
   [[maybe_unused]] mma_sync::DecodeBiasAndMask terms;
   if constexpr (Traits::kBiasAndMask) {
     terms = mma_sync::DecodeBiasAndMask::make(p, sp, rows);
@@ -236,7 +268,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   float s_acc[1][Warpgroup::kNTiles][4];
   for (int tile = sp.tile_begin; tile < sp.tile_end; ++tile) {
-    const int stage = Warpgroup::next_tile(ring, p, sp, tile, warpgroup, group_tid);
+    int stage = Warpgroup::next_tile(ring, p, sp, tile, warpgroup, group_tid);
+    if constexpr (Traits::kFp8Kv) {
+      Warpgroup::widen(ring, stage, reinterpret_cast<Elem*>(region), warpgroup, group_tid);
+      stage = 0;  // the products read the widened tiles
+    }
     if constexpr (Traits::kBiasAndMask)
       if (tile + 1 < sp.tile_end) terms.prefetch(p, (tile + 1) * kBlockN, kBlockN, lane);
     Warpgroup::scores(s_acc[0], q_frag, desc, stage);
@@ -252,6 +288,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   float row_lse[1][2];
   softmax.finalize(o_acc, scale_log2, row_lse);
+  if constexpr (Traits::kFp8Kv) {
+    const float v_descale = p.v_descale[sp.unit];
+#pragma unroll
+    for (int d = 0; d < Warpgroup::kDTiles; ++d)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o_acc[0][d][i] *= v_descale;
+  }
   if (plan.cluster_merge) {
     // Every warp's last products have read the ring that the partial overwrites.
     sync_decode_warpgroup<Traits>(warpgroup);

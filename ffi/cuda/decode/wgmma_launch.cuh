@@ -47,4 +47,32 @@ bool forward_decode_sm90_merges_in_cluster(const mma_sync::DecodePlan& plan, int
   });
 }
 
+// The same for float8_e4m3fn keys and values beside an Elem query (AttentionParams::k_descale)
+// on the e4m3 configurations (wgmma::DecodeFp8Config).
+template <int kHeadDim, typename F>
+auto with_sm90_decode_fp8_config(const mma_sync::DecodePlan& plan, F&& f) {
+  return plan.splits_per_block == 2 ? f(wgmma::DecodeFp8Config<kHeadDim, 2>{})
+                                    : f(wgmma::DecodeFp8Config<kHeadDim, 1>{});
+}
+
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_decode_sm90_fp8(const AttentionParams& p,
+                                           const mma_sync::DecodePlan& plan, cudaStream_t stream) {
+  if (plan.splits % plan.splits_per_block != 0) return cudaErrorInvalidValue;
+  return with_sm90_decode_fp8_config<kHeadDim>(plan, [&](auto config) {
+    using Traits = decltype(config);
+    return launch_decode<Elem, wgmma::decode_split_kernel<Elem, Traits>>(
+        p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
+  });
+}
+
+template <typename Elem, int kHeadDim>
+bool forward_decode_sm90_fp8_merges_in_cluster(const mma_sync::DecodePlan& plan, int device) {
+  return with_sm90_decode_fp8_config<kHeadDim>(plan, [&](auto config) {
+    using Traits = decltype(config);
+    return cluster_merge_fits<wgmma::decode_split_kernel<Elem, Traits>>(
+        plan, Traits::kThreads, Traits::kSmemBytes, device);
+  });
+}
+
 }  // namespace jax_flashattn::cuda

@@ -38,7 +38,7 @@
 
 namespace jax_flashattn::wgmma {
 
-template <int kHeadDim_, int kBlockN_, int kStages_, int kSplitsPerBlock_>
+template <int kHeadDim_, int kBlockN_, int kStages_, int kSplitsPerBlock_, int kKvBytes_ = 2>
 struct DecodeTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;  // keys per K/V tile
@@ -53,21 +53,35 @@ struct DecodeTraits {
   // kAlibi: ALiBi among them, in kernels of its own.
   static constexpr bool kBiasAndMask = false;
   static constexpr bool kAlibi = false;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile
-  static constexpr int kStageBytes = 2 * kKVBytes;
-  static constexpr int kRingBytes = kStages * kStageBytes;  // one warpgroup's
+  // Bytes per K/V element: 2 (q's dtype), or 1 for float8_e4m3fn keys and values (kFp8Kv;
+  // DecodeFp8Config below), which the ring holds as stored, rows of byte pairs (cuda::E4m3Pair)
+  // one after another (kSmemDim pairs: only the widening reads them, 16 bytes a thread in row
+  // order), widened tile by tile into one K and one V tile of q's dtype at the start of the
+  // warpgroup's region (kWidenedBytes), which the products read as a 2-byte stage.
+  static constexpr int kKvBytes = kKvBytes_;
+  static constexpr bool kFp8Kv = kKvBytes == 1;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile of q's dtype
+  static constexpr int kStageBytes = 2 * kBlockN * kHeadDim * kKvBytes;  // K tile + V tile
+  static constexpr int kSmemDim = kHeadDim / 2;  // e4m3 ring rows, in byte pairs
+  static constexpr int kWidenedBytes = kFp8Kv ? 2 * kKVBytes : 0;
+  static constexpr int kRingBytes = kWidenedBytes + kStages * kStageBytes;  // one warpgroup's
   // The rings, plus kGroupBytes to align their start to the swizzle's period.
   static constexpr int kSmemBytes = kSplitsPerBlock * kRingBytes + int(kGroupBytes);
 
-  // What mma_sync::load_split_tile needs of one warpgroup, which copies its ring's tiles alone.
+  // What mma_sync::load_split_tile (and, for e4m3, mma_sync::widen_e4m3_tile) needs of one
+  // warpgroup, which copies (and widens) its ring's tiles alone.
   struct WarpgroupCopies {
-    static constexpr int kBlockN = kBlockN_, kChunks = kHeadDim_ / 8, kThreads = 128;
+    static constexpr int kBlockN = kBlockN_, kChunks = kHeadDim_ * kKvBytes_ / 16;
+    static constexpr int kThreads = 128;
+    static constexpr int kSmemDim = kHeadDim_ / 2, kWidenedDim = kHeadDim_;
+    static constexpr int kWidenUnroll = kBlockN * kChunks / kThreads;  // the whole tile
   };
 
   static_assert(kSplitsPerBlock == 1 || kSplitsPerBlock == 2, "two rings per SM");
   static_assert(kHeadDim % 64 == 0, "tiles are whole 128-byte swizzle spans");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N is a multiple of 16 up to 256");
-  static_assert(kKVBytes % kGroupBytes == 0, "tiles stay 1024-byte aligned");
+  static_assert(kKVBytes % kGroupBytes == 0 && kRingBytes % kGroupBytes == 0,
+                "tiles and rings stay 1024-byte aligned");
   static_assert(WarpgroupCopies::kThreads == kWarpgroupThreads &&
                     kWarpgroupThreads % WarpgroupCopies::kChunks == 0,
                 "every copy of a thread is the same chunk column");
@@ -90,6 +104,21 @@ template <>
 struct DecodeConfig<64, 2> : DecodeTraits<64, 128, 3, 2> {};
 template <>
 struct DecodeConfig<128, 2> : DecodeTraits<128, 64, 3, 2> {};
+
+// Configurations for float8_e4m3fn keys and values beside a bfloat16 or float16 query (a
+// quantised KV cache; AttentionParams::k_descale): the 2-byte configurations' tiles, each
+// widened once by the whole warpgroup (DecodeTraits::kKvBytes), in four stages: per warpgroup
+// 2 x 16 KiB widened + 4 x 16 KiB of e4m3 = 96 KiB, two per SM as the 2-byte configurations;
+// three e4m3 stages (48 KiB) of a warpgroup in flight hold as many keys as 96 KiB of a 2-byte
+// cache.
+template <int kHeadDim, int kSplitsPerBlock>
+struct DecodeFp8Config;
+// Stage (128 + 128) keys x 64 B = 16 KiB; widened 2 x 128 x 64 x 2 B = 32 KiB.
+template <int kSplitsPerBlock>
+struct DecodeFp8Config<64, kSplitsPerBlock> : DecodeTraits<64, 128, 4, kSplitsPerBlock, 1> {};
+// Stage (64 + 64) keys x 128 B = 16 KiB; widened 2 x 64 x 128 x 2 B = 32 KiB.
+template <int kSplitsPerBlock>
+struct DecodeFp8Config<128, kSplitsPerBlock> : DecodeTraits<128, 64, 4, kSplitsPerBlock, 1> {};
 
 // Query rows per block from which (inclusive) a decode call takes this kernel; fewer stay on the
 // mma.sync decode kernel. At 32 rows the two are level with the combine, and this one is ahead
