@@ -314,23 +314,27 @@ def test_kernels_take_the_descales_as_given(rng):
     assert not any(op in ops for op in ("multiply", "sign", "select")), ops
 
 
-@pytest.mark.parametrize("t", [1, 4])
-def test_nan_key_descale_makes_its_heads_nan(rng, t):
-    """A NaN key descale makes exactly the rows of its (batch entry, kv head) NaN, as the
-    dequantised keys do; a negative and a zero one beside it give the reference."""
+@pytest.mark.parametrize("t,q_lens", [(1, None), (4, None), (4, [2, 4])],
+                         ids=["t1", "t4", "t4_query_lengths"])
+def test_nan_key_descale_makes_its_heads_nan(rng, t, q_lens):
+    """A NaN key descale makes exactly the rows of its (batch entry, kv head) that see a key
+    NaN, as the dequantised keys do (rows past a query length see none: 0); a negative and a
+    zero one beside it give the reference."""
     b, s, n, k, h = 2, 40, 4, 2, 16
     q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.bfloat16)
     k8, v8 = (jnp.asarray(rng.standard_normal((b, s, k, h)), jnp.float8_e4m3fn)
               for _ in range(2))
     descale_k = jnp.asarray([[0.7, np.nan], [-0.4, 0.0]], jnp.float32)
     descale_v = jnp.asarray([[1.5, 0.5], [2.0, -1.0]], jnp.float32)
+    lens = None if q_lens is None else jnp.asarray(q_lens, jnp.int32)
     out = np.asarray(jax_flashattn.attention(q, k8, v8, descale_k=descale_k,
-                                             descale_v=descale_v), np.float64)
+                                             descale_v=descale_v, query_seq_lengths=lens),
+                     np.float64)
     want = np.asarray(reference.attention(
         jnp.asarray(q, jnp.float32), jnp.asarray(_dequantised(k8, descale_k)),
-        jnp.asarray(_dequantised(v8, descale_v))), np.float64)
+        jnp.asarray(_dequantised(v8, descale_v)), query_seq_lengths=lens), np.float64)
     nan_rows = np.zeros((b, t, n), bool)
-    nan_rows[0, :, n // k:] = True
+    nan_rows[0, :t if q_lens is None else q_lens[0], n // k:] = True
     np.testing.assert_array_equal(np.isnan(out).any(axis=-1), nan_rows)
     np.testing.assert_allclose(out[~nan_rows], want[~nan_rows], rtol=0,
                                atol=1e-2 * (np.abs(want[~nan_rows]).max() + 1))
@@ -364,9 +368,9 @@ KV_CACHE_OPTIONS = {
 def test_cpu_kernels_read_the_e4m3_cache(rng, option, dtype):
     """The CPU kernels take e4m3 keys and values as stored, each dequantised as it is loaded:
     the result is the reference on the dequantised values, rounded once to the query's dtype,
-    with descales of every sign per (batch entry, kv head) (a negative key descale's sign goes
-    through the query, a zero one gives equal scores), and NaN rows exactly where a visible
-    key or value is NaN."""
+    with descales of every sign per (batch entry, kv head) (a negative key descale negates
+    the scores, a zero one makes them equal), and NaN rows exactly where a visible key or value
+    is NaN."""
     b, t, s, n, k, h = 2, 5, 37, 6, 2, 24
     q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
     k8, v8 = (jnp.asarray(rng.standard_normal((b, s, k, h)) * 4, jnp.float8_e4m3fn)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import jax_flashattn
-from helpers import assert_attention_close, reads_e4m3_in_the_kernel
+from jax_flashattn import _ffi
+from helpers import assert_attention_close, hopper, reads_e4m3_in_the_kernel
 from test_paged import TOLERANCE, reference, scattered_cache
 
 pytestmark = pytest.mark.gpu
@@ -44,12 +45,14 @@ OPTIONS = {
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256, 80])
-@pytest.mark.parametrize("t", [1, 8, 16])
+@pytest.mark.parametrize("t", [1, 5, 8, 16])
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_decode_reads_the_e4m3_cache(rng, dtype, head_dim, t, option):
-    """T = 1, 8, 16 (4, 32, 64 rows per kv head: both warp-step configurations) over S = 1000
-    keys (a partial last tile), every head dim configuration (80 on the 128 one), bf16 and
-    float16 queries, [B, K] descales of each group's amax."""
+    """T = 1, 5, 8, 16 (4, 20, 32, 64 rows per kv head: widened in registers, in the mma.sync
+    kernel's shared memory in both warp steps, and from 32 rows at head dims up to 128 on Hopper
+    in the wgmma kernel's) over S = 1000 keys (a partial last tile), every head dim
+    configuration (80 on the 128 one), bf16 and float16 queries, [B, K] descales of each
+    group's amax."""
     q = jnp.asarray(rng.standard_normal((B, t, N, head_dim)), dtype)
     k8, v8, kd, vd, k_deq, v_deq = quantized_cache(rng, B, 1000, K, head_dim)
     kwargs = OPTIONS[option]
@@ -84,25 +87,29 @@ def test_descales_scale_scores_and_values(rng, t):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("t", [1, 16])
-def test_nan_key_descale(rng, t, dtype):
-    """A NaN key descale makes exactly its (batch entry, kv head)'s rows NaN, in both
-    configurations (T = 1 widens in registers, T = 16 in shared memory); the negative and the
-    zero one beside it give the reference."""
+@pytest.mark.parametrize("t,q_lens", [(1, None), (5, None), (16, None), (16, [9, 16])],
+                         ids=["t1", "t5", "t16", "t16_query_lengths"])
+def test_nan_key_descale(rng, t, q_lens, dtype):
+    """A NaN key descale makes exactly its (batch entry, kv head)'s rows that see a key NaN,
+    in every configuration (4 rows widen in registers, 20 in the mma.sync kernel's shared
+    memory, 64 in the wgmma kernel's on Hopper); rows past a query length see none and give 0;
+    the negative and the zero one beside it give the reference."""
     q = jnp.asarray(rng.standard_normal((B, t, N, 128)), dtype)
     k8, v8, _, _, _, _ = quantized_cache(rng, B, 700, K, 128)
     kd = jnp.asarray([[0.02, np.nan], [-0.05, 0.0]], jnp.float32)
     vd = jnp.asarray([[3.0, 0.5], [-0.5, 2.0]], jnp.float32)
+    lens = None if q_lens is None else np.asarray(q_lens, np.int32)
 
     def f(q, k8, v8, kd, vd):
-        return jax_flashattn.attention(q, k8, v8, descale_k=kd, descale_v=vd)
+        return jax_flashattn.attention(q, k8, v8, descale_k=kd, descale_v=vd,
+                                       query_seq_lengths=lens)
     assert reads_e4m3_in_the_kernel(f, q, k8, v8, kd, vd)
     out = jax.jit(f)(q, k8, v8, kd, vd)
     nan_rows = np.zeros((B, t, N), bool)
-    nan_rows[0, :, N // K:] = True
+    nan_rows[0, :t if q_lens is None else q_lens[0], N // K:] = True
     np.testing.assert_array_equal(np.isnan(np.asarray(out, np.float32)).any(axis=-1), nan_rows)
     k_deq, v_deq = (jax_flashattn.dequantize_fp8(x, d) for x, d in ((k8, kd), (v8, vd)))
-    assert_attention_close(out, q, k_deq, v_deq, nan_rows=True)
+    assert_attention_close(out, q, k_deq, v_deq, nan_rows=True, query_seq_lengths=lens)
 
 
 def e4m3_bits(byte):
@@ -187,6 +194,21 @@ def test_paged_e4m3_cache_in_place(rng, page_size, t):
                        descale_k=np.asarray(kd), descale_v=np.asarray(vd))
     assert np.isfinite(out).all()
     assert np.linalg.norm(out - ref) <= TOLERANCE[jnp.dtype(jnp.bfloat16)] * np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paired_blocks(rng, head_dim):
+    """The decode preset's shape (64 kv heads of 64 rows): on Hopper with at least 128 SMs the
+    wgmma kernel's e4m3 configuration with two splits per block, merged in the unit's cluster
+    (the plan of the same call on a 2-byte cache, whose residency the e4m3 kernel shares)."""
+    if not hopper() or getattr(jax.devices()[0], "core_count", 0) < 128:
+        pytest.skip("four splits of 64 units pair up on Hopper with at least 128 SMs")
+    q = jnp.asarray(rng.standard_normal((8, 16, 32, head_dim)), jnp.bfloat16)
+    k8, v8, kd, vd, k_deq, v_deq = quantized_cache(rng, 8, 1500, 8, head_dim)
+    assert _ffi.decode_layout(q, k_deq.astype(jnp.bfloat16)) == (4, "paired_cluster")
+    out = jax.jit(lambda *xs: jax_flashattn.attention(
+        xs[0], xs[1], xs[2], descale_k=xs[3], descale_v=xs[4]))(q, k8, v8, kd, vd)
+    assert_attention_close(out, q, k_deq, v_deq)
 
 
 def test_under_vmap(rng):

@@ -114,7 +114,8 @@ def kernel_descales(descale_k, descale_v, batch: int, kv_heads: int, unbatched: 
     """(k_descale, v_descale) as the kernels take a call on an e4m3 cache: float32 [B, K] each,
     1 where None. Any value is taken as given: the CPU kernels multiply the keys and values by
     it as they load them; the GPU decode kernels fold the key's magnitude into the softmax's
-    factor and its sign (or a zero, or a NaN) into their query fragments, exactly.
+    factor and its sign (or a zero, or a NaN) into their query fragments, exactly
+    (cuda::fold_key_descale).
     `unbatched`: the call's inputs had no batch dim (B = 1 here), its descales are scalars or
     [K]."""
     ones = jnp.ones((batch, kv_heads), jnp.float32)

@@ -96,10 +96,11 @@ __device__ __forceinline__ void widen_e4m3_x4(const uint32_t (&r)[4], uint32_t (
 
 // A call's key descale d (the real keys are the stored ones times d) folded into q's fragments
 // and the softmax's factor, which must stay > 0 (each row's maximum is taken before it
-// scales): returns the factor |d| (1 for d = 0), with the fragments negated for d < 0 (each
-// Elem's sign bit), zeroed for d = 0 (every score 0, as the dequantised keys give) and made
-// NaN for a NaN d (as the dequantised keys are). Scores q . k |d| then equal q . (k d),
-// exactly.
+// scales): returns the factor |d| (1 for d = 0 or NaN), with the fragments negated for d < 0
+// (each Elem's sign bit), zeroed for d = 0 (every score 0, as the dequantised keys give) and
+// made NaN for a NaN d (as the dequantised keys are). Scores q . k |d| then equal q . (k d),
+// exactly, and hidden ones stay -inf: a row that sees no key still gives 0 (a NaN factor
+// would make its -inf scores NaN).
 template <typename Elem, int kSteps>
 __device__ __forceinline__ float fold_key_descale(float d, uint32_t (&q_frag)[kSteps][4]) {
   constexpr bool kBf16 = std::is_same_v<Elem, __nv_bfloat16>;
@@ -112,7 +113,7 @@ __device__ __forceinline__ float fold_key_descale(float d, uint32_t (&q_frag)[kS
       for (int r = 0; r < 4; ++r)
         q_frag[s][r] = d == 0.f ? 0u : d != d ? kNanPair : q_frag[s][r] ^ flip;
   }
-  return d == 0.f ? 1.f : fabsf(d);
+  return d == 0.f || d != d ? 1.f : fabsf(d);
 }
 
 }  // namespace jax_flashattn::cuda
