@@ -399,8 +399,8 @@ def test_cpu_kernels_read_the_e4m3_cache(rng, option, dtype):
 @pytest.mark.parametrize("batch_split", [False, True], ids=["heads", "batch_and_heads"])
 def test_e4m3_cache_under_explicit_sharding(rng, batch_split):
     """Explicit mesh axes over the heads (and the batch), the descales sharded with their kv
-    heads: the call runs (the key descale's sign reaches each query head of its group without
-    a resharding) and gives the unsharded result, a negative descale included."""
+    heads: the call runs without a resharding and gives the unsharded result, a negative
+    descale included."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     mesh = jax.make_mesh((2, 2), ("b", "h"), axis_types=(AxisType.Explicit,) * 2)
     q = jnp.asarray(rng.standard_normal((4, 3, 8, 16)), jnp.float32)
