@@ -28,37 +28,41 @@ __device__ __forceinline__ uint32_t e4m3_nan_bytes(uint32_t x) {
   return ((x & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
 }
 
-// Two e4m3 values, each the high byte of one 16-bit half of `spread` (low bytes 0), as an Elem
-// pair. Elem's sign goes to bit 15; the 7 magnitude bits (exponent, mantissa) go under Elem's
-// exponent field's low bits, which reads them as value * 2^(7 - bias): 2^-120 for bfloat16
-// (bias 127), 2^-8 for float16 (bias 15), subnormals included (both types have them where
-// these land); one exact multiply by 2^120 or 2^8 restores the value. An e4m3 NaN becomes 480
-// here (magnitude 0x7f reads as 1.875 * 2^8), which e4m3_nans_to_elem turns into Elem's NaN.
+// Two e4m3 values as an Elem pair, from `halves`: each 16-bit half an e4m3 byte in its low
+// byte and that byte's sign replicated over its high byte (e4m3_pair's byte permute). Shifted
+// left by kShift, each half has a copy of the sign at bit 15 and the 7 magnitude bits
+// (exponent, mantissa) under Elem's exponent field's low bits; one mask keeps those (and drops
+// what the low half shifted into the high one), which reads as value * 2^(7 - bias): 2^-120 for
+// bfloat16 (bias 127), 2^-8 for float16 (bias 15), subnormals included (both types have them
+// where these land); one exact multiply by 2^120 or 2^8 restores the value. An e4m3 NaN
+// becomes 480 here (magnitude 0x7f reads as 1.875 * 2^8), which e4m3_nans_to_elem turns into
+// Elem's NaN. Four instructions a pair with the permute.
 template <typename Elem>
-__device__ __forceinline__ uint32_t e4m3_spread_pair(uint32_t spread);
+__device__ __forceinline__ uint32_t e4m3_spread_pair(uint32_t halves);
 
 template <>
-__device__ __forceinline__ uint32_t e4m3_spread_pair<__nv_bfloat16>(uint32_t spread) {
+__device__ __forceinline__ uint32_t e4m3_spread_pair<__nv_bfloat16>(uint32_t halves) {
   constexpr uint32_t kTwoPow120 = 0x7b807b80u;  // bfloat16 2^120, both halves
   constexpr uint32_t kMinusZero = 0x80008000u;
-  const uint32_t x = (spread & 0x80008000u) | ((spread >> 4) & 0x07f007f0u);
+  const uint32_t x = (halves << 4) & 0x87f087f0u;  // sign at 15, magnitude at 10:4
   return ptx::fma_bf16x2(x, kTwoPow120, kMinusZero);
 }
 
 template <>
-__device__ __forceinline__ uint32_t e4m3_spread_pair<__half>(uint32_t spread) {
+__device__ __forceinline__ uint32_t e4m3_spread_pair<__half>(uint32_t halves) {
   constexpr uint32_t kTwoPow8 = 0x5c005c00u;  // float16 256, both halves
-  const uint32_t x = (spread & 0x80008000u) | ((spread >> 1) & 0x3f803f80u);
+  const uint32_t x = (halves << 7) & 0xbf80bf80u;  // sign at 15, magnitude at 13:7
   return ptx::mul_f16x2(x, kTwoPow8);
 }
 
-// The Elem pair of bytes i and j of x (byte i in the low half): the bytes spread into the high
-// bytes of the halves by one byte permute, then widened.
+// The Elem pair of bytes i and j of x (byte i in the low half): each byte and its replicated
+// sign put in one half by one byte permute, then widened.
 template <typename Elem, int kLowByte, int kHighByte>
 __device__ __forceinline__ uint32_t e4m3_pair(uint32_t x) {
-  // __byte_perm selector nibbles, result byte 0 first: 4 picks a byte of the zero operand.
-  constexpr uint32_t kSelector = 0x4 | (kLowByte << 4) | (0x4 << 8) | (kHighByte << 12);
-  return e4m3_spread_pair<Elem>(__byte_perm(x, 0u, kSelector));
+  // prmt selector nibbles, result byte 0 first: a byte of x, then its sign (bit 3 set).
+  constexpr uint32_t kSelector =
+      kLowByte | ((8 | kLowByte) << 4) | (kHighByte << 8) | ((8 | kHighByte) << 12);
+  return e4m3_spread_pair<Elem>(ptx::prmt<kSelector>(x, 0u));
 }
 
 // An Elem pair from e4m3_pair with its 480s (e4m3 NaNs: the largest finite e4m3 is 448) made

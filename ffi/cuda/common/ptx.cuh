@@ -271,6 +271,16 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// prmt.b32 in its default mode: byte n of the result from selector nibble n, whose bits 2:0
+// pick one of the 8 bytes of {b, a} (a's first) and whose bit 3, where set, replicates that
+// byte's sign bit over the whole byte (which CUDA's __byte_perm does not offer).
+template <uint32_t kSelector>
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "n"(kSelector));
+  return d;
+}
+
 // a * b per 16-bit half of two float16 pairs, rounded to nearest, subnormals kept (no .ftz).
 __device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
   uint32_t d;
