@@ -2,7 +2,8 @@
 (run with `pytest -m gpu` on an NVIDIA GPU): the split-KV decode kernels read the e4m3 cache as
 it is stored and widen it in registers, contiguous or paged; every other call is dequantised
 first. Each result against the float32 reference on the dequantised inputs, with the error-ratio
-rule of a bfloat16 or float16 call (the kernels widen e4m3 exactly and round P as they do).
+rule of a bfloat16 or float16 call (the kernels widen e4m3 exactly and round P as they do, in
+float16 where the hardware widens e4m3 to it).
 """
 
 import jax
@@ -110,6 +111,25 @@ def test_nan_key_descale(rng, t, q_lens, dtype):
     np.testing.assert_array_equal(np.isnan(np.asarray(out, np.float32)).any(axis=-1), nan_rows)
     k_deq, v_deq = (jax_flashattn.dequantize_fp8(x, d) for x, d in ((k8, kd), (v8, vd)))
     assert_attention_close(out, q, k_deq, v_deq, nan_rows=True, query_seq_lengths=lens)
+
+
+@pytest.mark.parametrize("t", [1, 5, 16])
+def test_query_rows_of_far_apart_magnitudes(rng, t):
+    """bfloat16 query heads of one group 2^20, 1, 2^-60 and 2^-110 times the others, and one
+    query position 2^6 times the rest (logits up to ~2^26: the kernels' softmax takes its
+    offset max * scale rounded, which stays far from overflowing exp2 there): where the kernels
+    multiply in float16 (the hardware widens e4m3 to it) each row is converted with its own
+    power of two, so every row matches the reference whatever the other rows of its block."""
+    q = rng.standard_normal((B, t, N, 128))
+    q = q * np.exp2(np.array([20.0, 0.0, -60.0, -110.0]))[np.arange(N) % (N // K)][:, None]
+    q[:, -1] *= 2.0 ** 6
+    q = jnp.asarray(q, jnp.bfloat16)
+    k8, v8, kd, vd, k_deq, v_deq = quantized_cache(rng, B, 900, K, 128)
+
+    def f(q, k8, v8, kd, vd):
+        return jax_flashattn.attention(q, k8, v8, descale_k=kd, descale_v=vd)
+    assert reads_e4m3_in_the_kernel(f, q, k8, v8, kd, vd)
+    assert_attention_close(jax.jit(f)(q, k8, v8, kd, vd), q, k_deq, v_deq)
 
 
 def e4m3_bits(byte):

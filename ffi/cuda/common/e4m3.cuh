@@ -1,9 +1,11 @@
 // float8_e4m3fn values (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinity, NaN
 // at magnitude 0x7f; largest finite 448) widened to the mma operand pairs of bfloat16 or
-// float16, exactly: every e4m3 value, subnormals included, is one of theirs. In integer and
-// 16-bit arithmetic that every sm_80+ GPU has (the e4m3 convert instructions start at sm_89):
-// per two values a byte permute, a shift, two logic ops and one multiply, and per 4 bytes
-// three more for the NaN check.
+// float16, exactly: every e4m3 value, subnormals included, is one of theirs. From sm_89 the
+// hardware converts two values to float16 in one instruction (cvt.rn.f16x2.e4m3x2), so the
+// products run in float16 whatever q's dtype (E4m3ProductElem; a bfloat16 query's fragments
+// converted once per block, q_fragments_to_half). Before it, in integer and 16-bit arithmetic:
+// per two values a byte permute, a shift, a logic op and one multiply, and per 4 bytes three
+// more for the NaN check.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,6 +17,20 @@
 #include "ffi/cuda/common/ptx.cuh"
 
 namespace jax_flashattn::cuda {
+
+// Whether this compilation target converts e4m3 in hardware (sm_89 and newer). Device code
+// reads it (the host pass sees false; no kernel's signature depends on it).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+inline constexpr bool kE4m3Convert = true;
+#else
+inline constexpr bool kE4m3Convert = false;
+#endif
+
+// The element type of the products of q (of type Elem) with widened e4m3 keys and values:
+// float16 where the hardware converts e4m3 to it (a pair per instruction against four with the
+// integer widening), else Elem, into which the integer widening goes as cheaply.
+template <typename Elem>
+using E4m3ProductElem = std::conditional_t<kE4m3Convert, __half, Elem>;
 
 // Two e4m3 bytes: the unit in which shared tiles of e4m3 keys and values are copied and
 // addressed (ldmatrix's b16 elements).
@@ -79,10 +95,22 @@ __device__ __forceinline__ uint32_t e4m3_nans_to_elem(uint32_t pair) {
 }
 
 // The 8 Elem pairs of the 4 registers of one x4 ldmatrix of e4m3 bytes: out[i][0] of bytes
-// kLo0 and kHi0 of r[i], out[i][1] of bytes kLo1 and kHi1. The NaN check (e4m3_nan_bytes) is a
-// few instructions per register and one warp vote per call.
+// kLo0 and kHi0 of r[i], out[i][1] of bytes kLo1 and kHi1. With the integer widening the NaN
+// check (e4m3_nan_bytes) is a few instructions per register and one warp vote per call.
+// With the hardware conversion (float16 pairs, kE4m3Convert): one permute where the pairs are
+// not bytes {0, 1} and {2, 3}, then one convert per pair; NaNs come out NaN.
 template <typename Elem, int kLo0, int kHi0, int kLo1, int kHi1>
 __device__ __forceinline__ void widen_e4m3_x4(const uint32_t (&r)[4], uint32_t (&out)[4][2]) {
+  if constexpr (kE4m3Convert && std::is_same_v<Elem, __half>) {
+    constexpr uint32_t kSelector = kLo0 | (kHi0 << 4) | (kLo1 << 8) | (kHi1 << 12);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t x = kSelector == 0x3210u ? r[i] : __byte_perm(r[i], 0u, kSelector);
+      out[i][0] = ptx::cvt_f16x2_e4m3x2(uint16_t(x));
+      out[i][1] = ptx::cvt_f16x2_e4m3x2(uint16_t(x >> 16));
+    }
+    return;
+  }
   uint32_t nan = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -96,6 +124,61 @@ __device__ __forceinline__ void widen_e4m3_x4(const uint32_t (&r)[4], uint32_t (
 #pragma unroll
       for (int j = 0; j < 2; ++j) out[i][j] = e4m3_nans_to_elem<Elem>(out[i][j]);
   }
+}
+
+// This thread's bfloat16 Q fragments (the mma A layout: its rows lane / 4 and lane / 4 + 8 of
+// a 16-row slab, registers h and h + 2 of each k-step for row h, a row's columns over the
+// lanes of a quad) as float16, for products with e4m3 keys widened to float16: row h's elements
+// times 2^e_h, e_h set by the row's largest finite magnitude m so that m 2^e_h lies in
+// [2^14, 2^15) (float16's largest finite is 65504), and row_factor[h] = 2^-e_h, which that
+// row's scores take back (scale_score_rows) before the softmax sees them. bfloat16's 8-bit
+// significands fit float16's 11, so an element is exact where its float16 is normal (down to
+// 2^-29 m) and off by at most 2^-39 m below: a row's scores err by at most 2^-39 of the
+// largest sum of |q| |k| it could have, far under bfloat16's own rounding of q. Infinities and
+// NaNs (left out of m) stay what they are; e_h is at most 126 (an all-zero or subnormal row),
+// so 2^e_h and 2^-e_h are normal floats.
+template <int kSteps>
+__device__ __forceinline__ void q_fragments_to_half(uint32_t (&q_frag)[kSteps][4],
+                                                    float (&row_factor)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uint32_t top = 0;  // bits of the row's largest finite magnitude (ordered as magnitudes)
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+      for (int r = h; r < 4; r += 2)
+#pragma unroll
+        for (int half = 0; half < 32; half += 16) {
+          const uint32_t m = (q_frag[s][r] >> half) & 0x7fffu;
+          if (m < 0x7f80u) top = max(top, m);
+        }
+    top = max(top, __shfl_xor_sync(0xffffffffu, top, 1));
+    top = max(top, __shfl_xor_sync(0xffffffffu, top, 2));
+    // m < 2^(E - 126) for biased exponent E = top >> 7, so 2^e = 2^(141 - E) puts it under 2^15.
+    const int e = min(141 - int(top >> 7), 126);
+    const float up = __int_as_float((127 + e) << 23);
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+      for (int r = h; r < 4; r += 2) {
+        const float lo = __uint_as_float(q_frag[s][r] << 16);
+        const float hi = __uint_as_float(q_frag[s][r] & 0xffff0000u);
+        const __half2 pair = __floats2half2_rn(lo * up, hi * up);
+        q_frag[s][r] = *reinterpret_cast<const uint32_t*>(&pair);
+      }
+    row_factor[h] = __int_as_float((127 - e) << 23);
+  }
+}
+
+// Scores of this thread's two rows (an mma accumulator: elements 2 h and 2 h + 1 of each tile
+// in row h) times that row's factor from q_fragments_to_half: exact (powers of two), one
+// multiply a score.
+template <int kNTiles>
+__device__ __forceinline__ void scale_score_rows(float (&s)[kNTiles][4], const float (&factor)[2]) {
+#pragma unroll
+  for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] *= factor[e / 2];
 }
 
 // A call's key descale d (the real keys are the stored ones times d) folded into q's fragments

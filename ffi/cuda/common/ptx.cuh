@@ -281,6 +281,17 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b) {
   return d;
 }
 
+// cvt.rn.f16x2.e4m3x2 (sm_89 and newer): the two float8_e4m3fn bytes of `pair` as a float16
+// pair, the low byte's in the low half; exact (every e4m3 value is a float16), an e4m3 NaN a
+// float16 NaN. One instruction; 0 where the target lacks it (its callers test kE4m3Convert).
+__device__ __forceinline__ uint32_t cvt_f16x2_e4m3x2(uint16_t pair) {
+  uint32_t d = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(d) : "h"(pair));
+#endif
+  return d;
+}
+
 // a * b per 16-bit half of two float16 pairs, rounded to nearest, subnormals kept (no .ftz).
 __device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
   uint32_t d;

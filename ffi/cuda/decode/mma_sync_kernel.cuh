@@ -15,9 +15,9 @@
 //   online softmax         (exp2 with the scale folded into one FFMA)
 //   O += P V               (P re-packed from the S accumulators, V via ldmatrix.trans)
 // With float8_e4m3fn keys and values (Traits::kFp8Kv, a quantised KV cache) the ring holds their
-// bytes, widened to q's dtype (common/e4m3.cuh) in registers after each ldmatrix (one slab of
-// rows) or once per tile into shared memory that the warps read as a 2-byte stage
-// (Traits::kWidenInSmem, more rows); the descales of the unit's kv head scale the scores
+// bytes, widened (common/e4m3.cuh: to float16 from sm_89, q converted to it, else to q's dtype)
+// in registers after each ldmatrix (one slab of rows) or once per tile into shared memory that
+// the warps read as a 2-byte stage (Traits::kWidenInSmem, more rows); the descales of the unit's kv head scale the scores
 // (folded into the softmax's factor) and the split's O.
 // Warps that computed the same rows on other keys merge their states through shared memory,
 // and the split writes its normalised O and lse to the workspace (layout: ffi/decode_plan.h) or,
@@ -56,17 +56,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
                 "e4m3 keys and values take the plain kernels (decode_fp8_kv_fits)");
   // The ring's 2-byte units: q's elements, or pairs of e4m3 bytes.
   using Unit = std::conditional_t<kFp8Kv, cuda::E4m3Pair, Elem>;
+  // The products' element type: q's, or with e4m3 keys and values float16 where the hardware
+  // widens e4m3 to it (cuda::E4m3ProductElem).
+  using Mma = std::conditional_t<kFp8Kv, cuda::E4m3ProductElem<Elem>, Elem>;
 
   // Aligned to a whole swizzled row (at most 512 bytes) for LdmatrixAddress's XOR.
   extern __shared__ __align__(512) unsigned char smem_raw[];
   Unit* ring = reinterpret_cast<Unit*>(smem_raw);  // [kStages][K, V][kBlockN][kSmemDim]
   auto stage_k = [&](int stage) { return ring + stage * 2 * kBlockN * kSmemDim; };
   auto stage_v = [&](int stage) { return stage_k(stage) + kBlockN * kSmemDim; };
-  // kWiden: each tile widened to q's dtype after the ring, [K, V][kBlockN][kWidenedDim], where
-  // the warps read it as a 2-byte ring stage.
+  // kWiden: each tile widened to Mma after the ring, [K, V][kBlockN][kWidenedDim], where the
+  // warps read it as a 2-byte ring stage.
   constexpr int kReadDim = kWiden ? Traits::kWidenedDim : kSmemDim;
-  Elem* widened_k = reinterpret_cast<Elem*>(smem_raw + Traits::kRingBytes);
-  Elem* widened_v = widened_k + kBlockN * Traits::kWidenedDim;
+  Mma* widened_k = reinterpret_cast<Mma*>(smem_raw + Traits::kRingBytes);
+  Mma* widened_v = widened_k + kBlockN * Traits::kWidenedDim;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int quad_col = 2 * (lane % 4);  // mma accumulator column pair
@@ -118,7 +121,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   cuda::OnlineSoftmax<1> softmax;
   softmax.init();
   float scale_log2 = decode_softmax_scale<Traits>(p);
-  if constexpr (kFp8Kv) scale_log2 *= cuda::fold_key_descale<Elem>(p.k_descale[sp.unit], q_frag);
+  // A bfloat16 query's rows as float16, each with the factor its scores take back.
+  [[maybe_unused]] float q_row_factor[2];
+  if constexpr (!std::is_same_v<Mma, Elem>) cuda::q_fragments_to_half(q_frag, q_row_factor);
+  if constexpr (kFp8Kv) scale_log2 *= cuda::fold_key_descale<Mma>(p.k_descale[sp.unit], q_frag);
   [[maybe_unused]] DecodeBiasAndMask terms;
   if constexpr (Traits::kBiasAndMask) {
     terms = DecodeBiasAndMask::make(p, sp, rows);
@@ -173,10 +179,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           for (int c = 0; c < kStepChunks; ++c) {
             uint32_t k8[4], b[4][2];
             ptx::ldmatrix_x4(k8, k_address(chunk0 + c, kp));
-            cuda::widen_e4m3_x4<Elem, 0, 1, 2, 3>(k8, b);
+            cuda::widen_e4m3_x4<Mma, 0, 1, 2, 3>(k8, b);
 #pragma unroll
             for (int m = 0; m < 4; ++m)
-              ptx::mma_m16n8k16<Elem>(s_acc[0][2 * c + m / 2], q_frag[2 * kp + m % 2], b[m]);
+              ptx::mma_m16n8k16<Mma>(s_acc[0][2 * c + m / 2], q_frag[2 * kp + m % 2], b[m]);
           }
       } else {
 #pragma unroll
@@ -185,9 +191,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           for (int c = 0; c < kStepChunks; ++c) {
             uint32_t k_frag[4];
             ptx::ldmatrix_x4(k_frag, k_address(chunk0 + c, ks));
-            mma_pair<Elem>(s_acc[0], c, q_frag[ks], k_frag);
+            mma_pair<Mma>(s_acc[0], c, q_frag[ks], k_frag);
           }
       }
+      if constexpr (!std::is_same_v<Mma, Elem>) cuda::scale_score_rows(s_acc[0], q_row_factor);
       cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
       if constexpr (Traits::kBiasAndMask)
         terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
@@ -198,7 +205,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       // k-steps outermost, so each O tile's accumulation chain has a whole k-step between links.
       uint32_t p_frag[kStepChunks][4];
 #pragma unroll
-      for (int c = 0; c < kStepChunks; ++c) pack_a<Elem>(p_frag[c], s_acc[0], c);
+      for (int c = 0; c < kStepChunks; ++c) pack_a<Mma>(p_frag[c], s_acc[0], c);
       if constexpr (kE4m3Fragments) {
         // One transposed ldmatrix of e4m3 V: per 16 keys and 32 columns, four matrices (keys
         // 0-7 then 8-15 of columns 0-15, then of 16-31) whose 2-byte elements are column
@@ -212,14 +219,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           for (int dq = 0; dq < kDTiles / 4; ++dq) {
             uint32_t v8[4], v_pairs[4][2];
             ptx::ldmatrix_x4_trans(v8, v_address(chunk0 + c, dq));
-            cuda::widen_e4m3_x4<Elem, 0, 2, 1, 3>(v8, v_pairs);
+            cuda::widen_e4m3_x4<Mma, 0, 2, 1, 3>(v8, v_pairs);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
               // Registers 2 half and 2 half + 1: keys 0-7 and 8-15 of columns [16 half, +16).
               const uint32_t b_even[2] = {v_pairs[2 * half][0], v_pairs[2 * half + 1][0]};
               const uint32_t b_odd[2] = {v_pairs[2 * half][1], v_pairs[2 * half + 1][1]};
-              ptx::mma_m16n8k16<Elem>(o_acc[0][4 * dq + 2 * half], p_frag[c], b_even);
-              ptx::mma_m16n8k16<Elem>(o_acc[0][4 * dq + 2 * half + 1], p_frag[c], b_odd);
+              ptx::mma_m16n8k16<Mma>(o_acc[0][4 * dq + 2 * half], p_frag[c], b_even);
+              ptx::mma_m16n8k16<Mma>(o_acc[0][4 * dq + 2 * half + 1], p_frag[c], b_odd);
             }
           }
       } else {
@@ -229,7 +236,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           for (int dp = 0; dp < kDTiles / 2; ++dp) {
             uint32_t v_frag[4];
             ptx::ldmatrix_x4_trans(v_frag, v_address(chunk0 + c, dp));
-            mma_pair<Elem>(o_acc[0], dp, p_frag[c], v_frag);
+            mma_pair<Mma>(o_acc[0], dp, p_frag[c], v_frag);
           }
       }
     }

@@ -21,8 +21,8 @@
 //   O += P V               wgmma, P re-packed from the S accumulators
 // and writes its normalised O and lse to the workspace or, for the cluster merge, to its
 // ring's shared memory. With float8_e4m3fn keys and values (Traits::kFp8Kv) the ring holds them
-// as stored and the warpgroup widens each tile to q's dtype (mma_sync::widen_e4m3_tile) into
-// the tiles the products read, between the tile's barrier and one more; the key descale folds
+// as stored and the warpgroup widens each tile (mma_sync::widen_e4m3_tile: to float16 from
+// sm_89, q converted to it, else to q's dtype) into the tiles the products read, between the tile's barrier and one more; the key descale folds
 // into Q's fragments and the softmax's factor (cuda::fold_key_descale), the value descale
 // scales O.
 #pragma once
@@ -100,7 +100,8 @@ struct DecodeDescriptors {
 
 // A warpgroup's parts of the tile loop, each a function of the state it takes (the kernel
 // holds the fragments and accumulators as local arrays, which keeps ptxas's schedule of the
-// kernel written as one function: every decode kernel's SASS is the same).
+// kernel written as one function: every decode kernel's SASS is the same). Elem: the products'
+// element type (the kernel's Mma).
 template <typename Elem, typename Traits>
 struct DecodeWarpgroup {
   static constexpr int kStages = Traits::kStages;
@@ -195,7 +196,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_split_kernel(const __grid_constant__ AttentionParams p,
                         const mma_sync::DecodePlan plan) {
 #ifdef JAX_FLASHATTN_SM90_BODY
-  using Warpgroup = DecodeWarpgroup<Elem, Traits>;
+  // The products' element type: q's, or with e4m3 keys and values float16 where the hardware
+  // widens e4m3 to it (cuda::E4m3ProductElem).
+  using Mma = std::conditional_t<Traits::kFp8Kv, cuda::E4m3ProductElem<Elem>, Elem>;
+  using Warpgroup = DecodeWarpgroup<Mma, Traits>;
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   constexpr int kSplitsPerBlock = Traits::kSplitsPerBlock;
   constexpr int kGroupThreads = Traits::kWarpgroupThreads;
@@ -216,7 +220,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const uint32_t base = rings + warpgroup * Traits::kRingBytes;
   // kFp8Kv: the widened K and V tiles first, at base, then the ring.
   unsigned char* const region = smem_raw + (base - raw_address);
-  using Ring = DecodeRing<Elem, Traits>;
+  using Ring = DecodeRing<Mma, Traits>;
   const Ring ring{reinterpret_cast<typename Ring::Unit*>(region + Traits::kWidenedBytes)};
 
   // The split, then at once its first tiles' requests (DecodeSplit, decode/block.cuh).
@@ -256,8 +260,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   cuda::OnlineSoftmax<1> softmax;
   softmax.init();
   float scale_log2 = mma_sync::decode_softmax_scale<Traits>(p);
+  // A bfloat16 query's rows as float16, each with the factor its scores take back.
+  [[maybe_unused]] float q_row_factor[2];
+  if constexpr (!std::is_same_v<Mma, Elem>) cuda::q_fragments_to_half(q_frag, q_row_factor);
   if constexpr (Traits::kFp8Kv)
-    scale_log2 *= cuda::fold_key_descale<Elem>(p.k_descale[sp.unit], q_frag);
+    scale_log2 *= cuda::fold_key_descale<Mma>(p.k_descale[sp.unit], q_frag);
   [[maybe_unused]] mma_sync::DecodeBiasAndMask terms;
   if constexpr (Traits::kBiasAndMask) {
     terms = mma_sync::DecodeBiasAndMask::make(p, sp, rows);
@@ -270,12 +277,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   for (int tile = sp.tile_begin; tile < sp.tile_end; ++tile) {
     int stage = Warpgroup::next_tile(ring, p, sp, tile, warpgroup, group_tid);
     if constexpr (Traits::kFp8Kv) {
-      Warpgroup::widen(ring, stage, reinterpret_cast<Elem*>(region), warpgroup, group_tid);
+      Warpgroup::widen(ring, stage, reinterpret_cast<Mma*>(region), warpgroup, group_tid);
       stage = 0;  // the products read the widened tiles
     }
     if constexpr (Traits::kBiasAndMask)
       if (tile + 1 < sp.tile_end) terms.prefetch(p, (tile + 1) * kBlockN, kBlockN, lane);
     Warpgroup::scores(s_acc[0], q_frag, desc, stage);
+    if constexpr (!std::is_same_v<Mma, Elem>) cuda::scale_score_rows(s_acc[0], q_row_factor);
     const int key0 = tile * kBlockN;
     mma_sync::cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
     if constexpr (Traits::kBiasAndMask)
