@@ -410,10 +410,17 @@ __device__ __forceinline__ void widen_e4m3_tile(const cuda::E4m3Pair* src, Elem*
     const uint32_t bytes[4] = {raw.x, raw.y, raw.z, raw.w};
     uint32_t pairs[4][2];
     cuda::widen_e4m3_x4<Elem, 0, 1, 2, 3>(bytes, pairs);
-    *reinterpret_cast<uint4*>(dst + To::offset(row, 2 * chunk)) =
-        make_uint4(pairs[0][0], pairs[0][1], pairs[1][0], pairs[1][1]);
-    *reinterpret_cast<uint4*>(dst + To::offset(row, 2 * chunk + 1)) =
-        make_uint4(pairs[2][0], pairs[2][1], pairs[3][0], pairs[3][1]);
+    const uint4 even = make_uint4(pairs[0][0], pairs[0][1], pairs[1][0], pairs[1][1]);
+    const uint4 odd = make_uint4(pairs[2][0], pairs[2][1], pairs[3][0], pairs[3][1]);
+    // The 8 threads of a 16-byte store's phase: where they widen chunks c and c + 4 of one row
+    // (8 or more chunks a row), widened chunks 2c and 2c + 8 share their banks (128 bytes
+    // apart, the same XOR), so threads of chunks 4-7 mod 8 store their odd chunk first: each
+    // store's phase then covers all 32 banks once.
+    const bool odd_first = (chunk >> 2) & 1;
+    *reinterpret_cast<uint4*>(dst + To::offset(row, 2 * chunk + odd_first)) =
+        odd_first ? odd : even;
+    *reinterpret_cast<uint4*>(dst + To::offset(row, 2 * chunk + !odd_first)) =
+        odd_first ? even : odd;
   }
 }
 
