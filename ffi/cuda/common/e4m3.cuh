@@ -174,7 +174,8 @@ __device__ __forceinline__ void q_fragments_to_half(uint32_t (&q_frag)[kSteps][4
 // in row h) times that row's factor from q_fragments_to_half: exact (powers of two), one
 // multiply a score.
 template <int kNTiles>
-__device__ __forceinline__ void scale_score_rows(float (&s)[kNTiles][4], const float (&factor)[2]) {
+__device__ __forceinline__ void scale_score_rows(float (&s)[kNTiles][4],
+                                                 const float (&factor)[2]) {
 #pragma unroll
   for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll

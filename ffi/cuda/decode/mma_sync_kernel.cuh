@@ -17,8 +17,8 @@
 // With float8_e4m3fn keys and values (Traits::kFp8Kv, a quantised KV cache) the ring holds their
 // bytes, widened (common/e4m3.cuh: to float16 from sm_89, q converted to it, else to q's dtype)
 // in registers after each ldmatrix (one slab of rows) or once per tile into shared memory that
-// the warps read as a 2-byte stage (Traits::kWidenInSmem, more rows); the descales of the unit's kv head scale the scores
-// (folded into the softmax's factor) and the split's O.
+// the warps read as a 2-byte stage (Traits::kWidenInSmem, more rows); the descales of the
+// unit's kv head scale the scores (folded into the softmax's factor) and the split's O.
 // Warps that computed the same rows on other keys merge their states through shared memory,
 // and the split writes its normalised O and lse to the workspace (layout: ffi/decode_plan.h) or,
 // for the cluster merge, to its shared memory.

@@ -65,10 +65,10 @@ struct DecodeTraits {
   static constexpr bool kBiasAndMask = false;
   static constexpr bool kAlibi = false;
   // Bytes per K/V element: 2 (q's dtype), or 1 for float8_e4m3fn keys and values (kFp8Kv;
-  // DecodeFp8Config below), widened to q's dtype in registers after each ldmatrix, or with
-  // kWidenInSmem once per tile into a tile of q's dtype that the warps then read as the 2-byte
-  // configs read their ring (kWidenedBytes after the ring: K and V of kBlockN rows of
-  // kWidenedDim elements).
+  // DecodeFp8Config below), widened (to float16 from sm_89, else to q's dtype: common/e4m3.cuh)
+  // in registers after each ldmatrix, or with kWidenInSmem once per tile into a 2-byte tile
+  // that the warps then read as the 2-byte configs read their ring (kWidenedBytes after the
+  // ring: K and V of kBlockN rows of kWidenedDim elements).
   static constexpr int kKvBytes = kKvBytes_;
   static constexpr bool kFp8Kv = kKvBytes == 1;
   static constexpr bool kWidenInSmem = kWidenInSmem_;
@@ -130,7 +130,8 @@ struct DecodeConfig<256, kStepChunks> : DecodeTraits<256, 32, 3, 2, kStepChunks>
 // 96 KiB; two blocks per SM (decode_blocks_per_sm), as the widening makes the warps wait on
 // arithmetic as well as on memory (one block per SM read the cache at 0.45 of the copy
 // bandwidth, two at 0.62; four blocks of 48 KiB rings at 0.60). 16-key steps. ptxas (nvcc
-// 13.0, sm_90a, bf16): 149 / 221 / 255 registers at 64 / 128 / 256, no spills.
+// 13.0, sm_90a, bf16, the float16 products): 181 / 224 / 255 registers at 64 / 128 / 256, no
+// spills but 20 bytes at 256 (the integer widening had none, and took 24% longer a call).
 template <int kHeadDim>
 struct DecodeFp8Config;
 template <>
@@ -143,14 +144,14 @@ struct DecodeFp8Config<256> : DecodeTraits<256, 64, 3, 2, 1, 1> {};
 // Past 16 rows each warp owns a slab and reads every key of its tiles, so widening in registers
 // would widen each tile once per slab (0.39x the bf16 cache's call at 64 rows, 0.61x this way:
 // docs/decisions/fp8-kv-decode.md);
-// instead the block widens each tile once into a tile of q's dtype (kWidenInSmem), which the
+// instead the block widens each tile once into a 2-byte tile (kWidenInSmem), which the
 // warps read as the 2-byte configs do, in the 2-byte configs' steps. The ring has four stages
 // of the 2-byte configs' keys in e4m3 (five at 64, whose rows are padded), beside the widened
 // tile: 4 * 16 KiB + 32 KiB (128: 64 keys; 256: 32 keys), 5 * 16 KiB + 16 KiB (64: 64 keys)
 // = 96 KiB, two blocks per SM as the 2-byte configs; 48-64 KiB of a block in flight. ptxas
-// (nvcc 13.0, sm_90a, bf16): 215 / 243 registers at head dim 128 (16-key / whole-tile steps),
-// 161 / 184 at 64, no spills; at 256 255 registers and 72 bytes of spills (the widening's
-// registers beside Q and O, 192 of them).
+// (nvcc 13.0, sm_90a, bf16, the float16 products): 219 / 244 registers at head dim 128
+// (16-key / whole-tile steps), 161 / 208 at 64, no spills; at 256 255 registers and 64 bytes
+// of spills (the widening's registers beside Q and O, 192 of them).
 template <int kHeadDim, int kStepChunks>
 struct DecodeFp8WidenConfig;
 template <int kStepChunks>

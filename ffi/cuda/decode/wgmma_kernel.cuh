@@ -22,9 +22,9 @@
 // and writes its normalised O and lse to the workspace or, for the cluster merge, to its
 // ring's shared memory. With float8_e4m3fn keys and values (Traits::kFp8Kv) the ring holds them
 // as stored and the warpgroup widens each tile (mma_sync::widen_e4m3_tile: to float16 from
-// sm_89, q converted to it, else to q's dtype) into the tiles the products read, between the tile's barrier and one more; the key descale folds
-// into Q's fragments and the softmax's factor (cuda::fold_key_descale), the value descale
-// scales O.
+// sm_89, q converted to it, else to q's dtype) into the tiles the products read, between the
+// tile's barrier and one more; the key descale folds into Q's fragments and the softmax's
+// factor (cuda::fold_key_descale), the value descale scales O.
 #pragma once
 
 #include <cstdint>

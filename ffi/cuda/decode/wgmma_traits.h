@@ -56,11 +56,11 @@ struct DecodeTraits {
   // Bytes per K/V element: 2 (q's dtype), or 1 for float8_e4m3fn keys and values (kFp8Kv;
   // DecodeFp8Config below), which the ring holds as stored, rows of byte pairs (cuda::E4m3Pair)
   // one after another (kSmemDim pairs: only the widening reads them, 16 bytes a thread in row
-  // order), widened tile by tile into one K and one V tile of q's dtype at the start of the
-  // warpgroup's region (kWidenedBytes), which the products read as a 2-byte stage.
+  // order), widened tile by tile into one K and one V tile of float16 (common/e4m3.cuh) at the
+  // start of the warpgroup's region (kWidenedBytes), which the products read as a 2-byte stage.
   static constexpr int kKvBytes = kKvBytes_;
   static constexpr bool kFp8Kv = kKvBytes == 1;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile of q's dtype
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile, 2-byte
   static constexpr int kStageBytes = 2 * kBlockN * kHeadDim * kKvBytes;  // K tile + V tile
   static constexpr int kSmemDim = kHeadDim / 2;  // e4m3 ring rows, in byte pairs
   static constexpr int kWidenedBytes = kFp8Kv ? 2 * kKVBytes : 0;
@@ -110,8 +110,8 @@ struct DecodeConfig<128, 2> : DecodeTraits<128, 64, 3, 2> {};
 // widened once by the whole warpgroup (DecodeTraits::kKvBytes), in four stages: per warpgroup
 // 2 x 16 KiB widened + 4 x 16 KiB of e4m3 = 96 KiB, two per SM as the 2-byte configurations;
 // three e4m3 stages (48 KiB) of a warpgroup in flight hold as many keys as 96 KiB of a 2-byte
-// cache. ptxas (CUDA 13.0, sm_90a, bf16): 218 / 227 registers at head dim 128 (one / two
-// warpgroups a block), 208 / 217 at 64, no spills.
+// cache. ptxas (CUDA 13.0, sm_90a, bf16, the float16 products): 225 / 239 registers at head
+// dim 128 (one / two warpgroups a block), 251 / 251 at 64, no spills.
 template <int kHeadDim, int kSplitsPerBlock>
 struct DecodeFp8Config;
 // Stage (128 + 128) keys x 64 B = 16 KiB; widened 2 x 128 x 64 x 2 B = 32 KiB.
