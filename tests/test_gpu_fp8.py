@@ -115,16 +115,21 @@ def test_nan_key_descale(rng, t, q_lens, dtype):
 
 @pytest.mark.parametrize("t", [1, 5, 16])
 def test_query_rows_of_far_apart_magnitudes(rng, t):
-    """bfloat16 query heads of one group 2^20, 1, 2^-60 and 2^-110 times the others, and one
-    query position 2^6 times the rest (logits up to ~2^26: the kernels' softmax takes its
-    offset max * scale rounded, which stays far from overflowing exp2 there): where the kernels
-    multiply in float16 (the hardware widens e4m3 to it) each row is converted with its own
-    power of two, so every row matches the reference whatever the other rows of its block."""
-    q = rng.standard_normal((B, t, N, 128))
-    q = q * np.exp2(np.array([20.0, 0.0, -60.0, -110.0]))[np.arange(N) % (N // K)][:, None]
-    q[:, -1] *= 2.0 ** 6
+    """bfloat16 query heads of one group (rows of one block): one 2^40 times the others in
+    the head dims where every key is 0 (its logits stay 0), one of unit size, and ones 2^-60
+    and 2^-110 times it. Where the kernels multiply in float16 (the hardware widens e4m3 to
+    it), one power of two for the block's rows would flush the unit head's elements (2^-40 of
+    the largest) and lose its logits; each row converted with its own keeps every row at the
+    reference."""
+    h = 128
+    q = rng.standard_normal((B, t, N, h))
+    head = np.arange(N) % (N // K)
+    q[:, :, head == 0, : h // 2] = 0.0
+    q = q * np.exp2(np.array([40.0, 0.0, -60.0, -110.0]))[head][:, None]
     q = jnp.asarray(q, jnp.bfloat16)
-    k8, v8, kd, vd, k_deq, v_deq = quantized_cache(rng, B, 900, K, 128)
+    k8, v8, kd, vd, k_deq, v_deq = quantized_cache(rng, B, 900, K, h)
+    k8 = k8.at[..., h // 2:].set(jnp.zeros((), E4M3))
+    k_deq = k_deq.at[..., h // 2:].set(0.0)
 
     def f(q, k8, v8, kd, vd):
         return jax_flashattn.attention(q, k8, v8, descale_k=kd, descale_v=vd)

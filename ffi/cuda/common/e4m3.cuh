@@ -135,8 +135,8 @@ __device__ __forceinline__ void widen_e4m3_x4(const uint32_t (&r)[4], uint32_t (
 // significands fit float16's 11, so an element is exact where its float16 is normal (down to
 // 2^-29 m) and off by at most 2^-39 m below: a row's scores err by at most 2^-39 of the
 // largest sum of |q| |k| it could have, far under bfloat16's own rounding of q. Infinities and
-// NaNs (left out of m) stay what they are; e_h is at most 126 (an all-zero or subnormal row),
-// so 2^e_h and 2^-e_h are normal floats.
+// NaNs (left out of m) stay what they are; e_h is at most 126 (for any m below 2^-112, whose
+// elements all convert exactly even so), so 2^e_h and 2^-e_h are normal floats.
 template <int kSteps>
 __device__ __forceinline__ void q_fragments_to_half(uint32_t (&q_frag)[kSteps][4],
                                                     float (&row_factor)[2]) {
