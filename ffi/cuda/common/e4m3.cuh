@@ -2,7 +2,7 @@
 // at magnitude 0x7f; largest finite 448) widened to the mma operand pairs of bfloat16 or
 // float16, exactly: every e4m3 value, subnormals included, is one of theirs. From sm_89 the
 // hardware converts two values to float16 in one instruction (cvt.rn.f16x2.e4m3x2), so the
-// products run in float16 whatever q's dtype (E4m3ProductElem; a bfloat16 query's fragments
+// products run in float16 whatever q's dtype (ProductElem; a bfloat16 query's fragments
 // converted once per block, q_fragments_to_half). Before it, in integer and 16-bit arithmetic:
 // per two values a byte permute, a shift, a logic op and one multiply, and per 4 bytes three
 // more for the NaN check.
@@ -26,11 +26,12 @@ inline constexpr bool kE4m3Convert = true;
 inline constexpr bool kE4m3Convert = false;
 #endif
 
-// The element type of the products of q (of type Elem) with widened e4m3 keys and values:
-// float16 where the hardware converts e4m3 to it (a pair per instruction against four with the
-// integer widening), else Elem, into which the integer widening goes as cheaply.
-template <typename Elem>
-using E4m3ProductElem = std::conditional_t<kE4m3Convert, __half, Elem>;
+// The element type of a decode kernel's products of q (of type Elem) with its keys and values:
+// Elem, but with e4m3 keys and values (kFp8Kv) float16 where the hardware converts e4m3 to it
+// (a pair per instruction against four with the integer widening; Elem otherwise, into which
+// the integer widening goes as cheaply).
+template <typename Elem, bool kFp8Kv>
+using ProductElem = std::conditional_t<kFp8Kv && kE4m3Convert, __half, Elem>;
 
 // Two e4m3 bytes: the unit in which shared tiles of e4m3 keys and values are copied and
 // addressed (ldmatrix's b16 elements).

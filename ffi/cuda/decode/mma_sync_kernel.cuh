@@ -56,9 +56,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
                 "e4m3 keys and values take the plain kernels (decode_fp8_kv_fits)");
   // The ring's 2-byte units: q's elements, or pairs of e4m3 bytes.
   using Unit = std::conditional_t<kFp8Kv, cuda::E4m3Pair, Elem>;
-  // The products' element type: q's, or with e4m3 keys and values float16 where the hardware
-  // widens e4m3 to it (cuda::E4m3ProductElem).
-  using Mma = std::conditional_t<kFp8Kv, cuda::E4m3ProductElem<Elem>, Elem>;
+  using Mma = cuda::ProductElem<Elem, kFp8Kv>;  // the products' element type
 
   // Aligned to a whole swizzled row (at most 512 bytes) for LdmatrixAddress's XOR.
   extern __shared__ __align__(512) unsigned char smem_raw[];

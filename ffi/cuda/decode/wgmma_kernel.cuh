@@ -196,9 +196,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     decode_split_kernel(const __grid_constant__ AttentionParams p,
                         const mma_sync::DecodePlan plan) {
 #ifdef JAX_FLASHATTN_SM90_BODY
-  // The products' element type: q's, or with e4m3 keys and values float16 where the hardware
-  // widens e4m3 to it (cuda::E4m3ProductElem).
-  using Mma = std::conditional_t<Traits::kFp8Kv, cuda::E4m3ProductElem<Elem>, Elem>;
+  using Mma = cuda::ProductElem<Elem, Traits::kFp8Kv>;  // the products' element type
   using Warpgroup = DecodeWarpgroup<Mma, Traits>;
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   constexpr int kSplitsPerBlock = Traits::kSplitsPerBlock;
