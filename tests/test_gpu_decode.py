@@ -216,6 +216,24 @@ def test_decode_large_logits(rng, dtype):
     check_decode(*random_qkv(rng, 2, 4, 5000, 8, 2, 128, dtype, magnitude=8.0))
 
 
+@pytest.mark.parametrize("family", DECODE_FAMILIES)
+@pytest.mark.parametrize("t,n", [(1, 16), (16, 64)])
+def test_decode_equal_large_logits_over_many_steps(rng, monkeypatch, family, t, n):
+    """Every logit the same large value (q . k = 3 x 254 x 248 exactly, head dim 64: the
+    softmax's offset, scale * log2(e) times it, rounds off by half its ulp) over 8192 keys in
+    one split per unit (272 units): each step's correction must be exactly 1, or the
+    probabilities of the first keys drift from the last ones' (a few percent of output error
+    here, with the values of the first half of the keys +1 in column 0, the second half's -1
+    and every other column 0)."""
+    pick_decode_family(monkeypatch, family)
+    b, s, kv, h = 17, 8192, 16, 64
+    q = jnp.zeros((b, t, n, h), jnp.bfloat16).at[..., :3].set(254)
+    k = jnp.zeros((b, s, kv, h), jnp.bfloat16).at[..., :3].set(248)
+    v = jnp.zeros((b, s, kv, h), jnp.bfloat16)
+    v = v.at[:, : s // 2, :, 0].set(1).at[:, s // 2 :, :, 0].set(-1)
+    check_decode(q, k, v)
+
+
 def test_decode_long_keys(rng):
     """S = 131072 with one work unit per batch element (MQA) and per-batch key lengths (the
     whole S), which aim at the most blocks per SM: the most splits per unit."""

@@ -46,7 +46,7 @@ struct OnlineSoftmax {
   // The exp2 offset of a row whose maximum is `max`: -inf - -inf would be NaN, so a row that
   // has seen nothing gets offset 0 (its scores are -inf, its probabilities 0).
   __device__ static float offset_for(float max, float scale) {
-    return max == -INFINITY ? 0.f : max * scale;
+    return max == -INFINITY ? 0.f : __fmul_rn(max, scale);
   }
 
   // Row h of slab m of S's first kUsed 8-column tiles, in place: P = exp2(exponent(s, h, n, c,
@@ -101,9 +101,16 @@ struct OnlineSoftmax {
           tile_max = fmaxf(tile_max, fmaxf(S[m][n][2 * h], S[m][n][2 * h + 1]));
         const float new_max = fmaxf(row_max[m][h], quad_max(tile_max));
         const float offset = offset_for(new_max, scale);
-        // A row that has seen nothing keeps factor 1.
+        // exp2 of the old offset less the new one (the row's probabilities so far were taken
+        // against the old): exactly 1 where the maximum stayed; a row that has seen nothing
+        // keeps factor 1. Not one FFMA of the old maximum, whose unrounded product leaves the
+        // old offset's rounding residual r: a factor 2^r on everything before at every update
+        // (a tile, or a decode kernel's 16-key step), compounding over a split, and rarely
+        // exactly 1, so O was rescaled at nearly every update.
         correction[m][h] =
-            row_max[m][h] == -INFINITY ? 1.f : ptx::exp2_approx(row_max[m][h] * scale - offset);
+            row_max[m][h] == -INFINITY
+                ? 1.f
+                : ptx::exp2_approx(__fsub_rn(offset_for(row_max[m][h], scale), offset));
         row_max[m][h] = new_max;
         row_sum[m][h] = row_sum[m][h] * correction[m][h] + exp2_row<kUsed>(S, m, h, scale, offset);
       }
@@ -203,7 +210,10 @@ struct OnlineSoftmax {
         const float sum = quad_sum(row_sum[m][h]);
         const bool seen = sum != 0.f;
         const float inv = seen ? ptx::rcp_approx(sum) : 0.f;
-        lse[m][h] = seen ? (row_max[m][h] * scale + ptx::log2_approx(sum)) * kLn2 : -INFINITY;
+        // The offset the row's probabilities were taken against, not an FFMA's unrounded
+        // max * scale: the lse of exactly those probabilities.
+        lse[m][h] = seen ? __fadd_rn(offset_for(row_max[m][h], scale), ptx::log2_approx(sum)) * kLn2
+                         : -INFINITY;
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
           O[m][d][2 * h] *= inv;

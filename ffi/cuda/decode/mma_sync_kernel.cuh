@@ -276,13 +276,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           softmax.row_sum[0][h] += other[(kStateFloats + 2 + h) * 32];
           continue;
         }
-        // Scores are unscaled: a row's weights are exp2((max - new_max) * scale_log2).
-        const float mine_factor =
-            softmax.row_max[0][h] == -INFINITY
-                ? 0.f
-                : ptx::exp2_approx((softmax.row_max[0][h] - new_max) * scale_log2);
-        const float other_factor =
-            other_max == -INFINITY ? 0.f : ptx::exp2_approx((other_max - new_max) * scale_log2);
+        // Scores are unscaled: a row's weights are exp2 of its offset (max * scale_log2, as
+        // the softmax rounds it, which its probabilities were taken against) less the new one.
+        using Softmax = cuda::OnlineSoftmax<1>;
+        const float new_offset = Softmax::offset_for(new_max, scale_log2);
+        const auto factor = [&](float max) {
+          if (max == -INFINITY) return 0.f;
+          return ptx::exp2_approx(__fsub_rn(Softmax::offset_for(max, scale_log2), new_offset));
+        };
+        const float mine_factor = factor(softmax.row_max[0][h]);
+        const float other_factor = factor(other_max);
         softmax.row_max[0][h] = new_max;
         softmax.row_sum[0][h] = softmax.row_sum[0][h] * mine_factor +
                                 other[(kStateFloats + 2 + h) * 32] * other_factor;
