@@ -94,19 +94,20 @@ ffi::Error SegmentIds(const ffi::AnyBuffer& x, const ffi::AnyBuffer& like, const
   return ffi::Error::Success();
 }
 
-// The spans of segment ids `ids` ([..., B, L]): int32 [..., B, ceil(L / kSegmentGranule), 2].
-ffi::Error SegmentSpans(const ffi::AnyBuffer& x, const ffi::AnyBuffer& ids, const char* name,
-                        const int32_t*& out) {
+// Spans over positions of `like` (query or key: [..., B, L, heads, H]): int32
+// [..., B, ceil(L / kSegmentGranule), 2].
+ffi::Error Spans(const ffi::AnyBuffer& x, const ffi::AnyBuffer& like, const char* name,
+                 const int32_t*& out) {
   auto xd = x.dimensions();
-  auto id = ids.dimensions();
-  bool fits = x.element_type() == ffi::DataType::S32 && xd.size() == id.size() + 1 &&
-              id.size() > 0 && xd.back() == 2 &&
-              xd[id.size() - 1] == (id.back() + kSegmentGranule - 1) / kSegmentGranule;
-  for (size_t i = 0; fits && i + 1 < id.size(); ++i) fits = xd[i] == id[i];
+  auto ld = like.dimensions();
+  const size_t lead = ld.size() - 3;
+  bool fits = x.element_type() == ffi::DataType::S32 && xd.size() == lead + 2 &&
+              xd[lead] == (ld[lead] + kSegmentGranule - 1) / kSegmentGranule && xd.back() == 2;
+  for (size_t i = 0; fits && i < lead; ++i) fits = xd[i] == ld[i];
   if (!fits)
     return Invalid(std::string(name) + " must be int32 [..., B, ceil(L / " +
-                   std::to_string(kSegmentGranule) + "), 2] for segment ids " +
-                   ShapeString(ids) + ", got " + ShapeString(x));
+                   std::to_string(kSegmentGranule) + "), 2] for positions " + ShapeString(like) +
+                   ", got " + ShapeString(x));
   out = static_cast<const int32_t*>(x.untyped_data());
   return ffi::Error::Success();
 }
@@ -221,7 +222,7 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     if (table->element_type() != ffi::DataType::S32 || td.size() != 2 || td[0] != qd[0])
       return Invalid("page_table must be int32 [B, max_pages] with B = " +
                      std::to_string(qd[0]) + ", got " + ShapeString(*table));
-    if (!attrs.has_kv_seqlens || attrs.has_segment_ids)
+    if (!attrs.has_kv_seqlens || attrs.has_segment_ids || attrs.has_spans)
       return Invalid("a paged call needs key_value_seq_lengths and takes no segment ids");
     shape.seqlen_k = td[1] * page_size;
     SetLayout(shape, p);
@@ -240,7 +241,8 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
 
   const size_t expected = size_t(attrs.has_bias != 0) + size_t(attrs.has_mask != 0) +
                           size_t(attrs.has_q_seqlens != 0) + size_t(attrs.has_kv_seqlens != 0) +
-                          4 * size_t(attrs.has_segment_ids != 0) +
+                          2 * size_t(attrs.has_segment_ids != 0) +
+                          2 * size_t(attrs.has_spans != 0) +
                           size_t(attrs.has_alibi != 0) + 2 * size_t(fp8_kv) + size_t(paged);
   if (optional.size() != expected)
     return Invalid("expected " + std::to_string(expected) + " optional operands, got " +
@@ -280,20 +282,20 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     if (!q_ids.has_value()) return q_ids.error();
     auto kv_ids = optional.get<ffi::AnyBuffer>(next++);
     if (!kv_ids.has_value()) return kv_ids.error();
-    auto q_spans = optional.get<ffi::AnyBuffer>(next++);
-    if (!q_spans.has_value()) return q_spans.error();
-    auto kv_spans = optional.get<ffi::AnyBuffer>(next++);
-    if (!kv_spans.has_value()) return kv_spans.error();
     if (ffi::Error e = SegmentIds(*q_ids, q, "query_segment_ids", p.q_segment_ids); e.failure())
       return e;
     if (ffi::Error e = SegmentIds(*kv_ids, k, "key_value_segment_ids", p.kv_segment_ids);
         e.failure())
       return e;
-    if (ffi::Error e = SegmentSpans(*q_spans, *q_ids, "query_key_spans", p.q_key_spans);
-        e.failure())
+  }
+  if (attrs.has_spans) {
+    auto q_spans = optional.get<ffi::AnyBuffer>(next++);
+    if (!q_spans.has_value()) return q_spans.error();
+    auto kv_spans = optional.get<ffi::AnyBuffer>(next++);
+    if (!kv_spans.has_value()) return kv_spans.error();
+    if (ffi::Error e = Spans(*q_spans, q, "query_key_spans", p.q_key_spans); e.failure())
       return e;
-    if (ffi::Error e = SegmentSpans(*kv_spans, *kv_ids, "key_query_spans", p.kv_query_spans);
-        e.failure())
+    if (ffi::Error e = Spans(*kv_spans, k, "key_query_spans", p.kv_query_spans); e.failure())
       return e;
   }
   if (attrs.has_alibi) {

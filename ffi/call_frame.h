@@ -24,9 +24,12 @@ struct CallAttrs {
   int32_t has_mask;
   int32_t has_q_seqlens;
   int32_t has_kv_seqlens;
-  // q_segment_ids, kv_segment_ids and their spans q_key_spans, kv_query_spans, after the
-  // lengths
+  // q_segment_ids, kv_segment_ids after the lengths
   int32_t has_segment_ids;
+  // q_key_spans, kv_query_spans after the segment ids: the keys each 16 query rows may see and
+  // the rows each 16 keys may be seen by (AttentionParams::q_key_spans), from the ids, the
+  // mask or both; the kernels skip the tiles outside them.
+  int32_t has_spans;
   // ALiBi slopes (float32 [..., B, N]) after the segment ids' operands, and the static part of
   // their diagonal (AttentionParams::alibi_shift).
   int32_t has_alibi;
@@ -132,6 +135,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(jax_flashattn::CallAttrs,
                                       xla::ffi::StructMember<int32_t>("has_q_seqlens"),
                                       xla::ffi::StructMember<int32_t>("has_kv_seqlens"),
                                       xla::ffi::StructMember<int32_t>("has_segment_ids"),
+                                      xla::ffi::StructMember<int32_t>("has_spans"),
                                       xla::ffi::StructMember<int32_t>("has_alibi"),
                                       xla::ffi::StructMember<int64_t>("alibi_shift"),
                                       xla::ffi::StructMember<int32_t>("has_page_table"),

@@ -123,11 +123,12 @@ struct AttentionParams {
   // entry b sees key s only where q_segment_ids[b T + t] == kv_segment_ids[b S + s].
   const int32_t* q_segment_ids = nullptr;
   const int32_t* kv_segment_ids = nullptr;
-  // With the ids, their spans (src/jax_flashattn/segments.py computes them), pairs [lo, hi) of
-  // int32, lo >= hi where empty: for each granule of kSegmentGranule query rows, the keys
-  // whose ids may equal one of the granule's rows' ([batch, ceil(T / granule), 2]), and for
-  // each granule of keys the query rows likewise ([batch, ceil(S / granule), 2]). A kernel
-  // narrows the tiles it visits to them; the element test still decides each pair.
+  // With segment ids or a mask, their spans (src/jax_flashattn/segments.py computes them),
+  // pairs [lo, hi) of int32, lo >= hi where empty: for each granule of kSegmentGranule query
+  // rows, the keys one of the granule's rows may see through the ids and the mask ([batch,
+  // ceil(T / granule), 2]), and for each granule of keys the query rows likewise ([batch,
+  // ceil(S / granule), 2]). A kernel narrows the tiles it visits to them; the element tests
+  // still decide each pair.
   const int32_t* q_key_spans = nullptr;
   const int32_t* kv_query_spans = nullptr;
 

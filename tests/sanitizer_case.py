@@ -144,6 +144,25 @@ def main():
                 assert np.isfinite(np.asarray(x, np.float32)).all(), kwargs
         print(f"ok: staged bias and mask, backward H={head_dim} {sorted(kwargs)}")
 
+    # A mask of documents that hides whole tiles: each block narrowed to the mask's spans (a
+    # block or warpgroup that sees no key through them idles), staged (304 keys) and read from
+    # global memory (301), causal and not, in the forward and both backward dQ modes.
+    for head_dim, s, kwargs in [(128, 304, dict(is_causal=True)), (64, 301, {}),
+                                (256, 304, dict(deterministic_backward=True)),
+                                (128, 301, dict(deterministic_backward=True, is_causal=True))]:
+        q, k, v = random_qkv(rng, 2, 200, s, 4, 2, head_dim, jnp.bfloat16)
+        documents = (np.arange(200) // 70)[:, None] == (np.arange(s) // 100)[None, :]
+
+        def documents_loss(q, k, v):
+            out = jax_flashattn.attention(q, k, v, mask=documents, implementation="cuda",
+                                          **kwargs)
+            return jnp.sum(out.astype(jnp.float32))
+
+        value, grads = jax.jit(jax.value_and_grad(documents_loss, argnums=(0, 1, 2)))(q, k, v)
+        for x in (value, *grads):
+            assert np.isfinite(np.asarray(x, np.float32)).all(), (head_dim, s, kwargs)
+        print(f"ok: documents mask H={head_dim} S={s} {sorted(kwargs)}")
+
     # ALiBi and its slopes' gradient (partial sums in slots, one writer each): on Hopper the
     # Hopper kernels' instantiations for the terms (both dQ modes), elsewhere and beside a
     # soft-cap the mma.sync family's; the CUDA-core kernels for float32.

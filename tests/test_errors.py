@@ -315,8 +315,8 @@ def test_valid_edge_arguments_accepted(rng):
 # --- errors inside the FFI handlers -------------------------------------------------------------
 
 FLAGS = dict(has_bias=np.int32(0), has_mask=np.int32(0), has_q_seqlens=np.int32(0),
-             has_kv_seqlens=np.int32(0), has_segment_ids=np.int32(0), has_alibi=np.int32(0),
-             has_kv_descale=np.int32(0), has_page_table=np.int32(0))
+             has_kv_seqlens=np.int32(0), has_segment_ids=np.int32(0), has_spans=np.int32(0),
+             has_alibi=np.int32(0), has_kv_descale=np.int32(0), has_page_table=np.int32(0))
 ATTRS = dict(scale=np.float32(0.25), logits_soft_cap=np.float32(0),
              window_left=np.int64(_ops.UNBOUNDED_WINDOW),
              window_right=np.int64(_ops.UNBOUNDED_WINDOW), align_window_to_lengths=np.int32(0),
@@ -348,6 +348,7 @@ HANDLER_CASES = {
     "segment_ids_wrong_dtype": "segments_dtype",
     "segment_ids_wrong_shape": "segments_shape",
     "segment_ids_one_only": "segments_one",
+    "spans_wrong_shape": "spans_shape",
     "alibi_slopes_wrong_shape": "alibi_shape",
     "alibi_slopes_wrong_dtype": "alibi_dtype",
 }
@@ -372,6 +373,9 @@ def test_handler_error_is_python_exception(rng, case):
         optional = (jnp.zeros((B, T), jnp.int32), jnp.zeros((B, T), jnp.int32))
     elif spec == "segments_one":
         spec, optional = dict(has_segment_ids=np.int32(1)), (jnp.zeros((B, T), jnp.int32),)
+    elif spec == "spans_shape":  # three granules of keys where S has one
+        spec = dict(has_spans=np.int32(1))
+        optional = (jnp.zeros((B, 1, 2), jnp.int32), jnp.zeros((B, 3, 2), jnp.int32))
     elif spec == "alibi_shape":  # one slope per kv head
         spec, optional = dict(has_alibi=np.int32(1)), (jnp.zeros((B, K), jnp.float32),)
     elif spec == "alibi_dtype":

@@ -161,8 +161,8 @@ def test_handler_refuses_a_negative_cap(rng):
     """A call built by hand with a cap the Python side would refuse gets the handler's error."""
     q, k, v = capped_qkv(rng, jnp.float32)
     flags = dict(has_bias=np.int32(0), has_mask=np.int32(0), has_q_seqlens=np.int32(0),
-                 has_kv_seqlens=np.int32(0), has_segment_ids=np.int32(0), has_alibi=np.int32(0),
-                 has_kv_descale=np.int32(0), has_page_table=np.int32(0),
+                 has_kv_seqlens=np.int32(0), has_segment_ids=np.int32(0), has_spans=np.int32(0),
+                 has_alibi=np.int32(0), has_kv_descale=np.int32(0), has_page_table=np.int32(0),
                  alibi_shift=np.int64(0))
     attrs = dict(_ops._attrs(0.25, (None, None), _ffi.KernelSwitches()),
                  logits_soft_cap=np.float32(-1.0))

@@ -135,9 +135,9 @@ void key_tile_task(const AttentionParams& p, int64_t b, int64_t kv_head, int64_t
 
   const int64_t group = p.group_size();
   const auto segments = variant::SegmentIds::make(p, b);
-  // The rows that may see a key of the tile through the ids, from the tile-aligned start.
+  // The rows that may see a key of the tile through the spans, from the tile-aligned start.
   int64_t rows_begin = 0, rows_end = p.seqlen_q;
-  variant::SegmentSpans::rows_of_keys(p, b).narrow(s0, s_end, rows_begin, rows_end);
+  variant::VisibleSpans::rows_of_keys(p, b).narrow(s0, s_end, rows_begin, rows_end);
   rows_begin -= rows_begin % kTileRows;
   const BroadcastStrides& db = p.dbias_strides;
   for (int64_t n = kv_head * group; n < (kv_head + 1) * group; ++n) {
@@ -198,7 +198,7 @@ void query_tile_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0,
     const auto segments = variant::SegmentIds::make(p, b);
     int64_t key_begin, key_end;
     window.key_range(r0, r0 + rows, key_begin, key_end);
-    variant::SegmentSpans::keys_of_rows(p, b).narrow(r0, r0 + rows, key_begin, key_end);
+    variant::VisibleSpans::keys_of_rows(p, b).narrow(r0, r0 + rows, key_begin, key_end);
     for (int64_t k0 = key_begin; k0 < key_end; k0 += kTileKeys) {
       const int64_t count = std::min(kTileKeys, key_end - k0);
       if (!segments.may_share(r0, r0 + rows, k0, k0 + count)) continue;

@@ -55,7 +55,7 @@ void forward_task(const AttentionParams& p, int64_t b, int64_t n, int64_t r0) {
 
   int64_t key_begin, key_end;
   window.key_range(r0, r1, key_begin, key_end);
-  variant::SegmentSpans::keys_of_rows(p, b).narrow(r0, r1, key_begin, key_end);
+  variant::VisibleSpans::keys_of_rows(p, b).narrow(r0, r1, key_begin, key_end);
   for (int64_t k0 = key_begin; k0 < key_end; k0 += kTileKeys) {
     const int64_t count = std::min(kTileKeys, key_end - k0);
     if (!segments.may_share(r0, r1, k0, k0 + count)) continue;  // no pair of it is visible

@@ -1,8 +1,9 @@
 """`jax.ffi.ffi_call` wrappers: the only place that knows the FFI targets' operands.
 
-Optional inputs (bias, mask, query and key/value lengths, query and key/value segment ids with
-the spans the kernels narrow their tiles to, segments.spans, ALiBi slopes) are passed only when
-present, in that order, and flagged by attributes (one flag for the ids and their spans). The
+Optional inputs (bias, mask, query and key/value lengths, query and key/value segment ids, the
+spans the kernels narrow their tiles to (from the ids and the mask: segments.spans,
+segments.mask_spans), ALiBi slopes) are passed only when present, in that order, and flagged
+by attributes (one flag for the two ids, one for the two spans). The
 handlers treat every dimension before [T, N, H] as batch, so operands may carry extra leading
 dims (all of them the same ones, in front, as `vmap_method="broadcast_all"` gives a vmapped
 call): it stays one custom call.
@@ -18,16 +19,36 @@ from jax import lax
 from jax_flashattn import _ffi, segments
 
 
-def _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi, alibi_shift):
-    present = [x for x in (bias, mask, q_lens, kv_lens, q_ids, kv_ids) if x is not None]
+def _spans(q, k, mask, q_ids, kv_ids):
+    """The spans the kernels narrow their tiles to (int32 [..., B, ceil(T / 16), 2] and
+    [..., B, ceil(S / 16), 2]: segments.spans): the segment ids', the mask's, or where both
+    are given the keys and rows both allow; None without either."""
+    if q_ids is None and mask is None:
+        return None
+    lead = q.shape[:-3]
+    t, s = q.shape[-3], k.shape[-3]
+    found = []
     if q_ids is not None:
-        present.extend(segments.spans(q_ids, kv_ids))
+        found.append(segments.spans(q_ids, kv_ids))
+    if mask is not None:
+        found.append(tuple(jnp.broadcast_to(x, (*lead, *x.shape[-2:]))
+                           for x in segments.mask_spans(mask, t, s)))
+    if len(found) == 1:
+        return found[0]
+    return tuple(segments.intersect(a, b) for a, b in zip(*found))
+
+
+def _optional_operands(q, k, bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi, alibi_shift):
+    present = [x for x in (bias, mask, q_lens, kv_lens, q_ids, kv_ids) if x is not None]
+    spans = _spans(q, k, mask, q_ids, kv_ids)
+    if spans is not None:
+        present.extend(spans)
     if alibi is not None:
         present.append(alibi)
     flags = dict(has_bias=bias is not None, has_mask=mask is not None,
                  has_q_seqlens=q_lens is not None, has_kv_seqlens=kv_lens is not None,
-                 has_segment_ids=q_ids is not None, has_alibi=alibi is not None,
-                 has_kv_descale=False, has_page_table=False)
+                 has_segment_ids=q_ids is not None, has_spans=spans is not None,
+                 has_alibi=alibi is not None, has_kv_descale=False, has_page_table=False)
     flags = {k: np.int32(v) for k, v in flags.items()}
     return present, dict(flags, alibi_shift=np.int64(alibi_shift))
 
@@ -93,7 +114,7 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, alibi
     empty when the call cannot take it). Both are dropped here: only out and lse leave.
     """
     *lead, t, n, _ = q.shape
-    optional, flags = _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi,
+    optional, flags = _optional_operands(q, k, bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi,
                                          alibi_shift)
     shape = _ffi.call_shape(q.shape, k.shape, q.dtype, scale=scale, has_bias=bias is not None,
                             has_mask=mask is not None, has_q_seqlens=q_lens is not None,
@@ -142,8 +163,8 @@ def cache_forward(q, key_cache, value_cache, page_table, q_lens, kv_lens, *, sca
                             soft_cap=soft_cap, switches=switches)
     decode_floats = _ffi.plan(shape).decode_workspace_floats
     flags = dict(has_bias=False, has_mask=False, has_q_seqlens=q_lens is not None,
-                 has_kv_seqlens=kv_lens is not None, has_segment_ids=False, has_alibi=False,
-                 has_kv_descale=fp8, has_page_table=paged)
+                 has_kv_seqlens=kv_lens is not None, has_segment_ids=False, has_spans=False,
+                 has_alibi=False, has_kv_descale=fp8, has_page_table=paged)
     call = jax.ffi.ffi_call(
         _ffi.FORWARD_TARGET,
         (jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -185,7 +206,7 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, 
     """
     *lead, t, n, _ = q.shape
     s = k.shape[-3]
-    optional, flags = _optional_operands(bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi,
+    optional, flags = _optional_operands(q, k, bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi,
                                          alibi_shift)
     plan = _ffi.plan(_ffi.call_shape(q.shape, k.shape, q.dtype, scale=scale,
                                      deterministic=deterministic, soft_cap=soft_cap,

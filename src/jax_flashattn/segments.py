@@ -75,6 +75,53 @@ def spans(q_ids, kv_ids):
             _overlapping(kv_lo, kv_hi, q_lo, q_hi, q_ids.shape[-1]))
 
 
+def mask_spans(mask, t: int, s: int):
+    """The spans (as `spans` gives them) that a boolean mask [..., Bm, Nm, Tm, Sm] (Tm 1 or t,
+    Sm 1 or s) allows, int32 [..., Bm, ceil(t / GRANULE), 2] and [..., Bm, ceil(s / GRANULE),
+    2]: each row's kept keys, over every head, are taken as the range from its first to its
+    last, so a span excludes the keys before a granule's first kept key and after its last
+    (documents, causal or banded masks, padding); it never excludes a kept key. One pass over
+    the mask, then O(t s / GRANULE) on the rows' ranges."""
+    keep = jnp.any(mask, axis=-3)
+    if keep.shape[-1] == 1:
+        row_lo = jnp.where(keep[..., 0], 0, s).astype(jnp.int32)
+        row_hi = jnp.where(keep[..., 0], s, 0).astype(jnp.int32)
+    else:
+        key = lax.broadcasted_iota(jnp.int32, keep.shape, keep.ndim - 1)
+        row_lo = jnp.min(jnp.where(keep, key, np.int32(s)), axis=-1)
+        row_hi = jnp.max(jnp.where(keep, key + 1, np.int32(0)), axis=-1)
+    row_lo = jnp.broadcast_to(row_lo, (*row_lo.shape[:-1], t))
+    row_hi = jnp.broadcast_to(row_hi, (*row_hi.shape[:-1], t))
+    key_spans = jnp.stack([_granule_reduce(row_lo, jnp.min, s),
+                           _granule_reduce(row_hi, jnp.max, 0)], axis=-1)
+    # Granule g of the keys, [g GRANULE, min((g + 1) GRANULE, s)), meets row r's range where
+    # row_lo < its end and row_hi > its start; an empty range (s, 0) meets none.
+    start = jnp.arange(0, s, GRANULE, dtype=jnp.int32)
+    end = jnp.minimum(start + GRANULE, s)
+    meets = (row_lo[..., :, None] < end) & (row_hi[..., :, None] > start)
+    row = lax.broadcasted_iota(jnp.int32, meets.shape, meets.ndim - 2)
+    query_spans = jnp.stack([jnp.min(jnp.where(meets, row, np.int32(t)), axis=-2),
+                             jnp.max(jnp.where(meets, row + 1, np.int32(0)), axis=-2)],
+                            axis=-1)
+    return key_spans.astype(jnp.int32), query_spans.astype(jnp.int32)
+
+
+def intersect(a, b):
+    """Spans [..., G, 2] that both a and b allow: [max of the los, min of the his)."""
+    return jnp.stack([jnp.maximum(a[..., 0], b[..., 0]), jnp.minimum(a[..., 1], b[..., 1])],
+                     axis=-1)
+
+
+def _granule_reduce(x, op, identity):
+    """op over each GRANULE positions of x [..., L] ([..., ceil(L / GRANULE)]; a last partial
+    granule padded with the identity)."""
+    length = x.shape[-1]
+    granules = -(-length // GRANULE)
+    padding = [(0, 0)] * (x.ndim - 1) + [(0, granules * GRANULE - length)]
+    x = jnp.pad(x, padding, constant_values=identity)
+    return op(x.reshape(*x.shape[:-1], granules, GRANULE), axis=-1)
+
+
 def _granule_ranges(ids):
     """Per GRANULE positions, the least and greatest id ([..., G] each; a last partial granule
     is padded with the identities of min and max, which widen nothing)."""

@@ -187,8 +187,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const cuda::Visibility group_vis = cuda::Visibility::make(p, b, head0);
   int64_t t_lo, t_hi;
   group_vis.query_range(key0, key0 + kBlockN, t_lo, t_hi);
-  if constexpr (kSegments)  // only the rows of the documents the block's keys are in
-    variant::SegmentSpans::rows_of_keys(p, b).narrow(key0, key0 + kBlockN, t_lo, t_hi);
+  // Only the rows the spans of the ids or the mask allow (a no-op without them).
+  variant::VisibleSpans::rows_of_keys(p, b).narrow(key0, key0 + kBlockN, t_lo, t_hi);
   if (p.dbias != nullptr && !p.dbias_accumulates) t_lo = 0, t_hi = p.seqlen_q;
   // Tile and head indices fit 32 bits (T and N do); element offsets stay 64-bit.
   const int tile_begin = int(t_lo / kBlockM);

@@ -58,8 +58,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const HeadTerms head = HeadTerms::make<kSegments>(p, b, n);
   int64_t key_lo, key_hi;
   head.vis.key_range(row0, row0 + kBlockM, key_lo, key_hi);
-  if constexpr (kSegments)  // only the keys of the documents the block's rows are in
-    variant::SegmentSpans::keys_of_rows(p, b).narrow(row0, row0 + kBlockM, key_lo, key_hi);
+  // Only the keys the spans of the ids or the mask allow (a no-op without them).
+  variant::VisibleSpans::keys_of_rows(p, b).narrow(row0, row0 + kBlockM, key_lo, key_hi);
   const int64_t valid_rows = p.seqlen_q - row0 < kBlockM ? p.seqlen_q - row0 : kBlockM;
 
   if (key_hi <= key_lo) {  // no row of this tile sees a key: dQ = 0

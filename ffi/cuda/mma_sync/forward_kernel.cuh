@@ -101,10 +101,12 @@ __device__ __forceinline__ void forward_block(const AttentionParams& p, const wg
   const cuda::Visibility vis = cuda::Visibility::make(p, b, n);
   int64_t key_lo, key_hi;
   vis.key_range(row0, row0 + kBlockM, key_lo, key_hi);
-  // kSegments: only the keys of the documents the block's rows are in (a causal packed row
-  // then costs about its documents' causal work, not the row's).
-  if constexpr (kSegments)
-    variant::SegmentSpans::keys_of_rows(p, b).narrow(row0, row0 + kBlockM, key_lo, key_hi);
+  // kElementwise: only the keys the spans allow (a no-op without them): with segment ids the
+  // keys of the documents the block's rows are in (a causal packed row then costs about its
+  // documents' causal work, not the row's), with a mask those between its rows' first and last
+  // kept key.
+  if constexpr (kElementwise)
+    variant::VisibleSpans::keys_of_rows(p, b).narrow(row0, row0 + kBlockM, key_lo, key_hi);
   const int64_t valid_rows = p.seqlen_q - row0 < kBlockM ? p.seqlen_q - row0 : kBlockM;
 
   if (key_hi <= key_lo) {  // no row of this tile sees a key: O = 0, lse = -inf

@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       p.dbias ? p.dbias + p.dbias_strides.offset(b, p.batch_inner, n, t, 0) : nullptr;
   int64_t lo, hi;
   view.vis.key_range(t, t + 1, lo, hi);
-  variant::SegmentSpans::keys_of_rows(p, b).narrow(t, t + 1, lo, hi);  // segment ids: its documents
+  variant::VisibleSpans::keys_of_rows(p, b).narrow(t, t + 1, lo, hi);  // ids' or mask's spans
   // A dbias with one writer per element is stored whole, so its row is walked whole (params.h).
   const bool store_row = dbias_row && !p.dbias_accumulates;
   const int64_t begin = store_row ? 0 : lo, end = store_row ? p.seqlen_k : hi;
@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   int64_t t_lo = 0, t_hi = 0;
   if (has_key) {
     variant::KeyWindow<int64_t>::make(p, b).query_range(s, s + 1, t_lo, t_hi);
-    variant::SegmentSpans::rows_of_keys(p, b).narrow(s, s + 1, t_lo, t_hi);  // segment ids
+    variant::VisibleSpans::rows_of_keys(p, b).narrow(s, s + 1, t_lo, t_hi);  // ids' or mask's spans
   }
   const int64_t group = p.group_size();
   for (int64_t n = kv_head * group; n < (kv_head + 1) * group; ++n) {

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const Visibility vis = Visibility::make_with_segments(p, b, n);
   int64_t lo, hi;
   vis.key_range(t, t + 1, lo, hi);
-  variant::SegmentSpans::keys_of_rows(p, b).narrow(t, t + 1, lo, hi);  // segment ids: its documents
+  variant::VisibleSpans::keys_of_rows(p, b).narrow(t, t + 1, lo, hi);  // ids' or mask's spans
   const float scale_log2 = p.scale * kLog2e;
   const variant::SoftCap soft_cap = variant::SoftCap::make(p);
   const int64_t bias_row =

@@ -79,8 +79,8 @@ __device__ __forceinline__ int dq_turn(const AttentionParams& p,
 }
 
 // The work of one block: its keys and the (query head, Q tile) steps that can see them (with
-// segment ids, only the tiles of their documents), heads outermost (head0 + step / tiles,
-// tile_begin + step % tiles), the same for producer and consumers. 32-bit indices: the
+// segment ids or a mask, only the tiles their spans allow), heads outermost (head0 + step /
+// tiles, tile_begin + step % tiles), the same for producer and consumers. 32-bit indices: the
 // dispatcher checks indices_fit_32_bits.
 template <typename Traits>
 struct BackwardBlock {
@@ -112,10 +112,15 @@ struct BackwardBlock {
     w.head0 = w.kv_head * int(p.group_size());
     int64_t t_lo, t_hi;
     block_visibility(p, w.b).query_range(w.key0, int64_t(w.key0) + Traits::kBlockN, t_lo, t_hi);
-    if constexpr (Traits::kSegments)  // only the rows of the documents of the block's keys
-      variant::SegmentSpans::rows_of_keys(p, w.b).narrow(int64_t(w.key0),
-                                                         int64_t(w.key0) + Traits::kBlockN,
-                                                         t_lo, t_hi);
+    // Only the rows the spans allow (the documents of the block's keys, the rows the mask lets
+    // see them); not in ordered-dQ mode, whose dq_turn counts unnarrowed tile ranges.
+    if constexpr (Traits::kSegments || (Traits::kBiasAndMask && !Traits::kDeterministic)) {
+      int lo = int(t_lo), hi = int(t_hi);  // 32-bit: fewer registers than the 64-bit loop
+      const int key_end = w.key0 + Traits::kBlockN;
+      variant::VisibleSpans::rows_of_keys(p, w.b).narrow(w.key0, key_end, lo, hi);
+      t_lo = lo;
+      t_hi = hi;
+    }
     w.tile_begin = int(t_lo / Traits::kBlockM);
     w.tiles = t_hi > t_lo ? int((t_hi + Traits::kBlockM - 1) / Traits::kBlockM) - w.tile_begin : 0;
     w.steps = w.tiles * int(p.group_size());

@@ -50,6 +50,7 @@
 #include "ffi/cuda/wgmma/forward_pipeline.cuh"
 #include "ffi/cuda/wgmma/forward_tiles.cuh"
 #include "ffi/cuda/wgmma/tile_scheduler.cuh"
+#include "ffi/cuda/wgmma/traits.h"
 #include "ffi/params.h"
 #include "ffi/variant.h"
 
@@ -410,7 +411,7 @@ struct ForwardConsumer {
   // computing warpgroup reads every key tile, so the lowest computing one, consumer 0, zeroes.
   __device__ __forceinline__ void zero_v_past_length(const ConsumerTile& w, int stage) {
     constexpr bool kTails = Traits::kWindowed && !Traits::kAlibi;
-    if (const int first_row = first_v_row_to_zero<kBlockN, kTails, Traits::kSegments>(
+    if (const int first_row = first_v_row_to_zero<kBlockN, kTails, kNarrowsToSpans<Traits>>(
             p, w.t, consumer, w.wg_tiles);
         first_row < kBlockN) {
       zero_v_rows(smem, stage, first_row, tid % 128, 128);
@@ -571,13 +572,13 @@ struct ForwardConsumer {
       // Every row of this warpgroup past the query length (in the last query block of a
       // sequence that is not a whole number of blocks: at T = 512 with 192-row blocks, a third
       // of the last block; or in the block that holds a per-batch query length), or
-      // (kSegments) seeing no key of the block through its documents' spans: idle. The test
+      // (kNarrowsToSpans) seeing no key of the block through the spans: idle. The test
       // goes through a warp vote for ptxas's sake: as a plain compare it moves the tile loop's
       // values out of uniform registers, and three consumers spill
       // (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
       [[maybe_unused]] bool sees_nothing = false;
-      if constexpr (Traits::kSegments)
-        sees_nothing = sees_no_keys_of_its_documents(p, tile_window(t), t, wg_row0);
+      if constexpr (kNarrowsToSpans<Traits>)
+        sees_nothing = sees_no_keys_through_spans(p, tile_window(t), t, wg_row0);
       if (__all_sync(0xffffffff, t.row0 + wg_row0 >= t.vis.q_len || sees_nothing)) {
         idle_tile(t, w.q_stage);
         more = read_tile(w.t);

@@ -32,6 +32,7 @@
 #include "ffi/cuda/wgmma/alibi_tile_order.cuh"
 #include "ffi/cuda/wgmma/forward_pipeline.cuh"
 #include "ffi/cuda/wgmma/tile_scheduler.cuh"
+#include "ffi/cuda/wgmma/traits.h"
 #include "ffi/params.h"
 
 namespace jax_flashattn::wgmma {
@@ -53,7 +54,7 @@ struct ForwardProducer {
   // Made by the producer thread, not once for the block: a value live across the register
   // split spills within the producer's 24 registers (the default budget;
   // docs/decisions/hopper-kernels-without-spills.md).
-  const TileScheduler<Traits::kBlockM, kBlockN, Traits::kSegments> scheduler;
+  const TileScheduler<Traits::kBlockM, kBlockN, kNarrowsToSpans<Traits>> scheduler;
   RingPosition<kQStages> q_ring;
   RingPosition<kStages> kv_ring;
   int index;          // the current tile's index
@@ -67,7 +68,7 @@ struct ForwardProducer {
                                              ForwardBarriers<Traits>& barriers)
       : p(params), maps(tma_maps), smem(layout), bars(barriers),
         tile_slot(ptx::smem_address(barriers.tile)),
-        scheduler(TileScheduler<Traits::kBlockM, kBlockN, Traits::kSegments>::make(params)),
+        scheduler(TileScheduler<Traits::kBlockM, kBlockN, kNarrowsToSpans<Traits>>::make(params)),
         index(int(blockIdx.x)), o_owed(false) {}
 
   __device__ __forceinline__ void load_q(const ForwardTile& tile) {

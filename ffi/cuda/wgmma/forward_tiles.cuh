@@ -44,15 +44,15 @@ __device__ __forceinline__ int windowed_warpgroup_tiles(const variant::KeyWindow
   return last + 1 < t.num_kv_tiles ? last + 1 : t.num_kv_tiles;
 }
 
-// Segment ids: whether no row of a warpgroup (rows [row0 + wg_row0, +64) of tile t) sees a key
-// through the window and the ids' spans. Such a warpgroup computes nothing
-// (ForwardConsumer::idle_tile), so it neither reads V nor zeroes it.
-__device__ __forceinline__ bool sees_no_keys_of_its_documents(const AttentionParams& p,
-                                                             const variant::KeyWindow<int>& vis,
-                                                             const ForwardTile& t, int wg_row0) {
+// kNarrowsToSpans: whether no row of a warpgroup (rows [row0 + wg_row0, +64) of tile t) sees a
+// key through the window and the spans (of the segment ids or the mask). Such a warpgroup
+// computes nothing (ForwardConsumer::idle_tile), so it neither reads V nor zeroes it.
+__device__ __forceinline__ bool sees_no_keys_through_spans(const AttentionParams& p,
+                                                           const variant::KeyWindow<int>& vis,
+                                                           const ForwardTile& t, int wg_row0) {
   int key_lo, key_hi;
   vis.key_range(t.row0 + wg_row0, t.row0 + wg_row0 + 64, key_lo, key_hi);
-  variant::SegmentSpans::keys_of_rows(p, t.b).narrow(t.row0 + wg_row0, t.row0 + wg_row0 + 64,
+  variant::VisibleSpans::keys_of_rows(p, t.b).narrow(t.row0 + wg_row0, t.row0 + wg_row0 + 64,
                                                      key_lo, key_hi);
   return key_hi <= key_lo;
 }
@@ -78,13 +78,13 @@ struct KeyIdsInSmem {
 // of 0 times NaN is NaN. That tile is the last one of every warpgroup that reads it (WithAlibi:
 // wherever its order puts it, ForwardConsumer::zero_v_past_length), and the first of them in
 // turn order (the lowest computing consumer: below a computing one, a consumer is idle only
-// through the segment ids' spans, kSegments) zeroes it before its turn: the turns (named
-// barriers, round robin) order its stores before every later reader's product, and no two
+// through the spans, kSpans) zeroes it before its turn: the turns (named barriers, round
+// robin) order its stores before every later reader's product, and no two
 // warpgroups write the buffer. kTails false (no window, or WithAlibi): every computing
 // warpgroup reads every tile, so the lowest computing one zeroes. Rebuilt from the parameters
 // (one load of the length) rather than kept through the tile loop
 // (docs/decisions/keys-past-the-length-never-read.md).
-template <int kBlockN, bool kTails, bool kSegments = false>
+template <int kBlockN, bool kTails, bool kSpans = false>
 __device__ __forceinline__ int first_v_row_to_zero(const AttentionParams& p, const ForwardTile& t,
                                                    int consumer, int wg_tiles) {
   if (p.kv_seqlens == nullptr) return kBlockN;  // rows past S load as zeros
@@ -92,7 +92,7 @@ __device__ __forceinline__ int first_v_row_to_zero(const AttentionParams& p, con
   const int last_key0 = (t.tile_begin + wg_tiles - 1) * kBlockN;
   if (vis.kv_len >= p.seqlen_k || vis.kv_len - last_key0 >= kBlockN) return kBlockN;
   for (int below = 0; below < consumer; ++below) {
-    if (kSegments && sees_no_keys_of_its_documents(p, vis, t, below * 64)) continue;
+    if (kSpans && sees_no_keys_through_spans(p, vis, t, below * 64)) continue;
     if (!kTails || windowed_warpgroup_tiles<kBlockN>(vis, t, below * 64) >= wg_tiles)
       return kBlockN;
   }

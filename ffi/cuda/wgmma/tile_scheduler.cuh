@@ -63,8 +63,9 @@ struct TileSlot {
   }
 };
 
-// kSegments: each block's key tiles narrowed to the documents of its rows (the ids' spans).
-template <int kBlockM, int kBlockN, bool kSegments = false>
+// kSpans: each block's key tiles narrowed to the spans of its rows (the segment ids' documents,
+// the mask's kept keys; kNarrowsToSpans).
+template <int kBlockM, int kBlockN, bool kSpans = false>
 struct TileScheduler {
   int m_blocks, heads_times_batch, num_tiles;
   // Query heads per K/V head, divided once here: divided per tile, the 64-bit division would
@@ -98,8 +99,8 @@ struct TileScheduler {
     t.vis = variant::KeyWindow<int>::make(p, t.b);
     int key_lo, key_hi;
     t.vis.key_range(t.row0, t.row0 + kBlockM, key_lo, key_hi);
-    if constexpr (kSegments)
-      variant::SegmentSpans::keys_of_rows(p, t.b).narrow(t.row0, t.row0 + kBlockM, key_lo, key_hi);
+    if constexpr (kSpans)
+      variant::VisibleSpans::keys_of_rows(p, t.b).narrow(t.row0, t.row0 + kBlockM, key_lo, key_hi);
     t.tile_begin = key_hi > key_lo ? key_lo / kBlockN : 0;
     t.num_kv_tiles = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN - t.tile_begin : 0;
     return t;

@@ -255,6 +255,12 @@ struct WithAlibi : Config {
   static constexpr int kProducerRegisters = Config::kProducerRegisters + 8;
 };
 
+// Whether a forward configuration narrows each block's key tiles to the spans (params.h's
+// q_key_spans; a no-op where a call has none): with segment ids, and with a bias and mask,
+// whose call carries the mask's spans.
+template <typename Traits>
+inline constexpr bool kNarrowsToSpans = Traits::kSegments || Traits::kBiasAndMask;
+
 // Whether a call's bias and mask suit WithBiasAndMask: their keys contiguous, so that a thread
 // reads its row's elements at constant offsets from one pointer (with a stride per element,
 // the address arithmetic spills). A bias or mask broadcast over the keys takes the mma.sync

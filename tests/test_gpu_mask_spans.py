@@ -1,0 +1,93 @@
+"""Boolean masks with whole tiles hidden on the CUDA kernels (run with `pytest -m gpu`): the
+Hopper forward and backward and the mma.sync family narrow their tiles to the mask's spans
+(segments.mask_spans), and the values, lse and gradients stay the reference's under every
+structure, with warpgroups and blocks that see no key through the spans, beside bounds, GQA and
+a bias, on the staged (S a multiple of 16) and the global-read mask paths. The spans themselves
+and the CPU kernels: test_mask_spans.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_flashattn
+from helpers import (assert_grads_close, check_cuda_forward, grads, random_qkv, reference_grads,
+                     use_family)
+from test_mask_spans import KINDS, structured_mask
+
+pytestmark = pytest.mark.gpu
+
+# 300 queries: a last query block cut short; 701 keys: several key tiles at every head dim and
+# a last one cut short; 704: the mask alone staged in shared memory.
+T, S, STAGED_S = 300, 701, 704
+
+
+def check_backward(rng, family, q, k, v, mask, bias=None, deterministic=False, **kwargs):
+    """Gradients on `family`'s backward against the float32 reference."""
+    assert jax_flashattn.backward_kernel(q, k, bias, mask,
+                                         deterministic=deterministic).startswith(family)
+    d_out = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+    ours = jax.jit(lambda *a: grads(jax_flashattn.attention, *a, mask=mask,
+                                    implementation="cuda", deterministic_backward=deterministic,
+                                    **kwargs))(q, k, v, bias, d_out)
+    want = reference_grads(q, k, v, bias, d_out, mask=mask, **kwargs)
+    for name, got, ref in zip(["out", "dq", "dk", "dv", "dbias"], ours, want):
+        if ref is not None:
+            assert_grads_close(got, ref, normwise=3e-2, name=name)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("s", [S, STAGED_S])
+def test_forward_sm90(rng, monkeypatch, head_dim, kind, s):
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, s, 4, 2, head_dim, jnp.bfloat16)
+    mask = jnp.asarray(structured_mask(rng, kind, 2, 1, T, s))
+    assert jax_flashattn.forward_kernel(q, k, None, mask) == "sm90"
+    check_cuda_forward(q, k, v, None, mask)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("options", [dict(is_causal=True), dict(local_window_size=(90, 9)),
+                                     dict(query_seq_lengths=jnp.array([300, 41], jnp.int32),
+                                          key_value_seq_lengths=jnp.array([650, 129],
+                                                                          jnp.int32))],
+                         ids=["causal", "window", "lengths"])
+@pytest.mark.parametrize("kind", ["documents", "band"])
+def test_forward_sm90_beside_bounds(rng, monkeypatch, head_dim, options, kind):
+    """Under causal and window bounds a warpgroup's rows may see no key of the narrowed block:
+    it idles, and the V rows past a length are zeroed by the lowest computing one."""
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, STAGED_S, 4, 2, head_dim, jnp.float16)
+    mask = jnp.asarray(structured_mask(rng, kind, 2, 1, T, STAGED_S))
+    check_cuda_forward(q, k, v, None, mask, **options)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("kind", KINDS)
+def test_backward_sm90(rng, monkeypatch, head_dim, kind):
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, STAGED_S, 4, 2, head_dim, jnp.bfloat16)
+    mask = jnp.asarray(structured_mask(rng, kind, 2, 4, T, STAGED_S))
+    check_backward(rng, "sm90", q, k, v, mask)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_sm90_with_bias(rng, monkeypatch, deterministic):
+    """A bias beside the mask: dbias (one writer per element) through the narrowed blocks, and
+    the ordered-dQ mode, which does not narrow."""
+    use_family("sm90", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, S, 4, 2, 128, jnp.bfloat16)
+    mask = jnp.asarray(structured_mask(rng, "documents", 2, 1, T, S))
+    bias = jnp.asarray(rng.standard_normal((2, 4, T, S)), jnp.bfloat16)
+    check_backward(rng, "sm90", q, k, v, mask, bias, deterministic, is_causal=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mma_sync_family(rng, monkeypatch, kind):
+    family = use_family("sm80", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, S, 4, 2, 128, jnp.bfloat16)
+    mask = jnp.asarray(structured_mask(rng, kind, 2, 4, T, S))
+    assert jax_flashattn.forward_kernel(q, k, None, mask).startswith(family)
+    check_cuda_forward(q, k, v, None, mask)
+    check_backward(rng, family, q, k, v, mask)
