@@ -200,11 +200,13 @@ def seen_by_bias(q, k, v, bias, mask, **kwargs):
     return np.nan_to_num(np.asarray(jax.jit(jax.grad(total_lse))(f32[3]))) > 0
 
 
-def check_backward(rng, q, k, v, bias, mask, deterministic=False, **kwargs):
-    """Gradients of a call on the Hopper backward against the float32 reference; dbias also
-    exactly 0 at the elements that feed no visible pair (a bound, a length or the mask hides
-    them; the kernel does not write them, the dispatcher zeroes dbias for them)."""
-    assert jax_flashattn.backward_kernel(q, k, bias, mask, deterministic=deterministic) == "sm90"
+def check_backward(rng, q, k, v, bias, mask, deterministic=False, family="sm90", **kwargs):
+    """Gradients of a call on `family`'s backward (the Hopper one by default) against the
+    float32 reference; dbias also exactly 0 at the elements that feed no visible pair (a bound,
+    a length or the mask hides them; the Hopper kernel does not write them, the dispatcher
+    zeroes dbias for them)."""
+    assert jax_flashattn.backward_kernel(q, k, bias, mask,
+                                         deterministic=deterministic).startswith(family)
     d_out = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
     ours = jax.jit(lambda *a: grads(jax_flashattn.attention, *a, mask=mask,
                                     implementation="cuda", deterministic_backward=deterministic,
