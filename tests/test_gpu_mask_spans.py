@@ -1,9 +1,9 @@
 """Boolean masks with whole tiles hidden on the CUDA kernels (run with `pytest -m gpu`): the
-Hopper forward and backward and the mma.sync family narrow their tiles to the mask's spans
-(segments.mask_spans), and the values, lse and gradients stay the reference's under every
-structure, with warpgroups and blocks that see no key through the spans, beside bounds, GQA and
-a bias, on the staged (S a multiple of 16) and the global-read mask paths. The spans themselves
-and the CPU kernels: test_mask_spans.py."""
+Hopper forward and backward, the mma.sync family and the CUDA-core kernels narrow their tiles to
+the mask's spans (segments.mask_spans), and the values, lse and gradients stay the reference's
+under every structure, with warpgroups and blocks that see no key through the spans, beside
+bounds, GQA and a bias, on the staged (S a multiple of 16) and the global-read mask paths. The
+spans themselves and the CPU kernels: test_mask_spans.py."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -76,3 +76,24 @@ def test_mma_sync_family(rng, monkeypatch, kind):
     assert jax_flashattn.forward_kernel(q, k, None, mask).startswith(family)
     check_cuda_forward(q, k, v, None, mask)
     check_backward(rng, q, k, v, None, mask, family=family)
+
+
+@pytest.mark.parametrize("kind", ["documents", "keys"])
+def test_mma_sync_family_with_bias(rng, monkeypatch, kind):
+    """A full bias beside the mask on the mma.sync backward: its dbias has one writer per
+    element, which visits every query tile whatever the spans, so the skipped pairs get 0."""
+    family = use_family("sm80", monkeypatch)
+    q, k, v = random_qkv(rng, 2, T, S, 4, 2, 128, jnp.bfloat16)
+    mask = jnp.asarray(structured_mask(rng, kind, 2, 1, T, S))
+    bias = jnp.asarray(rng.standard_normal((2, 4, T, S)), jnp.bfloat16)
+    check_backward(rng, q, k, v, bias, mask, family=family, is_causal=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_core_kernels(rng, kind):
+    """float32 on the CUDA-core kernels, which narrow each row's keys (each key's rows)."""
+    q, k, v = random_qkv(rng, 2, 150, 171, 4, 2, 64, jnp.float32)
+    mask = jnp.asarray(structured_mask(rng, kind, 2, 4, 150, 171))
+    assert jax_flashattn.forward_kernel(q, k, None, mask) == "simt"
+    check_cuda_forward(q, k, v, None, mask)
+    check_backward(rng, q, k, v, None, mask, family="simt")

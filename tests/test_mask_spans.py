@@ -98,6 +98,15 @@ def test_mask_spans_of_broadcast_masks(rng, shape):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("t,s", [(0, 20), (20, 0), (0, 0)])
+def test_mask_spans_of_no_rows_or_no_keys(t, s):
+    """No query rows, or no keys: spans of their granules' count (none, or all empty)."""
+    key_spans, query_spans = spans_of(np.ones((2, 1, t, s), bool), t, s)
+    assert key_spans.shape == (2, -(-t // 16), 2) and query_spans.shape == (2, -(-s // 16), 2)
+    assert (key_spans[..., 0] >= key_spans[..., 1]).all()
+    assert (query_spans[..., 0] >= query_spans[..., 1]).all()
+
+
 def test_masked_call_hands_the_kernel_its_spans(rng):
     """A masked call's custom call carries the spans (has_spans, two more int32 operands of
     the documented shapes); a call without a mask or segment ids carries none."""

@@ -88,8 +88,8 @@ def mask_spans(mask, t: int, s: int):
         row_hi = jnp.where(keep[..., 0], s, 0).astype(jnp.int32)
     else:
         key = lax.broadcasted_iota(jnp.int32, keep.shape, keep.ndim - 1)
-        row_lo = jnp.min(jnp.where(keep, key, np.int32(s)), axis=-1)
-        row_hi = jnp.max(jnp.where(keep, key + 1, np.int32(0)), axis=-1)
+        row_lo = jnp.min(jnp.where(keep, key, np.int32(s)), axis=-1, initial=np.int32(s))
+        row_hi = jnp.max(jnp.where(keep, key + 1, np.int32(0)), axis=-1, initial=np.int32(0))
     row_lo = jnp.broadcast_to(row_lo, (*row_lo.shape[:-1], t))
     row_hi = jnp.broadcast_to(row_hi, (*row_hi.shape[:-1], t))
     key_spans = jnp.stack([_granule_reduce(row_lo, jnp.min, s),
@@ -100,9 +100,9 @@ def mask_spans(mask, t: int, s: int):
     end = jnp.minimum(start + GRANULE, s)
     meets = (row_lo[..., :, None] < end) & (row_hi[..., :, None] > start)
     row = lax.broadcasted_iota(jnp.int32, meets.shape, meets.ndim - 2)
-    query_spans = jnp.stack([jnp.min(jnp.where(meets, row, np.int32(t)), axis=-2),
-                             jnp.max(jnp.where(meets, row + 1, np.int32(0)), axis=-2)],
-                            axis=-1)
+    query_spans = jnp.stack(
+        [jnp.min(jnp.where(meets, row, np.int32(t)), axis=-2, initial=np.int32(t)),
+         jnp.max(jnp.where(meets, row + 1, np.int32(0)), axis=-2, initial=np.int32(0))], axis=-1)
     return key_spans.astype(jnp.int32), query_spans.astype(jnp.int32)
 
 
