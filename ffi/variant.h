@@ -9,7 +9,7 @@
 //   AdditiveBias      the bias operand, added to scale q.k
 //   Alibi             ALiBi: -slope |t + d - s| added to scale q.k, d the aligned diagonal
 //   SegmentIds        packed sequences: keeps(t, s), may_share() for tiles to skip
-//   VisibleSpans      the positions a block may see through the ids: narrow() a tile range
+//   VisibleSpans      the positions a block may see through the ids or mask: narrow() a range
 //
 // Callers: the CPU kernels (ffi/cpu/common.h) and, through cuda::Visibility and its
 // tile-relative form (ffi/cuda/common/mask.cuh), every CUDA family: KeyWindow<int> in the

@@ -3,10 +3,10 @@
 Optional inputs (bias, mask, query and key/value lengths, query and key/value segment ids, the
 spans the kernels narrow their tiles to (from the ids and the mask: segments.spans,
 segments.mask_spans), ALiBi slopes) are passed only when present, in that order, and flagged
-by attributes (one flag for the two ids, one for the two spans). The
-handlers treat every dimension before [T, N, H] as batch, so operands may carry extra leading
-dims (all of them the same ones, in front, as `vmap_method="broadcast_all"` gives a vmapped
-call): it stays one custom call.
+by attributes (one flag for the two ids, one for the two spans). The handlers treat every
+dimension before [T, N, H] as batch, so operands may carry extra leading dims (all of them the
+same ones, in front, as `vmap_method="broadcast_all"` gives a vmapped call): it stays one
+custom call.
 """
 
 from __future__ import annotations
