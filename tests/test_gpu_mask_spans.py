@@ -5,12 +5,14 @@ under every structure, with warpgroups and blocks that see no key through the sp
 bounds, GQA and a bias, on the staged (S a multiple of 16) and the global-read mask paths. The
 spans themselves and the CPU kernels: test_mask_spans.py."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_flashattn
-from helpers import check_cuda_forward, random_qkv, use_family
+from helpers import (assert_attention_close, assert_grads_close, check_cuda_forward, grads,
+                     random_qkv, reference_grads, use_family)
 from test_gpu_bias import check_backward
 from test_mask_spans import KINDS, structured_mask
 
@@ -97,3 +99,28 @@ def test_cuda_core_kernels(rng, kind):
     assert jax_flashattn.forward_kernel(q, k, None, mask) == "simt"
     check_cuda_forward(q, k, v, None, mask)
     check_backward(rng, q, k, v, None, mask, family="simt")
+
+
+@pytest.mark.parametrize("family", ["sm90", "sm80"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_keys_past_every_span_are_never_read(rng, monkeypatch, family, head_dim):
+    """Whole key tiles past each entry's last kept key (a cache's unfilled tail), K and V NaN
+    there, are never read by the forward nor the backward (atomic dQ mode): out and the
+    gradients stay the reference's on the clean cache, where a kernel that visited them would
+    carry 0 x NaN into the rows."""
+    use_family(family, monkeypatch)
+    s = 1400
+    q, k, v = random_qkv(rng, 2, T, s, 4, 2, head_dim, jnp.bfloat16)
+    filled = np.array([300, 700])
+    kept = np.arange(s)[None, :] < filled[:, None]
+    mask = jnp.asarray(kept[:, None, None, :] & (rng.random((2, 1, T, s)) < 0.7))
+    tail = (np.arange(s)[None, :] >= (filled[:, None] + 255) // 256 * 256)[:, :, None, None]
+    poisoned_k, poisoned_v = (jnp.where(tail, jnp.nan, x) for x in (k, v))
+    d_out = jnp.asarray(rng.standard_normal(q.shape), q.dtype)
+    got = jax.jit(lambda *a: grads(jax_flashattn.attention, *a, mask=mask,
+                                   implementation="cuda"))(q, poisoned_k, poisoned_v, None,
+                                                           d_out)
+    assert_attention_close(got[0], q, k, v, mask=mask)
+    want = reference_grads(q, k, v, None, d_out, mask=mask)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_grads_close(g, w, normwise=3e-2, name=name)

@@ -190,3 +190,25 @@ def test_structured_mask_under_vmap(rng):
     got = jax.vmap(lambda q, k, v, m: jax_flashattn.attention(q, k, v, mask=m))(q, k, v, mask)
     for i in range(3):
         assert_attention_close(got[i], q[i], k[i], v[i], mask=mask[i])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_keys_past_every_span_are_never_read(rng, dtype):
+    """Keys that no row keeps past each entry's last kept one (a cache's unfilled tail) are
+    never read: with K and V NaN there, values and gradients stay the reference's on the clean
+    cache (a kernel that visited those keys would carry 0 x NaN into the rows)."""
+    t, s = 70, 200
+    q, k, v = random_qkv(rng, 2, t, s, 2, 2, 16, dtype)
+    filled = np.array([37, 130])
+    kept = np.arange(s)[None, :] < filled[:, None]
+    mask = jnp.asarray(kept[:, None, None, :] & (rng.random((2, 1, t, s)) < 0.7))
+    tail = ~kept[:, :, None, None]
+    poisoned_k, poisoned_v = (jnp.where(tail, jnp.nan, x) for x in (k, v))
+    out = jax_flashattn.attention(q, poisoned_k, poisoned_v, mask=mask)
+    assert_attention_close(out, q, k, v, mask=mask)
+    d_out = jnp.asarray(rng.standard_normal(q.shape, dtype=np.float32), dtype)
+    got = grads(jax_flashattn.attention, q, poisoned_k, poisoned_v, None, d_out, mask=mask)
+    want = reference_grads(q, k, v, None, d_out, mask=mask)
+    normwise = None if dtype == jnp.float32 else 2e-2
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert_grads_close(g, w, normwise=normwise, name=name)
