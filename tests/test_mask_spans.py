@@ -11,9 +11,9 @@ import pytest
 
 import jax_flashattn
 from jax_flashattn import segments
-from helpers import (assert_attention_close, assert_grads_close, assert_lse_close, grads,
-                     random_qkv, reference_grads)
+from helpers import assert_attention_close, assert_grads_close, grads, random_qkv, reference_grads
 from packing import ids_from_lengths, random_lengths
+from test_segment_ids import check_forward, check_grads
 
 
 def structured_mask(rng, kind, b, n, t, s):
@@ -120,22 +120,6 @@ def test_masked_call_hands_the_kernel_its_spans(rng):
     assert "has_spans = 0" in plain
 
 
-def check_forward(q, k, v, mask, **kwargs):
-    out, lse = jax_flashattn.attention(q, k, v, mask=mask, return_residual=True, **kwargs)
-    ref_lse = assert_attention_close(out, q, k, v, mask=mask, **kwargs)
-    assert_lse_close(lse, ref_lse)
-
-
-def check_grads(rng, q, k, v, mask, bias=None, **kwargs):
-    d_out = jnp.asarray(rng.standard_normal(q.shape, dtype=np.float32), q.dtype)
-    got = grads(jax_flashattn.attention, q, k, v, bias, d_out, mask=mask, **kwargs)
-    want = reference_grads(q, k, v, bias, d_out, mask=mask, **kwargs)
-    normwise = None if q.dtype == jnp.float32 else 2e-2
-    for name, g, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
-        if w is not None:
-            assert_grads_close(g, w, normwise=normwise, name=name)
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_structured_masks(rng, kind, dtype):
@@ -144,8 +128,8 @@ def test_structured_masks(rng, kind, dtype):
     t, s = 150, 171
     q, k, v = random_qkv(rng, 2, t, s, 4, 2, 32, dtype)
     mask = jnp.asarray(structured_mask(rng, kind, 2, 4, t, s))
-    check_forward(q, k, v, mask)
-    check_grads(rng, q, k, v, mask)
+    check_forward(q, k, v, mask=mask)
+    check_grads(rng, q, k, v, mask=mask)
 
 
 @pytest.mark.parametrize("options", [dict(is_causal=True), dict(local_window_size=(30, 5)),
@@ -163,11 +147,8 @@ def test_structured_masks_beside_other_options(rng, options):
     bias = None
     if options.pop("bias", False):
         bias = jnp.asarray(rng.standard_normal((2, 2, t, s)), jnp.float32)
-        out = jax_flashattn.attention(q, k, v, bias, mask=mask)
-        assert_attention_close(out, q, k, v, bias, mask=mask)
-    else:
-        check_forward(q, k, v, mask, **options)
-    check_grads(rng, q, k, v, mask, bias, **options)
+    check_forward(q, k, v, bias, mask=mask, **options)
+    check_grads(rng, q, k, v, bias, mask=mask, **options)
 
 
 def test_mask_beside_segment_ids(rng):
@@ -177,8 +158,8 @@ def test_mask_beside_segment_ids(rng):
     ids = jnp.asarray(np.stack([ids_from_lengths(random_lengths(rng, t), t) for _ in range(2)]))
     mask = jnp.asarray(structured_mask(rng, "band", 2, 1, t, t))
     options = dict(query_segment_ids=ids, key_value_segment_ids=ids, is_causal=True)
-    check_forward(q, k, v, mask, **options)
-    check_grads(rng, q, k, v, mask, **options)
+    check_forward(q, k, v, mask=mask, **options)
+    check_grads(rng, q, k, v, mask=mask, **options)
 
 
 def test_structured_mask_under_vmap(rng):
