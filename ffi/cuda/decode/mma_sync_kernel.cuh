@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         }
         // Scores are unscaled: a row's weights are exp2 of its offset (max * scale_log2, as
         // the softmax rounds it, which its probabilities were taken against) less the new one.
-        using Softmax = cuda::OnlineSoftmax<1>;
+        using Softmax = decltype(softmax);
         const float new_offset = Softmax::offset_for(new_max, scale_log2);
         const auto factor = [&](float max) {
           if (max == -INFINITY) return 0.f;
