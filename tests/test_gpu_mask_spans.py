@@ -124,3 +124,23 @@ def test_keys_past_every_span_are_never_read(rng, monkeypatch, family, head_dim)
     want = reference_grads(q, k, v, None, d_out, mask=mask)
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert_grads_close(g, w, normwise=3e-2, name=name)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_decode_skips_the_unfilled_cache_tail(rng, head_dim, rows):
+    """A decoding call whose mask hides each entry's unfilled cache tail ([B, 1, 1, S], as a
+    Flax decode cache gives it): the splits cover only the filled keys, so the tail's whole
+    tiles, here NaN, are never read."""
+    s = 4096
+    q, k, v = random_qkv(rng, 3, rows, s, 8, 2, head_dim, jnp.bfloat16)
+    filled = np.array([1, 960, 2000])
+    keep = np.arange(s)[None, None, None, :] < filled[:, None, None, None]
+    mask = jnp.asarray(keep)
+    assert jax_flashattn.forward_kernel(q, k, None, mask).startswith("decode")
+    tail = np.arange(s)[None, :, None, None] >= ((filled + 255) // 256 * 256)[:, None, None, None]
+    poisoned = [jnp.where(tail, jnp.nan, x) for x in (k, v)]
+    out = jax.jit(lambda q, k, v: jax_flashattn.attention(q, k, v, mask=mask,
+                                                          implementation="cuda"))(q, *poisoned)
+    assert np.isfinite(np.asarray(out, np.float32)).all(), "a hidden tail tile was read"
+    check_cuda_forward(q, k, v, None, mask)

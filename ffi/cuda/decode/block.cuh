@@ -40,7 +40,9 @@ __device__ __forceinline__ void decode_key_range(const variant::KeyWindow<int>& 
 // A split's work unit (one batch entry's kv head), its index in the unit, the batch entry's
 // visibility (every head of a group sees the same keys), and the split's key tiles: the keys
 // any row of the unit sees, cut into kBlockN-key tiles, dealt to the splits in equal runs
-// [tile_begin, tile_end) (empty for a split past the last tile). Both decode kernels compute it
+// [tile_begin, tile_end) (empty for a split past the last tile); kSpans (a bias or mask
+// instantiation): the keys narrowed to the mask's spans first, so that a cache whose unfilled
+// tail the mask hides is not read. Both decode kernels compute it
 // first, in 32-bit arithmetic, and issue their first tiles' requests right after it: a call's
 // K/V stream starts once every SM's first blocks have issued theirs, so nothing else (the
 // partial's address, the empty-split check, Q) comes before them; an empty split issues none
@@ -53,7 +55,7 @@ struct DecodeSplit {
   int key_lo, key_hi;  // keys some row of the unit sees
   int tile_begin, tile_end;
 
-  template <int kBlockN>
+  template <int kBlockN, bool kSpans = false>
   __device__ static DecodeSplit make(const AttentionParams& p, const DecodePlan& plan, int unit,
                                      int split) {
     DecodeSplit s;
@@ -66,6 +68,8 @@ struct DecodeSplit {
     s.kv_offset = s.b * p.kv_batch_stride + s.kv_head * p.kv_head_stride;
     s.vis = variant::KeyWindow<int>::make(p, s.b);
     decode_key_range(s.vis, 0, int(p.seqlen_q), s.key_lo, s.key_hi);
+    if constexpr (kSpans)
+      variant::VisibleSpans::keys_of_rows(p, s.b).narrow(0, int(p.seqlen_q), s.key_lo, s.key_hi);
     const int first_tile = s.key_lo / kBlockN;
     const int tiles = s.key_hi > s.key_lo ? (s.key_hi + kBlockN - 1) / kBlockN - first_tile : 0;
     const int splits = int(plan.splits);

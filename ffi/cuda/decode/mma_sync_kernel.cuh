@@ -81,7 +81,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // The split, then at once its first tiles' requests (DecodeSplit, decode/block.cuh;
   // docs/decisions/decode-kv-streaming.md).
   const int splits = int(plan.splits), block = int(blockIdx.x);
-  const DecodeSplit sp = DecodeSplit::make<kBlockN>(p, plan, block / splits, block % splits);
+  const DecodeSplit sp =
+      DecodeSplit::make<kBlockN, Traits::kBiasAndMask>(p, plan, block / splits, block % splits);
   const variant::KeyWindow<int>& vis = sp.vis;
   const int key_lo = sp.key_lo, key_hi = sp.key_hi;
   const int tile_begin = sp.tile_begin, tile_end = sp.tile_end;

@@ -227,7 +227,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   // (docs/decisions/decode-kv-streaming.md).
   const int blocks_per_unit = int(plan.splits) / kSplitsPerBlock;
   const int block = int(blockIdx.x);
-  const mma_sync::DecodeSplit sp = mma_sync::DecodeSplit::make<kBlockN>(
+  const mma_sync::DecodeSplit sp = mma_sync::DecodeSplit::make<kBlockN, Traits::kBiasAndMask>(
       p, plan, block / blocks_per_unit, block % blocks_per_unit * kSplitsPerBlock + warpgroup);
   Warpgroup::start_loads(ring, p, sp, group_tid);
 
