@@ -173,13 +173,19 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
                        " disagree on the batch dimensions");
   }
   const size_t r = qd.size();
-  if (ffi::Error e = CheckLike(v, k, "value"); e.failure()) return e;
   const bool fp8_kv = attrs.has_kv_descale != 0;
+  // FP8 attention: q e4m3 too, and v given as V^T (checked once the shape is known); out's
+  // 2-byte type is the call's dtype (DecodeForward sets it).
+  const bool e4m3_attention = fp8_kv && q.element_type() == ffi::DataType::F8E4M3FN;
+  if (!e4m3_attention)
+    if (ffi::Error e = CheckLike(v, k, "value"); e.failure()) return e;
   if (fp8_kv) {
-    if (k.element_type() != ffi::DataType::F8E4M3FN || !ToElemType(q.element_type(), p.dtype))
+    if (k.element_type() != ffi::DataType::F8E4M3FN ||
+        (!e4m3_attention && !ToElemType(q.element_type(), p.dtype)))
       return Invalid("a call with key/value descales takes float8_e4m3fn key and value beside "
-                     "a float32, bfloat16 or float16 query, got query " + ShapeString(q) +
-                     ", key " + ShapeString(k));
+                     "a float32, bfloat16, float16 or float8_e4m3fn query, got query " +
+                     ShapeString(q) + ", key " + ShapeString(k));
+    if (e4m3_attention) p.dtype = ElemType::kBFloat16;
   } else if (q.element_type() != k.element_type() || q.element_type() != v.element_type() ||
              !ToElemType(q.element_type(), p.dtype)) {
     return Invalid("query, key and value must share one dtype among float32, bfloat16, float16");
@@ -208,6 +214,18 @@ ffi::Error DecodeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   shape.deterministic = attrs.deterministic != 0;
   shape.disable_sm90 = attrs.disable_sm90 != 0;
   shape.sm80_cp_async = attrs.sm80_cp_async != 0;
+  shape.e4m3_attention = e4m3_attention;
+  if (e4m3_attention) {
+    auto vd = v.dimensions();
+    bool fits = !paged && v.element_type() == ffi::DataType::F8E4M3FN && vd.size() == r &&
+                vd[r - 3] == shape.num_kv_heads && vd[r - 2] == shape.head_dim &&
+                vd[r - 1] == VtKeys(shape.seqlen_k);
+    for (size_t i = 0; fits && i + 3 < r; ++i) fits = vd[i] == qd[i];
+    if (!fits)
+      return Invalid("FP8 attention takes value as float8_e4m3fn V^T [..., B, K, H, S'] (S' = S "
+                     "rounded up to a multiple of 32: fp8.kernel_values) for key " +
+                     ShapeString(k) + ", got " + ShapeString(v));
+  }
   if (paged) {
     // page_size = kd[1], a power of two; S is the table's reach, max_pages page_size.
     const int64_t page_size = kd[1];
@@ -329,7 +347,18 @@ ffi::Error DecodeForward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                          ffi::Result<ffi::AnyBuffer>& decode_workspace, const CallAttrs& attrs,
                          AttentionParams& p) {
   if (ffi::Error e = DecodeInputs(q, k, v, optional, attrs, p); e.failure()) return e;
-  if (ffi::Error e = CheckLike(*out, q, "out"); e.failure()) return e;
+  if (p.e4m3_attention) {
+    auto od = out->dimensions();
+    auto qd = q.dimensions();
+    bool fits = od.size() == qd.size() && ToElemType(out->element_type(), p.dtype) &&
+                p.dtype != ElemType::kFloat32;
+    for (size_t i = 0; fits && i < qd.size(); ++i) fits = od[i] == qd[i];
+    if (!fits)
+      return Invalid("FP8 attention writes out of bfloat16 or float16 with query's shape " +
+                     ShapeString(q) + ", got " + ShapeString(*out));
+  } else if (ffi::Error e = CheckLike(*out, q, "out"); e.failure()) {
+    return e;
+  }
   if (ffi::Error e = CheckRowStats(*lse, p, "lse"); e.failure()) return e;
   if (workspace->element_type() != ffi::DataType::S32 || workspace->element_count() < 1)
     return Invalid("the forward workspace must hold at least one int32, got " +

@@ -41,7 +41,13 @@ struct CallShape {
   // The kernel switches (AttentionParams::disable_sm90, sm80_cp_async).
   bool disable_sm90 = false;
   bool sm80_cp_async = false;
+  // FP8 attention (AttentionParams::e4m3_attention; dtype is out's).
+  bool e4m3_attention = false;
 };
+
+// The keys of FP8 attention's V^T (AttentionParams::vt_keys): S rounded up to whole 32-key
+// steps of its P fragments.
+inline int64_t VtKeys(int64_t seqlen_k) { return (seqlen_k + 31) / 32 * 32; }
 
 // p's sizes, the strides of q-like [batch, T, N, H] and k-like [batch, S, K, H] tensors laid out
 // contiguous and row-major (as XLA passes every operand), scale, window, deterministic flag and
@@ -69,6 +75,8 @@ inline void SetLayout(const CallShape& s, AttentionParams& p) {
   p.deterministic = s.deterministic;
   p.disable_sm90 = s.disable_sm90;
   p.sm80_cp_async = s.sm80_cp_async;
+  p.e4m3_attention = s.e4m3_attention;
+  p.vt_keys = s.e4m3_attention ? VtKeys(s.seqlen_k) : 0;
 }
 
 }  // namespace jax_flashattn

@@ -29,6 +29,10 @@ ffi::Error ForwardCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                    attrs, p);
       e.failure())
     return e;
+  if (p.e4m3_attention)
+    return ffi::Error::InvalidArgument(
+        "jax_flashattn: FP8 attention (a float8_e4m3fn query) runs on the Hopper kernels only; "
+        "on the CPU the caller dequantises it first");
   return RunGuarded([&] { cpu::forward(p); });
 }
 

@@ -25,7 +25,17 @@ ffi::Error ForwardCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                                    attrs, p);
       e.failure())
     return e;
-  if (p.page_table != nullptr || p.k_descale != nullptr) {
+  if (p.e4m3_attention) {
+    // FP8 attention runs on the Hopper forward's e4m3 configurations only; the Python side
+    // sends a call here only where they apply (the plan's forward kernel).
+    int device = 0;
+    if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess)
+      return ffi::Error::Internal(std::string("jax_flashattn: ") + cudaGetErrorString(e));
+    if (cuda::choose_forward_kernel(p, device) != cuda::ForwardKernel::kSm90)
+      return ffi::Error::InvalidArgument(
+          "jax_flashattn: FP8 attention runs on the Hopper (sm_90a) forward only: head dim a "
+          "multiple of 16 up to 128, no bias, mask, ALiBi, soft-cap or segment ids");
+  } else if (p.page_table != nullptr || p.k_descale != nullptr) {
     // Only the split-KV decode kernels read pages and e4m3 keys and values (ffi/params.h);
     // the Python side sends such a call here only where they apply (decode_shape_fits,
     // decode_fp8_kv_fits).

@@ -89,7 +89,8 @@ NB_MODULE(_jax_flashattn, m) {
       .def_rw("mask_broadcasts_keys", &CallShape::mask_broadcasts_keys)
       .def_rw("deterministic", &CallShape::deterministic)
       .def_rw("disable_sm90", &CallShape::disable_sm90)
-      .def_rw("sm80_cp_async", &CallShape::sm80_cp_async);
+      .def_rw("sm80_cp_async", &CallShape::sm80_cp_async)
+      .def_rw("e4m3_attention", &CallShape::e4m3_attention);
   nb::class_<CallPlan>(m, "CallPlan")
       .def_ro("decode_workspace_floats", &CallPlan::decode_workspace_floats)
       .def_ro("dq_semaphores", &CallPlan::dq_semaphores)

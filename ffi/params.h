@@ -203,6 +203,14 @@ struct AttentionParams {
   // of the kernels' parameter block.
   const float* k_descale = nullptr;
   const float* v_descale = nullptr;
+  // FP8 attention on the Hopper forward (wgmma::ForwardE4m3Config): q, k and v of
+  // float8_e4m3fn, out and `dtype` bfloat16 or float16, k_descale the product of the query's
+  // and the key's descales, v_descale the value's. v is given transposed, [batch, K, H,
+  // vt_keys] (vt_keys: S rounded up to a multiple of 32), each 32 keys in the order the
+  // P fragments of wgmma's e4m3 k-steps take them (src/jax_flashattn/fp8.py kernel_values),
+  // zero past each entry's key length. False and 0 otherwise.
+  bool e4m3_attention = false;
+  int64_t vt_keys = 0;
 
   JAX_FLASHATTN_HOST_DEVICE int64_t group_size() const { return num_heads / num_kv_heads; }
   // Elements from k's (and v's) start to key s of batch entry b, kv head 0: through its page

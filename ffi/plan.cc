@@ -48,6 +48,7 @@ AttentionParams PlanningParams(const CallShape& s) {
   if (s.has_segment_ids)
     p.q_segment_ids = p.kv_segment_ids = reinterpret_cast<const int32_t*>(buffer);
   if (s.has_alibi) p.alibi_slopes = reinterpret_cast<const float*>(buffer);
+  if (s.e4m3_attention) p.k_descale = p.v_descale = reinterpret_cast<const float*>(buffer);
   return p;
 }
 

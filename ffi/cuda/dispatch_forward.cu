@@ -40,9 +40,22 @@ cudaError_t launch_sm80_for_head_dim(const AttentionParams& p, bool tma_kv, cuda
 
 template <typename Elem>
 cudaError_t launch_sm90_for_head_dim(const AttentionParams& p, cudaStream_t stream) {
+  if (p.e4m3_attention)
+    return for_head_dim<wgmma::kE4m3HeadDims>(p.head_dim, [&](auto h) {
+      return launch_forward_sm90_e4m3<Elem, decltype(h)::value>(p, stream);
+    });
   return for_head_dim<wgmma::kHeadDims>(p.head_dim, [&](auto h) {
     return launch_forward_sm90<Elem, decltype(h)::value>(p, stream);
   });
+}
+
+// FP8 attention: the Hopper forward's e4m3 configurations, or none.
+bool e4m3_sm90_applies(const AttentionParams& p, int device) {
+  const int64_t max_head_dim = wgmma::kE4m3HeadDims[std::size(wgmma::kE4m3HeadDims) - 1];
+  return p.tile_counter != nullptr && p.k_descale != nullptr && p.v_descale != nullptr &&
+         !p.soft_capped() && !p.has_elementwise_terms() && p.q_segment_ids == nullptr &&
+         p.page_table == nullptr && p.head_dim % 16 == 0 && p.head_dim <= max_head_dim &&
+         wgmma::e4m3_tma_compatible(p) && wgmma::hopper_kernels_apply(p, device);
 }
 
 // Calls f(capped, terms), two std::bool_constant, with the decode instantiation the call takes:
@@ -176,6 +189,10 @@ ForwardKernel choose_forward_kernel(const AttentionParams& p, int device) {
   if (!tensor_core_dtype || p.head_dim <= 0 || p.head_dim % 8 != 0 ||
       p.head_dim > max_head_dim || !(p.scale > 0.f))
     return ForwardKernel::kSimt;
+  // FP8 attention: the Hopper forward's e4m3 configurations, or none (the handler refuses the
+  // call).
+  if (p.e4m3_attention)
+    return e4m3_sm90_applies(p, device) ? ForwardKernel::kSm90 : ForwardKernel::kSimt;
   if (p.k_descale != nullptr) {
     // e4m3 keys and values: a decode kernel's e4m3 configurations, as for 2-byte keys and
     // values, or none (the handler refuses the call).

@@ -41,6 +41,11 @@ cudaError_t launch_forward_sm80(const AttentionParams& p, bool tma_kv, cudaStrea
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream);
 
+// The same for FP8 attention (AttentionParams::e4m3_attention: e4m3 q, k and V^T, Elem out's
+// type; wgmma::ForwardE4m3Config), head dims that are a multiple of 16 up to kHeadDim.
+template <typename Elem, int kHeadDim>
+cudaError_t launch_forward_sm90_e4m3(const AttentionParams& p, cudaStream_t stream);
+
 // Split-KV decode forward for bf16/fp16 and head dims that are a multiple of 8 up to kHeadDim:
 // the splits' partial results, merged into out and lse inside each work unit's thread block
 // cluster with plan.cluster_merge, else through plan's workspace and a combine kernel; with

@@ -13,6 +13,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
@@ -405,6 +406,39 @@ JAX_FLASHATTN_WGMMA_RS(wgmma_rs_k_major, 0, 128, JAX_FLASHATTN_WGMMA_D128_REGS,
                        JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66, 67, 68, 69)
 JAX_FLASHATTN_WGMMA_RS(wgmma_rs, 1, 256, JAX_FLASHATTN_WGMMA_D256_REGS,
                        JAX_FLASHATTN_WGMMA_D256_OPERANDS, 128, 129, 130, 131, 132, 133)
+
+// float8_e4m3fn operands (k32 steps: 32 one-byte elements, the 32 bytes of a 16-bit k16 step),
+// both K-major (wgmma transposes no 8-bit operand): S = Q K^T of FP8 attention from shared
+// memory, and O += P V with P from registers and V^T in shared memory. The register A
+// fragment of a k32 step is the mma.sync m16n8k32 one: register r holds 4 bytes of row
+// lane / 4 + 8 (r % 2), columns 16 (r / 2) + 4 (lane % 4) + 0..3.
+#define JAX_FLASHATTN_WGMMA_E4M3_SS(N, REGS, OPERANDS, A, B, SCALE_D)                          \
+  template <>                                                                                \
+  __device__ __forceinline__ void wgmma_ss<N, __nv_fp8_e4m3>(                                 \
+      float(&d)[N / 8][4], uint64_t a_desc, uint64_t b_desc, bool accumulate) {              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SCALE_D ", 0;\n"                      \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS ", %" #A     \
+                 ", %" #B ", p, 1, 1;\n}\n"                                                   \
+                 : OPERANDS(d)                                                               \
+                 : "l"(a_desc), "l"(b_desc), "r"(int(accumulate)));                          \
+  }
+#define JAX_FLASHATTN_WGMMA_E4M3_RS(N, REGS, OPERANDS, A0, A1, A2, A3, B, SCALE_D)             \
+  template <>                                                                                \
+  __device__ __forceinline__ void wgmma_rs_k_major<N, __nv_fp8_e4m3>(                         \
+      float(&d)[N / 8][4], const uint32_t(&a)[4], uint64_t b_desc, bool accumulate) {        \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SCALE_D ", 0;\n"                      \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " REGS ", {%" #A0   \
+                 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #B ", p, 1, 1;\n}\n"                     \
+                 : OPERANDS(d)                                                               \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc),                  \
+                   "r"(int(accumulate)));                                                    \
+  }
+JAX_FLASHATTN_WGMMA_E4M3_SS(128, JAX_FLASHATTN_WGMMA_D128_REGS, JAX_FLASHATTN_WGMMA_D128_OPERANDS,
+                            64, 65, 66)
+JAX_FLASHATTN_WGMMA_E4M3_RS(128, JAX_FLASHATTN_WGMMA_D128_REGS, JAX_FLASHATTN_WGMMA_D128_OPERANDS,
+                            64, 65, 66, 67, 68, 69)
+#undef JAX_FLASHATTN_WGMMA_E4M3_SS
+#undef JAX_FLASHATTN_WGMMA_E4M3_RS
 #undef JAX_FLASHATTN_WGMMA_SS
 #undef JAX_FLASHATTN_WGMMA_SS_ONE
 #undef JAX_FLASHATTN_WGMMA_RS

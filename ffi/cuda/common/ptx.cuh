@@ -292,6 +292,17 @@ __device__ __forceinline__ uint32_t cvt_f16x2_e4m3x2(uint16_t pair) {
   return d;
 }
 
+// cvt.rn.satfinite.e4m3x2.f32 (sm_89 and newer): two floats as float8_e4m3fn bytes, `lo` in
+// the low byte, rounded to nearest and saturated to +-448 (a NaN stays NaN). 0 where the
+// target lacks it (its callers compile for sm_90a only).
+__device__ __forceinline__ uint16_t cvt_e4m3x2(float lo, float hi) {
+  uint16_t d = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(d) : "f"(hi), "f"(lo));
+#endif
+  return d;
+}
+
 // a * b per 16-bit half of two float16 pairs, rounded to nearest, subnormals kept (no .ftz).
 __device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
   uint32_t d;

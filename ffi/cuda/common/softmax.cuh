@@ -28,7 +28,10 @@ __device__ __forceinline__ float quad_sum(float x) {
 
 // kRows = 2 per 16-row slab. row_sum holds this thread's partial sums; the quad reduction is
 // deferred to finalize() (the rescaling factors are per row, so partials rescale correctly).
-template <int kSlabs>
+// kLog2PScale: the probabilities come out times 2^kLog2PScale (each row's largest 2^8 for FP8
+// attention, whose P of e4m3 then keeps its normal range: from 2^-6 of it up, where [0, 1]
+// would flush everything below 2^-9 to 0); the sums and lse account for it.
+template <int kSlabs, int kLog2PScale = 0>
 struct OnlineSoftmax {
   float row_max[kSlabs][2];
   float row_sum[kSlabs][2];
@@ -46,6 +49,8 @@ struct OnlineSoftmax {
   // The exp2 offset of a row whose maximum is `max`: -inf - -inf would be NaN, so a row that
   // has seen nothing gets offset 0 (its scores are -inf, its probabilities 0).
   __device__ static float offset_for(float max, float scale) {
+    if constexpr (kLog2PScale != 0)
+      return max == -INFINITY ? 0.f : __fsub_rn(__fmul_rn(max, scale), float(kLog2PScale));
     return max == -INFINITY ? 0.f : __fmul_rn(max, scale);
   }
 
@@ -196,7 +201,7 @@ struct OnlineSoftmax {
   }
 
   // Normalises O and returns the natural-log lse of each row (-inf and O = 0 for rows that
-  // saw no key). The sum is 0 exactly for those rows; otherwise it is at least 1 (the row's
+  // saw no key). The sum is 0 exactly for those rows; otherwise it is at least 2^kLog2PScale (the row's
   // maximum contributes 1), or NaN where a NaN or +inf logit reached the row (the maxima drop
   // NaN, but its exp2 does not), which O and lse then carry, as in jax.nn. The division and
   // log2 are rcp.approx and lg2.approx, one MUFU op each

@@ -124,6 +124,42 @@ cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_row
 }
 
 // The box of a last tile starts below batch x T (S), and is at most 256 ids long.
+bool e4m3_tma_compatible(const AttentionParams& p) {
+  return aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out) &&
+         p.head_dim % 16 == 0 && p.vt_keys % 16 == 0 &&
+         strides_aligned16(p.q_head_stride, p.q_row_stride, p.q_batch_stride) &&
+         p.q_head_stride == p.head_dim && p.kv_head_stride == p.head_dim &&
+         p.kv_row_stride % 16 == 0 && p.kv_batch_stride % 16 == 0;
+}
+
+cudaError_t encode_e4m3_forward_maps(const AttentionParams& p, int q_rows, int kv_rows,
+                                     int vt_rows, int out_rows, ForwardMaps& maps) {
+  if (!e4m3_tma_compatible(p)) return cudaErrorInvalidValue;
+  const EncodeTiled encode_function = encode_tiled();
+  if (encode_function == nullptr) return cudaErrorInvalidValue;
+  // V^T [batch, K, H, vt_keys], contiguous: boxes of 128 keys x vt_rows head-dim rows.
+  const cuuint64_t dims[4] = {cuuint64_t(p.vt_keys), cuuint64_t(p.head_dim),
+                              cuuint64_t(p.num_kv_heads), cuuint64_t(p.batch)};
+  const cuuint64_t strides[3] = {cuuint64_t(p.vt_keys), cuuint64_t(p.head_dim * p.vt_keys),
+                                 cuuint64_t(p.num_kv_heads * p.head_dim * p.vt_keys)};
+  const cuuint32_t box[4] = {cuuint32_t(kSwizzleBytes), cuuint32_t(vt_rows), 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  if (encode_function(&maps.v, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(p.v), dims,
+                      strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    return cudaErrorInvalidValue;
+  const cudaError_t errors[3] = {
+      encode(maps.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.q, p.head_dim, p.num_heads, p.seqlen_q,
+             p.batch, p.q_head_stride, p.q_row_stride, p.q_batch_stride, q_rows),
+      encode(maps.k, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.k, p.head_dim, p.num_kv_heads,
+             p.seqlen_k, p.batch, p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, kv_rows),
+      encode_query_like(maps.out, p, p.out, out_rows)};
+  for (cudaError_t e : errors)
+    if (e != cudaSuccess) return e;
+  return cudaSuccess;
+}
+
 bool segment_ids_tma_compatible(const AttentionParams& p) {
   constexpr int64_t kLimit = 0x7fffffff - 256;
   return p.q_segment_ids == nullptr ||

@@ -30,6 +30,7 @@
 // warpgroup takes (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -57,8 +58,10 @@
 namespace jax_flashattn::wgmma {
 
 // A tile as a consumer warpgroup takes it: the tile and its Q stage (every path), and what a
-// computing warpgroup works out once per tile and reads through its key tiles.
-struct ConsumerTile {
+// computing warpgroup works out once per tile and reads through its key tiles. kLog2PScale:
+// the softmax's (cuda::OnlineSoftmax).
+template <int kLog2PScale>
+struct ConsumerTileOf {
   ForwardTile t;
   int q_stage;
   uint32_t q_tile;     // this warpgroup's rows of Q stage q_stage
@@ -80,14 +83,24 @@ struct ConsumerTile {
   // kStagedTerm: this lane's half row of the staged term at the block's first key tile
   // (BiasAndMask::staged_row).
   const char* term_row;
-  cuda::OnlineSoftmax<1> softmax;
+  // kE4m3: the softmax's factor with the entry's query and key descales (their product's
+  // magnitude), whether that product is negative (the scores then change sign), and the
+  // value descale O is multiplied by.
+  float e4m3_scale;
+  bool e4m3_negate;
+  float e4m3_v_descale;
+  cuda::OnlineSoftmax<1, kLog2PScale> softmax;
 };
 
+// Elem: out's 2-byte type, and q's, k's and v's but where Traits::kE4m3 (FP8 attention: the
+// products then take e4m3 operands, OperandOf).
 template <typename Elem, typename Traits>
 struct ForwardConsumer {
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   static constexpr int kStages = Traits::kStages, kQStages = Traits::kQStages;
-  static constexpr int kPSteps = kBlockN / 16;           // k16 steps of O += P V
+  // FP8 attention's P in [0, 256]: OnlineSoftmax's kLog2PScale.
+  using ConsumerTile = ConsumerTileOf<Traits::kE4m3 ? 8 : 0>;
+  static constexpr int kPSteps = kBlockN / kKStep<Traits>;  // k-steps of O += P V
   static constexpr int kNTiles = kBlockN / 8;            // 8-key column tiles of S
   static constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of O
   using Named = NamedBarriers<Traits::kConsumers>;
@@ -259,10 +272,35 @@ struct ForwardConsumer {
     if constexpr (Traits::kOInKV) pass_lent_o_position();
   }
 
-  // The S accumulators of 8-key tiles 2 kk, 2 kk + 1 are the A operand of k-step kk.
+  // The S accumulators of 8-key tiles 2 kk, 2 kk + 1 are the A operand of k-step kk. kE4m3:
+  // those of tiles 4 kk .. 4 kk + 3 are the A operand of k32 step kk as they lie, register
+  // 2 a + h (h: the thread's row h) holding tiles 4 kk + 2 a and 4 kk + 2 a + 1: A column
+  // 16 a + 4 (lane % 4) + 2 b + c is key 16 a + 8 b + 2 (lane % 4) + c of the step, the order
+  // V^T's keys are given in (fp8.py kernel_values), so P needs no exchange between lanes.
   __device__ __forceinline__ void pack_p() {
 #pragma unroll
-    for (int kk = 0; kk < kPSteps; ++kk) mma_sync::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
+    for (int kk = 0; kk < kPSteps; ++kk) {
+      if constexpr (Traits::kE4m3) {
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float(&lo)[4] = s_acc[0][4 * kk + 2 * a];
+            const float(&hi)[4] = s_acc[0][4 * kk + 2 * a + 1];
+            p_frag[kk][2 * a + h] =
+                uint32_t(ptx::cvt_e4m3x2(lo[2 * h], lo[2 * h + 1])) |
+                (uint32_t(ptx::cvt_e4m3x2(hi[2 * h], hi[2 * h + 1])) << 16);
+          }
+      } else {
+        mma_sync::pack_a<Elem>(p_frag[kk], s_acc[0], kk);
+      }
+    }
+  }
+  // The softmax's factor on this tile's scores: softmax_scale, or (kE4m3) with the entry's
+  // descales (begin_tile).
+  __device__ __forceinline__ float scale_of(const ConsumerTile& w) const {
+    if constexpr (Traits::kE4m3) return w.e4m3_scale;
+    return softmax_scale;
   }
   __device__ __forceinline__ void issue_qk(uint32_t q_tile, int stage) {
     issue_scores<Elem, Traits>(s_acc, desc, q_tile, stage);
@@ -410,6 +448,8 @@ struct ForwardConsumer {
   // to (first_v_row_to_zero), before the turn whose product first reads them. kAlibi: every
   // computing warpgroup reads every key tile, so the lowest computing one, consumer 0, zeroes.
   __device__ __forceinline__ void zero_v_past_length(const ConsumerTile& w, int stage) {
+    // kE4m3: V^T comes zero past each entry's key length (fp8.py kernel_values).
+    if constexpr (Traits::kE4m3) return;
     constexpr bool kTails = Traits::kWindowed && !Traits::kAlibi;
     if (const int first_row = first_v_row_to_zero<kBlockN, kTails, kNarrowsToSpans<Traits>>(
             p, w.t, consumer, w.wg_tiles);
@@ -460,6 +500,16 @@ struct ForwardConsumer {
       w.alibi_slope2 = alibi.slope2;
       w.alibi_distance = int(int64_t(t.row0) + warp_row0 + quad_row + alibi.shift -
                              int64_t(t.tile_begin) * kBlockN - quad_col);
+    }
+    if constexpr (Traits::kE4m3) {
+      const int64_t entry = int64_t(t.b) * p.num_kv_heads + t.kv_head;
+      const float qk_descale = p.k_descale[entry];
+      w.e4m3_scale = softmax_scale * fabsf(qk_descale);
+      // A zero factor would make the hidden scores' -inf a NaN: the smallest normal float
+      // instead, which gives the visible ones the same weight, as a zero descale does.
+      if (w.e4m3_scale == 0.f) w.e4m3_scale = FLT_MIN;
+      w.e4m3_negate = qk_descale < 0.f;
+      w.e4m3_v_descale = p.v_descale[entry];
     }
     w.softmax.init();
     // Worked out once per query block: two compares per tile remain, and the tile's bounds
@@ -528,7 +578,13 @@ struct ForwardConsumer {
     ++kv_ring.count;
 
     float row_lse[1][2];
-    w.softmax.finalize(o_acc, softmax_scale, row_lse);
+    w.softmax.finalize(o_acc, scale_of(w), row_lse);
+    if constexpr (Traits::kE4m3) {
+#pragma unroll
+      for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o_acc[0][d][e] *= w.e4m3_v_descale;
+    }
     // The tail's turns come before the epilogue (with O in the K/V ring, before the wait for
     // O's position), so that the other warpgroup's last turn, which follows them, does not
     // wait for this one's epilogue (docs/decisions/idle-warpgroups-and-warpgroup-tails.md).

@@ -46,7 +46,7 @@ __device__ __forceinline__ void ForwardConsumer<Elem, Traits>::mask_and_exponent
         }
     }
   }
-  w.softmax.exponentiate_first<kUsed>(s_acc, softmax_scale, correction);
+  w.softmax.template exponentiate_first<kUsed>(s_acc, scale_of(w), correction);
 }
 
 // Tile j's probabilities from its landed scores. On an interior tile (every row of the
@@ -60,6 +60,15 @@ template <typename Elem, typename Traits>
 __device__ __forceinline__ void ForwardConsumer<Elem, Traits>::softmax_step(
     ConsumerTile& w, int j, float (&correction)[1][2]) {
   cap_scores();
+  // kE4m3: scores of a negative descale product change sign (the factor takes its magnitude:
+  // the softmax takes each row's maximum before scaling).
+  if constexpr (Traits::kE4m3)
+    if (w.e4m3_negate) {
+#pragma unroll
+      for (int c = 0; c < kNTiles; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s_acc[0][c][e] = -s_acc[0][c][e];
+    }
   const int stage = kv_ring.stage();
   // The key tile: j itself but with kAlibi (key_tile; called in the other variants too, it
   // changed the form of their compares).
@@ -82,7 +91,10 @@ __device__ __forceinline__ void ForwardConsumer<Elem, Traits>::softmax_step(
   // update.
   [[maybe_unused]] int side = 0;
   if constexpr (Traits::kAlibi) side = alibi_side(w, kt);
-  const bool settled = j > 0 && interior && !alibi && (!Traits::kAlibi || side != 0) &&
+  // kE4m3: every tile takes the full update: against settled maxima a P could pass e4m3's
+  // 448 (their headroom is 4096), and the recompute reads 2-byte tiles.
+  const bool settled = !Traits::kE4m3 && j > 0 && interior && !alibi &&
+                       (!Traits::kAlibi || side != 0) &&
                        __all_sync(0xffffffff, w.softmax.row_max[0][0] > -INFINITY &&
                                                   w.softmax.row_max[0][1] > -INFINITY);
   bool accepted = false;
@@ -98,7 +110,7 @@ __device__ __forceinline__ void ForwardConsumer<Elem, Traits>::softmax_step(
   } else {
     // Beside this warpgroup's P_{j-1} V_{j-1} wgmma, whose registers it leaves alone (a
     // wgmma wait, taken by one warp, would break wait_group's warpgroup-wide rule).
-    if (settled) {
+    if (!Traits::kE4m3 && settled) {
       recompute_warp_scores<Elem, Traits>(s_acc, w.q_tile, smem, stage, lane, warp);
       cap_scores();
       if constexpr (Traits::kBiasAndMask) bias_and_mask().apply(s_acc, w.t, j, interior);

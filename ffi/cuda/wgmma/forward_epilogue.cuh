@@ -19,7 +19,8 @@ struct EpilogueThread {
   int tid, warp, lane, quad_row, quad_col, warp_row0, consumer;
 };
 
-// A tile's epilogue: O (normalised) staged as Elem in this warpgroup's 64 rows at o_tile
+// A tile's epilogue: O (normalised) staged as Elem (out's 2-byte type, also beside FP8
+// inputs) in this warpgroup's 64 rows at o_tile
 // (in the O tile, or kOInKV in its K/V buffer), in the swizzled layout the TMA store reads,
 // once the previous tile's store has read them, and lse; then one thread stores each span
 // and lets the store run on.
@@ -29,7 +30,7 @@ __device__ __forceinline__ void store_tile_output(
     float (&o_acc)[1][Traits::kHeadDim / 8][4], int b, int n, int row0,
     const float (&row_lse)[1][2], uint32_t o_tile, const EpilogueThread& th) {
   constexpr int kBlockM = Traits::kBlockM, kDTiles = Traits::kHeadDim / 8;
-  constexpr int kSpans = Traits::kSpans, kSpanElems = Traits::kSpanElems;
+  constexpr int kSpans = Traits::kOutSpans, kSpanElems = Traits::kOutSpanElems;
   constexpr uint32_t kOSpanBytes = (Traits::kOInKV ? 64 : kBlockM) * kRowBytes;
   float* lse = p.lse + (int64_t(b) * p.num_heads + n) * p.seqlen_q;
   if constexpr (!Traits::kOInKV) {  // (the ring's full barrier says that o_tile is free)

@@ -15,6 +15,8 @@ cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stre
   // A configuration without window tests must not see a window, one without the elementwise
   // terms a bias, mask or ALiBi (it would ignore them), WithAlibi anything but ALiBi alone.
   if (!Traits::kWindowed && !p.unwindowed()) return cudaErrorInvalidConfiguration;
+  // FP8 attention on its own configurations only, and those on it only.
+  if (Traits::kE4m3 != p.e4m3_attention) return cudaErrorInvalidConfiguration;
   if (Traits::kAlibi ? !wgmma::alibi_fits(p)
                      : !Traits::kBiasAndMask && p.has_elementwise_terms())
     return cudaErrorInvalidConfiguration;
@@ -30,7 +32,11 @@ cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stre
   const int64_t tiles = m_blocks * p.batch * p.num_heads;
   wgmma::ForwardMapsFor<Traits::kSegments> maps;
   // The epilogue stores each consumer warpgroup's 64 rows on their own.
-  if (cudaError_t e = wgmma::encode_forward_maps(p, Traits::kBlockM, Traits::kBlockN, 64, maps);
+  if (cudaError_t e =
+          Traits::kE4m3
+              ? wgmma::encode_e4m3_forward_maps(p, Traits::kBlockM, Traits::kBlockN,
+                                                Traits::kHeadDim, 64, maps)
+              : wgmma::encode_forward_maps(p, Traits::kBlockM, Traits::kBlockN, 64, maps);
       e != cudaSuccess)
     return e;
   if constexpr (Traits::kSegments) {

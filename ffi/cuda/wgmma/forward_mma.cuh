@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "ffi/cuda/common/hopper_ptx.cuh"
 #include "ffi/cuda/common/ptx.cuh"
@@ -11,9 +12,17 @@
 
 namespace jax_flashattn::wgmma {
 
+// The products' operand type and k-step: q's 2-byte Elem in 16-element steps, or (kE4m3)
+// float8_e4m3fn in 32-element steps, each 32 bytes of a 128-byte row.
+template <typename Elem, typename Traits>
+using OperandOf = std::conditional_t<Traits::kE4m3, __nv_fp8_e4m3, Elem>;
+template <typename Traits>
+inline constexpr int kKStep = Traits::kE4m3 ? 32 : 16;
+
 // Descriptors. Q and K are K-major (head dim contiguous): k-step ks lies in span ks / 4, 32
 // bytes per step into each 128-byte row. V is MN-major for O += P V (head dim contiguous,
-// keys along the reduction): k-step kk is 16 rows down, spans kBlockN rows apart (LBO).
+// keys along the reduction): k-step kk is 16 rows down, spans kBlockN rows apart (LBO); V^T
+// (kE4m3) is K-major as K is, a row of kBlockN keys per head dim.
 // Each is the descriptor of stage 0 / k-step 0 advanced by a byte offset (constant but for
 // the stage).
 template <typename Traits>
@@ -21,9 +30,10 @@ struct ForwardDescriptors {
   uint64_t k0, v0;  // K and V of stage 0, k-step 0
 
   __device__ static ForwardDescriptors make(const ForwardSmem<Traits>& smem) {
+    const uint32_t v_span_stride = Traits::kE4m3 ? 16 : Traits::kBlockN * kRowBytes;
     return ForwardDescriptors{
         ptx::smem_descriptor_sw128(smem.k(0), 16, kGroupBytes),
-        ptx::smem_descriptor_sw128(smem.v(0), Traits::kBlockN * kRowBytes, kGroupBytes)};
+        ptx::smem_descriptor_sw128(smem.v(0), v_span_stride, kGroupBytes)};
   }
   // q_tile: this warpgroup's rows of its Q stage.
   __device__ static uint64_t q(uint32_t q_tile, int ks) {
@@ -35,7 +45,9 @@ struct ForwardDescriptors {
         k0, stage * Traits::kKVBytes + k_major_step_bytes(Traits::kBlockN, ks));
   }
   __device__ uint64_t v(int stage, int kk) const {
-    return ptx::smem_descriptor_advance(v0, stage * Traits::kKVBytes + mn_major_step_bytes(kk));
+    const uint32_t step = Traits::kE4m3 ? k_major_step_bytes(Traits::kHeadDim, kk)
+                                        : mn_major_step_bytes(kk);
+    return ptx::smem_descriptor_advance(v0, stage * Traits::kKVBytes + step);
   }
 };
 
@@ -52,23 +64,28 @@ __device__ __forceinline__ void issue_scores(float (&s_acc)[1][Traits::kBlockN /
   ptx::fence_registers(s_acc[0]);
   ptx::wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < Traits::kHeadDim / 16; ++ks)
-    ptx::wgmma_ss<Traits::kBlockN, Elem>(s_acc[0], ForwardDescriptors<Traits>::q(q_tile, ks),
-                                         desc.k(stage, ks), ks > 0);
+  for (int ks = 0; ks < Traits::kHeadDim / kKStep<Traits>; ++ks)
+    ptx::wgmma_ss<Traits::kBlockN, OperandOf<Elem, Traits>>(
+        s_acc[0], ForwardDescriptors<Traits>::q(q_tile, ks), desc.k(stage, ks), ks > 0);
   ptx::wgmma_commit_group();
 }
 
 // O += P V over the first kKeys keys of V stage `stage`, one wgmma group.
 template <int kKeys, typename Elem, typename Traits>
-__device__ __forceinline__ void issue_values(float (&o_acc)[1][Traits::kHeadDim / 8][4],
-                                             uint32_t (&p_frag)[Traits::kBlockN / 16][4],
-                                             const ForwardDescriptors<Traits>& desc,
-                                             int stage) {
+__device__ __forceinline__ void issue_values(
+    float (&o_acc)[1][Traits::kHeadDim / 8][4],
+    uint32_t (&p_frag)[Traits::kBlockN / kKStep<Traits>][4],
+    const ForwardDescriptors<Traits>& desc, int stage) {
   ptx::fence_registers(o_acc[0]);
   ptx::wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kKeys / 16; ++kk)
-    ptx::wgmma_rs<Traits::kHeadDim, Elem>(o_acc[0], p_frag[kk], desc.v(stage, kk));
+  for (int kk = 0; kk < kKeys / kKStep<Traits>; ++kk) {
+    if constexpr (Traits::kE4m3)
+      ptx::wgmma_rs_k_major<Traits::kHeadDim, __nv_fp8_e4m3>(o_acc[0], p_frag[kk],
+                                                             desc.v(stage, kk), true);
+    else
+      ptx::wgmma_rs<Traits::kHeadDim, Elem>(o_acc[0], p_frag[kk], desc.v(stage, kk));
+  }
   ptx::wgmma_commit_group();
 }
 

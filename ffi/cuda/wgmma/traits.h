@@ -24,9 +24,13 @@ constexpr int forward_barrier_bytes(int q_stages, int kv_stages) {
 }
 
 template <int kHeadDim_, int kBlockN_, int kStages_, int kQStages_, bool kOInKV_,
-          int kConsumers_ = 2>
+          int kConsumers_ = 2, int kElemBytes_ = 2>
 struct ForwardTraits {
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim: a whole number of spans
+  // Bytes per element of q, k and v: 2, or 1 for FP8 attention (kE4m3: float8_e4m3fn q, k
+  // and v^T, out of 2-byte elements; ForwardE4m3Config below).
+  static constexpr int kElemBytes = kElemBytes_;
+  static constexpr bool kE4m3 = kElemBytes == 1;
   // Consumer warpgroups, taking turns at the tensor cores: each one's softmax runs under the
   // products of the kConsumers - 1 others.
   static constexpr int kConsumers = kConsumers_;
@@ -65,14 +69,17 @@ struct ForwardTraits {
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
 
-  static constexpr int kSpanElems = 64;                 // 128 bytes of 2-byte elements
-  static constexpr int kSpans = kHeadDim / kSpanElems;  // TMA boxes per tile
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;  // also the O staging tile
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or one V tile
+  static constexpr int kSpanElems = 128 / kElemBytes;   // elements of a 128-byte row
+  static constexpr int kSpans = kHeadDim / kSpanElems;  // TMA boxes per Q or K tile
+  static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;  // one K or one V tile
+  // O is written in 2-byte elements, in spans of 64 (the epilogue's TMA boxes).
+  static constexpr int kOutSpanElems = 64;
+  static constexpr int kOutSpans = kHeadDim / kOutSpanElems;
   // kQStages Q tiles, O (unless in the K/V ring), kStages K tiles and kStages V tiles,
   // 1024-byte aligned each (the swizzle pattern repeats every 8 rows of 128 bytes), then the
   // barriers; plus 1024 bytes to align the start.
-  static constexpr int kOBytes = kOInKV ? 0 : kQBytes;
+  static constexpr int kOBytes = kOInKV ? 0 : kBlockM * kHeadDim * 2;
   static constexpr int kBarrierBytes = forward_barrier_bytes(kQStages, kStages);
   // Key ids per K stage (WithSegmentIds below); none here.
   using KeyIdBox = NoIdBox;
@@ -80,6 +87,8 @@ struct ForwardTraits {
       kQStages * kQBytes + kOBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
 
   static_assert(kHeadDim % kSpanElems == 0, "tiles are whole 128-byte swizzle spans");
+  static_assert(kElemBytes == 2 || (kElemBytes == 1 && kBlockN % 128 == 0 && !kOInKV),
+                "an e4m3 V^T tile is whole spans of 128 keys per head-dim row");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N is a multiple of 16 up to 256");
   static_assert(kQStages == 1 || kQStages == 2, "one Q buffer or two");
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
@@ -157,6 +166,24 @@ struct ForwardConfig<256> : ForwardTraits<256, 64, 2, 1, true> {
   static constexpr int kProducerRegisters = 32;
   static constexpr int kConsumerRegisters = 232;
 };
+
+// FP8 attention (params.h's e4m3_attention): q, k and v^T of float8_e4m3fn, S = Q K^T and
+// O += P V by wgmma's e4m3 k32 steps, P in [0, 256] converted to e4m3 in registers
+// (ForwardConsumer::pack_p). Head dims up to 128 (a Q, K or V^T row of 128 one-byte
+// elements: one swizzle span; smaller ones zero-padded by TMA). S 64 registers, P 16, O 64;
+// smem two Q tiles of 16 KiB, O 32 KiB, 4 x (16 + 16) KiB = 192 KiB; 32 / 232 registers as the
+// bf16 configuration (the producer holds the next tile: two Q buffers).
+template <int kHeadDim>
+struct ForwardE4m3Config;
+template <>
+struct ForwardE4m3Config<128> : ForwardTraits<128, 128, 4, 2, false, 2, 1> {
+  static constexpr int kProducerRegisters = 32;
+  static constexpr int kConsumerRegisters = 232;
+};
+
+// The head dims FP8 attention is instantiated for (its calls' head dims run on the first one
+// at least as large).
+inline constexpr int kE4m3HeadDims[] = {128};
 
 // A configuration's tiles for calls with segment ids: the block's key tiles narrowed to the
 // documents its rows are in, and the ids' element test on the tiles where a warp's rows and
