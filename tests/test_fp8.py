@@ -426,3 +426,25 @@ def test_zero_size_e4m3_cache():
                                   jnp.zeros((2, 5, 2, 0), e4m3), jnp.zeros((2, 5, 2, 0), e4m3),
                                   descale_v=jnp.ones((2, 2)))
     assert out.shape == (2, 3, 4, 0) and out.dtype == jnp.bfloat16
+
+
+def test_kernel_values_layout(rng):
+    """fp8.kernel_values, V as FP8 attention's kernels read it: V^T [B, K, H, S'] (S' = S
+    rounded up to 32) with each 32 keys in KEY_ORDER (a permutation), zeros at the keys past
+    each entry's length and past S."""
+    from jax_flashattn import fp8
+    assert sorted(fp8.KEY_ORDER) == list(range(32))
+    b, s, k, h = 2, 70, 3, 16
+    v8, _ = jax_flashattn.quantize_fp8(rng.standard_normal((b, s, k, h)).astype(np.float32))
+    lens = np.array([70, 33], np.int32)
+    vt = np.asarray(jax.jit(fp8.kernel_values)(v8, jnp.asarray(lens)), np.float32)
+    assert vt.shape == (b, k, h, 96)
+    order = np.concatenate([32 * g + np.array(fp8.KEY_ORDER) for g in range(3)])
+    v = np.asarray(v8, np.float32)
+    for i in range(b):
+        for column, key in enumerate(order):
+            want = v[i, key] if key < lens[i] else np.zeros((k, h), np.float32)
+            np.testing.assert_array_equal(vt[i, :, :, column], want)
+    natural = np.asarray(fp8.kernel_values(v8), np.float32)[..., np.argsort(order)]
+    np.testing.assert_array_equal(natural[..., :s], v.transpose(0, 2, 3, 1))
+    assert not natural[..., s:].any()

@@ -101,11 +101,13 @@ class CallPlan(NamedTuple):
 def call_shape(query_shape, key_shape, dtype, *, scale=None, has_bias=False, has_mask=False,
                has_q_seqlens=False, has_kv_seqlens=False, has_segment_ids=False,
                has_alibi=False, deterministic=False, soft_cap=0.0, bias_broadcasts_keys=False,
-               mask_broadcasts_keys=False, switches: KernelSwitches | None = None):
+               mask_broadcasts_keys=False, switches: KernelSwitches | None = None,
+               e4m3_attention=False):
     """The extension's CallShape of a call with q [..., B, T, N, H] and k [..., B, S, K, H] of
     `dtype` (any dtype: one no kernel takes plans no workspace), `scale` (default H ** -0.5),
     the optional operands it passes (and whether the bias or mask is one key broadcast over
-    S > 1), its soft-cap (0: none), and `switches` (default: the environment's now). Set by
+    S > 1), its soft-cap (0: none), and `switches` (default: the environment's now);
+    `e4m3_attention`: FP8 attention (q, k and v float8_e4m3fn, `dtype` the output's). Set by
     field name, so nothing depends on an argument order across the boundary."""
     *lead, t, n, h = query_shape
     if scale is None:
@@ -121,7 +123,8 @@ def call_shape(query_shape, key_shape, dtype, *, scale=None, has_bias=False, has
                   has_segment_ids=bool(has_segment_ids), has_alibi=bool(has_alibi),
                   deterministic=bool(deterministic),
                   bias_broadcasts_keys=bool(bias_broadcasts_keys),
-                  mask_broadcasts_keys=bool(mask_broadcasts_keys), **switches._asdict())
+                  mask_broadcasts_keys=bool(mask_broadcasts_keys),
+                  e4m3_attention=bool(e4m3_attention), **switches._asdict())
     for name, value in fields.items():
         setattr(shape, name, value)
     return shape

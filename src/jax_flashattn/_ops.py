@@ -181,6 +181,35 @@ def cache_forward(q, key_cache, value_cache, page_table, q_lens, kv_lens, *, sca
                                   k_descale, v_descale))
 
 
+def e4m3_forward(q, k, vt, q_lens, kv_lens, qk_descale, v_descale, *, out_dtype, scale: float,
+                 window: tuple, switches: _ffi.KernelSwitches,
+                 align_window_to_lengths: bool = False):
+    """FP8 attention on the Hopper forward's e4m3 kernels: (out [..., B, T, N, H] of out_dtype
+    (bfloat16 or float16), lse [..., B, N, T] float32) for q [..., B, T, N, H] and k
+    [..., B, S, K, H] of float8_e4m3fn, vt the values as fp8.kernel_values lays them out
+    ([..., B, K, H, S'], zero past each entry's key length), qk_descale the product of the query's
+    and the key's descales and v_descale the value's (float32 [..., B, K] each). The caller
+    asks the plan first (fp8.attention_kernels_take): the CUDA handler refuses a call these
+    kernels do not take, the CPU one every call. Window and lengths as in `forward`."""
+    *lead, t, n, _ = q.shape
+    optional = [x for x in (q_lens, kv_lens) if x is not None] + [qk_descale, v_descale]
+    flags = dict(has_bias=False, has_mask=False, has_q_seqlens=q_lens is not None,
+                 has_kv_seqlens=kv_lens is not None, has_segment_ids=False, has_spans=False,
+                 has_alibi=False, has_kv_descale=True, has_page_table=False)
+    call = jax.ffi.ffi_call(
+        _ffi.FORWARD_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, out_dtype),
+         jax.ShapeDtypeStruct((*lead, n, t), jnp.float32),
+         jax.ShapeDtypeStruct((1,), jnp.int32),
+         jax.ShapeDtypeStruct((0,), jnp.float32)),
+        vmap_method="broadcast_all")
+    out, lse, _, _ = call(q, k, vt, *optional, **{k: np.int32(v) for k, v in flags.items()},
+                          alibi_shift=np.int64(0),
+                          **_attrs(scale, window, switches,
+                                   align_window_to_lengths=align_window_to_lengths))
+    return vary_like((out, lse), (q, k, vt, q_lens, kv_lens, qk_descale, v_descale))
+
+
 def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None,
              alibi=None, *, scale: float, window: tuple, switches: _ffi.KernelSwitches,
              deterministic: bool = False, dbias: bool = False, soft_cap: float = 0.0,

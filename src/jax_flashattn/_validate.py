@@ -138,11 +138,11 @@ def _describe(x) -> str:
     return f"shape {tuple(x.shape)} and dtype {x.dtype}"
 
 
-def _check_qkv(query, key, value, fp8_kv: bool = False):
-    """fp8_kv: key and value of float8_e4m3fn beside a bfloat16 or float16 query (the caller
-    has checked their dtypes)."""
-    checked = (("query", query),) if fp8_kv else (("query", query), ("key", key),
-                                                   ("value", value))
+def _check_qkv(query, key, value, fp8_kv: bool = False, fp8_q: bool = False):
+    """fp8_kv: key and value of float8_e4m3fn beside a bfloat16 or float16 query; fp8_q: the
+    query too (the caller has checked their dtypes)."""
+    checked = () if fp8_q else (("query", query),) if fp8_kv else (
+        ("query", query), ("key", key), ("value", value))
     for name, x in checked:
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise TypeError(f"{name} must be a floating-point array (bfloat16, float16 or "
@@ -386,14 +386,14 @@ def normalize(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
               local_window_size=None, allow_empty=False, query_segment_ids=None,
               key_value_segment_ids=None, logits_soft_cap=None,
               diagonal_alignment="top_left", sinks=None, alibi_slopes=None,
-              fp8_kv=False) -> Normalized:
+              fp8_kv=False, fp8_q=False) -> Normalized:
     """`allow_empty`: accept T, S, N or H = 0 (B = 0 is always accepted), for a caller that
     answers such inputs without the kernels (`attention`'s Normalized.zero_size path).
     `fp8_kv`: key and value are float8_e4m3fn beside a bfloat16 or float16 query, checked by
-    the caller (fp8.dequantized_inputs)."""
+    the caller (fp8.dequantized_inputs); `fp8_q`: the query as well (FP8 attention)."""
     query, key, value = (_as_array(x, n) for x, n in
                          ((query, "query"), (key, "key"), (value, "value")))
-    _check_qkv(query, key, value, fp8_kv)
+    _check_qkv(query, key, value, fp8_kv or fp8_q, fp8_q)
     out_shape = tuple(query.shape)
     unbatched = query.ndim == 3
     if unbatched:

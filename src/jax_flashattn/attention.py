@@ -245,9 +245,11 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     sinks or segment ids the kernels read e4m3 keys and values as stored beside a query of
     another dtype (dequantising each value as they load it): the CPU kernels always, a GPU's
     split-KV decode kernels for a bfloat16 or float16 query on a decoding shape of head dim a
-    multiple of 16. Other calls are dequantised first: to float32 on the CPU (the reference
-    semantics), to the output dtype on a GPU, where the kernels then run as for those inputs
-    (no FP8 tensor-core kernels yet). Forward only: jax.grad raises a TypeError.
+    multiple of 16; FP8 attention (query e4m3 too) on an H100/H200 runs on the Hopper
+    forward's e4m3 tensor-core kernel (head dim a multiple of 16 up to 128; P rounded to e4m3).
+    Other calls are dequantised first: to float32 on the CPU (the reference semantics), to the
+    output dtype on a GPU, where the kernels then run as for those inputs. Forward only:
+    jax.grad raises a TypeError.
     """
     _validate.check_options(implementation=implementation,
                             deterministic_backward=deterministic_backward)
@@ -255,14 +257,17 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         if (bias is None and mask is None and query_segment_ids is None
                 and key_value_segment_ids is None and logits_soft_cap is None and sinks is None
                 and alibi_slopes is None and _check_implementation(implementation) == "kernels"):
-            out = _fp8_kv_in_kernel(
-                query, key, value, scale=scale, is_causal=is_causal,
-                query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-                local_window_size=local_window_size, diagonal_alignment=diagonal_alignment,
-                descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
-                output_dtype=output_dtype, return_residual=return_residual)
-            if out is not None:
-                return out
+            options = dict(scale=scale, is_causal=is_causal,
+                           query_seq_lengths=query_seq_lengths,
+                           key_value_seq_lengths=key_value_seq_lengths,
+                           local_window_size=local_window_size,
+                           diagonal_alignment=diagonal_alignment, descale_q=descale_q,
+                           descale_k=descale_k, descale_v=descale_v, output_dtype=output_dtype,
+                           return_residual=return_residual)
+            for in_kernel in (_fp8_kv_in_kernel, _e4m3_attention_in_kernel):
+                out = in_kernel(query, key, value, **options)
+                if out is not None:
+                    return out
         q, k, v, out_dtype = fp8.dequantized_inputs(
             query, key, value, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
             output_dtype=output_dtype, float32=jax.default_backend() == "cpu")
@@ -309,6 +314,44 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
         return out
     lse = jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2)).reshape(args.out_shape[:-1])
     return out, lse
+
+
+def _e4m3_attention_in_kernel(query, key, value, *, descale_q, descale_k, descale_v,
+                              output_dtype, return_residual, **options):
+    """FP8 attention (query, key and value of float8_e4m3fn) on the Hopper forward's e4m3
+    kernels (fp8.attention_kernels_take), or None for a call they do not take (the caller
+    dequantises it first). `options`: the masking options, as `attention`'s."""
+    if not all(fp8.is_e4m3(x) for x in (query, key, value)):
+        return None
+    out_dtype = fp8.OUTPUT_DTYPES[0] if output_dtype is None else jnp.dtype(output_dtype)
+    if out_dtype not in fp8.OUTPUT_DTYPES:
+        return None  # fp8.dequantized_inputs raises
+    args = _validate.normalize(query, key, value, allow_empty=True, fp8_q=True, **options)
+    if args.zero_size or not fp8.attention_kernels_take(
+            args.query.shape, args.key.shape, out_dtype, scale=args.scale,
+            has_q_lens=args.query_seq_lengths is not None,
+            has_kv_lens=args.key_value_seq_lengths is not None,
+            switches=_ffi.kernel_switches()):
+        return None
+    batch, kv_heads = args.query.shape[0], args.key.shape[2]
+    unbatched = query.ndim == 3
+    descale_q, descale_k, descale_v = (
+        jnp.ones((batch, kv_heads), jnp.float32) if d is None
+        else fp8.group_descale(d, name, batch, kv_heads, unbatched)
+        for d, name in ((descale_q, "descale_q"), (descale_k, "descale_k"),
+                        (descale_v, "descale_v")))
+    vt = fp8.kernel_values(args.value, args.key_value_seq_lengths)
+    kernel = functools.partial(_ops.e4m3_forward, out_dtype=out_dtype, scale=args.scale,
+                               window=args.kernel_window, switches=_ffi.kernel_switches(),
+                               align_window_to_lengths=args.align_window_to_lengths)
+    # Forward only: its gradient raises fp8's TypeError before JAX meets the kernel op.
+    out, lse = _forward_only.call(fp8.NO_GRADIENT, kernel, args.query, args.key, vt,
+                                  args.query_seq_lengths, args.key_value_seq_lengths,
+                                  descale_q * descale_k, descale_v)
+    out = out.reshape(args.out_shape)
+    if not return_residual:
+        return out
+    return out, jnp.swapaxes(lse, -1, -2).reshape(args.out_shape[:-1])
 
 
 def _fp8_kv_in_kernel(query, key, value, *, descale_q, descale_k, descale_v, output_dtype,

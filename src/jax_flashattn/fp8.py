@@ -110,6 +110,48 @@ def kernels_take(query_shape, query_dtype, keys_shape, *, scale: float, has_q_le
     return _ffi.plan(shape).decode_workspace_floats > 0
 
 
+def attention_kernels_take(query_shape, keys_shape, out_dtype, *, scale: float,
+                           has_q_lens: bool, has_kv_lens: bool, switches) -> bool:
+    """Whether FP8 attention (query, key and value of float8_e4m3fn, the output of out_dtype)
+    runs on the Hopper forward's e4m3 kernels as stored: a GPU whose plan for the call names
+    them (head dim a multiple of 16 up to 128, TMA-addressable tensors; the other conditions,
+    no soft-cap, bias, mask, ALiBi, sinks or segment ids, are the caller's)."""
+    if jax.default_backend() != "gpu" or not _ffi.cuda_built():
+        return False
+    shape = _ffi.call_shape(query_shape, keys_shape, out_dtype, scale=scale,
+                            has_q_seqlens=has_q_lens, has_kv_seqlens=has_kv_lens,
+                            switches=switches, e4m3_attention=True)
+    return _ffi.plan(shape, jax.devices()[0]).forward == "sm90"
+
+
+# Each 32 keys of kernel_values' V^T, in the order the e4m3 k32 steps' register A operand
+# takes P: column 16 a + 4 t + 2 b + c holds key 16 a + 8 b + 2 t + c (a, b, c < 2, t < 4),
+# which is where the S accumulators of thread t of a quad hold that key (ffi/cuda/wgmma/
+# forward_consumer.cuh pack_p).
+KEY_ORDER = tuple(16 * a + 8 * b + 2 * t + c
+                  for a in range(2) for t in range(4) for b in range(2) for c in range(2))
+
+
+def kernel_values(value, kv_lens=None):
+    """float8_e4m3fn values [..., B, S, K, H] as FP8 attention's kernels read them: V^T
+    [..., B, K, H, S'] with S' = S rounded up to a multiple of 32, each 32 keys in KEY_ORDER,
+    and zeros at the keys past each entry's length (kv_lens int32 [..., B], or none) and past
+    S, so that P = 0 there multiplies a finite value. One pass over V (O(S H) bytes per kv
+    head, beside the call's O(T S H) products)."""
+    *lead, s, k, h = value.shape
+    padded = -(-s // 32) * 32
+    bits = jax.lax.bitcast_convert_type(value, jnp.uint8)
+    if kv_lens is not None:
+        keys = jnp.arange(s, dtype=jnp.int32)
+        bits = jnp.where((keys < kv_lens[..., None])[..., None, None], bits, jnp.uint8(0))
+    bits = jnp.pad(bits, [(0, 0)] * len(lead) + [(0, padded - s), (0, 0), (0, 0)])
+    groups = bits.reshape(*lead, padded // 32, 2, 2, 4, 2, k, h)  # keys 16a + 8b + 2t + c
+    n = len(lead)
+    order = (*range(n), n + 5, n + 6, n, n + 1, n + 3, n + 2, n + 4)  # [K, H, group, a, t, b, c]
+    return jax.lax.bitcast_convert_type(
+        groups.transpose(order).reshape(*lead, k, h, padded), E4M3)
+
+
 def kernel_descales(descale_k, descale_v, batch: int, kv_heads: int, unbatched: bool = False):
     """(k_descale, v_descale) as the kernels take a call on an e4m3 cache: float32 [B, K] each,
     1 where None. Any value is taken as given: the CPU kernels multiply the keys and values by
