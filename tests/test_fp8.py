@@ -448,3 +448,25 @@ def test_kernel_values_layout(rng):
     natural = np.asarray(fp8.kernel_values(v8), np.float32)[..., np.argsort(order)]
     np.testing.assert_array_equal(natural[..., :s], v.transpose(0, 2, 3, 1))
     assert not natural[..., s:].any()
+
+
+def test_fp8_attention_call_partitions_like_the_cache_call(rng, monkeypatch):
+    """Where the e4m3 kernel takes FP8 attention (forced here: the CPU compiles the call, only
+    a GPU runs it), batch-sharded inputs give each device its own batch entries: no gather,
+    one kernel call on 2 of the 8 entries."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    from jax_flashattn import _ffi, fp8
+    monkeypatch.setattr(fp8, "attention_kernels_take", lambda *args, **kwargs: True)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+    q8, dq = jax_flashattn.quantize_fp8(rng.standard_normal((8, 64, 4, 64)).astype(np.float32))
+    q8 = q8.reshape(8, 64, 8, 32)
+    (k8, dk), (v8, dv) = (jax_flashattn.quantize_fp8(
+        rng.standard_normal((8, 64, 4, 32)).astype(np.float32)) for _ in range(2))
+    args = [jax.device_put(x, NamedSharding(mesh, PartitionSpec("d")))
+            for x in (q8, k8, v8, dq, dk, dv)]
+    text = jax.jit(lambda q, k, v, a, b, c: jax_flashattn.attention(
+        q, k, v, descale_q=a, descale_k=b, descale_v=c)).lower(*args).compile().as_text()
+    target = f'custom_call_target="{_ffi.FORWARD_TARGET}"'
+    calls = [line for line in text.splitlines() if target in line]
+    assert "all-gather" not in text
+    assert len(calls) == 1 and "bf16[2,64,8,32]" in calls[0] and "f8e4m3fn[2,64,8,32]" in calls[0]

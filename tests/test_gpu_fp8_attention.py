@@ -99,20 +99,25 @@ def test_fp8_attention_on_the_e4m3_kernels(rng, out_dtype, head_dim, option):
 
 
 @pytest.mark.parametrize("t,s", [(1, 77), (129, 4096), (64, 129)])
-def test_key_lengths_and_short_calls(rng, t, s):
+def test_lengths_and_short_calls(rng, t, s):
     """Per-entry key lengths (the values past each are zeroed in V^T: NaN there must not reach
-    the output) and calls of a few rows or keys."""
+    the output) and query lengths (the rows past them zero, lse -inf), in calls of a few rows or
+    keys."""
     b, n, kh, h = 3, 4, 4, 128
     q8, dq, q = quantized(rng, (b, t, n, h), kh)
     k8, dk, k = quantized(rng, (b, s, kh, h), kh)
     v8, dv, v = quantized(rng, (b, s, kh, h), kh)
     lens = np.array([s, max(1, s // 3), max(1, s - 5)], np.int32)
+    q_lens = np.array([t, max(1, t // 2), t], np.int32)
     past = np.arange(s)[None, :, None, None] >= lens[:, None, None, None]
     v8_nan = jnp.where(past, jnp.asarray(np.nan, E4M3), v8)
     out, lse = jax.jit(lambda *xs: jax_flashattn.attention(
         *xs[:3], descale_q=xs[3], descale_k=xs[4], descale_v=xs[5], key_value_seq_lengths=lens,
-        return_residual=True))(q8, k8, v8_nan, dq, dk, dv)
-    mask = np.broadcast_to(~past[:, None, :, 0, 0][:, :, None, :], (b, 1, t, s))
+        query_seq_lengths=q_lens, return_residual=True))(q8, k8, v8_nan, dq, dk, dv)
+    rows = np.arange(t)[None, :, None] < q_lens[:, None, None]  # [B, T, 1]
+    mask = (~past[:, :, 0, 0])[:, None, None, :] & rows[:, None, :, :]  # [B, 1, T, S]
+    assert not np.asarray(out, np.float32)[~rows[..., 0]].any()
+    assert np.all(np.isneginf(np.asarray(lse)[np.broadcast_to(~rows, (b, t, n))]))
     check(out, lse, q, k, v, jnp.bfloat16, mask=jnp.asarray(mask))
 
 

@@ -18,40 +18,52 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_flashattn import _ffi, _ops, sharding
+from jax_flashattn import _ffi, _ops, fp8, sharding
 
 
 def forward(q, key, value, page_table=None, kv_lens=None, q_lens=None, k_descale=None,
             v_descale=None, *, scale: float, window: tuple, switches: _ffi.KernelSwitches,
-            soft_cap: float = 0.0, align_window_to_lengths: bool = True):
-    """(out [B, T, N, H] in q's dtype, lse [B, N, T] float32) of `_ops.cache_forward`."""
+            soft_cap: float = 0.0, align_window_to_lengths: bool = True, e4m3_out_dtype=None):
+    """(out [B, T, N, H] in q's dtype, lse [B, N, T] float32) of `_ops.cache_forward`; with
+    `e4m3_out_dtype` (bfloat16 or float16), FP8 attention instead: q, key and value of
+    float8_e4m3fn (value [B, S, K, H], laid out for the kernel per device by
+    fp8.kernel_values), k_descale the query's times the key's, out of that dtype
+    (`_ops.e4m3_forward`)."""
     present = tuple(x is not None for x in (page_table, kv_lens, q_lens, k_descale))
     op = _partitioned(present, float(scale), tuple(window), switches, float(soft_cap),
-                      bool(align_window_to_lengths))
+                      bool(align_window_to_lengths),
+                      None if e4m3_out_dtype is None else jnp.dtype(e4m3_out_dtype))
     operands = (q, key, value, page_table, kv_lens, q_lens, k_descale, v_descale)
     return tuple(op(*(x for x in operands if x is not None)))
 
 
 @functools.lru_cache(maxsize=None)
 def _partitioned(present: tuple, scale: float, window: tuple, switches, soft_cap: float,
-                 align_window_to_lengths: bool):
-    paged, with_kv_lens, with_q_lens, fp8 = present
+                 align_window_to_lengths: bool, e4m3_out_dtype):
+    paged, with_kv_lens, with_q_lens, descaled = present
 
     def body(q, key, value, *optional):
         it = iter(optional)
         table, kv_lens, q_lens = (next(it) if there else None
                                   for there in (paged, with_kv_lens, with_q_lens))
-        k_descale, v_descale = (next(it), next(it)) if fp8 else (None, None)
-        out, lse = _ops.cache_forward(q, key, value, table, q_lens, kv_lens, scale=scale,
-                                      window=window, switches=switches, soft_cap=soft_cap,
-                                      k_descale=k_descale, v_descale=v_descale,
-                                      align_window_to_lengths=align_window_to_lengths)
+        k_descale, v_descale = (next(it), next(it)) if descaled else (None, None)
+        if e4m3_out_dtype is not None:
+            out, lse = _ops.e4m3_forward(
+                q, key, fp8.kernel_values(value, kv_lens), q_lens, kv_lens, k_descale,
+                v_descale, out_dtype=e4m3_out_dtype, scale=scale, window=window,
+                switches=switches, align_window_to_lengths=align_window_to_lengths)
+        else:
+            out, lse = _ops.cache_forward(q, key, value, table, q_lens, kv_lens, scale=scale,
+                                          window=window, switches=switches, soft_cap=soft_cap,
+                                          k_descale=k_descale, v_descale=v_descale,
+                                          align_window_to_lengths=align_window_to_lengths)
         # Under Explicit mesh axes, typed with q's sharding (lse [B, N, T] with its B and N).
         return sharding._typed_like(out, q), sharding._typed_like(lse, q, (0, 2, 1))
 
@@ -85,8 +97,9 @@ def _partitioned(present: tuple, scale: float, window: tuple, switches, soft_cap
 def _optional_kinds(present: tuple) -> list[str]:
     """What the optional operands a call passes are, in order: the page table, kv lengths, q
     lengths, the two descales."""
-    paged, with_kv_lens, with_q_lens, fp8 = present
-    return ["table"] * paged + ["lengths"] * (with_kv_lens + with_q_lens) + ["descale"] * (2 * fp8)
+    paged, with_kv_lens, with_q_lens, descaled = present
+    return (["table"] * paged + ["lengths"] * (with_kv_lens + with_q_lens)
+            + ["descale"] * (2 * descaled))
 
 
 def _sharding_rule(present, mesh, operand_types, result_types):

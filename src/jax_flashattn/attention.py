@@ -340,13 +340,14 @@ def _e4m3_attention_in_kernel(query, key, value, *, descale_q, descale_k, descal
         else fp8.group_descale(d, name, batch, kv_heads, unbatched)
         for d, name in ((descale_q, "descale_q"), (descale_k, "descale_k"),
                         (descale_v, "descale_v")))
-    vt = fp8.kernel_values(args.value, args.key_value_seq_lengths)
-    kernel = functools.partial(_ops.e4m3_forward, out_dtype=out_dtype, scale=args.scale,
+    # Partitioned as the kernel call on an e4m3 cache: each device its batch entries and heads.
+    kernel = functools.partial(_cache_kernel.forward, scale=args.scale,
                                window=args.kernel_window, switches=_ffi.kernel_switches(),
-                               align_window_to_lengths=args.align_window_to_lengths)
+                               align_window_to_lengths=args.align_window_to_lengths,
+                               e4m3_out_dtype=out_dtype)
     # Forward only: its gradient raises fp8's TypeError before JAX meets the kernel op.
-    out, lse = _forward_only.call(fp8.NO_GRADIENT, kernel, args.query, args.key, vt,
-                                  args.query_seq_lengths, args.key_value_seq_lengths,
+    out, lse = _forward_only.call(fp8.NO_GRADIENT, kernel, args.query, args.key, args.value,
+                                  None, args.key_value_seq_lengths, args.query_seq_lengths,
                                   descale_q * descale_k, descale_v)
     out = out.reshape(args.out_shape)
     if not return_residual:

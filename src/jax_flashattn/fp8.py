@@ -115,13 +115,19 @@ def attention_kernels_take(query_shape, keys_shape, out_dtype, *, scale: float,
     """Whether FP8 attention (query, key and value of float8_e4m3fn, the output of out_dtype)
     runs on the Hopper forward's e4m3 kernels as stored: a GPU whose plan for the call names
     them (head dim a multiple of 16 up to 128, TMA-addressable tensors; the other conditions,
-    no soft-cap, bias, mask, ALiBi, sinks or segment ids, are the caller's)."""
-    if jax.default_backend() != "gpu" or not _ffi.cuda_built():
+    no soft-cap, bias, mask, ALiBi, sinks or segment ids, are the caller's). A call placed on
+    the CPU by `jax.default_device` is not (the CPU kernels take FP8 attention dequantised)."""
+    device = jax.config.jax_default_device
+    if isinstance(device, str):
+        device = jax.devices(device)[0]
+    if device is None:
+        device = jax.devices()[0]
+    if device.platform != "gpu" or not _ffi.cuda_built():
         return False
     shape = _ffi.call_shape(query_shape, keys_shape, out_dtype, scale=scale,
                             has_q_seqlens=has_q_lens, has_kv_seqlens=has_kv_lens,
                             switches=switches, e4m3_attention=True)
-    return _ffi.plan(shape, jax.devices()[0]).forward == "sm90"
+    return _ffi.plan(shape, device).forward == "sm90"
 
 
 # Each 32 keys of kernel_values' V^T, in the order the e4m3 k32 steps' register A operand
