@@ -29,8 +29,9 @@ __device__ __forceinline__ float quad_sum(float x) {
 // kRows = 2 per 16-row slab. row_sum holds this thread's partial sums; the quad reduction is
 // deferred to finalize() (the rescaling factors are per row, so partials rescale correctly).
 // kLog2PScale: the probabilities come out times 2^kLog2PScale (each row's largest 2^8 for FP8
-// attention, whose P of e4m3 then keeps its normal range: from 2^-6 of it up, where [0, 1]
-// would flush everything below 2^-9 to 0); the sums and lse account for it.
+// attention, whose P of e4m3 then stays in e4m3's normal range, from 2^-6, down to 2^-14 of
+// the row's largest weight, where in [0, 1] everything below 2^-9 of it would flush to 0);
+// the sums and lse account for it.
 template <int kSlabs, int kLog2PScale = 0>
 struct OnlineSoftmax {
   float row_max[kSlabs][2];

@@ -123,7 +123,7 @@ cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_row
   return cudaSuccess;
 }
 
-// The box of a last tile starts below batch x T (S), and is at most 256 ids long.
+// One-byte q and k: their byte strides are the element strides.
 bool e4m3_tma_compatible(const AttentionParams& p) {
   return aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out) &&
          p.head_dim % 16 == 0 && p.vt_keys % 16 == 0 &&
@@ -160,6 +160,7 @@ cudaError_t encode_e4m3_forward_maps(const AttentionParams& p, int q_rows, int k
   return cudaSuccess;
 }
 
+// The box of a last tile starts below batch x T (S), and is at most 256 ids long.
 bool segment_ids_tma_compatible(const AttentionParams& p) {
   constexpr int64_t kLimit = 0x7fffffff - 256;
   return p.q_segment_ids == nullptr ||
