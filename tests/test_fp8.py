@@ -464,9 +464,12 @@ def test_fp8_attention_call_partitions_like_the_cache_call(rng, monkeypatch):
         rng.standard_normal((8, 64, 4, 32)).astype(np.float32)) for _ in range(2))
     args = [jax.device_put(x, NamedSharding(mesh, PartitionSpec("d")))
             for x in (q8, k8, v8, dq, dk, dv)]
-    text = jax.jit(lambda q, k, v, a, b, c: jax_flashattn.attention(
-        q, k, v, descale_q=a, descale_k=b, descale_v=c)).lower(*args).compile().as_text()
     target = f'custom_call_target="{_ffi.FORWARD_TARGET}"'
-    calls = [line for line in text.splitlines() if target in line]
-    assert "all-gather" not in text
-    assert len(calls) == 1 and "bf16[2,64,8,32]" in calls[0] and "f8e4m3fn[2,64,8,32]" in calls[0]
+    for descaled in (True, False):
+        text = jax.jit(lambda q, k, v, a, b, c: jax_flashattn.attention(
+            q, k, v, **(dict(descale_q=a, descale_k=b, descale_v=c) if descaled else {}))).lower(
+            *args).compile().as_text()
+        calls = [line for line in text.splitlines() if target in line]
+        assert "all-gather" not in text
+        assert len(calls) == 1 and "bf16[2,64,8,32]" in calls[0]
+        assert "f8e4m3fn[2,64,8,32]" in calls[0]

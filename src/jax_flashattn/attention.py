@@ -245,7 +245,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     sinks or segment ids the kernels read e4m3 keys and values as stored beside a query of
     another dtype (dequantising each value as they load it): the CPU kernels always, a GPU's
     split-KV decode kernels for a bfloat16 or float16 query on a decoding shape of head dim a
-    multiple of 16; FP8 attention (query e4m3 too) on an H100/H200 runs on the Hopper
+    multiple of 16; FP8 attention (query e4m3 too) on Hopper (an sm_90a build) runs on the
     forward's e4m3 tensor-core kernel (head dim a multiple of 16 up to 128; P rounded to e4m3).
     Other calls are dequantised first: to float32 on the CPU (the reference semantics), to the
     output dtype on a GPU, where the kernels then run as for those inputs. Forward only:
@@ -335,11 +335,10 @@ def _e4m3_attention_in_kernel(query, key, value, *, descale_q, descale_k, descal
         return None
     batch, kv_heads = args.query.shape[0], args.key.shape[2]
     unbatched = query.ndim == 3
-    descale_q, descale_k, descale_v = (
-        jnp.ones((batch, kv_heads), jnp.float32) if d is None
-        else fp8.group_descale(d, name, batch, kv_heads, unbatched)
-        for d, name in ((descale_q, "descale_q"), (descale_k, "descale_k"),
-                        (descale_v, "descale_v")))
+    descale_k, descale_v = fp8.kernel_descales(descale_k, descale_v, batch, kv_heads, unbatched)
+    if descale_q is not None:
+        descale_k = descale_k * fp8.group_descale(descale_q, "descale_q", batch, kv_heads,
+                                                  unbatched)
     # Partitioned as the kernel call on an e4m3 cache: each device its batch entries and heads.
     kernel = functools.partial(_cache_kernel.forward, scale=args.scale,
                                window=args.kernel_window, switches=_ffi.kernel_switches(),
@@ -348,7 +347,7 @@ def _e4m3_attention_in_kernel(query, key, value, *, descale_q, descale_k, descal
     # Forward only: its gradient raises fp8's TypeError before JAX meets the kernel op.
     out, lse = _forward_only.call(fp8.NO_GRADIENT, kernel, args.query, args.key, args.value,
                                   None, args.key_value_seq_lengths, args.query_seq_lengths,
-                                  descale_q * descale_k, descale_v)
+                                  descale_k, descale_v)
     out = out.reshape(args.out_shape)
     if not return_residual:
         return out
