@@ -45,6 +45,7 @@ FAMILIES = {
     "forward_wgmma_softcap": ("ffi/cuda/wgmma/traits.h", "kHeadDims"),
     "forward_wgmma_bias": ("ffi/cuda/wgmma/traits.h", "kHeadDims"),
     "forward_wgmma_alibi": ("ffi/cuda/wgmma/traits.h", "kHeadDims"),
+    "forward_wgmma_e4m3": ("ffi/cuda/wgmma/traits.h", "kE4m3HeadDims"),
     "decode_mma_sync": ("ffi/cuda/decode/mma_sync_traits.h", "kDecodeHeadDims"),
     "decode_wgmma": ("ffi/cuda/decode/wgmma_traits.h", "kDecodeHeadDims"),
     "decode_mma_sync_softcap": ("ffi/cuda/decode/mma_sync_traits.h", "kDecodeHeadDims"),
