@@ -339,19 +339,7 @@ def _e4m3_attention_in_kernel(query, key, value, *, descale_q, descale_k, descal
     if descale_q is not None:
         descale_k = descale_k * fp8.group_descale(descale_q, "descale_q", batch, kv_heads,
                                                   unbatched)
-    # Partitioned as the kernel call on an e4m3 cache: each device its batch entries and heads.
-    kernel = functools.partial(_cache_kernel.forward, scale=args.scale,
-                               window=args.kernel_window, switches=_ffi.kernel_switches(),
-                               align_window_to_lengths=args.align_window_to_lengths,
-                               e4m3_out_dtype=out_dtype)
-    # Forward only: its gradient raises fp8's TypeError before JAX meets the kernel op.
-    out, lse = _forward_only.call(fp8.NO_GRADIENT, kernel, args.query, args.key, args.value,
-                                  None, args.key_value_seq_lengths, args.query_seq_lengths,
-                                  descale_k, descale_v)
-    out = out.reshape(args.out_shape)
-    if not return_residual:
-        return out
-    return out, jnp.swapaxes(lse, -1, -2).reshape(args.out_shape[:-1])
+    return _on_cache_kernel(args, descale_k, descale_v, return_residual, e4m3_out_dtype=out_dtype)
 
 
 def _fp8_kv_in_kernel(query, key, value, *, descale_q, descale_k, descale_v, output_dtype,
@@ -372,9 +360,18 @@ def _fp8_kv_in_kernel(query, key, value, *, descale_q, descale_k, descale_v, out
         return None
     k_descale, v_descale = fp8.kernel_descales(descale_k, descale_v, args.query.shape[0],
                                                args.key.shape[2], unbatched=query.ndim == 3)
+    return _on_cache_kernel(args, k_descale, v_descale, return_residual)
+
+
+def _on_cache_kernel(args: _validate.Normalized, k_descale, v_descale, return_residual: bool,
+                     e4m3_out_dtype=None):
+    """`attention`'s result from the kernel call on e4m3 keys and values as stored
+    (`_cache_kernel.forward`: partitioned, each device its batch entries and kv heads; with
+    `e4m3_out_dtype`, FP8 attention), out and lse in `attention`'s shapes."""
     kernel = functools.partial(_cache_kernel.forward, scale=args.scale,
                                window=args.kernel_window, switches=_ffi.kernel_switches(),
-                               align_window_to_lengths=args.align_window_to_lengths)
+                               align_window_to_lengths=args.align_window_to_lengths,
+                               e4m3_out_dtype=e4m3_out_dtype)
     # Forward only: its gradient raises fp8's TypeError before JAX meets the kernel op, which
     # has no derivative rule.
     out, lse = _forward_only.call(fp8.NO_GRADIENT, kernel, args.query, args.key, args.value,
