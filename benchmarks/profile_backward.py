@@ -4,6 +4,9 @@
         --section ComputeWorkloadAnalysis --section WarpStateStats \\
         python3 benchmarks/profile_backward.py --head-dim 128 --seqlen 4096
 
+(with --section SourceCounters and -o REPORT, benchmarks/stall_samples.py sums the report's
+stall samples by reason and instruction)
+
 bf16, N = 2048 / H query heads (hidden 2048), B = --batch, T = S = --seqlen, full or causal;
 gradients of q, k and v."""
 
