@@ -78,25 +78,28 @@ class Samples:
         return range(hits[0], hits[-1] + 1)
 
 
+def _reason(name: str) -> str:
+    """ncu's column name without its stall_ prefix."""
+    return name[len("stall_"):]
+
+
 def report(samples: Samples, top: int, region: str | None) -> str:
+    whole = samples.reason_shares()
+    by_share = sorted(whole, key=lambda name: -whole[name])
     out = [f"{samples.total:.0f} stall samples over {len(samples.sass)} instructions",
-           "by reason: " + ", ".join(
-               f"{name[len('stall_'):]} {share:.1%}"
-               for name, share in sorted(samples.reason_shares().items(), key=lambda x: -x[1])
-               if share >= 0.005)]
+           "by reason: " + ", ".join(f"{_reason(name)} {whole[name]:.1%}"
+                                     for name in by_share if whole[name] >= 0.005)]
     if region is not None:
         lines = samples.region(region)
         share = sum(samples.samples[i] for i in lines) / samples.total
-        whole = samples.reason_shares()
         inside = samples.reason_shares(lines)
         out.append(f"region {region!r}: {len(lines)} instructions, {share:.1%} of the samples; "
                    "of each reason's: " + ", ".join(
-                       f"{name[len('stall_'):]} {inside[name] / whole[name]:.0%}"
-                       for name in sorted(whole, key=lambda n: -whole[n])
-                       if whole[name] >= 0.02))
+                       f"{_reason(name)} {inside[name] / whole[name]:.0%}"
+                       for name in by_share if whole[name] >= 0.02))
     for share, sass, reasons in samples.top(top):
         out.append(f"{share:6.1%}  {sass[:64]:64s}  " +
-                   ", ".join(f"{name[len('stall_'):]} {s:.1%}" for s, name in reasons))
+                   ", ".join(f"{_reason(name)} {s:.1%}" for s, name in reasons))
     return "\n".join(out)
 
 
