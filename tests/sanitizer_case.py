@@ -330,8 +330,9 @@ def main():
         fp8_case(rng, head_dim, t)
     paged_case(rng, 128, 16, 1, fp8=True)
     # FP8 attention on the Hopper forward's e4m3 kernel (elsewhere dequantised): V^T's boxes past
-    # S (S' = 704), key lengths, causal at the bottom right, GQA, head dims 128 and 96.
-    for head_dim in (128, 96):
+    # S (S' = 704), key lengths, causal at the bottom right, GQA, head dims 128 and 96, and 256
+    # and 192 (64-key tiles, V^T in the 64-byte swizzle).
+    for head_dim in (128, 96, 256, 192):
         fp8_attention_case(rng, head_dim)
 
 

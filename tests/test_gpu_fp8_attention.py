@@ -79,11 +79,12 @@ def _on_hopper():
 
 
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("head_dim", [128, 64, 96])
+@pytest.mark.parametrize("head_dim", [128, 64, 96, 256, 144, 192])
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_fp8_attention_on_the_e4m3_kernels(rng, out_dtype, head_dim, option):
     """T = 300 queries against S = 1000 keys (partial tiles; GQA 8 -> 2), each head dim
-    configuration (64 and 96 zero-padded on the 128 one), bfloat16 and float16 outputs."""
+    configuration (64 and 96 zero-padded on the 128 one, 144 and 192 on the 256 one, whose
+    64-key tiles read V^T in the 64-byte swizzle), bfloat16 and float16 outputs."""
     b, t, s, n, kh = 2, 300, 1000, 8, 2
     q8, dq, q = quantized(rng, (b, t, n, head_dim), kh)
     k8, dk, k = quantized(rng, (b, s, kh, head_dim), kh)
@@ -98,12 +99,13 @@ def test_fp8_attention_on_the_e4m3_kernels(rng, out_dtype, head_dim, option):
     check(out, lse, q, k, v, out_dtype, **options)
 
 
+@pytest.mark.parametrize("h", [128, 256])
 @pytest.mark.parametrize("t,s", [(1, 77), (129, 4096), (64, 129)])
-def test_lengths_and_short_calls(rng, t, s):
+def test_lengths_and_short_calls(rng, t, s, h):
     """Per-entry key lengths (the values past each are zeroed in V^T: NaN there must not reach
     the output) and query lengths (the rows past them zero, lse -inf), in calls of a few rows or
     keys."""
-    b, n, kh, h = 3, 4, 4, 128
+    b, n, kh = 3, 4, 4
     q8, dq, q = quantized(rng, (b, t, n, h), kh)
     k8, dk, k = quantized(rng, (b, s, kh, h), kh)
     v8, dv, v = quantized(rng, (b, s, kh, h), kh)
@@ -157,9 +159,9 @@ def test_under_vmap_and_unbatched(rng):
 
 
 def test_calls_off_the_e4m3_kernels_are_dequantised(rng):
-    """A head dim the kernels do not take (256, 72) and a soft-cap: dequantised first, then the
+    """A head dim the kernels do not take (72, 264) and a soft-cap: dequantised first, then the
     2-byte kernels, as before."""
-    for h, options in ((256, {}), (72, {}), (128, dict(logits_soft_cap=20.0))):
+    for h, options in ((72, {}), (264, {}), (128, dict(logits_soft_cap=20.0))):
         q8, dq, _ = quantized(rng, (1, 64, 2, h), 2)
         k8, dk, _ = quantized(rng, (1, 100, 2, h), 2)
         v8, dv, _ = quantized(rng, (1, 100, 2, h), 2)

@@ -246,7 +246,7 @@ def attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=
     another dtype (dequantising each value as they load it): the CPU kernels always, a GPU's
     split-KV decode kernels for a bfloat16 or float16 query on a decoding shape of head dim a
     multiple of 16; FP8 attention (query e4m3 too) on Hopper (an sm_90a build) runs on the
-    forward's e4m3 tensor-core kernel (head dim a multiple of 16 up to 128; P rounded to e4m3).
+    forward's e4m3 tensor-core kernel (head dim a multiple of 16 up to 256; P rounded to e4m3).
     Other calls are dequantised first: to float32 on the CPU (the reference semantics), to the
     output dtype on a GPU, where the kernels then run as for those inputs. Forward only:
     jax.grad raises a TypeError.

@@ -114,7 +114,7 @@ def attention_kernels_take(query_shape, keys_shape, out_dtype, *, scale: float,
                            has_q_lens: bool, has_kv_lens: bool, switches) -> bool:
     """Whether FP8 attention (query, key and value of float8_e4m3fn, the output of out_dtype)
     runs on the Hopper forward's e4m3 kernels as stored: a GPU whose plan for the call names
-    them (head dim a multiple of 16 up to 128, TMA-addressable tensors; the other conditions,
+    them (head dim a multiple of 16 up to 256, TMA-addressable tensors; the other conditions,
     no soft-cap, bias, mask, ALiBi, sinks or segment ids, are the caller's). A call placed on
     the CPU by `jax.default_device` is not (the CPU kernels take FP8 attention dequantised)."""
     device = jax.config.jax_default_device

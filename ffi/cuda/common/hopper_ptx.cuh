@@ -235,6 +235,14 @@ __device__ __forceinline__ uint64_t smem_descriptor_sw128(uint32_t address, uint
          (uint64_t((group_stride >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
 }
 
+// The same for a tile written by TMA with the 64-byte swizzle: rows of 64 bytes, 8-row groups
+// `group_stride` bytes apart (FP8 attention's V^T with 64-key tiles).
+__device__ __forceinline__ uint64_t smem_descriptor_sw64(uint32_t address, uint32_t span_stride,
+                                                         uint32_t group_stride) {
+  return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t((span_stride >> 4) & 0x3FFF) << 16) |
+         (uint64_t((group_stride >> 4) & 0x3FFF) << 32) | (uint64_t(2) << 62);
+}
+
 // The descriptor of the address `bytes` past the one `desc` describes: the start address
 // (address >> 4) sits in the low 14 bits, and an offset inside one shared-memory tile never
 // carries out of them. One add on the low word, where a descriptor built from the address
@@ -433,10 +441,14 @@ JAX_FLASHATTN_WGMMA_RS(wgmma_rs, 1, 256, JAX_FLASHATTN_WGMMA_D256_REGS,
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc),                  \
                    "r"(int(accumulate)));                                                    \
   }
+JAX_FLASHATTN_WGMMA_E4M3_SS(64, JAX_FLASHATTN_WGMMA_D64_REGS, JAX_FLASHATTN_WGMMA_D64_OPERANDS,
+                            32, 33, 34)
 JAX_FLASHATTN_WGMMA_E4M3_SS(128, JAX_FLASHATTN_WGMMA_D128_REGS, JAX_FLASHATTN_WGMMA_D128_OPERANDS,
                             64, 65, 66)
 JAX_FLASHATTN_WGMMA_E4M3_RS(128, JAX_FLASHATTN_WGMMA_D128_REGS, JAX_FLASHATTN_WGMMA_D128_OPERANDS,
                             64, 65, 66, 67, 68, 69)
+JAX_FLASHATTN_WGMMA_E4M3_RS(256, JAX_FLASHATTN_WGMMA_D256_REGS, JAX_FLASHATTN_WGMMA_D256_OPERANDS,
+                            128, 129, 130, 131, 132, 133)
 #undef JAX_FLASHATTN_WGMMA_E4M3_SS
 #undef JAX_FLASHATTN_WGMMA_E4M3_RS
 #undef JAX_FLASHATTN_WGMMA_SS

@@ -133,20 +133,24 @@ bool e4m3_tma_compatible(const AttentionParams& p) {
 }
 
 cudaError_t encode_e4m3_forward_maps(const AttentionParams& p, int q_rows, int kv_rows,
-                                     int vt_rows, int out_rows, ForwardMaps& maps) {
-  if (!e4m3_tma_compatible(p)) return cudaErrorInvalidValue;
+                                     int vt_box_keys, int vt_rows, int out_rows,
+                                     ForwardMaps& maps) {
+  if (!e4m3_tma_compatible(p) || (vt_box_keys != 128 && vt_box_keys != 64))
+    return cudaErrorInvalidValue;
   const EncodeTiled encode_function = encode_tiled();
   if (encode_function == nullptr) return cudaErrorInvalidValue;
-  // V^T [batch, K, H, vt_keys], contiguous: boxes of 128 keys x vt_rows head-dim rows.
+  // V^T [batch, K, H, vt_keys], contiguous: boxes of vt_box_keys keys x vt_rows head-dim rows,
+  // a row of the box one swizzle span.
   const cuuint64_t dims[4] = {cuuint64_t(p.vt_keys), cuuint64_t(p.head_dim),
                               cuuint64_t(p.num_kv_heads), cuuint64_t(p.batch)};
   const cuuint64_t strides[3] = {cuuint64_t(p.vt_keys), cuuint64_t(p.head_dim * p.vt_keys),
                                  cuuint64_t(p.num_kv_heads * p.head_dim * p.vt_keys)};
-  const cuuint32_t box[4] = {cuuint32_t(kSwizzleBytes), cuuint32_t(vt_rows), 1, 1};
+  const cuuint32_t box[4] = {cuuint32_t(vt_box_keys), cuuint32_t(vt_rows), 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   if (encode_function(&maps.v, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(p.v), dims,
                       strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      vt_box_keys == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return cudaErrorInvalidValue;
   const cudaError_t errors[3] = {

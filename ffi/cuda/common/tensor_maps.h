@@ -52,10 +52,12 @@ cudaError_t encode_forward_maps(const AttentionParams& p, int q_rows, int kv_row
 // FP8 attention (params.h's e4m3_attention): whether TMA can address its tensors (16-byte
 // aligned bases and strides, q and k with contiguous heads), and its maps: q and k of
 // float8_e4m3fn in the view above (boxes of 128 head-dim bytes), v as V^T [batch, K, H,
-// vt_keys] in boxes of 128 keys x vt_rows head-dim rows, out of `dtype` as above.
+// vt_keys] in boxes of vt_box_keys keys (128, in the 128-byte swizzle, or 64, in the 64-byte
+// one) x vt_rows head-dim rows, out of `dtype` as above.
 bool e4m3_tma_compatible(const AttentionParams& p);
 cudaError_t encode_e4m3_forward_maps(const AttentionParams& p, int q_rows, int kv_rows,
-                                     int vt_rows, int out_rows, ForwardMaps& maps);
+                                     int vt_box_keys, int vt_rows, int out_rows,
+                                     ForwardMaps& maps);
 
 // k and v alone, in the same view, for the mma.sync forward's K/V tile loads on Hopper
 // (mma_sync::forward_kernel with kTmaKV), in boxes of kv_rows rows.

@@ -35,7 +35,7 @@ cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stre
   if (cudaError_t e =
           Traits::kE4m3
               ? wgmma::encode_e4m3_forward_maps(p, Traits::kBlockM, Traits::kBlockN,
-                                                Traits::kHeadDim, 64, maps)
+                                                Traits::kVtBoxKeys, Traits::kHeadDim, 64, maps)
               : wgmma::encode_forward_maps(p, Traits::kBlockM, Traits::kBlockN, 64, maps);
       e != cudaSuccess)
     return e;

@@ -22,7 +22,8 @@ inline constexpr int kKStep = Traits::kE4m3 ? 32 : 16;
 // Descriptors. Q and K are K-major (head dim contiguous): k-step ks lies in span ks / 4, 32
 // bytes per step into each 128-byte row. V is MN-major for O += P V (head dim contiguous,
 // keys along the reduction): k-step kk is 16 rows down, spans kBlockN rows apart (LBO); V^T
-// (kE4m3) is K-major as K is, a row of kBlockN keys per head dim.
+// (kE4m3) is K-major as K is, a row of kBlockN keys per head dim (with 64-key tiles rows of
+// 64 bytes in the 64-byte swizzle, 8-row groups 512 bytes apart).
 // Each is the descriptor of stage 0 / k-step 0 advanced by a byte offset (constant but for
 // the stage).
 template <typename Traits>
@@ -31,6 +32,9 @@ struct ForwardDescriptors {
 
   __device__ static ForwardDescriptors make(const ForwardSmem<Traits>& smem) {
     const uint32_t v_span_stride = Traits::kE4m3 ? 16 : Traits::kBlockN * kRowBytes;
+    if constexpr (Traits::kE4m3 && Traits::kVtBoxKeys == 64)
+      return ForwardDescriptors{ptx::smem_descriptor_sw128(smem.k(0), 16, kGroupBytes),
+                                ptx::smem_descriptor_sw64(smem.v(0), 16, 8 * 64)};
     return ForwardDescriptors{
         ptx::smem_descriptor_sw128(smem.k(0), 16, kGroupBytes),
         ptx::smem_descriptor_sw128(smem.v(0), v_span_stride, kGroupBytes)};

@@ -109,11 +109,12 @@ struct ForwardProducer {
       ptx::mbarrier_arrive_expect_tx(barrier_address(bars.v_full[stage]), Traits::kKVBytes);
       if constexpr (Traits::kE4m3) {
         // V^T [batch, K, H, vt_keys]: the tile's kBlockN keys of every head-dim row, K-major
-        // for O += P V, a span of 128 keys (128 bytes) per box.
-        for (int span = 0; span < kBlockN / 128; ++span)
-          ptx::tma_load_4d(smem.v(stage) + span * Traits::kHeadDim * kRowBytes, &maps.v,
-                           barrier_address(bars.v_full[stage]), key0 + span * 128, 0, t.kv_head,
-                           t.b);
+        // for O += P V, a span of kVtBoxKeys keys (as many bytes) per box.
+        constexpr int kBoxKeys = Traits::kVtBoxKeys;
+        for (int span = 0; span < kBlockN / kBoxKeys; ++span)
+          ptx::tma_load_4d(smem.v(stage) + span * Traits::kHeadDim * kBoxKeys, &maps.v,
+                           barrier_address(bars.v_full[stage]), key0 + span * kBoxKeys, 0,
+                           t.kv_head, t.b);
       } else {
         for (int span = 0; span < kSpans; ++span)
           ptx::tma_load_4d(smem.v(stage) + span * kBlockN * kRowBytes, &maps.v,

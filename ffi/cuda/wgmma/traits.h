@@ -70,6 +70,9 @@ struct ForwardTraits {
   static constexpr int kConsumerRegisters = 240;
 
   static constexpr int kSpanElems = 128 / kElemBytes;   // elements of a 128-byte row
+  // kE4m3: the keys (one byte each) of a V^T row in one TMA box and swizzle span: 128 with the
+  // 128-byte swizzle, or with 64-key tiles 64 with the 64-byte one.
+  static constexpr int kVtBoxKeys = kBlockN < 128 ? kBlockN : 128;
   static constexpr int kSpans = kHeadDim / kSpanElems;  // TMA boxes per Q or K tile
   static constexpr int kQBytes = kBlockM * kHeadDim * kElemBytes;
   static constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;  // one K or one V tile
@@ -87,8 +90,9 @@ struct ForwardTraits {
       kQStages * kQBytes + kOBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
 
   static_assert(kHeadDim % kSpanElems == 0, "tiles are whole 128-byte swizzle spans");
-  static_assert(kElemBytes == 2 || (kElemBytes == 1 && kBlockN % 128 == 0 && !kOInKV),
-                "an e4m3 V^T tile is whole spans of 128 keys per head-dim row");
+  static_assert(kElemBytes == 2 ||
+                    (kElemBytes == 1 && (kBlockN == 64 || kBlockN % 128 == 0) && !kOInKV),
+                "an e4m3 V^T tile is one 64-byte span or whole 128-byte spans per head-dim row");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N is a multiple of 16 up to 256");
   static_assert(kQStages == 1 || kQStages == 2, "one Q buffer or two");
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
@@ -169,10 +173,10 @@ struct ForwardConfig<256> : ForwardTraits<256, 64, 2, 1, true> {
 
 // FP8 attention (params.h's e4m3_attention): q, k and v^T of float8_e4m3fn, S = Q K^T and
 // O += P V by wgmma's e4m3 k32 steps, P in [0, 256] converted to e4m3 in registers
-// (ForwardConsumer::pack_p). Head dims up to 128 (a Q, K or V^T row of 128 one-byte
-// elements: one swizzle span; smaller ones zero-padded by TMA). S 64 registers, P 16, O 64;
-// smem two Q tiles of 16 KiB, O 32 KiB, 4 x (16 + 16) KiB = 192 KiB; 32 / 232 registers as the
-// bf16 configuration (the producer holds the next tile: two Q buffers).
+// (ForwardConsumer::pack_p). Smaller head dims run zero-padded by TMA. At 128 (a Q, K or V^T
+// row of 128 one-byte elements: one swizzle span): S 64 registers, P 16, O 64; smem two Q
+// tiles of 16 KiB, O 32 KiB, 4 x (16 + 16) KiB = 192 KiB; 32 / 232 registers as the bf16
+// configuration (the producer holds the next tile: two Q buffers).
 template <int kHeadDim>
 struct ForwardE4m3Config;
 template <>
@@ -180,10 +184,19 @@ struct ForwardE4m3Config<128> : ForwardTraits<128, 128, 4, 2, false, 2, 1> {
   static constexpr int kProducerRegisters = 32;
   static constexpr int kConsumerRegisters = 232;
 };
+// O alone is 128 registers, so 64-key tiles (V^T rows of 64 bytes, in the 64-byte swizzle):
+// S 32 registers, P 8, O 128; 128-key tiles (S 64, P 16) leave ptxas too few registers to keep
+// the wgmma chain asynchronous (C7512) and spill 28 bytes. smem two Q tiles of 32 KiB, O 64
+// KiB, 3 x (16 + 16) KiB = 224 KiB.
+template <>
+struct ForwardE4m3Config<256> : ForwardTraits<256, 64, 3, 2, false, 2, 1> {
+  static constexpr int kProducerRegisters = 32;
+  static constexpr int kConsumerRegisters = 232;
+};
 
 // The head dims FP8 attention is instantiated for (its calls' head dims run on the first one
 // at least as large).
-inline constexpr int kE4m3HeadDims[] = {128};
+inline constexpr int kE4m3HeadDims[] = {128, 256};
 
 // A configuration's tiles for calls with segment ids: the block's key tiles narrowed to the
 // documents its rows are in, and the ids' element test on the tiles where a warp's rows and
