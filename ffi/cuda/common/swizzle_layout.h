@@ -1,7 +1,8 @@
 // The shared-memory layout both Hopper kernels keep their TMA tiles in (wgmma/traits.h,
 // wgmma/backward_traits.h): 128-byte rows with the 128-byte swizzle, whose pattern repeats every 8
 // rows, so every tile starts at a kGroupBytes boundary and the kernels align their dynamic
-// shared memory to one.
+// shared memory to one (FP8 attention's V^T of 64-key tiles: 64-byte rows with the 64-byte
+// swizzle, whose pattern repeats every 512 bytes).
 #pragma once
 
 #include <cstdint>

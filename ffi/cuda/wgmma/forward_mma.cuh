@@ -32,6 +32,11 @@ struct ForwardDescriptors {
 
   __device__ static ForwardDescriptors make(const ForwardSmem<Traits>& smem) {
     const uint32_t v_span_stride = Traits::kE4m3 ? 16 : Traits::kBlockN * kRowBytes;
+    // v()'s k_major_step_bytes spans 128-byte rows: with 64-byte ones a tile is at most the
+    // two k32 steps of a row.
+    static_assert(!Traits::kE4m3 || Traits::kVtBoxKeys == 128 ||
+                      Traits::kBlockN / kKStep<Traits> <= 2,
+                  "a 64-byte V^T row holds two k32 steps");
     if constexpr (Traits::kE4m3 && Traits::kVtBoxKeys == 64)
       return ForwardDescriptors{ptx::smem_descriptor_sw128(smem.k(0), 16, kGroupBytes),
                                 ptx::smem_descriptor_sw64(smem.v(0), 16, 8 * 64)};

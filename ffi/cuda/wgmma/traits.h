@@ -3,7 +3,8 @@
 // A block (one per SM, persistent) is one producer warpgroup (a single thread issues every
 // TMA load) and kConsumers warpgroups of 64 query rows each. Every tile in shared memory is
 // stored as TMA writes it with the 128-byte swizzle: the head dim split into 64-element
-// spans, each span a [rows][64] array of 128-byte rows, spans one after another. K and V
+// spans, each span a [rows][64] array of 128-byte rows, spans one after another (FP8
+// attention's V^T of 64-key tiles alone has 64-byte rows in the 64-byte swizzle). K and V
 // cycle through kStages buffers guarded by full/empty mbarriers, Q through kQStages. O is
 // staged for its TMA store in a buffer of its own, or (kOInKV: head dim 256, where shared
 // memory has no room for a second Q-sized tile) in a K/V stage that the ring lends for it.
@@ -187,7 +188,7 @@ struct ForwardE4m3Config<128> : ForwardTraits<128, 128, 4, 2, false, 2, 1> {
 // O alone is 128 registers, so 64-key tiles (V^T rows of 64 bytes, in the 64-byte swizzle):
 // S 32 registers, P 8, O 128; 128-key tiles (S 64, P 16) leave ptxas too few registers to keep
 // the wgmma chain asynchronous (C7512) and spill 28 bytes. smem two Q tiles of 32 KiB, O 64
-// KiB, 3 x (16 + 16) KiB = 224 KiB.
+// KiB, 3 x (16 + 16) KiB, barriers and alignment = 225.2 KiB.
 template <>
 struct ForwardE4m3Config<256> : ForwardTraits<256, 64, 3, 2, false, 2, 1> {
   static constexpr int kProducerRegisters = 32;
