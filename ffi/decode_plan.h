@@ -100,6 +100,30 @@ inline bool decode_fp8_kv_fits(const AttentionParams& p) {
          !p.has_elementwise_terms();
 }
 
+// Whether a decoding call's bias and / or mask (at least one) can be copied with each K/V tile
+// of block_n keys into stage_bytes of shared memory (DecodeBiasAndMask::copy_tile): each term
+// the same for every query (T = 1 or a query stride of 0: a serving bias [B, N, 1, S], a
+// cache's mask [B, 1, 1, S]), so that a block stages one row per query head of its group, at
+// unit stride along the keys, in whole 16-byte pieces (a 16-byte aligned buffer, batch and head
+// strides and S of whole pieces: the last piece of a row ends at S, so no piece reads past the
+// buffer), and group rows of both fit the stage. Any other call reads its terms element by
+// element.
+inline bool decode_terms_stage(const AttentionParams& p, int64_t block_n, int64_t stage_bytes) {
+  if (p.bias == nullptr && p.mask == nullptr) return false;
+  const auto whole = [](int64_t x) { return x % 16 == 0; };
+  const auto fits = [&](const void* base, const BroadcastStrides& s, int64_t elem) {
+    return base == nullptr ||
+           (s.col == 1 && (p.seqlen_q == 1 || s.row == 0) &&
+            whole(int64_t(reinterpret_cast<uintptr_t>(base))) && whole(s.batch_outer * elem) &&
+            whole(s.batch_inner * elem) && whole(s.head * elem) && whole(p.seqlen_k * elem));
+  };
+  const int64_t bias_bytes =
+      p.bias == nullptr ? 0 : (p.bias_dtype == ElemType::kFloat32 ? 4 : 2);
+  const int64_t mask_bytes = p.mask == nullptr ? 0 : 1;
+  return fits(p.bias, p.bias_strides, bias_bytes) && fits(p.mask, p.mask_strides, mask_bytes) &&
+         p.group_size() * block_n * (bias_bytes + mask_bytes) <= stage_bytes;
+}
+
 // The blocks per SM a call's splits aim at (kDecodeBlocksPerSm* above).
 inline int64_t decode_blocks_per_sm(const AttentionParams& p) {
   if (p.kv_seqlens != nullptr) return kDecodeBlocksPerSmRagged;

@@ -126,11 +126,11 @@ bool decode_merges_in_cluster(bool sm90, const AttentionParams& p, const mma_syn
     if (sm90)
       return for_head_dim<wgmma::kDecodeHeadDims>(p.head_dim, [&](auto h) {
         return forward_decode_sm90_merges_in_cluster<Elem, decltype(h)::value, kSoftCap, kTerms>(
-            plan, device, p.alibi_slopes != nullptr);
+            p, plan, device);
       });
     return for_head_dim<mma_sync::kDecodeHeadDims>(p.head_dim, [&](auto h) {
       return forward_decode_merges_in_cluster<Elem, decltype(h)::value, kSoftCap, kTerms>(
-          plan, device, p.alibi_slopes != nullptr);
+          p, plan, device);
     });
   });
 }

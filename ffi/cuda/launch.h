@@ -53,13 +53,14 @@ cudaError_t launch_forward_sm90_e4m3(const AttentionParams& p, cudaStream_t stre
 // kBiasAndMask on those for the elementwise terms (mma_sync::DecodeWithBiasAndMask; with
 // ALiBi, where the call has it, on kernels of their own), each in translation units of their
 // own. forward_decode_merges_in_cluster says whether a plan's clusters fit on CUDA device
-// `device`, the current one, for a call with ALiBi or without (the dispatcher sets
-// plan.cluster_merge from it).
+// `device`, the current one, for call p (with ALiBi or without, its terms staged or not: each
+// its own kernel; the dispatcher sets plan.cluster_merge from it).
 template <typename Elem, int kHeadDim, bool kSoftCap = false, bool kBiasAndMask = false>
 cudaError_t launch_forward_decode(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                   cudaStream_t stream);
 template <typename Elem, int kHeadDim, bool kSoftCap = false, bool kBiasAndMask = false>
-bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int device, bool alibi);
+bool forward_decode_merges_in_cluster(const AttentionParams& p, const mma_sync::DecodePlan& plan,
+                                      int device);
 
 // The same for float8_e4m3fn keys and values beside an Elem query (AttentionParams::k_descale),
 // on the plain kernels' e4m3 configurations (mma_sync::DecodeFp8Config; decode_fp8_kv_fits).
@@ -75,8 +76,8 @@ template <typename Elem, int kHeadDim, bool kSoftCap = false, bool kBiasAndMask 
 cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                        cudaStream_t stream);
 template <typename Elem, int kHeadDim, bool kSoftCap = false, bool kBiasAndMask = false>
-bool forward_decode_sm90_merges_in_cluster(const mma_sync::DecodePlan& plan, int device,
-                                           bool alibi);
+bool forward_decode_sm90_merges_in_cluster(const AttentionParams& p,
+                                           const mma_sync::DecodePlan& plan, int device);
 
 // The same on the Hopper decode kernel's e4m3 configurations (wgmma::DecodeFp8Config).
 template <typename Elem, int kHeadDim>

@@ -137,6 +137,7 @@ struct DecodeRows {
 // parameters (a load that hits L1).
 struct DecodeBiasAndMask {
   int64_t bias_row[2], mask_row[2];
+  int staged_row[2];  // kStagedTerms: the group's row g = row % group of the staged terms
 
   __device__ static int query_of(const AttentionParams& p, const DecodeSplit& sp, int row) {
     return min(row / sp.group, int(p.seqlen_q) - 1);
@@ -154,8 +155,94 @@ struct DecodeBiasAndMask {
       const int t = query_of(p, sp, rows.row[h]), n = head_of(sp, rows.row[h]);
       m.bias_row[h] = p.bias_strides.offset(sp.b, inner, n, t, 0);
       m.mask_row[h] = p.mask_strides.offset(sp.b, inner, n, t, 0);
+      m.staged_row[h] = rows.row[h] % sp.group;
     }
     return m;
+  }
+
+  // kStagedTerms (decode_terms_stage): key tile `tile`'s terms into the stage at `stage`
+  // in shared memory, the group's rows of the bias (row g: query head kv_head group + g, any
+  // query: the terms are the same for all), kBlockN elements each, then theirs of the mask;
+  // pieces from S on zero-filled. By thread `thread` of `threads`, one 16-byte cp.async a
+  // piece, in the commit group of the tile's K and V.
+  template <int kBlockN>
+  __device__ __forceinline__ static void copy_tile(unsigned char* stage, const AttentionParams& p,
+                                                   const DecodeSplit& sp, int tile, int thread,
+                                                   int threads) {
+    const int64_t inner = p.batch_inner > 0 ? p.batch_inner : 1;
+    const int key0 = tile * kBlockN, first_head = sp.kv_head * sp.group;
+    const int bias_bytes = bias_element_bytes(p);
+    int bias_pieces = 0;
+    if (p.bias != nullptr) {
+      const int row_pieces = kBlockN * bias_bytes / 16, piece_keys = 16 / bias_bytes;
+      bias_pieces = sp.group * row_pieces;
+      for (int i = thread; i < bias_pieces; i += threads) {
+        const int g = i / row_pieces, key = key0 + (i % row_pieces) * piece_keys;
+        const int64_t at = p.bias_strides.offset(sp.b, inner, first_head + g, 0, key);
+        ptx::cp_async_16(ptx::smem_address(stage + 16 * i),
+                         static_cast<const char*>(p.bias) + at * bias_bytes, key < p.seqlen_k);
+      }
+    }
+    if (p.mask != nullptr) {
+      constexpr int kRowPieces = kBlockN / 16;
+      unsigned char* const mask_stage = stage + 16 * bias_pieces;
+      for (int i = thread; i < sp.group * kRowPieces; i += threads) {
+        const int g = i / kRowPieces, key = key0 + (i % kRowPieces) * 16;
+        const int64_t at = p.mask_strides.offset(sp.b, inner, first_head + g, 0, key);
+        ptx::cp_async_16(ptx::smem_address(mask_stage + 16 * i), p.mask + at, key < p.seqlen_k);
+      }
+    }
+  }
+
+  // The same terms as apply, from the stage copy_tile filled with key0's tile: per pair of
+  // keys one shared load of the bias and one of the mask (every key: those past S or a row's
+  // range are zeros or data, which DecodeRows::mask hides after).
+  template <bool kAlibi, int kBlockN, int kNTiles>
+  __device__ __forceinline__ void apply_staged(const AttentionParams& p, const DecodeSplit& sp,
+                                               const DecodeRows& rows, float (&s)[kNTiles][4],
+                                               int key0, int quad_col,
+                                               const unsigned char* stage) const {
+    const float scale_log2 = p.scale * cuda::kLog2e;
+    const int bias_bytes = bias_element_bytes(p);
+    const unsigned char* const mask_stage =
+        stage + (p.bias != nullptr ? sp.group * kBlockN * bias_bytes : 0);
+    const int col0 = key0 % kBlockN + quad_col;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const unsigned char* const bias_at = stage + staged_row[h] * kBlockN * bias_bytes;
+      const unsigned char* const keep_at = mask_stage + staged_row[h] * kBlockN;
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        const int c = col0 + 8 * nt;
+        float& x0 = s[nt][2 * h];
+        float& x1 = s[nt][2 * h + 1];
+        x0 *= scale_log2;
+        x1 *= scale_log2;
+        if (p.bias != nullptr) {
+          const float2 b = bias_pair(p.bias_dtype, bias_at + c * bias_bytes);
+          x0 = fmaf(cuda::kLog2e, b.x, x0);
+          x1 = fmaf(cuda::kLog2e, b.y, x1);
+        }
+        if (p.mask != nullptr) {
+          const uint16_t keep = *reinterpret_cast<const uint16_t*>(keep_at + c);
+          if ((keep & 0xff) == 0) x0 = -INFINITY;
+          if ((keep >> 8) == 0) x1 = -INFINITY;
+        }
+      }
+      if constexpr (kAlibi) add_alibi(p, sp, rows, h, s, int64_t(key0 + quad_col));
+    }
+  }
+
+  __device__ __forceinline__ static int bias_element_bytes(const AttentionParams& p) {
+    return p.bias_dtype == ElemType::kFloat32 ? 4 : 2;
+  }
+  // Two adjacent bias elements of type `type` at `at` in shared memory, as floats.
+  __device__ __forceinline__ static float2 bias_pair(ElemType type, const unsigned char* at) {
+    if (type == ElemType::kFloat32) return *reinterpret_cast<const float2*>(at);
+    const uint32_t bits = *reinterpret_cast<const uint32_t*>(at);
+    if (type == ElemType::kBFloat16)
+      return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+    return __half22float2(*reinterpret_cast<const __half2*>(at));
   }
 
   // Into L2, the lines of keys [key0, key0 + keys) of this thread's rows: the quad's four
@@ -177,8 +264,7 @@ struct DecodeBiasAndMask {
   // added, -inf where the mask hides them; the keys a row does not see keep a score, which
   // DecodeRows::mask then hides. The bias's element type is asked per element: a copy of the
   // loop per type (a switch once per step) spilled 32-152 bytes beside the decode kernels'
-  // accumulators. kAlibi: then an FADD and an FFMA per score (on every score: -inf stays
-  // -inf, and the scores of keys the row does not see are hidden after).
+  // accumulators.
   template <bool kAlibi, int kNTiles>
   __device__ __forceinline__ void apply(const AttentionParams& p, const DecodeSplit& sp,
                                         const DecodeRows& rows, float (&s)[kNTiles][4],
@@ -205,21 +291,29 @@ struct DecodeBiasAndMask {
                      x);
           if (p.mask != nullptr && !keep[c * mask_col]) x = -INFINITY;
         }
-      if constexpr (kAlibi) {
-        // t + shift - key: the distance of key + c is |at - c|, exact (as
-        // variant::Alibi's) up to 2^24.
-        const int t = query_of(p, sp, rows.row[h]);
-        const cuda::AlibiLogits alibi = cuda::AlibiLogits::make(p, sp.b, head_of(sp, rows.row[h]));
-        const float at = float(t + alibi.shift - key);
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = s[nt][2 * h + e];
-            x = fmaf(-alibi.slope2, fabsf(at - float(nt * 8 + e)), x);
-          }
-      }
+      if constexpr (kAlibi) add_alibi(p, sp, rows, h, s, key);
     }
+  }
+
+  // kAlibi: ALiBi's term on row h's scores of this thread's keys key + 8 nt + e (key: its
+  // first): an FADD and an FFMA per score (on every score: -inf stays -inf, and the scores of
+  // keys the row does not see are hidden after).
+  template <int kNTiles>
+  __device__ __forceinline__ static void add_alibi(const AttentionParams& p, const DecodeSplit& sp,
+                                                   const DecodeRows& rows, int h,
+                                                   float (&s)[kNTiles][4], int64_t key) {
+    // t + shift - key: the distance of key + c is |at - c|, exact (as variant::Alibi's) up to
+    // 2^24.
+    const int t = query_of(p, sp, rows.row[h]);
+    const cuda::AlibiLogits alibi = cuda::AlibiLogits::make(p, sp.b, head_of(sp, rows.row[h]));
+    const float at = float(t + alibi.shift - key);
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[nt][2 * h + e];
+        x = fmaf(-alibi.slope2, fabsf(at - float(nt * 8 + e)), x);
+      }
   }
 };
 
@@ -240,10 +334,16 @@ struct DecodeWithSoftCap : Config {
 // 1. Instantiations of their own (the launches' kBiasAndMask, in the *_bias.cu.in translation
 // units), those with ALiBi (kWithAlibi) apart from the others; with a soft-cap or segment ids
 // too a call takes the normal kernels (decode_shape_fits).
-template <typename Config, bool kWithAlibi = false>
+// kStaged: the bias and mask copied with each K/V tile into shared memory (the calls whose
+// terms decode_terms_stage admits), each ring's stages of them after the family's shared
+// memory, Config::kTermStageBytes each; else each thread reads its elements from global memory.
+template <typename Config, bool kWithAlibi = false, bool kStaged = false>
 struct DecodeWithBiasAndMask : Config {
   static constexpr bool kBiasAndMask = true;
   static constexpr bool kAlibi = kWithAlibi;
+  static constexpr bool kStagedTerms = kStaged;
+  static constexpr int kTermBytes = kStaged ? Config::kStages * Config::kTermStageBytes : 0;
+  static constexpr int kSmemBytes = Config::kSmemBytes + Config::kRings * kTermBytes;
 };
 
 // The softmax's factor on a decode kernel's scores: scale log2(e), c = cap log2(e) with the

@@ -68,6 +68,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   constexpr int kReadDim = kWiden ? Traits::kWidenedDim : kSmemDim;
   Mma* widened_k = reinterpret_cast<Mma*>(smem_raw + Traits::kRingBytes);
   Mma* widened_v = widened_k + kBlockN * Traits::kWidenedDim;
+  // kStagedTerms: each stage's terms after the ring (DecodeWithBiasAndMask).
+  [[maybe_unused]] auto stage_terms = [&](int stage) {
+    return smem_raw + Traits::kRingBytes + Traits::kWidenedBytes +
+           stage * Traits::kTermStageBytes;
+  };
+  static_assert(Traits::kSmemBytes <= 99 * 1024,
+                "fits the opt-in shared memory of every sm_8x/sm_120");
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int quad_col = 2 * (lane % 4);  // mma accumulator column pair
@@ -90,6 +97,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const auto load_stage = [&](int tile, int stage) {
     load_split_tile<Traits, SwizzledRows<kSmemDim>>(stage_k(stage), stage_v(stage), p, sp, tile,
                                                     tid);
+    if constexpr (Traits::kStagedTerms)
+      DecodeBiasAndMask::copy_tile<kBlockN>(stage_terms(stage), p, sp, tile, tid,
+                                            Traits::kThreads);
   };
   // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
 #pragma unroll
@@ -127,7 +137,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   [[maybe_unused]] DecodeBiasAndMask terms;
   if constexpr (Traits::kBiasAndMask) {
     terms = DecodeBiasAndMask::make(p, sp, rows);
-    terms.prefetch(p, tile_begin * kBlockN, kBlockN, lane);
+    if constexpr (!Traits::kStagedTerms) terms.prefetch(p, tile_begin * kBlockN, kBlockN, lane);
   }
 
   // ldmatrix lane addressing as in mma_sync/forward_kernel.cuh: K as B operand pairs (keys x k),
@@ -150,7 +160,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       __syncthreads();
     }
     if (!computes) continue;
-    if constexpr (Traits::kBiasAndMask)
+    if constexpr (Traits::kBiasAndMask && !Traits::kStagedTerms)
       if (tile + 1 < tile_end) terms.prefetch(p, (tile + 1) * kBlockN, kBlockN, lane);
 
     using Address = LdmatrixAddress<SwizzledRows<kReadDim>>;
@@ -195,7 +205,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       }
       if constexpr (!std::is_same_v<Mma, Elem>) cuda::scale_score_rows(s_acc[0], q_row_factor);
       cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
-      if constexpr (Traits::kBiasAndMask)
+      if constexpr (Traits::kStagedTerms)
+        terms.template apply_staged<Traits::kAlibi, kBlockN>(p, sp, rows, s_acc[0], key0,
+                                                             quad_col, stage_terms(stage));
+      else if constexpr (Traits::kBiasAndMask)
         terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
       rows.mask(s_acc[0], key0, quad_col);
       softmax.update(s_acc, o_acc, scale_log2);

@@ -149,29 +149,37 @@ auto with_decode_config(const mma_sync::DecodePlan& plan, F&& f) {
 }
 
 // A decode configuration, with the soft-cap's terms where kSoftCap, the elementwise terms
-// (bias, mask, and ALiBi where kAlibi) where kBiasAndMask (not both: decode_shape_fits).
-template <typename Config, bool kSoftCap, bool kBiasAndMask, bool kAlibi = false>
+// (bias, mask, and ALiBi where kAlibi; staged in shared memory where kStaged) where
+// kBiasAndMask (not both: decode_shape_fits).
+template <typename Config, bool kSoftCap, bool kBiasAndMask, bool kAlibi = false,
+          bool kStaged = false>
 using DecodeVariant = std::conditional_t<
     kSoftCap, mma_sync::DecodeWithSoftCap<Config>,
-    std::conditional_t<kBiasAndMask, mma_sync::DecodeWithBiasAndMask<Config, kAlibi>, Config>>;
+    std::conditional_t<kBiasAndMask, mma_sync::DecodeWithBiasAndMask<Config, kAlibi, kStaged>,
+                       Config>>;
 
-// Calls f with std::bool_constant whether the call takes the elementwise terms' kernels with
-// ALiBi (kBiasAndMask and the call's ALiBi slopes).
-template <bool kBiasAndMask, typename F>
-auto with_decode_alibi(bool alibi, F&& f) {
+// Calls f with two std::bool_constant, whether the call takes the elementwise terms' kernels
+// with ALiBi (kBiasAndMask and the call's ALiBi slopes), and whether with its terms staged in
+// shared memory (kBiasAndMask, no ALiBi, and terms that decode_terms_stage admits at Config's
+// tiles; with ALiBi beside a bias or mask, a rare call, they are read element by element).
+template <bool kBiasAndMask, typename Config, typename F>
+auto with_decode_terms(const AttentionParams& p, F&& f) {
   if constexpr (kBiasAndMask) {
-    if (alibi) return f(std::true_type{});
+    if (p.alibi_slopes != nullptr) return f(std::true_type{}, std::false_type{});
+    if (mma_sync::decode_terms_stage(p, Config::kBlockN, Config::kTermStageBytes))
+      return f(std::false_type{}, std::true_type{});
   }
-  return f(std::false_type{});
+  return f(std::false_type{}, std::false_type{});
 }
 
 template <typename Elem, int kHeadDim, bool kSoftCap, bool kBiasAndMask>
 cudaError_t launch_forward_decode(const AttentionParams& p, const mma_sync::DecodePlan& plan,
                                   cudaStream_t stream) {
   return with_decode_config<kHeadDim>(plan, [&](auto config) {
-    return with_decode_alibi<kBiasAndMask>(p.alibi_slopes != nullptr, [&](auto alibi) {
-      using Traits =
-          DecodeVariant<decltype(config), kSoftCap, kBiasAndMask, decltype(alibi)::value>;
+    using Config = decltype(config);
+    return with_decode_terms<kBiasAndMask, Config>(p, [&](auto alibi, auto staged) {
+      using Traits = DecodeVariant<Config, kSoftCap, kBiasAndMask, decltype(alibi)::value,
+                                   decltype(staged)::value>;
       return launch_decode<Elem, mma_sync::decode_split_kernel<Elem, Traits>>(
           p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
     });
@@ -179,11 +187,13 @@ cudaError_t launch_forward_decode(const AttentionParams& p, const mma_sync::Deco
 }
 
 template <typename Elem, int kHeadDim, bool kSoftCap, bool kBiasAndMask>
-bool forward_decode_merges_in_cluster(const mma_sync::DecodePlan& plan, int device, bool alibi) {
+bool forward_decode_merges_in_cluster(const AttentionParams& p, const mma_sync::DecodePlan& plan,
+                                      int device) {
   return with_decode_config<kHeadDim>(plan, [&](auto config) {
-    return with_decode_alibi<kBiasAndMask>(alibi, [&](auto with_alibi) {
-      using Traits =
-          DecodeVariant<decltype(config), kSoftCap, kBiasAndMask, decltype(with_alibi)::value>;
+    using Config = decltype(config);
+    return with_decode_terms<kBiasAndMask, Config>(p, [&](auto alibi, auto staged) {
+      using Traits = DecodeVariant<Config, kSoftCap, kBiasAndMask, decltype(alibi)::value,
+                                   decltype(staged)::value>;
       return cluster_merge_fits<mma_sync::decode_split_kernel<Elem, Traits>>(
           plan, Traits::kThreads, Traits::kSmemBytes, device);
     });

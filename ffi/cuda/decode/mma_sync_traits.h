@@ -90,6 +90,13 @@ struct DecodeTraits {
   // (decode/cluster_merge.cuh, ClusterPartial: 64 rows of kHeadDim + 8 floats and their
   // lse, 34.3 KiB at head dim 128, 66.3 KiB at 256; checked in the kernel).
   static constexpr int kSmemBytes = kRingBytes + kWidenedBytes;
+  // The elementwise terms' instantiations (DecodeWithBiasAndMask, block.cuh) stage each tile's
+  // bias and mask rows after that, kTermStageBytes per ring stage: with the 96 KiB ring, 99
+  // KiB, what every sm_8x/sm_120 allows a block (decode_terms_stage: a GQA group of 4 with a
+  // float32 bias at 64-key tiles).
+  static constexpr bool kStagedTerms = false;
+  static constexpr int kRings = 1;
+  static constexpr int kTermStageBytes = 1024;
 
   static_assert(kHeadDim % 16 == 0 && kHeadDim <= kDecodeMaxHeadDim, "mma k-steps are 16 wide");
   static_assert(kBlockN % kChunkKeys == 0, "warps take whole 16-key chunks");

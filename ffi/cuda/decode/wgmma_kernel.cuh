@@ -111,13 +111,19 @@ struct DecodeWarpgroup {
   static constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of O
 
   // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
+  // copy_terms(tile, stage): the copies that go with a tile's K and V into its commit group (the
+  // staged terms; nothing in the kernels without them).
+  template <typename CopyTerms>
   __device__ __forceinline__ static void start_loads(const DecodeRing<Elem, Traits>& ring,
                                                      const AttentionParams& p,
                                                      const mma_sync::DecodeSplit& sp,
-                                                     int group_tid) {
+                                                     int group_tid, const CopyTerms& copy_terms) {
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-      if (sp.tile_begin + s < sp.tile_end) ring.load(p, sp, sp.tile_begin + s, s, group_tid);
+      if (sp.tile_begin + s < sp.tile_end) {
+        ring.load(p, sp, sp.tile_begin + s, s, group_tid);
+        copy_terms(sp.tile_begin + s, s);
+      }
       ptx::cp_async_commit();
     }
   }
@@ -127,16 +133,20 @@ struct DecodeWarpgroup {
   // proxy fence makes them visible to wgmma, which reads shared memory through the async
   // proxy, and the barrier makes every thread's of the warpgroup visible, and tells that every
   // warp is done with tile j - 1, whose stage the load refills (its products were waited for).
+  template <typename CopyTerms>
   __device__ __forceinline__ static int next_tile(const DecodeRing<Elem, Traits>& ring,
                                                   const AttentionParams& p,
                                                   const mma_sync::DecodeSplit& sp, int tile,
-                                                  int warpgroup, int group_tid) {
+                                                  int warpgroup, int group_tid,
+                                                  const CopyTerms& copy_terms) {
     const int j = tile - sp.tile_begin;
     ptx::cp_async_wait<kStages - 2>();
     ptx::fence_proxy_async_shared();
     sync_decode_warpgroup<Traits>(warpgroup);
-    if (tile + kStages - 1 < sp.tile_end)
+    if (tile + kStages - 1 < sp.tile_end) {
       ring.load(p, sp, tile + kStages - 1, (j + kStages - 1) % kStages, group_tid);
+      copy_terms(tile + kStages - 1, (j + kStages - 1) % kStages);
+    }
     ptx::cp_async_commit();
     return j % kStages;
   }
@@ -204,6 +214,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   static_assert(kSplitsPerBlock <= 2, "one named barrier per warpgroup (sync_decode_warpgroup)");
   static_assert(!Traits::kFp8Kv || !(Traits::kSoftCap || Traits::kBiasAndMask),
                 "e4m3 keys and values take the plain kernels (decode_fp8_kv_fits)");
+  static_assert(Traits::kMinBlocks * (Traits::kSmemBytes + 1024) <= 228 * 1024,
+                "the blocks of an SM (and their 1 KiB of reserved shared memory) fit it");
 
   const int tid = threadIdx.x, lane = tid % 32;
   const int warpgroup = tid / kGroupThreads, group_tid = tid % kGroupThreads;
@@ -229,7 +241,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int block = int(blockIdx.x);
   const mma_sync::DecodeSplit sp = mma_sync::DecodeSplit::make<kBlockN, Traits::kBiasAndMask>(
       p, plan, block / blocks_per_unit, block % blocks_per_unit * kSplitsPerBlock + warpgroup);
-  Warpgroup::start_loads(ring, p, sp, group_tid);
+  // kStagedTerms: the warpgroup's stages of terms after the rings
+  // (mma_sync::DecodeWithBiasAndMask), each filled with its tile's K and V.
+  [[maybe_unused]] unsigned char* const terms_region =
+      smem_raw + (rings - raw_address) + kSplitsPerBlock * Traits::kRingBytes +
+      warpgroup * Traits::kStages * Traits::kTermStageBytes;
+  const auto copy_terms = [&](int tile, int stage) {
+    if constexpr (Traits::kStagedTerms)
+      mma_sync::DecodeBiasAndMask::copy_tile<kBlockN>(
+          terms_region + stage * Traits::kTermStageBytes, p, sp, tile, group_tid, kGroupThreads);
+  };
+  Warpgroup::start_loads(ring, p, sp, group_tid, copy_terms);
 
   // Where the split's result goes: the workspace, or its ring's shared memory (drained) for the
   // cluster merge, which finds the block's splits' partials a ring apart.
@@ -266,25 +288,30 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   [[maybe_unused]] mma_sync::DecodeBiasAndMask terms;
   if constexpr (Traits::kBiasAndMask) {
     terms = mma_sync::DecodeBiasAndMask::make(p, sp, rows);
-    terms.prefetch(p, sp.tile_begin * kBlockN, kBlockN, lane);
+    if constexpr (!Traits::kStagedTerms)
+      terms.prefetch(p, sp.tile_begin * kBlockN, kBlockN, lane);
   }
 
   const auto desc = DecodeDescriptors<Traits>::make(base);
 
   float s_acc[1][Warpgroup::kNTiles][4];
   for (int tile = sp.tile_begin; tile < sp.tile_end; ++tile) {
-    int stage = Warpgroup::next_tile(ring, p, sp, tile, warpgroup, group_tid);
+    int stage = Warpgroup::next_tile(ring, p, sp, tile, warpgroup, group_tid, copy_terms);
     if constexpr (Traits::kFp8Kv) {
       Warpgroup::widen(ring, stage, reinterpret_cast<Mma*>(region), warpgroup, group_tid);
       stage = 0;  // the products read the widened tiles
     }
-    if constexpr (Traits::kBiasAndMask)
+    if constexpr (Traits::kBiasAndMask && !Traits::kStagedTerms)
       if (tile + 1 < sp.tile_end) terms.prefetch(p, (tile + 1) * kBlockN, kBlockN, lane);
     Warpgroup::scores(s_acc[0], q_frag, desc, stage);
     if constexpr (!std::is_same_v<Mma, Elem>) cuda::scale_score_rows(s_acc[0], q_row_factor);
     const int key0 = tile * kBlockN;
     mma_sync::cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
-    if constexpr (Traits::kBiasAndMask)
+    if constexpr (Traits::kStagedTerms)
+      terms.template apply_staged<Traits::kAlibi, kBlockN>(
+          p, sp, rows, s_acc[0], key0, quad_col,
+          terms_region + stage * Traits::kTermStageBytes);
+    else if constexpr (Traits::kBiasAndMask)
       terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
     if (!rows.sees_all(key0, kBlockN)) rows.mask(s_acc[0], key0, quad_col);
     softmax.update(s_acc, o_acc, scale_log2);

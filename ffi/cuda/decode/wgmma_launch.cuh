@@ -25,9 +25,10 @@ cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const mma_sync:
                                        cudaStream_t stream) {
   if (plan.splits % plan.splits_per_block != 0) return cudaErrorInvalidValue;
   return with_sm90_decode_config<kHeadDim>(plan, [&](auto config) {
-    return with_decode_alibi<kBiasAndMask>(p.alibi_slopes != nullptr, [&](auto alibi) {
-      using Traits =
-          DecodeVariant<decltype(config), kSoftCap, kBiasAndMask, decltype(alibi)::value>;
+    using Config = decltype(config);
+    return with_decode_terms<kBiasAndMask, Config>(p, [&](auto alibi, auto staged) {
+      using Traits = DecodeVariant<Config, kSoftCap, kBiasAndMask, decltype(alibi)::value,
+                                   decltype(staged)::value>;
       return launch_decode<Elem, wgmma::decode_split_kernel<Elem, Traits>>(
           p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
     });
@@ -35,12 +36,13 @@ cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const mma_sync:
 }
 
 template <typename Elem, int kHeadDim, bool kSoftCap, bool kBiasAndMask>
-bool forward_decode_sm90_merges_in_cluster(const mma_sync::DecodePlan& plan, int device,
-                                           bool alibi) {
+bool forward_decode_sm90_merges_in_cluster(const AttentionParams& p,
+                                           const mma_sync::DecodePlan& plan, int device) {
   return with_sm90_decode_config<kHeadDim>(plan, [&](auto config) {
-    return with_decode_alibi<kBiasAndMask>(alibi, [&](auto with_alibi) {
-      using Traits =
-          DecodeVariant<decltype(config), kSoftCap, kBiasAndMask, decltype(with_alibi)::value>;
+    using Config = decltype(config);
+    return with_decode_terms<kBiasAndMask, Config>(p, [&](auto alibi, auto staged) {
+      using Traits = DecodeVariant<Config, kSoftCap, kBiasAndMask, decltype(alibi)::value,
+                                   decltype(staged)::value>;
       return cluster_merge_fits<wgmma::decode_split_kernel<Elem, Traits>>(
           plan, Traits::kThreads, Traits::kSmemBytes, device);
     });

@@ -67,6 +67,13 @@ struct DecodeTraits {
   static constexpr int kRingBytes = kWidenedBytes + kStages * kStageBytes;  // one warpgroup's
   // The rings, plus kGroupBytes to align their start to the swizzle's period.
   static constexpr int kSmemBytes = kSplitsPerBlock * kRingBytes + int(kGroupBytes);
+  // The elementwise terms' instantiations (mma_sync::DecodeWithBiasAndMask) stage each tile's
+  // bias and mask rows after the rings, kTermStageBytes per stage of each ring: 3 x 4 KiB per
+  // ring, 109 KiB a block of one ring, two per SM (decode_terms_stage: a GQA group of 16 with a
+  // float32 bias at 64-key tiles).
+  static constexpr bool kStagedTerms = false;
+  static constexpr int kRings = kSplitsPerBlock;
+  static constexpr int kTermStageBytes = 4096;
 
   // What mma_sync::load_split_tile (and, for e4m3, mma_sync::widen_e4m3_tile) needs of one
   // warpgroup, which copies (and widens) its ring's tiles alone.
