@@ -225,16 +225,17 @@ def main():
     forward_case(rng, "decode, bias, combine", (2, 3, 4097, 8, 2, 64), kernel="decode",
                  bias=np.ones((8, 3, 4097), np.float16))
     # The same terms the same for every query, at unit stride and in whole 16-byte pieces:
-    # copied with each K/V tile into shared memory (decode_terms_stage), the pieces past the
-    # lengths' keys read and hidden after; 4 rows (the mma.sync kernel) and 64 (on Hopper the
-    # wgmma kernel).
-    forward_case(rng, "decode, staged bias and mask", (2, 1, 1024, 8, 2, 128), kernel="decode",
-                 bias=np.ones((2, 8, 1, 1024), np.float32),
-                 mask=np.arange(1024) % 3 != 1,
-                 key_value_seq_lengths=jnp.array([1024, 300], jnp.int32))
-    forward_case(rng, "decode, staged bias, 64 rows", (2, 16, 1024, 8, 2, 128),
-                 kernel=("decode", "decode_sm90"), bias=np.ones((2, 8, 1, 1024), jnp.bfloat16),
-                 key_value_seq_lengths=jnp.array([1024, 300], jnp.int32))
+    # copied with each K/V tile into shared memory (decode_terms_stage: 4 rows of a bf16 bias
+    # and a mask, 768 of the mma.sync kernel's 1024 bytes a stage), the pieces past S
+    # zero-filled, those past the lengths' keys read and hidden after; 4 rows (the mma.sync
+    # kernel) and 64 (on Hopper the wgmma kernel).
+    forward_case(rng, "decode, staged bias and mask", (2, 1, 1040, 8, 2, 128), kernel="decode",
+                 bias=np.ones((2, 8, 1, 1040), jnp.bfloat16),
+                 mask=np.arange(1040) % 3 != 1,
+                 key_value_seq_lengths=jnp.array([1040, 300], jnp.int32))
+    forward_case(rng, "decode, staged bias, 64 rows", (2, 16, 1040, 8, 2, 128),
+                 kernel=("decode", "decode_sm90"), bias=np.ones((2, 8, 1, 1040), np.float32),
+                 key_value_seq_lengths=jnp.array([1040, 300], jnp.int32))
     # ALiBi on the decode kernels' instantiations for the terms: each packed row with its
     # head's slope and its query's diagonal.
     forward_case(rng, "decode, alibi", (2, 16, 1001, 8, 2, 128),

@@ -290,9 +290,9 @@ def test_decode_gradients(rng, t):
 
 # A serving bias and a cache's mask, on the decode kernels' instantiations for them: each
 # thread reads its two rows' elements at the keys they see, or, where every term is the same for
-# every query, at unit stride in whole 16-byte pieces and fits the stage (S = 1024 here: the
-# f32 bias from T = 1 or [B,N,1,S], the others at T = 1), from a copy staged in shared memory
-# with each tile. (bias shape, bias dtype, mask shape) with B = 2, N = 8, T, S; None for an
+# every query, at unit stride in whole 16-byte pieces and fits the stage (S = 1040 here: the
+# f32 bias from T = 1 or [B,N,1,S], the others at T = 1; the last tile part past S, the second
+# entry's length inside a tile), from a copy staged in shared memory with each tile. (bias shape, bias dtype, mask shape) with B = 2, N = 8, T, S; None for an
 # absent term.
 DECODE_TERMS = {
     "bias [B,N,1,S] f32": ((2, 8, 1, "S"), jnp.float32, None),
@@ -308,7 +308,7 @@ DECODE_TERMS = {
 @pytest.mark.parametrize("s,kwargs", [
     (700, dict()),
     (4097, dict(is_causal=True, key_value_seq_lengths=np.array([4097, 1500], np.int32))),
-    (1024, dict(is_causal=True, key_value_seq_lengths=np.array([1024, 333], np.int32))),
+    (1040, dict(key_value_seq_lengths=np.array([1040, 333], np.int32))),
 ], ids=["cluster", "combine_lengths", "staged_lengths"])
 def test_decode_bias_and_mask(rng, monkeypatch, family, t, head_dim, terms, s, kwargs):
     """Both merges, GQA 4:1, a mask that keeps about 70% of the keys and hides every key of

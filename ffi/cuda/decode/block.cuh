@@ -166,8 +166,9 @@ struct DecodeBiasAndMask {
   // kStagedTerms (decode_terms_stage): key tile `tile`'s terms into the stage at `stage`
   // in shared memory, the group's rows of the bias (row g: query head kv_head group + g, any
   // query: the terms are the same for all), kBlockN elements each, then theirs of the mask;
-  // pieces from S on zero-filled. By thread `thread` of `threads`, one 16-byte cp.async a
-  // piece, in the commit group of the tile's K and V.
+  // pieces from S on zero-filled (their copies read nothing, from the buffer's start). By
+  // thread `thread` of `threads`, one 16-byte cp.async a piece, in the commit group of the
+  // tile's K and V.
   template <int kBlockN>
   __device__ __forceinline__ static void copy_tile(unsigned char* stage, const AttentionParams& p,
                                                    const DecodeSplit& sp, int tile, int thread,
@@ -182,8 +183,9 @@ struct DecodeBiasAndMask {
       for (int i = thread; i < bias_pieces; i += threads) {
         const int g = i / row_pieces, key = key0 + (i % row_pieces) * piece_keys;
         const int64_t at = p.bias_strides.offset(sp.b, inner, first_head + g, 0, key);
+        const bool valid = key < p.seqlen_k;
         ptx::cp_async_16(ptx::smem_address(stage + 16 * i),
-                         static_cast<const char*>(p.bias) + at * bias_bytes, key < p.seqlen_k);
+                         static_cast<const char*>(p.bias) + (valid ? at * bias_bytes : 0), valid);
       }
     }
     if (p.mask != nullptr) {
@@ -192,7 +194,8 @@ struct DecodeBiasAndMask {
       for (int i = thread; i < sp.group * kRowPieces; i += threads) {
         const int g = i / kRowPieces, key = key0 + (i % kRowPieces) * 16;
         const int64_t at = p.mask_strides.offset(sp.b, inner, first_head + g, 0, key);
-        ptx::cp_async_16(ptx::smem_address(mask_stage + 16 * i), p.mask + at, key < p.seqlen_k);
+        const bool valid = key < p.seqlen_k;
+        ptx::cp_async_16(ptx::smem_address(mask_stage + 16 * i), p.mask + (valid ? at : 0), valid);
       }
     }
   }
