@@ -290,12 +290,15 @@ def test_decode_gradients(rng, t):
 
 # A serving bias and a cache's mask, on the decode kernels' instantiations for them: each
 # thread reads its two rows' elements at the keys they see, or, where every term is the same for
-# every query, at unit stride in whole 16-byte pieces and fits the stage (S = 1040 here: the
-# f32 bias from T = 1 or [B,N,1,S], the others at T = 1; the last tile part past S, the second
-# entry's length inside a tile), from a copy staged in shared memory with each tile. (bias shape, bias dtype, mask shape) with B = 2, N = 8, T, S; None for an
+# every query, at unit stride in whole 16-byte pieces and fits the stage (at S = 700 the f32
+# bias; at S = 4112 the [B,N,1,S] biases and the [B,1,1,S] mask at every T and the others at
+# T = 1, with more splits than a cluster holds, so through the combine, the last tile part past
+# S and the second entry's length inside a tile), from a copy staged in shared memory with each
+# tile. (bias shape, bias dtype, mask shape) with B = 2, N = 8, T, S; None for an
 # absent term.
 DECODE_TERMS = {
     "bias [B,N,1,S] f32": ((2, 8, 1, "S"), jnp.float32, None),
+    "bias [B,N,1,S] bf16": ((2, 8, 1, "S"), jnp.bfloat16, None),
     "bias [1,N,T,S] bf16": ((1, 8, "T", "S"), jnp.bfloat16, None),
     "mask [B,1,1,S]": (None, None, (2, 1, 1, "S")),
     "bias [N,1,S] f16 + mask [B,1,T,S]": ((8, 1, "S"), jnp.float16, (2, 1, "T", "S")),
@@ -308,7 +311,7 @@ DECODE_TERMS = {
 @pytest.mark.parametrize("s,kwargs", [
     (700, dict()),
     (4097, dict(is_causal=True, key_value_seq_lengths=np.array([4097, 1500], np.int32))),
-    (1040, dict(key_value_seq_lengths=np.array([1040, 333], np.int32))),
+    (4112, dict(key_value_seq_lengths=np.array([4112, 333], np.int32))),
 ], ids=["cluster", "combine_lengths", "staged_lengths"])
 def test_decode_bias_and_mask(rng, monkeypatch, family, t, head_dim, terms, s, kwargs):
     """Both merges, GQA 4:1, a mask that keeps about 70% of the keys and hides every key of
