@@ -165,39 +165,46 @@ struct DecodeBiasAndMask {
 
   // kStagedTerms (decode_terms_stage): key tile `tile`'s terms into the stage at `stage`
   // in shared memory, the group's rows of the bias (row g: query head kv_head group + g, any
-  // query: the terms are the same for all), kBlockN elements each, then theirs of the mask;
-  // pieces from S on zero-filled (their copies read nothing, from the buffer's start). By
-  // thread `thread` of `threads`, one 16-byte cp.async a piece, in the commit group of the
-  // tile's K and V.
+  // query: the terms are the same for all), kBlockN elements each, then, from mask_offset,
+  // theirs of the mask. By thread `thread` of `threads`, in the commit group of the tile's K
+  // and V.
   template <int kBlockN>
   __device__ __forceinline__ static void copy_tile(unsigned char* stage, const AttentionParams& p,
                                                    const DecodeSplit& sp, int tile, int thread,
                                                    int threads) {
+    if (p.bias != nullptr)
+      copy_rows<kBlockN>(stage, p.bias, p.bias_strides, bias_element_bytes(p), p, sp, tile,
+                         thread, threads);
+    if (p.mask != nullptr)
+      copy_rows<kBlockN>(stage + mask_offset<kBlockN>(p, sp), p.mask, p.mask_strides, 1, p, sp,
+                         tile, thread, threads);
+  }
+
+  // One term's rows of copy_tile (elements of elem_bytes at base, through strides s), row g at
+  // dst + g kBlockN elem_bytes: one 16-byte cp.async a piece, the pieces from S on zero-filled
+  // (their copies read nothing, from the buffer's start).
+  template <int kBlockN>
+  __device__ __forceinline__ static void copy_rows(unsigned char* dst, const void* base,
+                                                   const BroadcastStrides& s, int elem_bytes,
+                                                   const AttentionParams& p, const DecodeSplit& sp,
+                                                   int tile, int thread, int threads) {
     const int64_t inner = p.batch_inner > 0 ? p.batch_inner : 1;
     const int key0 = tile * kBlockN, first_head = sp.kv_head * sp.group;
-    const int bias_bytes = bias_element_bytes(p);
-    int bias_pieces = 0;
-    if (p.bias != nullptr) {
-      const int row_pieces = kBlockN * bias_bytes / 16, piece_keys = 16 / bias_bytes;
-      bias_pieces = sp.group * row_pieces;
-      for (int i = thread; i < bias_pieces; i += threads) {
-        const int g = i / row_pieces, key = key0 + (i % row_pieces) * piece_keys;
-        const int64_t at = p.bias_strides.offset(sp.b, inner, first_head + g, 0, key);
-        const bool valid = key < p.seqlen_k;
-        ptx::cp_async_16(ptx::smem_address(stage + 16 * i),
-                         static_cast<const char*>(p.bias) + (valid ? at * bias_bytes : 0), valid);
-      }
+    const int row_pieces = kBlockN * elem_bytes / 16, piece_keys = 16 / elem_bytes;
+    for (int i = thread; i < sp.group * row_pieces; i += threads) {
+      const int g = i / row_pieces, key = key0 + (i % row_pieces) * piece_keys;
+      const int64_t at = s.offset(sp.b, inner, first_head + g, 0, key);
+      const bool valid = key < p.seqlen_k;
+      ptx::cp_async_16(ptx::smem_address(dst + 16 * i),
+                       static_cast<const char*>(base) + (valid ? at * elem_bytes : 0), valid);
     }
-    if (p.mask != nullptr) {
-      constexpr int kRowPieces = kBlockN / 16;
-      unsigned char* const mask_stage = stage + 16 * bias_pieces;
-      for (int i = thread; i < sp.group * kRowPieces; i += threads) {
-        const int g = i / kRowPieces, key = key0 + (i % kRowPieces) * 16;
-        const int64_t at = p.mask_strides.offset(sp.b, inner, first_head + g, 0, key);
-        const bool valid = key < p.seqlen_k;
-        ptx::cp_async_16(ptx::smem_address(mask_stage + 16 * i), p.mask + (valid ? at : 0), valid);
-      }
-    }
+  }
+
+  // Where a stage's mask rows start: after the group's bias rows, if any.
+  template <int kBlockN>
+  __device__ __forceinline__ static int mask_offset(const AttentionParams& p,
+                                                    const DecodeSplit& sp) {
+    return p.bias != nullptr ? sp.group * kBlockN * bias_element_bytes(p) : 0;
   }
 
   // The same terms as apply, from the stage copy_tile filled with key0's tile: per pair of
@@ -210,8 +217,7 @@ struct DecodeBiasAndMask {
                                                const unsigned char* stage) const {
     const float scale_log2 = p.scale * cuda::kLog2e;
     const int bias_bytes = bias_element_bytes(p);
-    const unsigned char* const mask_stage =
-        stage + (p.bias != nullptr ? sp.group * kBlockN * bias_bytes : 0);
+    const unsigned char* const mask_stage = stage + mask_offset<kBlockN>(p, sp);
     const int col0 = key0 % kBlockN + quad_col;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
