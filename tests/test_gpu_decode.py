@@ -331,6 +331,26 @@ def test_decode_bias_and_mask(rng, monkeypatch, family, t, head_dim, terms, s, k
     check_decode(q, k, v, bias, mask, **kwargs)
 
 
+@pytest.mark.parametrize("family", DECODE_FAMILIES)
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("n,kv,with_mask", [(8, 8, True), (8, 4, True), (16, 2, True),
+                                            (32, 2, False)], ids=["g1", "g2", "g8", "g16"])
+def test_decode_staged_terms_group_sizes(rng, monkeypatch, family, t, n, kv, with_mask):
+    """A serving bias [B, N, 1, S] (bf16) and a cache's mask [B, 1, 1, S], the same for every
+    query, staged in shared memory with each tile for GQA groups of 1, 2, 8 and 16 (the stage
+    holds a group's rows piece by piece: a layout that depends on the group), at T = 1 (one
+    slab, its second half of rows padding) and T = 4, past a length inside a tile."""
+    pick_decode_family(monkeypatch, family)
+    s = 2100
+    q, k, v = random_qkv(rng, 2, t, s, n, kv, 128, jnp.bfloat16)
+    bias = jnp.asarray(2.0 * rng.standard_normal((2, n, 1, s)), jnp.bfloat16)
+    mask = None
+    if with_mask:
+        keep = rng.random((2, 1, 1, s)) < 0.7
+        mask = jnp.asarray(keep)
+    check_decode(q, k, v, bias, mask, key_value_seq_lengths=np.array([s, 1000], np.int32))
+
+
 def test_decode_dispatch(monkeypatch):
     """forward_kernel reports a decode kernel for decoding shapes only: few query rows per kv
     head (T * N / K <= 64), enough keys, bf16/fp16, a soft-cap or a bias and mask but not both,

@@ -134,13 +134,17 @@ struct DecodeRows {
 // computes. Or (kStagedTerms: terms the same for every query, decode_terms_stage) each tile's
 // rows of the group copied into shared memory with its K and V (copy_tile) and read from there
 // (apply_staged): about 24 instructions per score read from global memory against a shared
-// load per pair of keys, 1436 -> 749 us at T = 8 of the decode preset with a bias. ALiBi (kAlibi, kernels of its own: its term in the same kernel cost the calls
-// without it 6-26 registers at head dim 128, and 4-7% of their time at T = 8 and 16 of the
-// decode preset with a bias) as its slope and diagonal, made again at each step from the
-// parameters (a load that hits L1).
+// load per pair of keys, 1436 -> 749 us at T = 8 of the decode preset with a bias; skipping
+// the padding rows' terms, 742 -> 694. ALiBi (kAlibi, kernels of its own: its term in the same
+// kernel cost the calls without it 6-26 registers at head dim 128, and 4-7% of their time at
+// T = 8 and 16 of the decode preset with a bias) as its slope and diagonal, made again at each
+// step from the parameters (a load that hits L1).
 struct DecodeBiasAndMask {
   int64_t bias_row[2], mask_row[2];
-  int staged_row[2];  // kStagedTerms: the group's row g = row % group of the staged terms
+  // kStagedTerms: row h's row g = row % group in the stage, or -1 where row h of every lane of
+  // the warp sees no key (padding rows: DecodeRows::mask hides their scores whatever they are,
+  // so apply_staged skips them; a warp of one query's group of 4 has 4 live rows of 16).
+  int staged_row[2];
 
   __device__ static int query_of(const AttentionParams& p, const DecodeSplit& sp, int row) {
     return min(row / sp.group, int(p.seqlen_q) - 1);
@@ -149,6 +153,8 @@ struct DecodeBiasAndMask {
     return sp.kv_head * sp.group + row % sp.group;
   }
 
+  // By every lane of the warp (kStaged: a vote over its rows).
+  template <bool kStaged>
   __device__ static DecodeBiasAndMask make(const AttentionParams& p, const DecodeSplit& sp,
                                            const DecodeRows& rows) {
     DecodeBiasAndMask m;
@@ -158,7 +164,10 @@ struct DecodeBiasAndMask {
       const int t = query_of(p, sp, rows.row[h]), n = head_of(sp, rows.row[h]);
       m.bias_row[h] = p.bias_strides.offset(sp.b, inner, n, t, 0);
       m.mask_row[h] = p.mask_strides.offset(sp.b, inner, n, t, 0);
-      m.staged_row[h] = rows.row[h] % sp.group;
+      if constexpr (kStaged) {
+        const bool live = __any_sync(0xffffffffu, rows.key_hi[h] > rows.key_lo[h]);
+        m.staged_row[h] = live ? rows.row[h] % sp.group : -1;
+      }
     }
     return m;
   }
@@ -167,7 +176,8 @@ struct DecodeBiasAndMask {
   // in shared memory, the group's rows of the bias (row g: query head kv_head group + g, any
   // query: the terms are the same for all), kBlockN elements each, then, from mask_offset,
   // theirs of the mask. By thread `thread` of `threads`, in the commit group of the tile's K
-  // and V.
+  // and V: the bias's pieces from thread 0 up, the mask's from the last thread down, so that
+  // one warp does not issue both while the others wait for it at the next tile's barrier.
   template <int kBlockN>
   __device__ __forceinline__ static void copy_tile(unsigned char* stage, const AttentionParams& p,
                                                    const DecodeSplit& sp, int tile, int thread,
@@ -177,26 +187,30 @@ struct DecodeBiasAndMask {
                          thread, threads);
     if (p.mask != nullptr)
       copy_rows<kBlockN>(stage + mask_offset<kBlockN>(p, sp), p.mask, p.mask_strides, 1, p, sp,
-                         tile, thread, threads);
+                         tile, threads - 1 - thread, threads);
   }
 
-  // One term's rows of copy_tile (elements of elem_bytes at base, through strides s), row g at
-  // dst + g kBlockN elem_bytes: one 16-byte cp.async a piece, the pieces from S on zero-filled
-  // (their copies read nothing, from the buffer's start).
+  // One term's rows of copy_tile (elements of elem_bytes at base, through strides st, unit
+  // stride along the keys), row g at dst + g kBlockN elem_bytes: one 16-byte cp.async a piece,
+  // the pieces from S on zero-filled (their copies read nothing, from the buffer's start). The
+  // rows' offsets with a 32-bit division (the batch entry is an int; offset's 64-bit one is a
+  // call of tens of instructions), made again for each tile: held across the tile loop, they
+  // cost 4 registers and spilled.
   template <int kBlockN>
   __device__ __forceinline__ static void copy_rows(unsigned char* dst, const void* base,
-                                                   const BroadcastStrides& s, int elem_bytes,
+                                                   const BroadcastStrides& st, int elem_bytes,
                                                    const AttentionParams& p, const DecodeSplit& sp,
                                                    int tile, int thread, int threads) {
-    const int64_t inner = p.batch_inner > 0 ? p.batch_inner : 1;
-    const int key0 = tile * kBlockN, first_head = sp.kv_head * sp.group;
-    const int row_pieces = kBlockN * elem_bytes / 16, piece_keys = 16 / elem_bytes;
-    for (int i = thread; i < sp.group * row_pieces; i += threads) {
-      const int g = i / row_pieces, key = key0 + (i % row_pieces) * piece_keys;
-      const int64_t at = s.offset(sp.b, inner, first_head + g, 0, key);
+    const int pieces_log2 = 31 - __clz(kBlockN * elem_bytes / 16);  // a row's 16-byte pieces
+    const char* const bytes = static_cast<const char*>(base);
+    for (int i = thread; i < sp.group << pieces_log2; i += threads) {
+      const int g = i >> pieces_log2, j = i & ((1 << pieces_log2) - 1);
+      const int key = tile * kBlockN + j * 16 / elem_bytes;
       const bool valid = key < p.seqlen_k;
-      ptx::cp_async_16(ptx::smem_address(dst + 16 * i),
-                       static_cast<const char*>(base) + (valid ? at * elem_bytes : 0), valid);
+      const int64_t at =
+          st.head_offset32(uint32_t(sp.b), p.batch_inner32(), sp.kv_head * sp.group + g) + key;
+      ptx::cp_async_16(ptx::smem_address(dst + 16 * i), valid ? bytes + at * elem_bytes : bytes,
+                       valid);
     }
   }
 
@@ -209,18 +223,37 @@ struct DecodeBiasAndMask {
 
   // The same terms as apply, from the stage copy_tile filled with key0's tile: per pair of
   // keys one shared load of the bias and one of the mask (every key: those past S or a row's
-  // range are zeros or data, which DecodeRows::mask hides after).
+  // range are zeros or data, which DecodeRows::mask hides after); none for a row h that no lane
+  // of the warp has live (staged_row). Both rows live (every warp of 16 live rows) take one
+  // branch-free run, whose loads ptxas issues together.
   template <bool kAlibi, int kBlockN, int kNTiles>
   __device__ __forceinline__ void apply_staged(const AttentionParams& p, const DecodeSplit& sp,
                                                const DecodeRows& rows, float (&s)[kNTiles][4],
                                                int key0, int quad_col,
                                                const unsigned char* stage) const {
+    if (staged_row[0] >= 0 && staged_row[1] >= 0) {
+      apply_staged_rows<kAlibi, kBlockN, 0, 2>(p, sp, rows, s, key0, quad_col, stage);
+    } else {
+      if (staged_row[0] >= 0)
+        apply_staged_rows<kAlibi, kBlockN, 0, 1>(p, sp, rows, s, key0, quad_col, stage);
+      if (staged_row[1] >= 0)
+        apply_staged_rows<kAlibi, kBlockN, 1, 2>(p, sp, rows, s, key0, quad_col, stage);
+    }
+  }
+
+  // apply_staged's terms on rows h of [kFirst, kEnd).
+  template <bool kAlibi, int kBlockN, int kFirst, int kEnd, int kNTiles>
+  __device__ __forceinline__ void apply_staged_rows(const AttentionParams& p,
+                                                    const DecodeSplit& sp, const DecodeRows& rows,
+                                                    float (&s)[kNTiles][4], int key0,
+                                                    int quad_col,
+                                                    const unsigned char* stage) const {
     const float scale_log2 = p.scale * cuda::kLog2e;
     const int bias_bytes = bias_element_bytes(p);
     const unsigned char* const mask_stage = stage + mask_offset<kBlockN>(p, sp);
     const int col0 = key0 % kBlockN + quad_col;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int h = kFirst; h < kEnd; ++h) {
       const unsigned char* const bias_at = stage + staged_row[h] * kBlockN * bias_bytes;
       const unsigned char* const keep_at = mask_stage + staged_row[h] * kBlockN;
 #pragma unroll

@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   if constexpr (kFp8Kv) scale_log2 *= cuda::fold_key_descale<Mma>(p.k_descale[sp.unit], q_frag);
   [[maybe_unused]] DecodeBiasAndMask terms;
   if constexpr (Traits::kBiasAndMask) {
-    terms = DecodeBiasAndMask::make(p, sp, rows);
+    terms = DecodeBiasAndMask::make<Traits::kStagedTerms>(p, sp, rows);
     if constexpr (!Traits::kStagedTerms) terms.prefetch(p, tile_begin * kBlockN, kBlockN, lane);
   }
 

@@ -287,7 +287,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     scale_log2 *= cuda::fold_key_descale<Mma>(p.k_descale[sp.unit], q_frag);
   [[maybe_unused]] mma_sync::DecodeBiasAndMask terms;
   if constexpr (Traits::kBiasAndMask) {
-    terms = mma_sync::DecodeBiasAndMask::make(p, sp, rows);
+    terms = mma_sync::DecodeBiasAndMask::make<Traits::kStagedTerms>(p, sp, rows);
     if constexpr (!Traits::kStagedTerms)
       terms.prefetch(p, sp.tile_begin * kBlockN, kBlockN, lane);
   }
