@@ -33,8 +33,8 @@ inline constexpr int64_t kDecodeMinKeysPerSplit = 256;
 // warpgroups, so the counts are in splits of 96 KiB rings). By call (why, with measurements:
 // docs/decisions/decode-split-count.md):
 // - per-batch key lengths: four (two waves), so that splits of unequal length even out;
-// - equal lengths, every row in one 16-row slab (T = 1 with GQA up to 16): one (fewer partial
-//   results to merge);
+// - equal lengths, every row in one 16-row slab (T = 1 with GQA up to 16), K and V of q's dtype
+//   and no elementwise terms: one (fewer partial results to merge);
 // - equal lengths, more rows: two (one wave).
 inline constexpr int64_t kDecodeBlocksPerSmRagged = 4;
 inline constexpr int64_t kDecodeBlocksPerSmOneSlab = 1;
@@ -127,12 +127,13 @@ inline bool decode_terms_stage(const AttentionParams& p, int64_t block_n, int64_
 // The blocks per SM a call's splits aim at (kDecodeBlocksPerSm* above).
 inline int64_t decode_blocks_per_sm(const AttentionParams& p) {
   if (p.kv_seqlens != nullptr) return kDecodeBlocksPerSmRagged;
-  // e4m3 keys and values: the widening makes a block's warps wait on arithmetic, not only on
-  // memory, so one slab too takes two blocks per SM, whose warps hide each other's latencies
-  // (mma_sync::DecodeFp8Config).
-  return decode_rows(p) <= kDecodeOneSlabRows && p.k_descale == nullptr
-             ? kDecodeBlocksPerSmOneSlab
-             : kDecodeBlocksPerSmManyRows;
+  // e4m3 keys and values (the widening, mma_sync::DecodeFp8Config) and the elementwise terms
+  // (a bias, a mask, ALiBi: their loads and arithmetic per score) make a block's warps wait on
+  // arithmetic, not only on memory, so one slab too takes two blocks per SM, whose warps hide
+  // each other's latencies.
+  const bool arithmetic = p.k_descale != nullptr || p.has_elementwise_terms();
+  return decode_rows(p) <= kDecodeOneSlabRows && !arithmetic ? kDecodeBlocksPerSmOneSlab
+                                                             : kDecodeBlocksPerSmManyRows;
 }
 
 // Splits per work unit the occupancy rule asks for on `multiprocessors` SMs: as many blocks as
