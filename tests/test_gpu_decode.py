@@ -334,20 +334,21 @@ def test_decode_bias_and_mask(rng, monkeypatch, family, t, head_dim, terms, s, k
 @pytest.mark.parametrize("family", DECODE_FAMILIES)
 @pytest.mark.parametrize("t", [1, 4])
 @pytest.mark.parametrize("n,kv,with_mask", [(8, 8, True), (8, 4, True), (16, 2, True),
-                                            (32, 2, False)], ids=["g1", "g2", "g8", "g16"])
+                                            (16, 2, False), (32, 2, False)],
+                         ids=["g1", "g2", "g8", "g8_bias", "g16_bias"])
 def test_decode_staged_terms_group_sizes(rng, monkeypatch, family, t, n, kv, with_mask):
-    """A serving bias [B, N, 1, S] (bf16) and a cache's mask [B, 1, 1, S], the same for every
-    query, staged in shared memory with each tile for GQA groups of 1, 2, 8 and 16 (the stage
-    holds a group's rows piece by piece: a layout that depends on the group), at T = 1 (one
-    slab, its second half of rows padding) and T = 4, past a length inside a tile."""
+    """A serving bias [B, N, 1, S] (bf16) and a mask [B, N, 1, S], the same for every query and
+    different for every head, for GQA groups of 1, 2, 8 and 16, at T = 1 (one slab, its second
+    half of rows padding) and T = 4, past a length inside a tile. S = 2112 keeps the rows in
+    whole 16-byte pieces, so each call whose group's rows fit the stage (decode_terms_stage:
+    1 KiB a stage on the mma.sync kernel, e.g. a group of 8 with the bias alone; 4 KiB on the
+    wgmma one) copies them into shared memory with each tile, and the others read them
+    element by element."""
     pick_decode_family(monkeypatch, family)
-    s = 2100
+    s = 2112
     q, k, v = random_qkv(rng, 2, t, s, n, kv, 128, jnp.bfloat16)
     bias = jnp.asarray(2.0 * rng.standard_normal((2, n, 1, s)), jnp.bfloat16)
-    mask = None
-    if with_mask:
-        keep = rng.random((2, 1, 1, s)) < 0.7
-        mask = jnp.asarray(keep)
+    mask = jnp.asarray(rng.random((2, n, 1, s)) < 0.7) if with_mask else None
     check_decode(q, k, v, bias, mask, key_value_seq_lengths=np.array([s, 1000], np.int32))
 
 

@@ -201,6 +201,8 @@ struct DecodeBiasAndMask {
                                                    const BroadcastStrides& st, int elem_bytes,
                                                    const AttentionParams& p, const DecodeSplit& sp,
                                                    int tile, int thread, int threads) {
+    static_assert(kBlockN >= 16 && (kBlockN & (kBlockN - 1)) == 0,
+                  "a row's pieces are a power of two");
     const int pieces_log2 = 31 - __clz(kBlockN * elem_bytes / 16);  // a row's 16-byte pieces
     const char* const bytes = static_cast<const char*>(base);
     for (int i = thread; i < sp.group << pieces_log2; i += threads) {
