@@ -228,27 +228,23 @@ struct DecodeBiasAndMask {
   // range are zeros or data, which DecodeRows::mask hides after); none for a row h that no lane
   // of the warp has live (staged_row). Both rows live (every warp of 16 live rows) take one
   // branch-free run, whose loads ptxas issues together.
-  template <bool kAlibi, int kBlockN, int kNTiles>
+  template <int kBlockN, int kNTiles>
   __device__ __forceinline__ void apply_staged(const AttentionParams& p, const DecodeSplit& sp,
-                                               const DecodeRows& rows, float (&s)[kNTiles][4],
-                                               int key0, int quad_col,
+                                               float (&s)[kNTiles][4], int key0, int quad_col,
                                                const unsigned char* stage) const {
     if (staged_row[0] >= 0 && staged_row[1] >= 0) {
-      apply_staged_rows<kAlibi, kBlockN, 0, 2>(p, sp, rows, s, key0, quad_col, stage);
+      apply_staged_rows<kBlockN, 0, 2>(p, sp, s, key0, quad_col, stage);
     } else {
-      if (staged_row[0] >= 0)
-        apply_staged_rows<kAlibi, kBlockN, 0, 1>(p, sp, rows, s, key0, quad_col, stage);
-      if (staged_row[1] >= 0)
-        apply_staged_rows<kAlibi, kBlockN, 1, 2>(p, sp, rows, s, key0, quad_col, stage);
+      if (staged_row[0] >= 0) apply_staged_rows<kBlockN, 0, 1>(p, sp, s, key0, quad_col, stage);
+      if (staged_row[1] >= 0) apply_staged_rows<kBlockN, 1, 2>(p, sp, s, key0, quad_col, stage);
     }
   }
 
   // apply_staged's terms on rows h of [kFirst, kEnd).
-  template <bool kAlibi, int kBlockN, int kFirst, int kEnd, int kNTiles>
+  template <int kBlockN, int kFirst, int kEnd, int kNTiles>
   __device__ __forceinline__ void apply_staged_rows(const AttentionParams& p,
-                                                    const DecodeSplit& sp, const DecodeRows& rows,
-                                                    float (&s)[kNTiles][4], int key0,
-                                                    int quad_col,
+                                                    const DecodeSplit& sp, float (&s)[kNTiles][4],
+                                                    int key0, int quad_col,
                                                     const unsigned char* stage) const {
     const float scale_log2 = p.scale * cuda::kLog2e;
     const int bias_bytes = bias_element_bytes(p);
@@ -276,7 +272,6 @@ struct DecodeBiasAndMask {
           if ((keep >> 8) == 0) x1 = -INFINITY;
         }
       }
-      if constexpr (kAlibi) add_alibi(p, sp, rows, h, s, int64_t(key0 + quad_col));
     }
   }
 
@@ -389,6 +384,7 @@ struct DecodeWithBiasAndMask : Config {
   static constexpr bool kBiasAndMask = true;
   static constexpr bool kAlibi = kWithAlibi;
   static constexpr bool kStagedTerms = kStaged;
+  static_assert(!(kWithAlibi && kStaged), "ALiBi's calls read their terms element by element");
   static constexpr int kTermBytes = kStaged ? Config::kStages * Config::kTermStageBytes : 0;
   static constexpr int kSmemBytes = Config::kSmemBytes + Config::kRings * kTermBytes;
 };

@@ -206,8 +206,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       if constexpr (!std::is_same_v<Mma, Elem>) cuda::scale_score_rows(s_acc[0], q_row_factor);
       cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
       if constexpr (Traits::kStagedTerms)
-        terms.template apply_staged<Traits::kAlibi, kBlockN>(p, sp, rows, s_acc[0], key0,
-                                                             quad_col, stage_terms(stage));
+        terms.template apply_staged<kBlockN>(p, sp, s_acc[0], key0, quad_col,
+                                             stage_terms(stage));
       else if constexpr (Traits::kBiasAndMask)
         terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
       rows.mask(s_acc[0], key0, quad_col);

@@ -308,9 +308,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     const int key0 = tile * kBlockN;
     mma_sync::cap_decode_scores<Traits::kSoftCap>(p, s_acc[0]);
     if constexpr (Traits::kStagedTerms)
-      terms.template apply_staged<Traits::kAlibi, kBlockN>(
-          p, sp, rows, s_acc[0], key0, quad_col,
-          terms_region + stage * Traits::kTermStageBytes);
+      terms.template apply_staged<kBlockN>(p, sp, s_acc[0], key0, quad_col,
+                                           terms_region + stage * Traits::kTermStageBytes);
     else if constexpr (Traits::kBiasAndMask)
       terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
     if (!rows.sees_all(key0, kBlockN)) rows.mask(s_acc[0], key0, quad_col);
