@@ -223,55 +223,72 @@ struct DecodeBiasAndMask {
     return p.bias != nullptr ? sp.group * kBlockN * bias_element_bytes(p) : 0;
   }
 
-  // The same terms as apply, from the stage copy_tile filled with key0's tile: per pair of
+  // The same terms as apply, from the stage copy_tile filled with key0's tile, as natural-log
+  // logits: the bias's s scale + b (one FFMA a score; decode_softmax_scale gives the softmax
+  // the factor log2(e)), a mask's scores as they are (the factor scale log2(e)). Per pair of
   // keys one shared load of the bias and one of the mask (every key: those past S or a row's
-  // range are zeros or data, which DecodeRows::mask hides after); none for a row h that no lane
-  // of the warp has live (staged_row). Both rows live (every warp of 16 live rows) take one
-  // branch-free run, whose loads ptxas issues together.
+  // range are zeros or data, which DecodeRows::mask hides after), one for both rows where they
+  // are one head's (the group divides 8: rows lane / 4 and lane / 4 + 8 share their row of the
+  // stage); none for a row h that no lane of the warp has live (staged_row). Both rows live
+  // (every warp of 16 live rows) take one branch-free run, whose loads ptxas issues together.
+  // Every branch is the warp's: the group and the vote behind staged_row are.
   template <int kBlockN, int kNTiles>
   __device__ __forceinline__ void apply_staged(const AttentionParams& p, const DecodeSplit& sp,
                                                float (&s)[kNTiles][4], int key0, int quad_col,
                                                const unsigned char* stage) const {
     if (staged_row[0] >= 0 && staged_row[1] >= 0) {
-      apply_staged_rows<kBlockN, 0, 2>(p, sp, s, key0, quad_col, stage);
+      if (staged_row[0] == staged_row[1])
+        apply_staged_rows<kBlockN, 0, 2, true>(p, sp, s, key0, quad_col, stage);
+      else
+        apply_staged_rows<kBlockN, 0, 2, false>(p, sp, s, key0, quad_col, stage);
     } else {
-      if (staged_row[0] >= 0) apply_staged_rows<kBlockN, 0, 1>(p, sp, s, key0, quad_col, stage);
-      if (staged_row[1] >= 0) apply_staged_rows<kBlockN, 1, 2>(p, sp, s, key0, quad_col, stage);
+      if (staged_row[0] >= 0)
+        apply_staged_rows<kBlockN, 0, 1, false>(p, sp, s, key0, quad_col, stage);
+      if (staged_row[1] >= 0)
+        apply_staged_rows<kBlockN, 1, 2, false>(p, sp, s, key0, quad_col, stage);
     }
   }
 
-  // apply_staged's terms on rows h of [kFirst, kEnd).
-  template <int kBlockN, int kFirst, int kEnd, int kNTiles>
+  // apply_staged's terms on rows h of [kFirst, kEnd); kOneRow: every row takes row kFirst's
+  // terms, read once per key pair.
+  template <int kBlockN, int kFirst, int kEnd, bool kOneRow, int kNTiles>
   __device__ __forceinline__ void apply_staged_rows(const AttentionParams& p,
                                                     const DecodeSplit& sp, float (&s)[kNTiles][4],
                                                     int key0, int quad_col,
                                                     const unsigned char* stage) const {
-    const float scale_log2 = p.scale * cuda::kLog2e;
+    const float scale = p.scale;
     const int bias_bytes = bias_element_bytes(p);
     const unsigned char* const mask_stage = stage + mask_offset<kBlockN>(p, sp);
     const int col0 = key0 % kBlockN + quad_col;
+    // Row h's terms of key pair nt added to the scores of rows [to_first, to_end).
+    const auto add = [&](int h, int nt, int to_first, int to_end) {
+      const int at = staged_row[h] * kBlockN + col0 + 8 * nt;
+      float2 b{};
+      uint16_t keep = 0;
+      if (p.bias != nullptr) b = bias_pair(p.bias_dtype, stage + at * bias_bytes);
+      if (p.mask != nullptr) keep = *reinterpret_cast<const uint16_t*>(mask_stage + at);
 #pragma unroll
-    for (int h = kFirst; h < kEnd; ++h) {
-      const unsigned char* const bias_at = stage + staged_row[h] * kBlockN * bias_bytes;
-      const unsigned char* const keep_at = mask_stage + staged_row[h] * kBlockN;
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-        const int c = col0 + 8 * nt;
-        float& x0 = s[nt][2 * h];
-        float& x1 = s[nt][2 * h + 1];
-        x0 *= scale_log2;
-        x1 *= scale_log2;
+      for (int to = to_first; to < to_end; ++to) {
+        float& x0 = s[nt][2 * to];
+        float& x1 = s[nt][2 * to + 1];
         if (p.bias != nullptr) {
-          const float2 b = bias_pair(p.bias_dtype, bias_at + c * bias_bytes);
-          x0 = fmaf(cuda::kLog2e, b.x, x0);
-          x1 = fmaf(cuda::kLog2e, b.y, x1);
+          x0 = fmaf(x0, scale, b.x);
+          x1 = fmaf(x1, scale, b.y);
         }
         if (p.mask != nullptr) {
-          const uint16_t keep = *reinterpret_cast<const uint16_t*>(keep_at + c);
           if ((keep & 0xff) == 0) x0 = -INFINITY;
           if ((keep >> 8) == 0) x1 = -INFINITY;
         }
       }
+    };
+    if constexpr (kOneRow) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) add(kFirst, nt, kFirst, kEnd);
+    } else {
+#pragma unroll
+      for (int h = kFirst; h < kEnd; ++h)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) add(h, nt, h, h + 1);
     }
   }
 
@@ -378,7 +395,8 @@ struct DecodeWithSoftCap : Config {
 // too a call takes the normal kernels (decode_shape_fits).
 // kStaged: the bias and mask copied with each K/V tile into shared memory (the calls whose
 // terms decode_terms_stage admits), each ring's stages of them after the family's shared
-// memory, Config::kTermStageBytes each; else each thread reads its elements from global memory.
+// memory, Config::kTermStageBytes each, and the logits in natural-log units (apply_staged);
+// else each thread reads its elements from global memory.
 template <typename Config, bool kWithAlibi = false, bool kStaged = false>
 struct DecodeWithBiasAndMask : Config {
   static constexpr bool kBiasAndMask = true;
@@ -390,10 +408,14 @@ struct DecodeWithBiasAndMask : Config {
 };
 
 // The softmax's factor on a decode kernel's scores: scale log2(e), c = cap log2(e) with the
-// soft-cap, or 1 where the elementwise terms have made them base-2 logits already.
+// soft-cap, 1 where the elementwise terms have made them base-2 logits already, and for the
+// staged terms log2(e) with a bias (natural-log logits) or scale log2(e) with a mask alone (the
+// scores as they are).
 template <typename Traits>
 __device__ __forceinline__ float decode_softmax_scale(const AttentionParams& p) {
   if constexpr (Traits::kSoftCap) return variant::SoftCap::make(p).cap2;
+  else if constexpr (Traits::kStagedTerms)
+    return p.bias != nullptr ? cuda::kLog2e : p.scale * cuda::kLog2e;
   else if constexpr (Traits::kBiasAndMask) return 1.f;
   else return p.scale * cuda::kLog2e;
 }
