@@ -294,11 +294,14 @@ def test_decode_gradients(rng, t):
 # bias; at S = 4112 the [B,N,1,S] biases and the [B,1,1,S] mask at every T and the others at
 # T = 1, with more splits than a cluster holds, so through the combine, the last tile part past
 # S and the second entry's length inside a tile), from a copy staged in shared memory with each
-# tile. (bias shape, bias dtype, mask shape) with B = 2, N = 8, T, S; None for an
-# absent term.
+# tile: each of the bias's element types, alone and beside a mask, and the mask alone, since the
+# staged kernels take each kind of terms in a run of its own. (bias shape, bias dtype, mask
+# shape) with B = 2, N = 8, T, S; None for an absent term.
 DECODE_TERMS = {
     "bias [B,N,1,S] f32": ((2, 8, 1, "S"), jnp.float32, None),
     "bias [B,N,1,S] bf16": ((2, 8, 1, "S"), jnp.bfloat16, None),
+    "bias [B,N,1,S] f16": ((2, 8, 1, "S"), jnp.float16, None),
+    "bias [B,N,1,S] f32 + mask [B,1,1,S]": ((2, 8, 1, "S"), jnp.float32, (2, 1, 1, "S")),
     "bias [1,N,T,S] bf16": ((1, 8, "T", "S"), jnp.bfloat16, None),
     "mask [B,1,1,S]": (None, None, (2, 1, 1, "S")),
     "bias [N,1,S] f16 + mask [B,1,T,S]": ((8, 1, "S"), jnp.float16, (2, 1, "T", "S")),

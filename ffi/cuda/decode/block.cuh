@@ -231,51 +231,79 @@ struct DecodeBiasAndMask {
   // are one head's (the group divides 8: rows lane / 4 and lane / 4 + 8 share their row of the
   // stage); none for a row h that no lane of the warp has live (staged_row). Both rows live
   // (every warp of 16 live rows) take one branch-free run, whose loads ptxas issues together.
-  // Every branch is the warp's: the group and the vote behind staged_row are.
+  // The terms' kinds (the bias's element type, the mask's presence) are asked once per call
+  // here, each kind a run of its own: asked per pair, they took about 25 instructions a pair
+  // (a constant load and both conversions, predicated) where a bf16 bias needs 5. Every branch
+  // is the warp's: the parameters, the group and the vote behind staged_row are.
   template <int kBlockN, int kNTiles>
   __device__ __forceinline__ void apply_staged(const AttentionParams& p, const DecodeSplit& sp,
                                                float (&s)[kNTiles][4], int key0, int quad_col,
                                                const unsigned char* stage) const {
+    const int col0 = key0 % kBlockN + quad_col;
+    const bool mask = p.mask != nullptr;
+    const auto with_mask = [&](auto bias_kind) {
+      constexpr int kKind = decltype(bias_kind)::value;
+      if (mask)
+        apply_staged_kind<kBlockN, kKind, true>(p, sp, s, col0, stage);
+      else if constexpr (kKind != kNoBias)
+        apply_staged_kind<kBlockN, kKind, false>(p, sp, s, col0, stage);
+    };
+    if (p.bias == nullptr)
+      with_mask(std::integral_constant<int, kNoBias>{});
+    else if (p.bias_dtype == ElemType::kBFloat16)
+      with_mask(std::integral_constant<int, int(ElemType::kBFloat16)>{});
+    else if (p.bias_dtype == ElemType::kFloat16)
+      with_mask(std::integral_constant<int, int(ElemType::kFloat16)>{});
+    else
+      with_mask(std::integral_constant<int, int(ElemType::kFloat32)>{});
+  }
+
+  // apply_staged for one kind of terms: kBias the bias's ElemType or kNoBias, kMask a mask.
+  static constexpr int kNoBias = -1;
+  template <int kBlockN, int kBias, bool kMask, int kNTiles>
+  __device__ __forceinline__ void apply_staged_kind(const AttentionParams& p,
+                                                    const DecodeSplit& sp, float (&s)[kNTiles][4],
+                                                    int col0, const unsigned char* stage) const {
     if (staged_row[0] >= 0 && staged_row[1] >= 0) {
       if (staged_row[0] == staged_row[1])
-        apply_staged_rows<kBlockN, 0, 2, true>(p, sp, s, key0, quad_col, stage);
+        apply_staged_rows<kBlockN, kBias, kMask, 0, 2, true>(p, sp, s, col0, stage);
       else
-        apply_staged_rows<kBlockN, 0, 2, false>(p, sp, s, key0, quad_col, stage);
+        apply_staged_rows<kBlockN, kBias, kMask, 0, 2, false>(p, sp, s, col0, stage);
     } else {
       if (staged_row[0] >= 0)
-        apply_staged_rows<kBlockN, 0, 1, false>(p, sp, s, key0, quad_col, stage);
+        apply_staged_rows<kBlockN, kBias, kMask, 0, 1, false>(p, sp, s, col0, stage);
       if (staged_row[1] >= 0)
-        apply_staged_rows<kBlockN, 1, 2, false>(p, sp, s, key0, quad_col, stage);
+        apply_staged_rows<kBlockN, kBias, kMask, 1, 2, false>(p, sp, s, col0, stage);
     }
   }
 
-  // apply_staged's terms on rows h of [kFirst, kEnd); kOneRow: every row takes row kFirst's
-  // terms, read once per key pair.
-  template <int kBlockN, int kFirst, int kEnd, bool kOneRow, int kNTiles>
+  // apply_staged's terms on rows h of [kFirst, kEnd), the thread's first key at column col0 of
+  // the stage's rows; kOneRow: every row takes row kFirst's terms, read once per key pair.
+  template <int kBlockN, int kBias, bool kMask, int kFirst, int kEnd, bool kOneRow, int kNTiles>
   __device__ __forceinline__ void apply_staged_rows(const AttentionParams& p,
                                                     const DecodeSplit& sp, float (&s)[kNTiles][4],
-                                                    int key0, int quad_col,
-                                                    const unsigned char* stage) const {
+                                                    int col0, const unsigned char* stage) const {
+    constexpr int kBiasBytes = kBias == int(ElemType::kFloat32) ? 4 : 2;
     const float scale = p.scale;
-    const int bias_bytes = bias_element_bytes(p);
-    const unsigned char* const mask_stage = stage + mask_offset<kBlockN>(p, sp);
-    const int col0 = key0 % kBlockN + quad_col;
+    const unsigned char* const mask_stage =
+        stage + (kBias != kNoBias ? sp.group * kBlockN * kBiasBytes : 0);
     // Row h's terms of key pair nt added to the scores of rows [to_first, to_end).
     const auto add = [&](int h, int nt, int to_first, int to_end) {
       const int at = staged_row[h] * kBlockN + col0 + 8 * nt;
       float2 b{};
       uint16_t keep = 0;
-      if (p.bias != nullptr) b = bias_pair(p.bias_dtype, stage + at * bias_bytes);
-      if (p.mask != nullptr) keep = *reinterpret_cast<const uint16_t*>(mask_stage + at);
+      if constexpr (kBias != kNoBias)
+        b = bias_pair<static_cast<ElemType>(kBias)>(stage + at * kBiasBytes);
+      if constexpr (kMask) keep = *reinterpret_cast<const uint16_t*>(mask_stage + at);
 #pragma unroll
       for (int to = to_first; to < to_end; ++to) {
         float& x0 = s[nt][2 * to];
         float& x1 = s[nt][2 * to + 1];
-        if (p.bias != nullptr) {
+        if constexpr (kBias != kNoBias) {
           x0 = fmaf(x0, scale, b.x);
           x1 = fmaf(x1, scale, b.y);
         }
-        if (p.mask != nullptr) {
+        if constexpr (kMask) {
           if ((keep & 0xff) == 0) x0 = -INFINITY;
           if ((keep >> 8) == 0) x1 = -INFINITY;
         }
@@ -295,13 +323,17 @@ struct DecodeBiasAndMask {
   __device__ __forceinline__ static int bias_element_bytes(const AttentionParams& p) {
     return p.bias_dtype == ElemType::kFloat32 ? 4 : 2;
   }
-  // Two adjacent bias elements of type `type` at `at` in shared memory, as floats.
-  __device__ __forceinline__ static float2 bias_pair(ElemType type, const unsigned char* at) {
-    if (type == ElemType::kFloat32) return *reinterpret_cast<const float2*>(at);
-    const uint32_t bits = *reinterpret_cast<const uint32_t*>(at);
-    if (type == ElemType::kBFloat16)
+  // Two adjacent bias elements of type kType at `at` in shared memory, as floats.
+  template <ElemType kType>
+  __device__ __forceinline__ static float2 bias_pair(const unsigned char* at) {
+    if constexpr (kType == ElemType::kFloat32) {
+      return *reinterpret_cast<const float2*>(at);
+    } else if constexpr (kType == ElemType::kBFloat16) {
+      const uint32_t bits = *reinterpret_cast<const uint32_t*>(at);
       return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
-    return __half22float2(*reinterpret_cast<const __half2*>(at));
+    } else {
+      return __half22float2(*reinterpret_cast<const __half2*>(at));
+    }
   }
 
   // Into L2, the lines of keys [key0, key0 + keys) of this thread's rows: the quad's four
