@@ -231,10 +231,11 @@ struct DecodeBiasAndMask {
   // are one head's (the group divides 8: rows lane / 4 and lane / 4 + 8 share their row of the
   // stage); none for a row h that no lane of the warp has live (staged_row). Both rows live
   // (every warp of 16 live rows) take one branch-free run, whose loads ptxas issues together.
-  // The terms' kinds (the bias's element type, the mask's presence) are asked once per call
-  // here, each kind a run of its own: asked per pair, they took about 25 instructions a pair
-  // (a constant load and both conversions, predicated) where a bf16 bias needs 5. Every branch
-  // is the warp's: the parameters, the group and the vote behind staged_row are.
+  // The terms' kinds (the bias's element type, the mask's presence) are asked once per tile
+  // (each call here), each kind a run of its own: asked per pair, they took about 25
+  // instructions a pair (a constant load and both conversions, predicated) where a bf16 bias
+  // needs 5. Every branch is the warp's: the parameters, the group and the vote behind
+  // staged_row are.
   template <int kBlockN, int kNTiles>
   __device__ __forceinline__ void apply_staged(const AttentionParams& p, const DecodeSplit& sp,
                                                float (&s)[kNTiles][4], int key0, int quad_col,
