@@ -186,8 +186,8 @@ struct DecodeBiasAndMask {
       copy_rows<kBlockN>(stage, p.bias, p.bias_strides, bias_element_bytes(p), p, sp, tile,
                          thread, threads);
     if (p.mask != nullptr)
-      copy_rows<kBlockN>(stage + mask_offset<kBlockN>(p, sp), p.mask, p.mask_strides, 1, p, sp,
-                         tile, threads - 1 - thread, threads);
+      copy_rows<kBlockN>(stage + mask_offset<kBlockN>(sp, p.bias != nullptr, bias_element_bytes(p)),
+                         p.mask, p.mask_strides, 1, p, sp, tile, threads - 1 - thread, threads);
   }
 
   // One term's rows of copy_tile (elements of elem_bytes at base, through strides st, unit
@@ -216,11 +216,12 @@ struct DecodeBiasAndMask {
     }
   }
 
-  // Where a stage's mask rows start: after the group's bias rows, if any.
+  // Where a stage's mask rows start: after the group's bias rows (elements of bias_bytes), if
+  // any.
   template <int kBlockN>
-  __device__ __forceinline__ static int mask_offset(const AttentionParams& p,
-                                                    const DecodeSplit& sp) {
-    return p.bias != nullptr ? sp.group * kBlockN * bias_element_bytes(p) : 0;
+  __device__ __forceinline__ static int mask_offset(const DecodeSplit& sp, bool bias,
+                                                    int bias_bytes) {
+    return bias ? sp.group * kBlockN * bias_bytes : 0;
   }
 
   // The same terms as apply, from the stage copy_tile filled with key0's tile, as natural-log
@@ -287,7 +288,7 @@ struct DecodeBiasAndMask {
     constexpr int kBiasBytes = kBias == int(ElemType::kFloat32) ? 4 : 2;
     const float scale = p.scale;
     const unsigned char* const mask_stage =
-        stage + (kBias != kNoBias ? sp.group * kBlockN * kBiasBytes : 0);
+        stage + mask_offset<kBlockN>(sp, kBias != kNoBias, kBiasBytes);
     // Row h's terms of key pair nt added to the scores of rows [to_first, to_end).
     const auto add = [&](int h, int nt, int to_first, int to_end) {
       const int at = staged_row[h] * kBlockN + col0 + 8 * nt;
