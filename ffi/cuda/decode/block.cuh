@@ -17,6 +17,7 @@
 #include "ffi/cuda/common/e4m3.cuh"
 #include "ffi/cuda/common/mask.cuh"
 #include "ffi/cuda/common/ptx.cuh"
+#include "ffi/cuda/common/scalar.cuh"
 #include "ffi/cuda/common/smem_tile.cuh"
 #include "ffi/cuda/common/soft_cap.cuh"
 #include "ffi/decode_plan.h"
@@ -330,11 +331,9 @@ struct DecodeBiasAndMask {
   __device__ __forceinline__ static float2 bias_pair(const unsigned char* at) {
     if constexpr (kType == ElemType::kFloat32) {
       return *reinterpret_cast<const float2*>(at);
-    } else if constexpr (kType == ElemType::kBFloat16) {
-      const uint32_t bits = *reinterpret_cast<const uint32_t*>(at);
-      return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
     } else {
-      return __half22float2(*reinterpret_cast<const __half2*>(at));
+      using Elem = std::conditional_t<kType == ElemType::kBFloat16, __nv_bfloat16, __half>;
+      return cuda::pair_to_float2<Elem>(*reinterpret_cast<const uint32_t*>(at));
     }
   }
 

@@ -22,7 +22,6 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "ffi/cuda/common/alibi.cuh"
@@ -139,11 +138,10 @@ struct BackwardBiasAndMask {
       ptx::ldmatrix_x4_trans(x, at + jj * 16 * Tile::kRowBytes);
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        Term pair[2];
-        memcpy(pair, &x[m], 4);
+        const float2 pair = cuda::pair_to_float2<Term>(x[m]);
         float* element = &s_acc[2 * jj + m / 2][2 * (m % 2)];
-        element[0] = fmaf(cuda::kLog2e, cuda::to_float(pair[0]), element[0] * scale_log2);
-        element[1] = fmaf(cuda::kLog2e, cuda::to_float(pair[1]), element[1] * scale_log2);
+        element[0] = fmaf(cuda::kLog2e, pair.x, element[0] * scale_log2);
+        element[1] = fmaf(cuda::kLog2e, pair.y, element[1] * scale_log2);
       }
     }
   }

@@ -15,7 +15,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "ffi/cuda/common/alibi.cuh"
@@ -210,11 +209,9 @@ struct BiasAndMask {
           keep[0] = (pair & 0xff) != 0;
           keep[1] = (pair >> 8) != 0;
         } else {
-          const uint32_t pair = ptx::ld_shared_b32(at);
-          Term x[2];
-          memcpy(x, &pair, 4);
-          term[0] = cuda::to_float(x[0]);
-          term[1] = cuda::to_float(x[1]);
+          const float2 pair = cuda::pair_to_float2<Term>(ptx::ld_shared_b32(at));
+          term[0] = pair.x;
+          term[1] = pair.y;
         }
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
