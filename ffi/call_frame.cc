@@ -366,6 +366,9 @@ ffi::Error DecodeForward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   p.out = out->untyped_data();
   p.lse = static_cast<float*>(lse->untyped_data());
   p.tile_counter = static_cast<int*>(workspace->untyped_data());
+  // Past the counter, room for the tile order (PlanningParams asks tile_order_needed of it).
+  p.tile_order_capacity = int64_t(workspace->element_count()) - 1;
+  p.tile_order = p.tile_order_capacity > 0 ? p.tile_counter + 1 : nullptr;
   // Any size: the dispatcher runs only as many splits as it holds (none: the normal kernels).
   if (decode_workspace->element_type() != ffi::DataType::F32)
     return Invalid("the forward's decode workspace must be float32, got " +

@@ -106,6 +106,12 @@ struct AttentionParams {
   // Forward workspace: an int32 the Hopper kernel's blocks claim tiles from (zeroed on the
   // stream before each launch); nullptr when the call has none.
   int* tile_counter = nullptr;
+  // Forward workspace past the counter (CallPlan::forward_workspace_ints): the Hopper kernel's
+  // tile order for calls with segment ids, written on the stream before each launch (the
+  // order of wgmma/tile_order.cuh); nullptr / 0 when the call has no room for it, which keeps
+  // the tile scheduler's own order.
+  int* tile_order = nullptr;
+  int64_t tile_order_capacity = 0;
   // Forward workspace of the split-KV decode kernel (float32; layout in
   // ffi/decode_plan.h) and its size in floats; nullptr / 0 when the call has none.
   float* decode_workspace = nullptr;
@@ -232,6 +238,14 @@ struct AttentionParams {
   static constexpr int64_t kDqSemaphoreRows = 64;
   JAX_FLASHATTN_HOST_DEVICE int64_t dq_semaphores_needed() const {
     return batch * num_heads * ((seqlen_q + kDqSemaphoreRows - 1) / kDqSemaphoreRows);
+  }
+  // The tile order a call with segment ids has room for: one int32 per (batch entry, query
+  // head, kTileOrderRows queries), as many as the Hopper forward has tiles at any block height.
+  static constexpr int64_t kTileOrderRows = 64;
+  JAX_FLASHATTN_HOST_DEVICE int64_t tile_order_needed() const {
+    return q_segment_ids == nullptr
+               ? 0
+               : batch * num_heads * ((seqlen_q + kTileOrderRows - 1) / kTileOrderRows);
   }
   JAX_FLASHATTN_HOST_DEVICE bool soft_capped() const { return logits_soft_cap != 0.0f; }
   // Terms the tensor-core kernels add element by element, on every tile, in the

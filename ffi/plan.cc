@@ -112,6 +112,7 @@ CallPlan Plan(const CallShape& shape, int device) {
   plan.decode_workspace_floats =
       DecodeWorkspaceFloats(shape, mma_sync::kDecodeMaxMultiprocessors);
   if (shape.deterministic) plan.dq_semaphores = PlanningParams(shape).dq_semaphores_needed();
+  plan.forward_workspace_ints = 1 + PlanningParams(shape).tile_order_needed();
   plan.dslopes_slots = dslopes_slots(shape.seqlen_k);
   if (device < 0) return plan;
   if (!KnownDtype(shape.dtype))

@@ -18,6 +18,10 @@ struct CallPlan {
   // Int32 elements of the backward's dQ semaphores: AttentionParams::dq_semaphores_needed() for
   // a deterministic call (which the Hopper kernel may take), 0 otherwise. Known without a device.
   int64_t dq_semaphores = 0;
+  // Int32 elements of the forward's workspace: the Hopper kernel's tile counter, and for a call
+  // with segment ids its tile order (AttentionParams::tile_order_needed). Known without a
+  // device.
+  int64_t forward_workspace_ints = 1;
   // Float32 partial sums per (batch entry, head) of the ALiBi slopes' gradient:
   // dslopes_slots(S) (ffi/params.h). Known without a device.
   int64_t dslopes_slots = 0;

@@ -8,12 +8,14 @@ them. The tests run each case on the Hopper kernels and, with JAX_FLASHATTN_DISA
 mma.sync family.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_flashattn
 from helpers import check_cuda_forward, hopper, random_qkv, use_family
+from jax_flashattn import _ffi, _ops, segments
 from test_gpu_backward import check_grads
 
 pytestmark = pytest.mark.gpu
@@ -162,6 +164,48 @@ def test_forward_with_every_option(rng, dtype):
                        query_seq_lengths=jnp.array([200, 77], jnp.int32),
                        key_value_seq_lengths=jnp.array([150, 230], jnp.int32),
                        query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
+
+
+def test_forward_hands_out_the_longest_tiles_first(rng):
+    """With segment ids the Hopper forward takes its tiles in the order written into its
+    workspace before the launch: by key tile count in power-of-two classes, longest first, and
+    within a class in the scheduler's own order (a head's query blocks together, highest
+    first). Each tile's count is worked out here as the kernel's scheduler does, from the spans
+    it narrows to (head dim 128: 128-row query blocks, 128-key tiles), causal."""
+    if not hopper():
+        pytest.skip("the Hopper forward's tile order")
+    b, t, n, h, block = 3, 1000, 5, 128, 128
+    q, k, v = random_qkv(rng, b, t, t, n, n, h, jnp.bfloat16)
+    ids = packed_ids(rng, b, t, 150)
+    assert jax_flashattn.forward_kernel(q, k, query_segment_ids=ids,
+                                        key_value_segment_ids=ids) == "sm90"
+    run = jax.jit(lambda q, k, v, ids: _ops.forward_with_workspaces(
+        q, k, v, None, None, None, None, ids, ids, scale=h ** -0.5, window=(None, 0),
+        switches=_ffi.kernel_switches()))
+    _, _, workspace, _ = run(q, k, v, ids)
+    check_cuda_forward(q, k, v, is_causal=True, query_segment_ids=ids,
+                       key_value_segment_ids=ids)
+
+    key_spans = np.asarray(segments.spans(ids, ids)[0])
+    m = -(-t // block)
+    granule = segments.GRANULE
+
+    def key_tiles(entry, r):
+        row0 = (m - 1 - r) * block
+        lo, hi = 0, min(row0 + block, t)  # causal
+        spans = key_spans[entry, row0 // granule:-(-(row0 + block) // granule)]
+        lo = max(lo, int(spans[:, 0].min()))
+        hi = min(hi, int(spans[:, 1].max()))
+        return -(-hi // block) - lo // block if hi > lo else 0
+
+    def order_class(count):  # __clz(count) - 1
+        return 31 - count.bit_length()
+
+    tiles = b * n * m
+    counts = [key_tiles(i // m // n, i % m) for i in range(tiles)]
+    assert len(set(order_class(c) for c in counts)) > 2  # the case sorts something
+    expected = sorted(range(tiles), key=lambda i: (order_class(counts[i]), i))
+    np.testing.assert_array_equal(np.asarray(workspace)[1:1 + tiles], expected)
 
 
 def test_decoding_shape_keeps_the_normal_kernels(rng):

@@ -107,12 +107,24 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, alibi
     query t of batch entry b sits at t + kv_len_b - q_len_b for the window and ALiBi (its
     lengths, T and S where absent), which then move per entry. `alibi`: float32 [..., B, N]
     slopes, whose term is -slope |t + alibi_shift - s| (plus that per-entry move).
-
-    The call's third and fourth results are the CUDA kernels' workspaces, so that XLA owns
-    their memory: an int32 the Hopper kernel's blocks claim tiles from (zeroed on the stream
-    per call), and the float32 split partials of the decode kernel (_ffi.plan;
-    empty when the call cannot take it). Both are dropped here: only out and lse leave.
     """
+    out, lse, _, _ = forward_with_workspaces(
+        q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi, scale=scale, window=window,
+        switches=switches, soft_cap=soft_cap, align_window_to_lengths=align_window_to_lengths,
+        alibi_shift=alibi_shift)
+    return vary_like((out, lse), (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi))
+
+
+def forward_with_workspaces(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None,
+                            alibi=None, *, scale: float, window: tuple,
+                            switches: _ffi.KernelSwitches, soft_cap: float = 0.0,
+                            align_window_to_lengths: bool = False, alibi_shift: int = 0):
+    """`forward`'s call with all four of its results: out, lse and the CUDA kernels'
+    workspaces, which are results so that XLA owns their memory: int32, the Hopper kernel's
+    tile counter (zeroed on the stream per call) followed, with segment ids, by the order it
+    hands the tiles out in (ffi/cuda/wgmma/tile_order.cuh), and float32, the split partials of
+    the decode kernel (_ffi.plan; empty when the call cannot take it). `forward` drops the
+    workspaces; the tests read the tile order."""
     *lead, t, n, _ = q.shape
     optional, flags = _optional_operands(q, k, bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi,
                                          alibi_shift)
@@ -121,18 +133,17 @@ def forward(q, k, v, bias, mask, q_lens, kv_lens, q_ids=None, kv_ids=None, alibi
                             has_kv_seqlens=kv_lens is not None,
                             has_segment_ids=q_ids is not None, has_alibi=alibi is not None,
                             soft_cap=soft_cap, switches=switches)
-    decode_floats = _ffi.plan(shape).decode_workspace_floats
+    plan = _ffi.plan(shape)
     call = jax.ffi.ffi_call(
         _ffi.FORWARD_TARGET,
         (jax.ShapeDtypeStruct(q.shape, q.dtype),
          jax.ShapeDtypeStruct((*lead, n, t), jnp.float32),
-         jax.ShapeDtypeStruct((1,), jnp.int32),
-         jax.ShapeDtypeStruct((decode_floats,), jnp.float32)),
+         jax.ShapeDtypeStruct((plan.forward_workspace_ints,), jnp.int32),
+         jax.ShapeDtypeStruct((plan.decode_workspace_floats,), jnp.float32)),
         vmap_method="broadcast_all")
-    out, lse, _, _ = call(q, k, v, *optional, **flags,
-                          **_attrs(scale, window, switches, soft_cap=soft_cap,
-                                   align_window_to_lengths=align_window_to_lengths))
-    return vary_like((out, lse), (q, k, v, bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi))
+    return call(q, k, v, *optional, **flags,
+                **_attrs(scale, window, switches, soft_cap=soft_cap,
+                         align_window_to_lengths=align_window_to_lengths))
 
 
 def cache_forward(q, key_cache, value_cache, page_table, q_lens, kv_lens, *, scale: float,

@@ -6,6 +6,7 @@
 #include "ffi/cuda/common/tensor_maps.h"
 #include "ffi/cuda/launch.h"
 #include "ffi/cuda/wgmma/forward_kernel.cuh"
+#include "ffi/cuda/wgmma/tile_order.cuh"
 #include "ffi/cuda/wgmma/traits.h"
 
 namespace jax_flashattn::cuda {
@@ -45,12 +46,21 @@ cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stre
       return e;
   }
   // Persistent: one block per SM (fewer when there are fewer tiles), claiming tiles past the
-  // first from the counter.
+  // first from the counter; with segment ids in the call's tile order where it has room for
+  // one (tile_order.cuh).
   if (p.tile_counter == nullptr) return cudaErrorInvalidValue;
   if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream); e != cudaSuccess)
     return e;
+  AttentionParams params = p;
+  if constexpr (Traits::kSegments) {
+    bool ordered = false;
+    if (cudaError_t e = wgmma::order_tiles<Traits>(p, m_blocks, tiles, ordered, stream);
+        e != cudaSuccess)
+      return e;
+    if (!ordered) params.tile_order = nullptr;
+  }
   const unsigned grid = unsigned(tiles < sms ? tiles : sms);
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p, maps);
+  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params, maps);
   return cudaGetLastError();
 }
 

@@ -51,10 +51,13 @@ struct ForwardProducer {
   // The tile slot by 32-bit shared address (as the consumers hold it:
   // ForwardConsumer::tile_slot).
   const uint32_t tile_slot;
+  // Calls with segment ids take their tiles in the call's tile order (tile_order.cuh).
+  using Scheduler =
+      TileScheduler<Traits::kBlockM, kBlockN, kNarrowsToSpans<Traits>, Traits::kSegments>;
   // Made by the producer thread, not once for the block: a value live across the register
   // split spills within the producer's 24 registers (the default budget;
   // docs/decisions/hopper-kernels-without-spills.md).
-  const TileScheduler<Traits::kBlockM, kBlockN, kNarrowsToSpans<Traits>> scheduler;
+  const Scheduler scheduler;
   RingPosition<kQStages> q_ring;
   RingPosition<kStages> kv_ring;
   int index;          // the current tile's index
@@ -68,7 +71,7 @@ struct ForwardProducer {
                                              ForwardBarriers<Traits>& barriers)
       : p(params), maps(tma_maps), smem(layout), bars(barriers),
         tile_slot(ptx::smem_address(barriers.tile)),
-        scheduler(TileScheduler<Traits::kBlockM, kBlockN, kNarrowsToSpans<Traits>>::make(params)),
+        scheduler(Scheduler::make(params)),
         index(int(blockIdx.x)), o_owed(false) {}
 
   __device__ __forceinline__ void load_q(const ForwardTile& tile) {

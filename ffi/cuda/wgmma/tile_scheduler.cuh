@@ -64,8 +64,9 @@ struct TileSlot {
 };
 
 // kSpans: each block's key tiles narrowed to the spans of its rows (the segment ids' documents,
-// the mask's kept keys; kNarrowsToSpans).
-template <int kBlockM, int kBlockN, bool kSpans = false>
+// the mask's kept keys; kNarrowsToSpans). kOrdered: the tiles handed out in the call's tile
+// order where it has one (AttentionParams::tile_order, written by tile_order.cuh).
+template <int kBlockM, int kBlockN, bool kSpans = false, bool kOrdered = false>
 struct TileScheduler {
   int m_blocks, heads_times_batch, num_tiles;
   // Query heads per K/V head, divided once here: divided per tile, the 64-bit division would
@@ -90,6 +91,8 @@ struct TileScheduler {
   // round-robin instead, some blocks draw mostly long tiles). Why, with measurements:
   // docs/decisions/hopper-forward-persistent-tile-schedule.md.
   __device__ ForwardTile tile(const AttentionParams& p, int index) const {
+    if constexpr (kOrdered)
+      if (p.tile_order != nullptr) index = p.tile_order[index];
     ForwardTile t;
     const int bh = index / m_blocks, heads = int(p.num_heads);
     t.b = bh / heads;
