@@ -425,6 +425,11 @@ ffi::Error DecodeBackward(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   p.dq_semaphores = p.dq_semaphore_count > 0
                         ? static_cast<int32_t*>(dq_semaphores->untyped_data())
                         : nullptr;
+  // Past the semaphores, room for the block order (PlanningParams asks block_order_needed of
+  // it).
+  const int64_t semaphores = p.deterministic ? p.dq_semaphores_needed() : 0;
+  p.block_order_capacity = p.dq_semaphore_count - semaphores;
+  p.block_order = p.block_order_capacity > 0 ? p.dq_semaphores + semaphores : nullptr;
   // The bias's and the slopes' gradients are results only where the caller needs them (never
   // without a bias, or without the slopes): dbias first, then dslopes.
   const bool want_dslopes = attrs.want_dslopes != 0;

@@ -95,6 +95,7 @@ NB_MODULE(_jax_flashattn, m) {
       .def_ro("decode_workspace_floats", &CallPlan::decode_workspace_floats)
       .def_ro("dq_semaphores", &CallPlan::dq_semaphores)
       .def_ro("forward_workspace_ints", &CallPlan::forward_workspace_ints)
+      .def_ro("backward_workspace_ints", &CallPlan::backward_workspace_ints)
       .def_ro("dslopes_slots", &CallPlan::dslopes_slots)
       .def_ro("forward", &CallPlan::forward)
       .def_ro("backward", &CallPlan::backward)

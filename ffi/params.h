@@ -195,6 +195,12 @@ struct AttentionParams {
   // refuse fewer but some; with none the call keeps the mma.sync family's dQ pass).
   int32_t* dq_semaphores = nullptr;
   int64_t dq_semaphore_count = 0;
+  // Backward workspace past the semaphores (past dq_semaphores_needed() of them in a
+  // deterministic call; the same int32 result, CallPlan::backward_workspace_ints): the Hopper
+  // kernel's block order for calls with segment ids (wgmma/tile_order.cuh); nullptr / 0 where
+  // the call has no room for it, which keeps BackwardBlock's own order.
+  int* block_order = nullptr;
+  int64_t block_order_capacity = 0;
 
   // The kernel switches, read from the environment when the call was traced
   // (src/jax_flashattn/_ffi.py kernel_switches): part of the compiled program, so a call replayed
@@ -246,6 +252,14 @@ struct AttentionParams {
     return q_segment_ids == nullptr
                ? 0
                : batch * num_heads * ((seqlen_q + kTileOrderRows - 1) / kTileOrderRows);
+  }
+  // The block order a backward with segment ids has room for: one int32 per (batch entry, kv
+  // head, kBlockOrderKeys keys), as many as the Hopper backward has blocks at any block width.
+  static constexpr int64_t kBlockOrderKeys = 64;
+  JAX_FLASHATTN_HOST_DEVICE int64_t block_order_needed() const {
+    return q_segment_ids == nullptr
+               ? 0
+               : batch * num_kv_heads * ((seqlen_k + kBlockOrderKeys - 1) / kBlockOrderKeys);
   }
   JAX_FLASHATTN_HOST_DEVICE bool soft_capped() const { return logits_soft_cap != 0.0f; }
   // Terms the tensor-core kernels add element by element, on every tile, in the

@@ -22,6 +22,10 @@ struct CallPlan {
   // with segment ids its tile order (AttentionParams::tile_order_needed). Known without a
   // device.
   int64_t forward_workspace_ints = 1;
+  // Int32 elements of the backward's workspace: dq_semaphores, then for a call with segment ids
+  // the Hopper kernel's block order (AttentionParams::block_order_needed). Known without a
+  // device.
+  int64_t backward_workspace_ints = 0;
   // Float32 partial sums per (batch entry, head) of the ALiBi slopes' gradient:
   // dslopes_slots(S) (ffi/params.h). Known without a device.
   int64_t dslopes_slots = 0;

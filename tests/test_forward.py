@@ -402,9 +402,9 @@ def test_plan_of_a_call():
     floats = 8 * 8 * 16 * (1 * 32 // 8) * (128 + 1)
     # The ALiBi slopes' gradient: 4 partial sums per 16 keys.
     slots = 65536 // 16 * 4
-    assert _ffi.plan(call) == _ffi.CallPlan(floats, 0, slots, 1, "", "", 0, "")
-    assert _ffi.plan(call, jax.devices("cpu")[0]) == _ffi.CallPlan(floats, 0, slots, 1, "cpu",
-                                                                   "cpu", 0, "")
+    assert _ffi.plan(call) == _ffi.CallPlan(floats, 0, slots, 1, 0, "", "", 0, "")
+    assert _ffi.plan(call, jax.devices("cpu")[0]) == _ffi.CallPlan(floats, 0, slots, 1, 0,
+                                                                   "cpu", "cpu", 0, "")
     # The decode kernels have instantiations for a bias and mask, and for the soft-cap, but
     # not for both together, nor for segment ids: no workspace then.
     call.has_bias = call.has_mask = True
@@ -417,13 +417,19 @@ def test_plan_of_a_call():
     call.has_segment_ids = True
     assert _ffi.plan(call).decode_workspace_floats == 0
     # The tile counter, then with segment ids one tile order entry per (batch entry, query
-    # head, 64 queries).
+    # head, 64 queries); the backward's block order one per (batch entry, kv head, 64 keys).
     assert _ffi.plan(call).forward_workspace_ints == 1 + 8 * 32 * 1
+    assert _ffi.plan(call).backward_workspace_ints == 8 * 8 * 1024
     call.has_segment_ids = False
     assert _ffi.plan(call).forward_workspace_ints == 1
+    assert _ffi.plan(call).backward_workspace_ints == 0
     # A deterministic backward: one dQ semaphore per (batch entry, query head, 64 queries).
     wide = _ffi.call_shape((3, 130, 4, 64), (3, 200, 2, 64), jnp.bfloat16, deterministic=True)
     assert _ffi.plan(wide).dq_semaphores == 3 * 4 * 3
+    assert _ffi.plan(wide).backward_workspace_ints == 3 * 4 * 3
+    wide.has_segment_ids = True
+    assert _ffi.plan(wide).backward_workspace_ints == 3 * 4 * 3 + 3 * 2 * 4
+    wide.has_segment_ids = False
     wide.deterministic = False
     assert _ffi.plan(wide).dq_semaphores == 0
     with pytest.raises(AttributeError):

@@ -208,6 +208,51 @@ def test_forward_hands_out_the_longest_tiles_first(rng):
     np.testing.assert_array_equal(np.asarray(workspace)[1:1 + tiles], expected)
 
 
+def test_backward_runs_the_longest_blocks_first(rng):
+    """With segment ids the Hopper backward runs its blocks in the order written into its
+    workspace before the launch: by query tile count in power-of-two classes, longest first,
+    and within a class in index order (a kv head's key blocks together, lowest first). Each
+    block's count is worked out here as BackwardBlock does, from the spans it narrows to (head
+    dim 128: 128-key blocks, 64-query tiles), causal."""
+    if not hopper():
+        pytest.skip("the Hopper backward's block order")
+    b, t, n, kv, h, block, tile = 2, 1100, 4, 2, 128, 128, 64
+    q, k, v = random_qkv(rng, b, t, t, n, kv, h, jnp.bfloat16)
+    ids = packed_ids(rng, b, t, 150)
+    assert jax_flashattn.backward_kernel(q, k, query_segment_ids=ids,
+                                         key_value_segment_ids=ids) == "sm90"
+    options = dict(scale=h ** -0.5, window=(None, 0), switches=_ffi.kernel_switches())
+
+    def run(q, k, v, ids):
+        out, lse = _ops.forward(q, k, v, None, None, None, None, ids, ids, **options)
+        return _ops.backward_with_workspaces(q, k, v, out, lse, out, None, None, None, None,
+                                             ids, ids, **options)[5]
+
+    workspace = jax.jit(run)(q, k, v, ids)
+    query_spans = np.asarray(segments.spans(ids, ids)[1])
+    m = -(-t // block)
+    granule = segments.GRANULE
+
+    def query_tiles(entry, r):
+        key0 = r * block
+        lo, hi = key0, t  # causal
+        spans = query_spans[entry, key0 // granule:-(-(key0 + block) // granule)]
+        lo = max(lo, int(spans[:, 0].min()))
+        hi = min(hi, int(spans[:, 1].max()))
+        return -(-hi // tile) - lo // tile if hi > lo else 0
+
+    def order_class(count):  # __clz(count) - 1
+        return 31 - count.bit_length()
+
+    blocks = b * kv * m
+    counts = [query_tiles(i // m // kv, i % m) for i in range(blocks)]
+    assert len(set(order_class(c) for c in counts)) > 2  # the case sorts something
+    expected = sorted(range(blocks), key=lambda i: (order_class(counts[i]), i))
+    np.testing.assert_array_equal(np.asarray(workspace)[:blocks], expected)
+    check_grads_on(("sm90", False), rng, q, k, v, is_causal=True, query_segment_ids=ids,
+                   key_value_segment_ids=ids)
+
+
 def test_decoding_shape_keeps_the_normal_kernels(rng):
     """A decoding shape (few query rows, many keys) with segment ids takes the mma.sync forward,
     not a split-KV decode kernel, and is right."""

@@ -86,8 +86,9 @@ class CallPlan(NamedTuple):
     deterministic mode; 0 for a call that is not deterministic). `dslopes_slots`: float32
     partial sums per (batch entry, head) of the backward's ALiBi slopes gradient, which the
     caller adds up (ffi/params.h). `forward_workspace_ints`: int32 elements of the forward's
-    workspace (the Hopper kernel's tile counter, and with segment ids its tile order). With a
-    device: the forward and
+    workspace (the Hopper kernel's tile counter, and with segment ids its tile order);
+    `backward_workspace_ints` those of the backward's (the dQ semaphores, and with segment ids
+    the Hopper kernel's block order). With a device: the forward and
     backward kernel families, and a decode call's key splits per (batch entry, kv head) and
     their merge ("cluster", "paired_cluster" or "combine"; 0 and "" for any other call).
     Without one those are "", "", 0, ""."""
@@ -95,6 +96,7 @@ class CallPlan(NamedTuple):
     dq_semaphores: int
     dslopes_slots: int
     forward_workspace_ints: int
+    backward_workspace_ints: int
     forward: str
     backward: str
     decode_splits: int
@@ -141,12 +143,13 @@ def plan(shape, device=None) -> CallPlan:
         family = "" if device is None else "cpu"
         p = _ext.plan(shape, -1)
         return CallPlan(int(p.decode_workspace_floats), int(p.dq_semaphores),
-                        int(p.dslopes_slots), int(p.forward_workspace_ints), family, family, 0,
-                        "")
+                        int(p.dslopes_slots), int(p.forward_workspace_ints),
+                        int(p.backward_workspace_ints), family, family, 0, "")
     p = _ext.plan(shape, device.local_hardware_id)
     return CallPlan(int(p.decode_workspace_floats), int(p.dq_semaphores),
-                    int(p.dslopes_slots), int(p.forward_workspace_ints), p.forward, p.backward,
-                    int(p.decode_splits), p.decode_merge)
+                    int(p.dslopes_slots), int(p.forward_workspace_ints),
+                    int(p.backward_workspace_ints), p.forward, p.backward, int(p.decode_splits),
+                    p.decode_merge)
 
 
 def _kernel_query(query, key, device, **options) -> CallPlan:

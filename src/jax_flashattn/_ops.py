@@ -238,36 +238,52 @@ def backward(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None, 
     `deterministic` makes the CUDA kernels' gradients bit-identical across runs (the CPU
     kernels' always are): the Hopper kernel adds each query tile's dQ in a fixed order of key
     blocks, the mma.sync family computes dQ in a pass of its own, instead of float32 atomics in
-    any order. The call's results also carry the CUDA kernels' workspaces, so that XLA owns
-    their memory: a float32 dQ accumulator shaped like q, D = rowsum(dO * O) float32
-    [..., B, N, T] and the int32 dQ semaphores of the deterministic mode (_ffi.plan; empty
-    otherwise); they are dropped here (the CPU kernels leave them untouched).
-    `align_window_to_lengths`: as in `forward`.
+    any order. `align_window_to_lengths`: as in `forward`.
     """
+    grads = backward_with_workspaces(
+        q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi, scale=scale,
+        window=window, switches=switches, deterministic=deterministic, dbias=dbias,
+        soft_cap=soft_cap, align_window_to_lengths=align_window_to_lengths,
+        alibi_shift=alibi_shift, dslopes=dslopes)
+    with_dbias = bias is not None and dbias
+    with_dslopes = alibi is not None and dslopes
+    return vary_like((*grads[:3], grads[6] if with_dbias else None,
+                      jnp.sum(grads[-1], axis=-1) if with_dslopes else None),
+                     (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids, kv_ids,
+                      alibi))
+
+
+def backward_with_workspaces(q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids=None,
+                             kv_ids=None, alibi=None, *, scale: float, window: tuple,
+                             switches: _ffi.KernelSwitches, deterministic: bool = False,
+                             dbias: bool = False, soft_cap: float = 0.0,
+                             align_window_to_lengths: bool = False, alibi_shift: int = 0,
+                             dslopes: bool = False):
+    """`backward`'s call with all of its results: dq, dk, dv, the CUDA kernels' workspaces
+    (results so that XLA owns their memory: a float32 dQ accumulator shaped like q, D =
+    rowsum(dO * O) float32 [..., B, N, T], and int32, the dQ semaphores of the deterministic
+    mode followed, with segment ids, by the order the Hopper kernel runs its blocks in:
+    _ffi.plan, ffi/cuda/wgmma/tile_order.cuh), then dbias and the slopes' partial sums where
+    asked for. `backward` keeps what it returns; the tests read the block order."""
     *lead, t, n, _ = q.shape
     s = k.shape[-3]
     optional, flags = _optional_operands(q, k, bias, mask, q_lens, kv_lens, q_ids, kv_ids, alibi,
                                          alibi_shift)
     plan = _ffi.plan(_ffi.call_shape(q.shape, k.shape, q.dtype, scale=scale,
+                                     has_segment_ids=q_ids is not None,
                                      deterministic=deterministic, soft_cap=soft_cap,
                                      switches=switches))
-    semaphores = plan.dq_semaphores
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
     results.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))  # dq_accum
     results.append(jax.ShapeDtypeStruct((*lead, n, t), jnp.float32))  # delta
-    results.append(jax.ShapeDtypeStruct((semaphores,), jnp.int32))  # dq_semaphores
-    with_dbias = bias is not None and dbias
-    if with_dbias:
+    results.append(jax.ShapeDtypeStruct((plan.backward_workspace_ints,), jnp.int32))
+    if bias is not None and dbias:
         shape = (*lead, n, t, s) if deterministic else bias.shape
         results.append(jax.ShapeDtypeStruct(shape, jnp.float32))
     with_dslopes = alibi is not None and dslopes
     if with_dslopes:
         results.append(jax.ShapeDtypeStruct((*alibi.shape, plan.dslopes_slots), jnp.float32))
     call = jax.ffi.ffi_call(_ffi.BACKWARD_TARGET, tuple(results), vmap_method="broadcast_all")
-    grads = call(q, k, v, out, lse, d_out, *optional, **flags,
-                 **_attrs(scale, window, switches, deterministic, soft_cap,
-                          align_window_to_lengths, with_dslopes))
-    return vary_like((*grads[:3], grads[6] if with_dbias else None,
-                      jnp.sum(grads[-1], axis=-1) if with_dslopes else None),
-                     (q, k, v, out, lse, d_out, bias, mask, q_lens, kv_lens, q_ids, kv_ids,
-                      alibi))
+    return call(q, k, v, out, lse, d_out, *optional, **flags,
+                **_attrs(scale, window, switches, deterministic, soft_cap,
+                         align_window_to_lengths, with_dslopes))

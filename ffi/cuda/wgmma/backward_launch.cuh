@@ -9,6 +9,7 @@
 #include "ffi/cuda/wgmma/backward_kernel.cuh"
 #include "ffi/cuda/wgmma/backward_traits.h"
 #include "ffi/cuda/wgmma/staged_term.h"
+#include "ffi/cuda/wgmma/tile_order.cuh"
 #include "ffi/cuda/wgmma/traits.h"  // indices_fit_32_bits
 
 namespace jax_flashattn::cuda {
@@ -33,12 +34,20 @@ cudaError_t launch_backward_sm90_with(const AttentionParams& p, cudaStream_t str
                                                   Traits::kDqRows, maps);
       e != cudaSuccess)
     return e;
+  AttentionParams params = p;
   if constexpr (Traits::kSegments) {
     if (cudaError_t e = wgmma::encode_query_ids_map(p, Traits::QIdBox::kIds, maps.q_ids);
         e != cudaSuccess)
       return e;
+    // The blocks in the call's block order where it has room for one (tile_order.cuh).
+    bool ordered = false;
+    if (cudaError_t e = wgmma::write_order<wgmma::BackwardBlockWork<Traits>>(
+            p, p.block_order, p.block_order_capacity, ordered, stream);
+        e != cudaSuccess)
+      return e;
+    if (!ordered) params.block_order = nullptr;
   }
-  kernel<<<unsigned(blocks), Traits::kThreads, Traits::kSmemBytes, stream>>>(p, maps);
+  kernel<<<unsigned(blocks), Traits::kThreads, Traits::kSmemBytes, stream>>>(params, maps);
   return cudaGetLastError();
 }
 

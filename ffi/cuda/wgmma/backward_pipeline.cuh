@@ -88,7 +88,6 @@ struct BackwardBlock {
   int head0, tile_begin, tiles, steps;
 
   __device__ static BackwardBlock make(const AttentionParams& p) {
-    BackwardBlock w;
     // The key blocks of one (batch, kv head) are consecutive, so the blocks running together
     // stream the same Q and dO tiles through L2. Under a causal mask or a window the blocks'
     // work differs (the lowest key block sees the most queries), and in a grid of a few waves
@@ -97,15 +96,26 @@ struct BackwardBlock {
     // longest blocks run first and the grid ends on short ones. With more waves that tail is
     // small and the L2 reuse worth more (docs/decisions/backward-kernels.md). In deterministic
     // mode under a bounded right window the key blocks run in reverse (dq_order_descending),
-    // shortest first.
+    // shortest first. With segment ids they run in the call's block order where it has one
+    // (tile_order.cuh: longest first, this index order within a class).
     const int key_blocks = int((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
-    const int groups = int(p.batch * p.num_kv_heads), index = int(blockIdx.x);
-    const bool key_block_outer =
-        !p.unwindowed() && gridDim.x <= 4 * ptx::sm_id_count();
+    const int groups = int(p.batch * p.num_kv_heads);
+    int index = int(blockIdx.x);
+    bool key_block_outer = !p.unwindowed() && gridDim.x <= 4 * ptx::sm_id_count();
+    if constexpr (Traits::kSegments)
+      if (p.block_order != nullptr) {
+        index = p.block_order[index];
+        key_block_outer = false;
+      }
     const int bh = key_block_outer ? index % groups : index / key_blocks;
     int key_block = key_block_outer ? index / groups : index % key_blocks;
     if constexpr (Traits::kDeterministic)  // the order of the dQ additions (dq_turn)
       if (dq_order_descending(p)) key_block = key_blocks - 1 - key_block;
+    return at(p, bh, key_block);
+  }
+  // Key block key_block of (batch entry, kv head) pair bh.
+  __device__ static BackwardBlock at(const AttentionParams& p, int bh, int key_block) {
+    BackwardBlock w;
     w.key0 = key_block * Traits::kBlockN;
     w.b = bh / int(p.num_kv_heads);
     w.kv_head = bh % int(p.num_kv_heads);
@@ -129,6 +139,18 @@ struct BackwardBlock {
   // Row (b, n, q0) of lse and D: int32, as backward_tma_compatible checks.
   __device__ int stats_row(const AttentionParams& p, int n, int q0) const {
     return (b * int(p.num_heads) + n) * int(p.seqlen_q) + q0;
+  }
+};
+
+// The backward's blocks as tile_order.cuh orders them: key blocks, their query tiles.
+template <typename Traits>
+struct BackwardBlockWork {
+  __host__ __device__ static int units(const AttentionParams& p) {
+    return int((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
+  }
+  __host__ __device__ static int heads(const AttentionParams& p) { return int(p.num_kv_heads); }
+  __device__ static int tiles(const AttentionParams& p, int b, int r) {
+    return BackwardBlock<Traits>::at(p, b * heads(p), r).tiles;
   }
 };
 

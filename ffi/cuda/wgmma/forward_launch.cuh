@@ -54,7 +54,9 @@ cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stre
   AttentionParams params = p;
   if constexpr (Traits::kSegments) {
     bool ordered = false;
-    if (cudaError_t e = wgmma::order_tiles<Traits>(p, m_blocks, tiles, ordered, stream);
+    if (cudaError_t e =
+            wgmma::write_order<wgmma::ForwardTileWork<Traits::kBlockM, Traits::kBlockN>>(
+                p, p.tile_order, p.tile_order_capacity, ordered, stream);
         e != cudaSuccess)
       return e;
     if (!ordered) params.tile_order = nullptr;

@@ -1,23 +1,24 @@
-// The Hopper forward's tile order for calls with segment ids, written on the stream by one block
-// before the forward's launch.
+// The order of the Hopper kernels' work for calls with segment ids: the forward's tiles (query
+// block, head, batch entry) and the backward's blocks (key block, kv head, batch entry), written
+// on the stream by one block before the kernel's launch.
 //
-// The persistent kernel's blocks claim tiles in index order (tile_scheduler.cuh): a head's
-// query blocks together, highest first. Without ids that is longest first under a causal mask,
-// and the short tiles fill the end. On packed rows a block's key tiles follow its place in its
-// document, not in the row, so the last tiles claimed are long or short at random and the
-// blocks that draw the long ones finish alone. This order sorts the tiles by their key tile
-// count, longest first, in classes of powers of two (all tiles of 2^k to 2^(k+1) - 1 key tiles
-// together), and keeps the scheduler's order within a class (a stable sort), so the query
-// blocks of one head that run together still share their documents' K/V in L2. A model of
-// the grid (132 SMs, each tile's cost its key tiles plus 0.6, the packed preset's documents)
-// puts the makespan at 1.03-1.09 of a perfect balance in index order, at 1.003-1.005 in this
-// one (docs/decisions/segment-ids.md).
+// The forward's persistent blocks claim tiles in index order, the backward's grid starts its
+// blocks in index order: a head's blocks together, longest first under a causal mask where the
+// lengths follow the position in the row (the forward's highest query blocks, the backward's
+// lowest key blocks), so that short ones fill the end. On packed rows a block's work follows its
+// place in its document instead, so the last ones are long or short at random and the SMs that
+// draw the long ones finish alone. This order sorts the units by their tile count (the forward's
+// key tiles, the backward's query tiles), longest first, in classes of powers of two (all units
+// of 2^k to 2^(k+1) - 1 tiles together), and keeps the index order within a class (a stable
+// sort), so a head's blocks that run together still share their documents' K/V (or Q/dO) in L2.
+// A model of the grids (132 SMs, each unit's cost its tiles plus a constant, the packed preset's
+// documents) puts index order at 1.02-1.09 of a perfect balance and this one at 1.002-1.005
+// (docs/decisions/segment-ids.md).
 //
-// One block of kOrderThreads threads: each tile's class from its batch entry's and query
-// block's key range (TileScheduler::tile of the call's first head: the ids, and so the
-// ranges, are the same for every head), counted per warp over its contiguous share of the tile
-// indices, offsets by class and warp, then each warp places its share in index order (the
-// lanes of one class ranked by __match_any_sync).
+// One block of kOrderThreads threads: each unit's class from its batch entry's and position's
+// tile count (Work::tiles: the ranges, from the ids, are the same for every head), counted per
+// warp over its contiguous share of the indices, offsets by class and warp, then each warp
+// places its share in index order (the lanes of one class ranked by __match_any_sync).
 #pragma once
 
 #include <cstdint>
@@ -29,35 +30,36 @@ namespace jax_flashattn::wgmma {
 
 inline constexpr int kOrderThreads = 1024;
 inline constexpr int kOrderWarps = kOrderThreads / 32;
-// Classes of key tile counts: __clz(count) - 1, so 0 holds the longest tiles (2^30 or more key
-// tiles) and 31 the tiles that see no key.
+// Classes of tile counts: __clz(count) - 1, so 0 holds the longest units (2^30 or more tiles)
+// and 31 those with none.
 inline constexpr int kOrderClasses = 32;
-// A class per (batch entry, query block), one byte each in shared memory: at most the 48 KiB
-// a launch takes without opting in. Calls with more keep the scheduler's own order.
+// A class per (batch entry, position), one byte each in shared memory: at most the 48 KiB a
+// launch takes without opting in. Calls with more keep the index order.
 inline constexpr int64_t kOrderMaxEntries = 48 * 1024;
 
-__device__ __forceinline__ int order_class(int key_tiles) { return __clz(key_tiles) - 1; }
+__device__ __forceinline__ int order_class(int tiles) { return __clz(tiles) - 1; }
 
-template <int kBlockM, int kBlockN>
+// Work: index i of a kernel's units is position i % units of head (i / units) % heads of batch
+// entry i / units / heads (Work::units(p), Work::heads(p)); Work::tiles(p, b, r) the tile
+// count of position r of batch entry b.
+template <typename Work>
 __global__ void __launch_bounds__(kOrderThreads)
-    order_tiles_kernel(const __grid_constant__ AttentionParams p) {
-  extern __shared__ uint8_t entry_class[];  // [batch][query block]
-  // Per warp: its tiles of each class, then the position its first one of the class takes.
+    order_kernel(const __grid_constant__ AttentionParams p, int* order) {
+  extern __shared__ uint8_t entry_class[];  // [batch][position]
+  // Per warp: its units of each class, then the place its first one of the class takes.
   // Column kOrderClasses counts the lanes past the warp's share.
   __shared__ int counts[kOrderWarps][kOrderClasses + 1];
-  const auto s = TileScheduler<kBlockM, kBlockN, true>::make(p);
-  const int m = s.m_blocks, heads = int(p.num_heads);
-  const int entries = int(p.batch) * m;
+  const int m = Work::units(p), heads = Work::heads(p);
+  const int entries = int(p.batch) * m, units = entries * heads;
   for (int e = int(threadIdx.x); e < entries; e += kOrderThreads)
-    entry_class[e] = uint8_t(order_class(s.tile(p, e / m * heads * m + e % m).num_kv_tiles));
+    entry_class[e] = uint8_t(order_class(Work::tiles(p, e / m, e % m)));
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   for (int c = lane; c <= kOrderClasses; c += 32) counts[warp][c] = 0;
   __syncthreads();
 
-  const int share = (s.num_tiles + kOrderWarps - 1) / kOrderWarps;
+  const int share = (units + kOrderWarps - 1) / kOrderWarps;
   const int first = warp * share;
-  const int end = first + share < s.num_tiles ? first + share : s.num_tiles;
-  // Tile i is query block i % m of head (i / m) % heads of batch entry i / m / heads.
+  const int end = first + share < units ? first + share : units;
   const auto class_of = [&](int i) {
     return i < end ? int(entry_class[i / m / heads * m + i % m]) : kOrderClasses;
   };
@@ -68,8 +70,8 @@ __global__ void __launch_bounds__(kOrderThreads)
     __syncwarp();
   }
   __syncthreads();
-  // Lane c of warp 0: class c's first position (a scan over the classes of their totals),
-  // then each warp's first position in it.
+  // Lane c of warp 0: class c's first place (a scan over the classes of their totals), then
+  // each warp's first place in it.
   if (warp == 0) {
     int total = 0;
     for (int w = 0; w < kOrderWarps; ++w) total += counts[w][lane];
@@ -89,27 +91,39 @@ __global__ void __launch_bounds__(kOrderThreads)
   for (int i0 = first; i0 < end; i0 += 32) {
     const int i = i0 + lane, c = class_of(i);
     const unsigned peers = __match_any_sync(0xffffffff, c);
-    if (c < kOrderClasses) p.tile_order[counts[warp][c] + __popc(peers & ((1u << lane) - 1))] = i;
+    if (c < kOrderClasses) order[counts[warp][c] + __popc(peers & ((1u << lane) - 1))] = i;
     __syncwarp();
     if (lane == __ffs(peers) - 1) counts[warp][c] += __popc(peers);
     __syncwarp();
   }
 }
 
-// Writes the tile order of a call with segment ids into p.tile_order before the forward of
-// configuration Traits; `ordered` says whether it did (false where the call has no room for
-// it or more (batch entry, query block) pairs than kOrderMaxEntries: the forward then takes
-// the scheduler's own order).
-template <typename Traits>
-cudaError_t order_tiles(const AttentionParams& p, int64_t m_blocks, int64_t tiles, bool& ordered,
+// Writes the order of a call's units into `order` (room for `capacity`) before the kernel whose
+// units Work describes; `ordered` says whether it did (false where the call has no room for it
+// or more (batch entry, position) pairs than kOrderMaxEntries: the kernel then takes its index
+// order).
+template <typename Work>
+cudaError_t write_order(const AttentionParams& p, int* order, int64_t capacity, bool& ordered,
                         cudaStream_t stream) {
-  const int64_t entries = p.batch * m_blocks;
-  ordered = p.tile_order != nullptr && p.tile_order_capacity >= tiles && entries > 0 &&
+  const int64_t entries = p.batch * Work::units(p);
+  ordered = order != nullptr && capacity >= entries * Work::heads(p) && entries > 0 &&
             entries <= kOrderMaxEntries;
   if (!ordered) return cudaSuccess;
-  order_tiles_kernel<Traits::kBlockM, Traits::kBlockN>
-      <<<1, kOrderThreads, size_t(entries), stream>>>(p);
+  order_kernel<Work><<<1, kOrderThreads, size_t(entries), stream>>>(p, order);
   return cudaGetLastError();
 }
+
+// The forward's tiles: query blocks of kBlockM rows, their key tiles (TileScheduler's ranges).
+template <int kBlockM, int kBlockN>
+struct ForwardTileWork {
+  __host__ __device__ static int units(const AttentionParams& p) {
+    return int((p.seqlen_q + kBlockM - 1) / kBlockM);
+  }
+  __host__ __device__ static int heads(const AttentionParams& p) { return int(p.num_heads); }
+  __device__ static int tiles(const AttentionParams& p, int b, int r) {
+    const auto s = TileScheduler<kBlockM, kBlockN, true>::make(p);
+    return s.tile(p, b * heads(p) * s.m_blocks + r).num_kv_tiles;
+  }
+};
 
 }  // namespace jax_flashattn::wgmma
