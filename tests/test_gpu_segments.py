@@ -166,6 +166,27 @@ def test_forward_with_every_option(rng, dtype):
                        query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
 
 
+def tiles_through_spans(spans, entry, start, width, lo, hi, tile):
+    """Tiles of `tile` positions that [lo, hi) holds once narrowed, as the kernels narrow a
+    block's range, to the union of batch entry `entry`'s spans over the granules of positions
+    [start, start + width)."""
+    granule = segments.GRANULE
+    union = spans[entry, start // granule:-(-(start + width) // granule)]
+    lo = max(lo, int(union[:, 0].min()))
+    hi = min(hi, int(union[:, 1].max()))
+    return -(-hi // tile) - lo // tile if hi > lo else 0
+
+
+def assert_longest_first(order, counts):
+    """`order` (as the kernel wrote it) sorts the units by their tile counts `counts` (by
+    index) in power-of-two classes, __clz(count) - 1, longest first, and keeps the index order
+    within a class."""
+    classes = [31 - count.bit_length() for count in counts]
+    assert len(set(classes)) > 2  # the case sorts something
+    expected = sorted(range(len(counts)), key=lambda i: (classes[i], i))
+    np.testing.assert_array_equal(np.asarray(order)[:len(counts)], expected)
+
+
 def test_forward_hands_out_the_longest_tiles_first(rng):
     """With segment ids the Hopper forward takes its tiles in the order written into its
     workspace before the launch: by key tile count in power-of-two classes, longest first, and
@@ -185,27 +206,13 @@ def test_forward_hands_out_the_longest_tiles_first(rng):
     _, _, workspace, _ = run(q, k, v, ids)
     check_cuda_forward(q, k, v, is_causal=True, query_segment_ids=ids,
                        key_value_segment_ids=ids)
-
     key_spans = np.asarray(segments.spans(ids, ids)[0])
     m = -(-t // block)
-    granule = segments.GRANULE
-
-    def key_tiles(entry, r):
-        row0 = (m - 1 - r) * block
-        lo, hi = 0, min(row0 + block, t)  # causal
-        spans = key_spans[entry, row0 // granule:-(-(row0 + block) // granule)]
-        lo = max(lo, int(spans[:, 0].min()))
-        hi = min(hi, int(spans[:, 1].max()))
-        return -(-hi // block) - lo // block if hi > lo else 0
-
-    def order_class(count):  # __clz(count) - 1
-        return 31 - count.bit_length()
-
-    tiles = b * n * m
-    counts = [key_tiles(i // m // n, i % m) for i in range(tiles)]
-    assert len(set(order_class(c) for c in counts)) > 2  # the case sorts something
-    expected = sorted(range(tiles), key=lambda i: (order_class(counts[i]), i))
-    np.testing.assert_array_equal(np.asarray(workspace)[1:1 + tiles], expected)
+    row0 = [(m - 1 - r) * block for r in range(m)]  # query block r, highest first
+    counts = [tiles_through_spans(key_spans, i // m // n, row0[i % m], block, 0,
+                                  min(row0[i % m] + block, t), block)  # causal
+              for i in range(b * n * m)]
+    assert_longest_first(np.asarray(workspace)[1:], counts)
 
 
 def test_backward_runs_the_longest_blocks_first(rng):
@@ -231,24 +238,10 @@ def test_backward_runs_the_longest_blocks_first(rng):
     workspace = jax.jit(run)(q, k, v, ids)
     query_spans = np.asarray(segments.spans(ids, ids)[1])
     m = -(-t // block)
-    granule = segments.GRANULE
-
-    def query_tiles(entry, r):
-        key0 = r * block
-        lo, hi = key0, t  # causal
-        spans = query_spans[entry, key0 // granule:-(-(key0 + block) // granule)]
-        lo = max(lo, int(spans[:, 0].min()))
-        hi = min(hi, int(spans[:, 1].max()))
-        return -(-hi // tile) - lo // tile if hi > lo else 0
-
-    def order_class(count):  # __clz(count) - 1
-        return 31 - count.bit_length()
-
-    blocks = b * kv * m
-    counts = [query_tiles(i // m // kv, i % m) for i in range(blocks)]
-    assert len(set(order_class(c) for c in counts)) > 2  # the case sorts something
-    expected = sorted(range(blocks), key=lambda i: (order_class(counts[i]), i))
-    np.testing.assert_array_equal(np.asarray(workspace)[:blocks], expected)
+    counts = [tiles_through_spans(query_spans, i // m // kv, i % m * block, block,
+                                  i % m * block, t, tile)  # causal
+              for i in range(b * kv * m)]
+    assert_longest_first(workspace, counts)
     check_grads_on(("sm90", False), rng, q, k, v, is_causal=True, query_segment_ids=ids,
                    key_value_segment_ids=ids)
 
