@@ -33,9 +33,13 @@ inline constexpr int kOrderWarps = kOrderThreads / 32;
 // Classes of tile counts: __clz(count) - 1, so 0 holds the longest units (2^30 or more tiles)
 // and 31 those with none.
 inline constexpr int kOrderClasses = 32;
-// A class per (batch entry, position), one byte each in shared memory: at most the 48 KiB a
-// launch takes without opting in. Calls with more keep the index order.
-inline constexpr int64_t kOrderMaxEntries = 48 * 1024;
+// Per warp, its units of each class (and a column for lanes past its share): order_kernel's
+// static shared memory.
+inline constexpr int kOrderCountBytes = kOrderWarps * (kOrderClasses + 1) * 4;
+// A class per (batch entry, position), one byte each in dynamic shared memory, beside the
+// counts within the 48 KiB a launch takes without opting in. Calls with more keep the index
+// order.
+inline constexpr int64_t kOrderMaxEntries = 48 * 1024 - kOrderCountBytes;
 
 __device__ __forceinline__ int order_class(int tiles) { return __clz(tiles) - 1; }
 
@@ -49,6 +53,7 @@ __global__ void __launch_bounds__(kOrderThreads)
   // Per warp: its units of each class, then the place its first one of the class takes.
   // Column kOrderClasses counts the lanes past the warp's share.
   __shared__ int counts[kOrderWarps][kOrderClasses + 1];
+  static_assert(sizeof(counts) == kOrderCountBytes, "kOrderMaxEntries leaves room for them");
   const int m = Work::units(p), heads = Work::heads(p);
   const int entries = int(p.batch) * m, units = entries * heads;
   for (int e = int(threadIdx.x); e < entries; e += kOrderThreads)
