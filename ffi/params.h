@@ -245,21 +245,20 @@ struct AttentionParams {
   JAX_FLASHATTN_HOST_DEVICE int64_t dq_semaphores_needed() const {
     return batch * num_heads * ((seqlen_q + kDqSemaphoreRows - 1) / kDqSemaphoreRows);
   }
-  // The tile order a call with segment ids has room for: one int32 per (batch entry, query
-  // head, kTileOrderRows queries), as many as the Hopper forward has tiles at any block height.
-  static constexpr int64_t kTileOrderRows = 64;
+  // The work orders a call with segment ids has room for (wgmma/tile_order.cuh): one int32 per
+  // kOrderPositions positions, the smallest block height and width of the Hopper kernels, so as
+  // many as they have blocks in every configuration: the forward's tiles per (batch entry,
+  // query head) and the backward's blocks per (batch entry, kv head).
+  static constexpr int64_t kOrderPositions = 64;
   JAX_FLASHATTN_HOST_DEVICE int64_t tile_order_needed() const {
     return q_segment_ids == nullptr
                ? 0
-               : batch * num_heads * ((seqlen_q + kTileOrderRows - 1) / kTileOrderRows);
+               : batch * num_heads * ((seqlen_q + kOrderPositions - 1) / kOrderPositions);
   }
-  // The block order a backward with segment ids has room for: one int32 per (batch entry, kv
-  // head, kBlockOrderKeys keys), as many as the Hopper backward has blocks at any block width.
-  static constexpr int64_t kBlockOrderKeys = 64;
   JAX_FLASHATTN_HOST_DEVICE int64_t block_order_needed() const {
     return q_segment_ids == nullptr
                ? 0
-               : batch * num_kv_heads * ((seqlen_k + kBlockOrderKeys - 1) / kBlockOrderKeys);
+               : batch * num_kv_heads * ((seqlen_k + kOrderPositions - 1) / kOrderPositions);
   }
   JAX_FLASHATTN_HOST_DEVICE bool soft_capped() const { return logits_soft_cap != 0.0f; }
   // Terms the tensor-core kernels add element by element, on every tile, in the

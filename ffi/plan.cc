@@ -111,9 +111,10 @@ CallPlan Plan(const CallShape& shape, int device) {
   CallPlan plan;
   plan.decode_workspace_floats =
       DecodeWorkspaceFloats(shape, mma_sync::kDecodeMaxMultiprocessors);
-  if (shape.deterministic) plan.dq_semaphores = PlanningParams(shape).dq_semaphores_needed();
-  plan.forward_workspace_ints = 1 + PlanningParams(shape).tile_order_needed();
-  plan.backward_workspace_ints = plan.dq_semaphores + PlanningParams(shape).block_order_needed();
+  const AttentionParams planning = PlanningParams(shape);
+  if (shape.deterministic) plan.dq_semaphores = planning.dq_semaphores_needed();
+  plan.forward_workspace_ints = 1 + planning.tile_order_needed();
+  plan.backward_workspace_ints = plan.dq_semaphores + planning.block_order_needed();
   plan.dslopes_slots = dslopes_slots(shape.seqlen_k);
   if (device < 0) return plan;
   if (!KnownDtype(shape.dtype))

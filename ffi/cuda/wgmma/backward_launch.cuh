@@ -40,12 +40,10 @@ cudaError_t launch_backward_sm90_with(const AttentionParams& p, cudaStream_t str
         e != cudaSuccess)
       return e;
     // The blocks in the call's block order where it has room for one (tile_order.cuh).
-    bool ordered = false;
     if (cudaError_t e = wgmma::write_order<wgmma::BackwardBlockWork<Traits>>(
-            p, p.block_order, p.block_order_capacity, ordered, stream);
+            p, params.block_order, p.block_order_capacity, stream);
         e != cudaSuccess)
       return e;
-    if (!ordered) params.block_order = nullptr;
   }
   kernel<<<unsigned(blocks), Traits::kThreads, Traits::kSmemBytes, stream>>>(params, maps);
   return cudaGetLastError();

@@ -53,13 +53,11 @@ cudaError_t launch_forward_sm90_with(const AttentionParams& p, cudaStream_t stre
     return e;
   AttentionParams params = p;
   if constexpr (Traits::kSegments) {
-    bool ordered = false;
     if (cudaError_t e =
             wgmma::write_order<wgmma::ForwardTileWork<Traits::kBlockM, Traits::kBlockN>>(
-                p, p.tile_order, p.tile_order_capacity, ordered, stream);
+                p, params.tile_order, p.tile_order_capacity, stream);
         e != cudaSuccess)
       return e;
-    if (!ordered) params.tile_order = nullptr;
   }
   const unsigned grid = unsigned(tiles < sms ? tiles : sms);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params, maps);

@@ -104,16 +104,17 @@ __global__ void __launch_bounds__(kOrderThreads)
 }
 
 // Writes the order of a call's units into `order` (room for `capacity`) before the kernel whose
-// units Work describes; `ordered` says whether it did (false where the call has no room for it
-// or more (batch entry, position) pairs than kOrderMaxEntries: the kernel then takes its index
-// order).
+// units Work describes, or sets `order` to nullptr where the call has no room for it or more
+// (batch entry, position) pairs than kOrderMaxEntries: the kernel then takes its index order.
 template <typename Work>
-cudaError_t write_order(const AttentionParams& p, int* order, int64_t capacity, bool& ordered,
+cudaError_t write_order(const AttentionParams& p, int*& order, int64_t capacity,
                         cudaStream_t stream) {
   const int64_t entries = p.batch * Work::units(p);
-  ordered = order != nullptr && capacity >= entries * Work::heads(p) && entries > 0 &&
-            entries <= kOrderMaxEntries;
-  if (!ordered) return cudaSuccess;
+  if (order == nullptr || capacity < entries * Work::heads(p) || entries == 0 ||
+      entries > kOrderMaxEntries) {
+    order = nullptr;
+    return cudaSuccess;
+  }
   order_kernel<Work><<<1, kOrderThreads, size_t(entries), stream>>>(p, order);
   return cudaGetLastError();
 }
