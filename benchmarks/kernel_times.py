@@ -8,7 +8,11 @@ grid's shape: B = --tokens / T, N = --hidden / H, T = S = --seqlen. The child pr
 jitted function twice, then a marker kernel (a sine), then once more; the table lists the
 kernels after the marker, so compilation, autotuning and warm-up launches are left out (XLA's
 autotuning is off in the child). Sums of these durations leave out the gaps between launches
-that the benchmark's timing includes: compare kernels with it, not calls."""
+that the benchmark's timing includes: compare kernels with it, not calls.
+
+`--documents MEAN` gives our calls segment ids: rows packed with documents of log-normal
+lengths of that mean (the packed preset's draw), or one document per row for 0 (every id 0:
+what the ids alone cost)."""
 
 import argparse
 import csv
@@ -30,9 +34,21 @@ def child(args):
     dtype = {"bf16": jnp.bfloat16, "fp16": jnp.float16}[args.dtype]
     q, k, v = (jax.random.normal(key, shape, dtype)
                for key in jax.random.split(jax.random.PRNGKey(0), 3))
+    ids = {}
+    if args.documents is not None:
+        import numpy as np
+
+        from jax_flashattn._bench.configs import document_ids
+        from jax_flashattn._bench.packed import draw_documents
+        if args.documents == 0:
+            rows = jnp.zeros(shape[:2], jnp.int32)
+        else:
+            docs = draw_documents(shape[0], t, args.documents)
+            rows = jnp.asarray(np.stack([document_ids(d, t) for d in docs]), jnp.int32)
+        ids = dict(query_segment_ids=rows, key_value_segment_ids=rows)
     if args.impl == "ours":
         def attention(q, k, v):
-            return jax_flashattn.attention(q, k, v, is_causal=args.causal)
+            return jax_flashattn.attention(q, k, v, is_causal=args.causal, **ids)
     else:
         def attention(q, k, v):
             return jax.nn.dot_product_attention(q, k, v, is_causal=args.causal,
@@ -76,23 +92,30 @@ def main():
     parser.add_argument("--mode", choices=("fwd", "fwdbwd"), default="fwdbwd")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--documents", type=int, default=None, metavar="MEAN",
+                        help="segment ids for our calls: documents of this mean length "
+                             "(0: one per row)")
     parser.add_argument("--ncu", default="ncu", help="the Nsight Compute command")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
+    if args.documents is not None and args.impl != "ours":
+        parser.error("--documents times our kernels alone: give --impl ours")
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
     shape = (f"B = {max(1, args.tokens // args.seqlen)}, T = S = {args.seqlen}, "
              f"N = {args.hidden // args.head_dim}, H = {args.head_dim}, {args.dtype}, "
-             f"{'causal' if args.causal else 'full'}, {args.mode}")
+             f"{'causal' if args.causal else 'full'}, {args.mode}"
+             + ("" if args.documents is None else f", documents of mean {args.documents}"))
     print(shape)
     for impl in args.impl.split(","):
         command = [args.ncu, "--metrics", "gpu__time_duration.sum", "--csv", sys.executable,
                    os.path.abspath(__file__), "--child", "--impl", impl,
                    "--head-dim", str(args.head_dim), "--seqlen", str(args.seqlen),
                    "--dtype", args.dtype, "--mode", args.mode, "--tokens", str(args.tokens),
-                   "--hidden", str(args.hidden)] + (["--causal"] if args.causal else [])
+                   "--hidden", str(args.hidden)] + (["--causal"] if args.causal else []) + (
+                       [] if args.documents is None else ["--documents", str(args.documents)])
         run = subprocess.run(command, env=env, capture_output=True, text=True)
         if run.returncode != 0:
             print(f"{impl}: ncu exited with {run.returncode}\n{run.stderr[-2000:]}")
