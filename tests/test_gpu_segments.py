@@ -177,27 +177,33 @@ def tiles_through_spans(spans, entry, start, width, lo, hi, tile):
     return -(-hi // tile) - lo // tile if hi > lo else 0
 
 
-def assert_longest_first(order, counts):
-    """`order` (as the kernel wrote it) sorts the units by their tile counts `counts` (by
-    index) in power-of-two classes, __clz(count) - 1, longest first, and keeps the index order
-    within a class."""
+def assert_order(order, counts):
+    """`order` (as the kernel wrote it) takes the long units first in index order (their tile
+    counts `counts`, by index, within the longest unit's power-of-two class, __clz(count) - 1,
+    and the next two), then the others by class, longest first, in index order within a
+    class."""
     classes = [31 - count.bit_length() for count in counts]
-    assert len(set(classes)) > 2  # the case sorts something
-    expected = sorted(range(len(counts)), key=lambda i: (classes[i], i))
+    top = min(classes)
+    keys = [0 if c < top + 3 else c for c in classes]
+    assert len(set(keys)) > 2  # the case sorts something
+    assert min(i for i, key in enumerate(keys) if key) < max(i for i, key in enumerate(keys)
+                                                            if not key)  # and moves some
+    expected = sorted(range(len(counts)), key=lambda i: (keys[i], i))
     np.testing.assert_array_equal(np.asarray(order)[:len(counts)], expected)
 
 
-def test_forward_hands_out_the_longest_tiles_first(rng):
+def test_forward_hands_out_the_short_tiles_last(rng):
     """With segment ids the Hopper forward takes its tiles in the order written into its
-    workspace before the launch: by key tile count in power-of-two classes, longest first, and
-    within a class in the scheduler's own order (a head's query blocks together, highest
-    first). Each tile's count is worked out here as the kernel's scheduler does, from the spans
-    it narrows to (head dim 128: 128-row query blocks, 128-key tiles), causal."""
+    workspace before the launch: the long ones first in the scheduler's own order (a head's
+    query blocks together, highest first), then the short ones by key tile count in
+    power-of-two classes, longest first (assert_order). Each tile's count is worked out here
+    as the kernel's scheduler does, from the spans it narrows to (head dim 128: 128-row query
+    blocks, 128-key tiles), causal; the last row is one document, the others short ones."""
     if not hopper():
         pytest.skip("the Hopper forward's tile order")
-    b, t, n, h, block = 3, 1000, 5, 128, 128
+    b, t, n, h, block = 3, 2000, 5, 128, 128
     q, k, v = random_qkv(rng, b, t, t, n, n, h, jnp.bfloat16)
-    ids = packed_ids(rng, b, t, 150)
+    ids = packed_ids(rng, b, t, 150).at[-1].set(0)
     assert jax_flashattn.forward_kernel(q, k, query_segment_ids=ids,
                                         key_value_segment_ids=ids) == "sm90"
     run = jax.jit(lambda q, k, v, ids: _ops.forward_with_workspaces(
@@ -212,20 +218,21 @@ def test_forward_hands_out_the_longest_tiles_first(rng):
     counts = [tiles_through_spans(key_spans, i // m // n, row0[i % m], block, 0,
                                   min(row0[i % m] + block, t), block)  # causal
               for i in range(b * n * m)]
-    assert_longest_first(np.asarray(workspace)[1:], counts)
+    assert_order(np.asarray(workspace)[1:], counts)
 
 
-def test_backward_runs_the_longest_blocks_first(rng):
+def test_backward_runs_the_short_blocks_last(rng):
     """With segment ids the Hopper backward runs its blocks in the order written into its
-    workspace before the launch: by query tile count in power-of-two classes, longest first,
-    and within a class in index order (a kv head's key blocks together, lowest first). Each
-    block's count is worked out here as BackwardBlock does, from the spans it narrows to (head
-    dim 128: 128-key blocks, 64-query tiles), causal."""
+    workspace before the launch: the long ones first in index order (a kv head's key blocks
+    together, lowest first), then the short ones by query tile count in power-of-two classes,
+    longest first (assert_order). Each block's count is worked out here as BackwardBlock does,
+    from the spans it narrows to (head dim 128: 128-key blocks, 64-query tiles), causal; the
+    last row is one document, the other short ones."""
     if not hopper():
         pytest.skip("the Hopper backward's block order")
-    b, t, n, kv, h, block, tile = 2, 1100, 4, 2, 128, 128, 64
+    b, t, n, kv, h, block, tile = 2, 2000, 4, 2, 128, 128, 64
     q, k, v = random_qkv(rng, b, t, t, n, kv, h, jnp.bfloat16)
-    ids = packed_ids(rng, b, t, 150)
+    ids = packed_ids(rng, b, t, 60).at[-1].set(0)
     assert jax_flashattn.backward_kernel(q, k, query_segment_ids=ids,
                                          key_value_segment_ids=ids) == "sm90"
     options = dict(scale=h ** -0.5, window=(None, 0), switches=_ffi.kernel_switches())
@@ -241,9 +248,42 @@ def test_backward_runs_the_longest_blocks_first(rng):
     counts = [tiles_through_spans(query_spans, i // m // kv, i % m * block, block,
                                   i % m * block, t, tile)  # causal
               for i in range(b * kv * m)]
-    assert_longest_first(workspace, counts)
+    assert_order(workspace, counts)
     check_grads_on(("sm90", False), rng, q, k, v, is_causal=True, query_segment_ids=ids,
                    key_value_segment_ids=ids)
+
+
+def test_calls_past_the_orders_capacity_keep_the_index_order(rng):
+    """A call of more (batch entry, 128-position block) pairs than the order kernel's shared
+    memory holds (44928; 46 x 1024 here, under the 49152 that a launch without the cap would
+    have failed on) runs both Hopper kernels in index order: the forward gives each row what a
+    call of that row alone (ordered) gives, bit for bit, and the gradients agree with theirs
+    to within the dQ additions' order."""
+    if not hopper():
+        pytest.skip("the Hopper kernels' work order")
+    b, t, h = 46, 131072, 128
+    # Drawn on the device: 3 x 771M normals take a while on the host.
+    keys = jax.random.split(jax.random.PRNGKey(int(rng.integers(2 ** 31))), 3)
+    q, k, v = (jax.random.normal(key, (b, t, 1, h), jnp.bfloat16) for key in keys)
+    ids = packed_ids(rng, b, t, 100)
+    assert jax_flashattn.forward_kernel(q, k, query_segment_ids=ids,
+                                        key_value_segment_ids=ids) == "sm90"
+
+    def loss(q, k, v, ids):
+        out = jax_flashattn.attention(q, k, v, is_causal=True, query_segment_ids=ids,
+                                      key_value_segment_ids=ids)
+        return jnp.sum(out.astype(jnp.float32) ** 2), out
+
+    run = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+    grads, out = run(q, k, v, ids)
+    rows = [2, 23, 45]
+    for r in rows:
+        row = slice(r, r + 1)
+        row_grads, row_out = run(q[row], k[row], v[row], ids[row])
+        np.testing.assert_array_equal(np.asarray(out[row]), np.asarray(row_out))
+        for g, row_g in zip(grads, row_grads):
+            g, row_g = np.asarray(g[row], np.float32), np.asarray(row_g, np.float32)
+            assert np.abs(g - row_g).max() <= 2 ** -7 * np.abs(row_g).max()
 
 
 def test_decoding_shape_keeps_the_normal_kernels(rng):

@@ -7,18 +7,22 @@
 // lengths follow the position in the row (the forward's highest query blocks, the backward's
 // lowest key blocks), so that short ones fill the end. On packed rows a block's work follows its
 // place in its document instead, so the last ones are long or short at random and the SMs that
-// draw the long ones finish alone. This order sorts the units by their tile count (the forward's
-// key tiles, the backward's query tiles), longest first, in classes of powers of two (all units
-// of 2^k to 2^(k+1) - 1 tiles together), and keeps the index order within a class (a stable
-// sort), so a head's blocks that run together still share their documents' K/V (or Q/dO) in L2.
-// A model of the grids (132 SMs, each unit's cost its tiles plus a constant, the packed preset's
-// documents) puts index order at 1.02-1.09 of a perfect balance and this one at 1.002-1.005
-// (docs/decisions/segment-ids.md).
+// draw the long ones finish alone. This order keeps the long units (at least about an eighth of
+// the longest one's tiles: the kOrderLongClasses power-of-two classes from the longest unit's)
+// first and in index order, so that the blocks running together are a few heads' and share
+// their K/V (or Q/dO) in L2 as the index order's do, then the short ones sorted by tile count in
+// classes of powers of two (all units of 2^k to 2^(k+1) - 1 tiles together), longest first,
+// stable within a class. A model of the grids (132 SMs, each unit's cost its tiles plus a
+// constant, the packed preset's documents) puts the index order at 1.03-1.09 of a perfect
+// balance and this one at 1.001-1.005, as a sort of every unit by class, which measured slower
+// where long units are many (one document per row: forward 1.5%, forward+backward 2.5-2.9%),
+// its longest units from every head running at once (docs/decisions/segment-ids.md).
 //
 // One block of kOrderThreads threads: each unit's class from its batch entry's and position's
-// tile count (Work::tiles: the ranges, from the ids, are the same for every head), counted per
-// warp over its contiguous share of the indices, offsets by class and warp, then each warp
-// places its share in index order (the lanes of one class ranked by __match_any_sync).
+// tile count (Work::tiles: the ranges, from the ids, are the same for every head), the long
+// classes merged into one, counted per warp over its contiguous share of the indices, offsets
+// by class and warp, then each warp places its share in index order (the lanes of one class
+// ranked by __match_any_sync).
 #pragma once
 
 #include <cstdint>
@@ -41,6 +45,10 @@ inline constexpr int kOrderCountBytes = kOrderWarps * (kOrderClasses + 1) * 4;
 // order.
 inline constexpr int64_t kOrderMaxEntries = 48 * 1024 - kOrderCountBytes;
 
+// Classes from the longest unit's on that keep the index order: its own and the next two (units
+// of at least an eighth of its tiles, rounded down to powers of two).
+inline constexpr int kOrderLongClasses = 3;
+
 __device__ __forceinline__ int order_class(int tiles) { return __clz(tiles) - 1; }
 
 // Work: index i of a kernel's units is position i % units of head (i / units) % heads of batch
@@ -52,14 +60,29 @@ __global__ void __launch_bounds__(kOrderThreads)
   extern __shared__ uint8_t entry_class[];  // [batch][position]
   // Per warp: its units of each class, then the place its first one of the class takes.
   // Column kOrderClasses counts the lanes past the warp's share.
+  // Before the counts, counts[0][0] finds the longest unit's class.
   __shared__ int counts[kOrderWarps][kOrderClasses + 1];
   static_assert(sizeof(counts) == kOrderCountBytes, "kOrderMaxEntries leaves room for them");
   const int m = Work::units(p), heads = Work::heads(p);
   const int entries = int(p.batch) * m, units = entries * heads;
-  for (int e = int(threadIdx.x); e < entries; e += kOrderThreads)
-    entry_class[e] = uint8_t(order_class(Work::tiles(p, e / m, e % m)));
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  if (threadIdx.x == 0) counts[0][0] = kOrderClasses;
+  __syncthreads();
+  int top = kOrderClasses;
+  for (int e = int(threadIdx.x); e < entries; e += kOrderThreads) {
+    const int c = order_class(Work::tiles(p, e / m, e % m));
+    entry_class[e] = uint8_t(c);
+    top = min(top, c);
+  }
+  top = __reduce_min_sync(0xffffffff, top);
+  if (lane == 0) atomicMin(&counts[0][0], top);
+  __syncthreads();
+  top = counts[0][0];
+  __syncthreads();
   for (int c = lane; c <= kOrderClasses; c += 32) counts[warp][c] = 0;
+  // The long classes as one, the first (each thread the entries it wrote).
+  for (int e = int(threadIdx.x); e < entries; e += kOrderThreads)
+    if (entry_class[e] < top + kOrderLongClasses) entry_class[e] = 0;
   __syncthreads();
 
   const int share = (units + kOrderWarps - 1) / kOrderWarps;
