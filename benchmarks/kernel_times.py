@@ -102,6 +102,8 @@ def main():
         return child(args)
     if args.documents is not None and args.impl != "ours":
         parser.error("--documents times our kernels alone: give --impl ours")
+    if args.documents is not None and args.documents < 0:
+        parser.error("--documents: a mean document length >= 1, or 0 for one per row")
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
     shape = (f"B = {max(1, args.tokens // args.seqlen)}, T = S = {args.seqlen}, "

@@ -189,6 +189,8 @@ def assert_order(order, counts):
     assert min(i for i, key in enumerate(keys) if key) < max(i for i, key in enumerate(keys)
                                                             if not key)  # and moves some
     expected = sorted(range(len(counts)), key=lambda i: (keys[i], i))
+    # and a sort of every unit by class would differ
+    assert expected != sorted(range(len(counts)), key=lambda i: (classes[i], i))
     np.testing.assert_array_equal(np.asarray(order)[:len(counts)], expected)
 
 
@@ -198,7 +200,7 @@ def test_forward_hands_out_the_short_tiles_last(rng):
     query blocks together, highest first), then the short ones by key tile count in
     power-of-two classes, longest first (assert_order). Each tile's count is worked out here
     as the kernel's scheduler does, from the spans it narrows to (head dim 128: 128-row query
-    blocks, 128-key tiles), causal; the last row is one document, the others short ones."""
+    blocks, 128-key tiles), causal; the last row is one document, the others hold short ones."""
     if not hopper():
         pytest.skip("the Hopper forward's tile order")
     b, t, n, h, block = 3, 2000, 5, 128, 128
@@ -227,7 +229,7 @@ def test_backward_runs_the_short_blocks_last(rng):
     together, lowest first), then the short ones by query tile count in power-of-two classes,
     longest first (assert_order). Each block's count is worked out here as BackwardBlock does,
     from the spans it narrows to (head dim 128: 128-key blocks, 64-query tiles), causal; the
-    last row is one document, the other short ones."""
+    last row is one document, the first holds short ones."""
     if not hopper():
         pytest.skip("the Hopper backward's block order")
     b, t, n, kv, h, block, tile = 2, 2000, 4, 2, 128, 128, 64
@@ -253,12 +255,13 @@ def test_backward_runs_the_short_blocks_last(rng):
                    key_value_segment_ids=ids)
 
 
-def test_calls_past_the_orders_capacity_keep_the_index_order(rng):
+def test_calls_past_the_orders_capacity(rng):
     """A call of more (batch entry, 128-position block) pairs than the order kernel's shared
-    memory holds (44928; 46 x 1024 here, under the 49152 that a launch without the cap would
-    have failed on) runs both Hopper kernels in index order: the forward gives each row what a
-    call of that row alone (ordered) gives, bit for bit, and the gradients agree with theirs
-    to within the dQ additions' order."""
+    memory holds (44928 beside its 4224 bytes of counts; 46 x 1024 here, under 49152: a cap
+    that left the counts out would let it launch past 48 KiB and fail) runs both Hopper
+    kernels, without an order: the forward gives each row what a call of that row alone
+    (ordered) gives, bit for bit, and the gradients agree with theirs to within the dQ
+    additions' order."""
     if not hopper():
         pytest.skip("the Hopper kernels' work order")
     b, t, h = 46, 131072, 128
@@ -268,6 +271,8 @@ def test_calls_past_the_orders_capacity_keep_the_index_order(rng):
     ids = packed_ids(rng, b, t, 100)
     assert jax_flashattn.forward_kernel(q, k, query_segment_ids=ids,
                                         key_value_segment_ids=ids) == "sm90"
+    assert jax_flashattn.backward_kernel(q, k, query_segment_ids=ids,
+                                         key_value_segment_ids=ids) == "sm90"
 
     def loss(q, k, v, ids):
         out = jax_flashattn.attention(q, k, v, is_causal=True, query_segment_ids=ids,

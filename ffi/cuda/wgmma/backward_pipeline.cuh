@@ -97,7 +97,7 @@ struct BackwardBlock {
     // small and the L2 reuse worth more (docs/decisions/backward-kernels.md). In deterministic
     // mode under a bounded right window the key blocks run in reverse (dq_order_descending),
     // shortest first. With segment ids they run in the call's block order where it has one
-    // (tile_order.cuh: longest first, this index order within a class).
+    // (tile_order.cuh: the long blocks in this index order, then the short ones by length).
     const int key_blocks = int((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
     const int groups = int(p.batch * p.num_kv_heads);
     int index = int(blockIdx.x);

@@ -7,14 +7,14 @@
 // lengths follow the position in the row (the forward's highest query blocks, the backward's
 // lowest key blocks), so that short ones fill the end. On packed rows a block's work follows its
 // place in its document instead, so the last ones are long or short at random and the SMs that
-// draw the long ones finish alone. This order keeps the long units (at least about an eighth of
-// the longest one's tiles: the kOrderLongClasses power-of-two classes from the longest unit's)
-// first and in index order, so that the blocks running together are a few heads' and share
+// draw the long ones finish alone. This order keeps the long units (the kOrderLongClasses
+// power-of-two classes from the longest unit's: at least an eighth of its tiles) first and in
+// index order, so that the blocks running together are a few heads' and share
 // their K/V (or Q/dO) in L2 as the index order's do, then the short ones sorted by tile count in
 // classes of powers of two (all units of 2^k to 2^(k+1) - 1 tiles together), longest first,
 // stable within a class. A model of the grids (132 SMs, each unit's cost its tiles plus a
 // constant, the packed preset's documents) puts the index order at 1.03-1.09 of a perfect
-// balance and this one at 1.001-1.005, as a sort of every unit by class, which measured slower
+// balance and this one at 1.001-1.005, as the sort of every unit by class, which measured slower
 // where long units are many (one document per row: forward 1.5%, forward+backward 2.5-2.9%),
 // its longest units from every head running at once (docs/decisions/segment-ids.md).
 //
@@ -45,8 +45,9 @@ inline constexpr int kOrderCountBytes = kOrderWarps * (kOrderClasses + 1) * 4;
 // order.
 inline constexpr int64_t kOrderMaxEntries = 48 * 1024 - kOrderCountBytes;
 
-// Classes from the longest unit's on that keep the index order: its own and the next two (units
-// of at least an eighth of its tiles, rounded down to powers of two).
+// Classes from the longest unit's on that keep the index order: its own and the next two. With
+// 2^k to 2^(k+1) - 1 tiles in the longest, the units of 2^(k-2) tiles or more (between an
+// eighth and a quarter of its tiles).
 inline constexpr int kOrderLongClasses = 3;
 
 __device__ __forceinline__ int order_class(int tiles) { return __clz(tiles) - 1; }
