@@ -38,11 +38,33 @@ def test_no_marker_or_an_unknown_unit_is_an_error():
         times.kernels_after_marker([HEADER, _line(0, "wrapped_sine", "cycle", "10")])
 
 
+def _args(impl, mode, documents=None):
+    return type("Args", (), dict(impl=impl, head_dim=32, seqlen=64, causal=True, dtype="bf16",
+                                 mode=mode, tokens=128, hidden=64, documents=documents))()
+
+
 @pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
 def test_child_runs_each_implementation(mode):
     """The child process's call, at a small size, on whatever device jax has."""
     times = load_benchmark_script("kernel_times")
     for impl in ("ours", "xla"):
-        args = type("Args", (), dict(impl=impl, head_dim=32, seqlen=64, causal=True,
-                                     dtype="bf16", mode=mode, tokens=128, hidden=64))()
-        times.child(args)
+        times.child(_args(impl, mode))
+
+
+@pytest.mark.parametrize("documents", [0, 16])
+def test_child_gives_our_calls_segment_ids(documents, monkeypatch):
+    """--documents: our call takes segment ids, one document per row or packed ones."""
+    times = load_benchmark_script("kernel_times")
+    import jax_flashattn
+    seen = []
+    attention = jax_flashattn.attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["query_segment_ids"])
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(jax_flashattn, "attention", spy)
+    times.child(_args("ours", "fwd", documents))
+    ids = seen[0]
+    assert ids.shape == (2, 64)
+    assert (int(ids.max()) == 0) == (documents == 0)
