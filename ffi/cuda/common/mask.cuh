@@ -142,13 +142,18 @@ struct TileVisibility {
 // Segment ids: whether one id holds a warp's 16 positions of one side (lane l holds the id of
 // position l % 16 in own_id) and kRun positions of the other, whose ids lie in shared memory
 // from address `run` on: a warp vote, the same answer in every lane.
+// Each lane tests kRun / 32 positions at immediate offsets: a loop from the lane's index would
+// leave ptxas a trip count known only at run time (a remainder loop and its branches, about 20
+// more instructions per tile in the Hopper forward).
 template <int kRun>
 __device__ __forceinline__ bool one_segment(int32_t own_id, uint32_t run, int lane) {
+  static_assert(kRun % 32 == 0, "each lane tests kRun / 32 positions");
   const int32_t id = __shfl_sync(0xffffffff, own_id, 0);
   bool same = own_id == id;
+  const uint32_t lane_run = run + uint32_t(lane) * 4;
 #pragma unroll
-  for (int i = lane; i < kRun; i += 32)
-    same &= int32_t(ptx::ld_shared_b32(run + uint32_t(i) * 4)) == id;
+  for (int i = 0; i < kRun / 32; ++i)
+    same &= int32_t(ptx::ld_shared_b32(lane_run + uint32_t(i) * 128)) == id;
   return __all_sync(0xffffffff, same);
 }
 
