@@ -330,8 +330,9 @@ struct ForwardConsumer {
   }
 
   // kSegments: whether one document holds all of this warp's rows and all the keys of the tile
-  // in K stage `stage`, so that the ids need no element test there. Asked only of interior
-  // tiles, where every row and key is inside its length.
+  // in K stage `stage`, so that the ids need no element test there. Rows past the query length
+  // test the last row's id and keys past the key length the next entry's: both are hidden by
+  // the bounds whatever the answer.
   __device__ __forceinline__ bool one_document(const ConsumerTile& w, int stage) const {
     return cuda::one_segment<kBlockN>(
         w.lane_row_id, KeyIdsInSmem<Traits>::make(smem, stage, p, w.t.b).first, lane);
@@ -426,7 +427,7 @@ struct ForwardConsumer {
   // probabilities (softmax_step; the full update: mask_and_exponentiate), the next term copy.
   template <int kUsed>
   __device__ __forceinline__ void mask_and_exponentiate(ConsumerTile& w, int kt, int stage,
-                                                        bool interior,
+                                                        bool interior, bool one_doc,
                                                         float (&correction)[1][2]);
   __device__ __forceinline__ void softmax_step(ConsumerTile& w, int j,
                                                float (&correction)[1][2]);

@@ -9,11 +9,13 @@ namespace jax_flashattn::wgmma {
 
 // The full update of key tile kt (the tile loop's j-th) over its first kUsed 8-column tiles:
 // where a boundary crosses the tile for this warp's rows (not interior), the scores it hides
-// set to -inf first.
+// set to -inf first; kSegments, unless one document holds the warp's rows and the tile's keys
+// (one_doc), with the keys of other documents than the row's.
 template <typename Elem, typename Traits>
 template <int kUsed>
 __device__ __forceinline__ void ForwardConsumer<Elem, Traits>::mask_and_exponentiate(
-    ConsumerTile& w, int kt, int stage, bool interior, float (&correction)[1][2]) {
+    ConsumerTile& w, int kt, int stage, bool interior, bool one_doc,
+    float (&correction)[1][2]) {
   if (!interior) {
     // The bounds rebuilt from the parameters (the lengths one load away): t.vis, kept live
     // through the tile loop for this, spills with three consumers
@@ -26,24 +28,24 @@ __device__ __forceinline__ void ForwardConsumer<Elem, Traits>::mask_and_exponent
     for (int h = 0; h < 2; ++h) {
       uint32_t bits[(2 * kUsed + 31) / 32];  // this thread's visible elements of the row
       tile_vis.column_bits<kUsed>(warp_row0 + quad_row + 8 * h, quad_col, bits);
-      // kSegments: the row's id and the ids of this thread's keys (from the K stage, whose
-      // box covers the tile: every read is in bounds).
-      [[maybe_unused]] int32_t row_id = 0;
-      [[maybe_unused]] KeyIdsInSmem<Traits> key_ids{};
-      if constexpr (Traits::kSegments) {
-        row_id = __shfl_sync(0xffffffff, w.lane_row_id, quad_row + 8 * h);
-        key_ids = KeyIdsInSmem<Traits>::make(smem, stage, p, w.t.b);
-        key_ids.first += uint32_t(quad_col) * 4;
-      }
+      // kSegments: the bits of keys whose id is not the row's cleared (their ids from the K
+      // stage, whose box covers the tile: every read is in bounds). one_doc is the warp's
+      // vote: the branch is uniform.
+      if constexpr (Traits::kSegments)
+        if (!one_doc) {
+          const int32_t row_id = __shfl_sync(0xffffffff, w.lane_row_id, quad_row + 8 * h);
+          KeyIdsInSmem<Traits> key_ids = KeyIdsInSmem<Traits>::make(smem, stage, p, w.t.b);
+          key_ids.first += uint32_t(quad_col) * 4;
+#pragma unroll
+          for (int i = 0; i < 2 * kUsed; ++i)
+            if (key_ids[8 * (i / 2) + i % 2] != row_id) bits[i / 32] &= ~(1u << (i % 32));
+        }
 #pragma unroll
       for (int c = 0; c < kUsed; ++c)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          bool visible = cuda::TileVisibility::column_visible(bits, 2 * c + e);
-          if constexpr (Traits::kSegments)
-            visible = (key_ids[8 * c + e] == row_id) & visible;
-          if (!visible) s_acc[0][c][2 * h + e] = -INFINITY;
-        }
+        for (int e = 0; e < 2; ++e)
+          if (!cuda::TileVisibility::column_visible(bits, 2 * c + e))
+            s_acc[0][c][2 * h + e] = -INFINITY;
     }
   }
   w.softmax.template exponentiate_first<kUsed>(s_acc, scale_of(w), correction);
@@ -74,8 +76,11 @@ __device__ __forceinline__ void ForwardConsumer<Elem, Traits>::softmax_step(
   // changed the form of their compares).
   int kt = j;
   if constexpr (Traits::kAlibi) kt = key_tile(w, j);
-  bool interior = kt >= w.interior_lo && kt < w.interior_hi;
-  if constexpr (Traits::kSegments) interior = interior && one_document(w, stage);
+  // kSegments: whether one document holds the warp's rows and the tile's keys, asked of every
+  // tile: on a tile that a boundary crosses it spares the per-element id test.
+  bool one_doc = true;
+  if constexpr (Traits::kSegments) one_doc = one_document(w, stage);
+  bool interior = kt >= w.interior_lo && kt < w.interior_hi && one_doc;
   // kBiasAndMask: the lines of the next tile the warp reads brought into L2 (kStagedTerm: by
   // stage_next, of the one after the next).
   if constexpr (Traits::kBiasAndMask) {
@@ -125,9 +130,9 @@ __device__ __forceinline__ void ForwardConsumer<Elem, Traits>::softmax_step(
     // half of P. On a causal diagonal with 128-key tiles and 128-row blocks, that is
     // warpgroup 0's last tile in every block (docs/decisions/half-seen-last-key-tile.md).
     if (w.half_last && j == w.wg_tiles - 1)
-      mask_and_exponentiate<kNTiles / 2>(w, kt, stage, interior, correction);
+      mask_and_exponentiate<kNTiles / 2>(w, kt, stage, interior, one_doc, correction);
     else
-      mask_and_exponentiate<kNTiles>(w, kt, stage, interior, correction);
+      mask_and_exponentiate<kNTiles>(w, kt, stage, interior, one_doc, correction);
   }
   // One release site after both paths: releasing K_j before the full update where no
   // recompute can follow spills (docs/decisions/hopper-kernels-without-spills.md).
