@@ -472,24 +472,27 @@ struct BackwardConsumer {
             for (int e = 0; e < 4; ++e)
               if (!tile_vis.visible(8 * j + e % 2, 8 * (e / 2)))
                 hidden |= HiddenBits(1) << (4 * j + e);
-          if constexpr (Traits::kSegments) {
-            // The ids of every element (what the lengths hide stays hidden). One 8-query tile
-            // at a time: unrolled, the reads in flight together spill at head dim 128.
-            const uint32_t q_ids =
-                smem.q_ids(s.stage) + ids.q_ids_skip + uint32_t(th.quad_col) * 4;
-            int32_t key_id[2];
+          // kSegments, unless one document holds the tile's queries and the warp's keys (a
+          // warp vote: the branch is uniform): the ids of every element (what the lengths
+          // hide stays hidden). One 8-query tile at a time: unrolled, the reads in flight
+          // together spill at head dim 128.
+          if constexpr (Traits::kSegments)
+            if (!one_document) {
+              const uint32_t q_ids =
+                  smem.q_ids(s.stage) + ids.q_ids_skip + uint32_t(th.quad_col) * 4;
+              int32_t key_id[2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-              key_id[h] = __shfl_sync(0xffffffff, ids.lane_key_id, th.quad_row + 8 * h);
+              for (int h = 0; h < 2; ++h)
+                key_id[h] = __shfl_sync(0xffffffff, ids.lane_key_id, th.quad_row + 8 * h);
 #pragma unroll 1
-            for (int j = 0; j < kQTiles; ++j) {
-              const int32_t query_id[2] = {int32_t(ptx::ld_shared_b32(q_ids + 32 * j)),
-                                           int32_t(ptx::ld_shared_b32(q_ids + 32 * j + 4))};
+              for (int j = 0; j < kQTiles; ++j) {
+                const int32_t query_id[2] = {int32_t(ptx::ld_shared_b32(q_ids + 32 * j)),
+                                             int32_t(ptx::ld_shared_b32(q_ids + 32 * j + 4))};
 #pragma unroll
-              for (int e = 0; e < 4; ++e)
-                if (query_id[e % 2] != key_id[e / 2]) hidden |= HiddenBits(1) << (4 * j + e);
+                for (int e = 0; e < 4; ++e)
+                  if (query_id[e % 2] != key_id[e / 2]) hidden |= HiddenBits(1) << (4 * j + e);
+              }
             }
-          }
         }
       }
       if constexpr (Traits::kBiasAndMask)
