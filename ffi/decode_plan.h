@@ -76,15 +76,22 @@ struct DecodePlan {
 // Query rows of one work unit (one decode block): T * (N / K), every query head of the group.
 inline int64_t decode_rows(const AttentionParams& p) { return p.seqlen_q * p.group_size(); }
 
+// Whether a decoding call takes the decode kernels' instantiations for the elementwise terms
+// (DecodeWithBiasAndMask): a bias, a boolean mask, ALiBi or segment ids (as a mask: key s
+// hidden from query t unless their ids are equal).
+inline bool decode_has_terms(const AttentionParams& p) {
+  return p.has_elementwise_terms() || p.q_segment_ids != nullptr;
+}
+
 // Whether the call's shape, dtype and options fit the decode kernel (before any workspace or
 // device question): bf16/fp16, scale > 0 (the softmax folds the scale after the row max), a
-// head dim multiple of 8 up to 256, no segment ids (those keep the normal kernels), a soft-cap
-// or a bias and / or boolean mask but not both (each has the decode kernels' instantiations for
-// it), few query rows per kv head and enough keys to split.
+// head dim multiple of 8 up to 256, a soft-cap or the elementwise terms (decode_has_terms) but
+// not both, nor segment ids beside ALiBi (each has the decode kernels' instantiations for it),
+// few query rows per kv head and enough keys to split.
 inline bool decode_shape_fits(const AttentionParams& p) {
   const bool tensor_core_dtype = p.dtype == ElemType::kBFloat16 || p.dtype == ElemType::kFloat16;
-  const bool one_variant =
-      p.q_segment_ids == nullptr && !(p.soft_capped() && p.has_elementwise_terms());
+  const bool one_variant = !(p.soft_capped() && decode_has_terms(p)) &&
+                           !(p.q_segment_ids != nullptr && p.alibi_slopes != nullptr);
   return tensor_core_dtype && p.scale > 0.f && p.head_dim > 0 && p.head_dim % 8 == 0 &&
          p.head_dim <= kDecodeMaxHeadDim && one_variant &&
          p.num_kv_heads > 0 && p.seqlen_q > 0 &&
@@ -94,10 +101,10 @@ inline bool decode_shape_fits(const AttentionParams& p) {
 
 // Whether a call with float8_e4m3fn keys and values (AttentionParams::k_descale) fits the
 // decode kernels' e4m3 configurations: a decode shape on the plain kernels (no soft-cap, bias,
-// mask or ALiBi) whose rows are whole 16-byte chunks (head dim a multiple of 16).
+// mask, ALiBi or segment ids) whose rows are whole 16-byte chunks (head dim a multiple of 16).
 inline bool decode_fp8_kv_fits(const AttentionParams& p) {
   return decode_shape_fits(p) && p.head_dim % 16 == 0 && !p.soft_capped() &&
-         !p.has_elementwise_terms();
+         !decode_has_terms(p);
 }
 
 // Whether a decoding call's bias and / or mask (at least one) can be copied with each K/V tile

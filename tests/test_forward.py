@@ -405,17 +405,22 @@ def test_plan_of_a_call():
     assert _ffi.plan(call) == _ffi.CallPlan(floats, 0, slots, 1, 0, "", "", 0, "")
     assert _ffi.plan(call, jax.devices("cpu")[0]) == _ffi.CallPlan(floats, 0, slots, 1, 0,
                                                                    "cpu", "cpu", 0, "")
-    # The decode kernels have instantiations for a bias and mask, and for the soft-cap, but
-    # not for both together, nor for segment ids: no workspace then.
+    # The decode kernels have instantiations for the elementwise terms (a bias, mask, ALiBi or
+    # segment ids) and for the soft-cap, but not for both together, nor for segment ids beside
+    # ALiBi: no workspace then.
     call.has_bias = call.has_mask = True
     assert _ffi.plan(call).decode_workspace_floats == floats
     call.logits_soft_cap = 5.0
     assert _ffi.plan(call).decode_workspace_floats == 0
     call.has_bias = call.has_mask = False
     assert _ffi.plan(call).decode_workspace_floats == floats
-    call.logits_soft_cap = 0.0
     call.has_segment_ids = True
     assert _ffi.plan(call).decode_workspace_floats == 0
+    call.logits_soft_cap = 0.0
+    assert _ffi.plan(call).decode_workspace_floats == floats
+    call.has_alibi = True
+    assert _ffi.plan(call).decode_workspace_floats == 0
+    call.has_alibi = False
     # The tile counter, then with segment ids one tile order entry per (batch entry, query
     # head, 64 queries); the backward's block order one per (batch entry, kv head, 64 keys).
     assert _ffi.plan(call).forward_workspace_ints == 1 + 8 * 32 * 1
@@ -524,7 +529,8 @@ def test_decode_workspace_holds_every_split_the_cpp_rule_runs(shape):
 
 
 @pytest.mark.parametrize("change", [
-    dict(dtype=jnp.float32), dict(has_segment_ids=True), dict(has_bias=True, soft_cap=5.0),
+    dict(dtype=jnp.float32), dict(has_segment_ids=True, soft_cap=5.0),
+    dict(has_segment_ids=True, has_alibi=True), dict(has_bias=True, soft_cap=5.0),
     dict(has_mask=True, soft_cap=5.0), dict(scale=0.0), dict(t=17), dict(s=255), dict(h=12),
     dict(h=264)], ids=str)
 def test_decode_workspace_is_empty_when_the_kernel_cannot_run(change):
@@ -532,12 +538,13 @@ def test_decode_workspace_is_empty_when_the_kernel_cannot_run(change):
     in the C++ rule alike."""
     from jax_flashattn import _ffi
     args = dict(dtype=jnp.float16, has_bias=False, has_mask=False, has_segment_ids=False,
-                soft_cap=0.0, scale=0.1, t=16, s=4096, h=128)
+                has_alibi=False, soft_cap=0.0, scale=0.1, t=16, s=4096, h=128)
     args.update(change)
     t, s, h, n, kv = args["t"], args["s"], args["h"], 8, 2
     call = _ffi.call_shape((2, t, n, h), (2, s, kv, h), args["dtype"], scale=args["scale"],
                            has_bias=args["has_bias"], has_mask=args["has_mask"],
-                           has_segment_ids=args["has_segment_ids"], soft_cap=args["soft_cap"])
+                           has_segment_ids=args["has_segment_ids"], has_alibi=args["has_alibi"],
+                           soft_cap=args["soft_cap"])
     size = _ffi.plan(call).decode_workspace_floats
     assert size == 0 and _ffi._ext.decode_workspace_floats(call, 132) == 0
 

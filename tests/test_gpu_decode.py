@@ -357,9 +357,9 @@ def test_decode_staged_terms_group_sizes(rng, monkeypatch, family, t, n, kv, wit
 
 def test_decode_dispatch(monkeypatch):
     """forward_kernel reports a decode kernel for decoding shapes only: few query rows per kv
-    head (T * N / K <= 64), enough keys, bf16/fp16, a soft-cap or a bias and mask but not both,
-    no segment ids; on Hopper the wgmma one from 32 rows at head dims up to 128, unless
-    JAX_FLASHATTN_DISABLE_SM90."""
+    head (T * N / K <= 64), enough keys, bf16/fp16, a soft-cap or the elementwise terms (a bias,
+    mask, ALiBi or segment ids) but not both, nor segment ids beside ALiBi; on Hopper the wgmma
+    one from 32 rows at head dims up to 128, unless JAX_FLASHATTN_DISABLE_SM90."""
     monkeypatch.delenv("JAX_FLASHATTN_DISABLE_SM90", raising=False)
 
     def kernel(t, n, kv, s, h=128, dtype=jnp.bfloat16, **kwargs):
@@ -383,10 +383,13 @@ def test_decode_dispatch(monkeypatch):
     assert kernel(1, 32, 8, 65536, bias=bias) == "decode"
     assert kernel(16, 32, 8, 65536, bias=bias, mask=mask) == wgmma
     assert kernel(16, 32, 8, 65536, logits_soft_cap=30.0) == wgmma
-    normal = "sm90" if hopper() else "sm80"
     assert kernel(1, 32, 8, 65536, bias=bias, logits_soft_cap=30.0) == "sm80"
-    ids = jax.ShapeDtypeStruct((8, 1), jnp.int32), jax.ShapeDtypeStruct((8, 65536), jnp.int32)
-    assert kernel(1, 32, 8, 65536, query_segment_ids=ids[0],
-                  key_value_segment_ids=ids[1]) == normal
+    ids = dict(query_segment_ids=jax.ShapeDtypeStruct((8, 16), jnp.int32),
+               key_value_segment_ids=jax.ShapeDtypeStruct((8, 65536), jnp.int32))
+    assert kernel(1, 32, 8, 65536, **ids) == "decode"
+    assert kernel(16, 32, 8, 65536, **ids) == wgmma
+    assert kernel(16, 32, 8, 65536, bias=bias, **ids) == wgmma
+    assert kernel(16, 32, 8, 65536, logits_soft_cap=30.0, **ids) == "sm80"
+    assert kernel(16, 32, 8, 65536, alibi_slopes=True, **ids) == "sm80"
     monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
     assert kernel(16, 32, 8, 65536) == "decode"

@@ -3,9 +3,9 @@
 Calls with segment ids take the Hopper kernels' instantiations for them on an H100/H200
 (without a bias or mask; the backward with dQ by atomics), the mma.sync family's (bf16/fp16; K/V
 by TMA on Hopper, by cp.async elsewhere or with JAX_FLASHATTN_SM80_CP_ASYNC; both dQ modes) and
-the CUDA-core kernels (float32, other head dims); the split-KV decode kernels must not take
-them. The tests run each case on the Hopper kernels and, with JAX_FLASHATTN_DISABLE_SM90, on the
-mma.sync family.
+the CUDA-core kernels (float32, other head dims); decoding shapes take the split-KV decode
+kernels' instantiations for the elementwise terms. The tests run each case on the Hopper kernels
+and, with JAX_FLASHATTN_DISABLE_SM90, on the mma.sync family.
 """
 
 import jax
@@ -74,8 +74,10 @@ def test_forward_float32(rng, head_dim):
                        key_value_segment_ids=kv_ids)
 
 
+# One query against 255 keys: below the split-KV decode kernels' 256 (kDecodeMinKeys), so
+# the call stays on `family`.
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("t,s", [(1, 1), (1, 300), (257, 513), (513, 129)])
+@pytest.mark.parametrize("t,s", [(1, 1), (1, 255), (257, 513), (513, 129)])
 def test_forward_sizes_and_loads(rng, family, dtype, t, s):
     q, k, v = random_qkv(rng, 2, t, s, 4, 1, 128, dtype)
     q_ids, kv_ids = ids_for(rng, 2, t, s, 50)
@@ -291,16 +293,37 @@ def test_calls_past_the_orders_capacity(rng):
             assert np.abs(g - row_g).max() <= 2 ** -7 * np.abs(row_g).max()
 
 
-def test_decoding_shape_keeps_the_normal_kernels(rng):
-    """A decoding shape (few query rows, many keys) with segment ids takes the mma.sync forward,
-    not a split-KV decode kernel, and is right."""
-    q, k, v = random_qkv(rng, 2, 4, 8192, 8, 2, 128, jnp.bfloat16)
-    q_ids = jnp.full((2, 4), 1, jnp.int32)
-    kv_ids = jnp.asarray(rng.integers(0, 3, (2, 8192)), jnp.int32)
-    ids = dict(query_segment_ids=q_ids, key_value_segment_ids=kv_ids)
-    assert jax_flashattn.forward_kernel(q, k) in ("decode", "decode_sm90")
-    assert jax_flashattn.forward_kernel(q, k, **ids) == ("sm90" if hopper() else "sm80")
+@pytest.mark.parametrize("family", ["default", "sm80"])
+@pytest.mark.parametrize("t,n,kv", [(1, 8, 2), (4, 8, 2), (16, 16, 4), (3, 4, 4)],
+                         ids=["t1-gqa", "t4-gqa", "t16-gqa", "t3-mha"])
+def test_decoding_shapes_take_the_decode_kernels(rng, monkeypatch, family, t, n, kv):
+    """A decoding shape (few query rows per kv head, many keys) with segment ids takes a split-KV
+    decode kernel ("sm80": the mma.sync one): key documents of random lengths from 1 up, each
+    query in one of them or in one no key has (that row sees nothing: 0, lse -inf), an odd S,
+    and with the keys' lengths, causal at the bottom right, a bias beside the ids."""
+    if family == "sm80":
+        monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
+    b, s = 2, 4099
+    q, k, v = random_qkv(rng, b, t, s, n, kv, 128, jnp.bfloat16)
+    kv_ids = np.zeros((b, s), np.int32)
+    for row in kv_ids:
+        starts = np.sort(rng.choice(np.arange(1, s), size=12, replace=False))
+        for start in starts:
+            row[start:] += 1
+    q_ids = np.stack([rng.choice(row, size=t) for row in kv_ids]).astype(np.int32)
+    q_ids[0, -1] = 99  # a document no key has
+    ids = dict(query_segment_ids=jnp.asarray(q_ids), key_value_segment_ids=jnp.asarray(kv_ids))
+    rows_per_kv_head = t * n // kv
+    wgmma = hopper() and family == "default" and rows_per_kv_head >= 32
+    expected = "decode_sm90" if wgmma else "decode"
+    assert jax_flashattn.forward_kernel(q, k, **ids) == expected
     check_cuda_forward(q, k, v, **ids)
+    lengths = np.array([s, 2500], np.int32)
+    check_cuda_forward(q, k, v, **ids, key_value_seq_lengths=lengths)
+    check_cuda_forward(q, k, v, **ids, is_causal=True, diagonal_alignment="bottom_right")
+    bias = jnp.asarray(rng.standard_normal((b, n, t, s)), jnp.bfloat16)
+    assert jax_flashattn.forward_kernel(q, k, bias, **ids) == expected
+    check_cuda_forward(q, k, v, bias, **ids)
 
 
 def test_families_with_segment_ids(rng):

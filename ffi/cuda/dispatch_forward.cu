@@ -7,8 +7,8 @@
 // a split-KV decode kernel on every architecture, ahead of the others, when the call's
 // workspace holds its splits: on Hopper the wgmma one where it applies
 // (wgmma::decode_kernel_applies), else the mma.sync one (soft-capped calls, and calls with a
-// bias, boolean mask or ALiBi, on their instantiations for those); calls with segment ids, or
-// with a soft-cap beside those terms, keep the normal kernels. Calls with one of a soft-cap,
+// bias, boolean mask, ALiBi or segment ids, on their instantiations for those); calls with a
+// soft-cap beside those terms keep the normal kernels. Calls with one of a soft-cap,
 // segment ids, or the elementwise terms (bias, mask, ALiBi) take the Hopper kernel's
 // instantiations for it; with two of them, the mma.sync family. Why in this order:
 // docs/decisions/kernel-family-dispatch.md.
@@ -59,12 +59,12 @@ bool e4m3_sm90_applies(const AttentionParams& p, int device) {
 }
 
 // Calls f(capped, terms), two std::bool_constant, with the decode instantiation the call takes:
-// the soft-cap's, the elementwise terms' (bias, mask, ALiBi; never both: decode_shape_fits),
-// or the plain one.
+// the soft-cap's, the elementwise terms' (bias, mask, ALiBi, segment ids: decode_has_terms;
+// never both: decode_shape_fits), or the plain one.
 template <typename F>
 auto with_decode_variant(const AttentionParams& p, F&& f) {
   if (p.soft_capped()) return f(std::true_type{}, std::false_type{});
-  if (p.has_elementwise_terms()) return f(std::false_type{}, std::true_type{});
+  if (mma_sync::decode_has_terms(p)) return f(std::false_type{}, std::true_type{});
   return f(std::false_type{}, std::false_type{});
 }
 

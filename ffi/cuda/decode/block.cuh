@@ -139,7 +139,9 @@ struct DecodeRows {
 // the padding rows' terms, 742 -> 694. ALiBi (kAlibi, kernels of its own: its term in the same
 // kernel cost the calls without it 6-26 registers at head dim 128, and 4-7% of their time at
 // T = 8 and 16 of the decode preset with a bias) as its slope and diagonal, made again at each
-// step from the parameters (a load that hits L1).
+// step from the parameters (a load that hits L1). Segment ids (kSegments, kernels of their
+// own: in the kernels without them, the ids' test and its pointers spilled 4-60 more bytes) as
+// a mask, the rows' query ids and the batch entry's key ids read at each step.
 struct DecodeBiasAndMask {
   int64_t bias_row[2], mask_row[2];
   // kStagedTerms: row h's row g = row % group in the stage, or -1 where row h of every lane of
@@ -337,10 +339,12 @@ struct DecodeBiasAndMask {
     }
   }
 
-  // Into L2, the lines of keys [key0, key0 + keys) of this thread's rows: the quad's four
-  // threads a quarter of the keys each (clamped to S, where the tensors end).
-  __device__ __forceinline__ void prefetch(const AttentionParams& p, int key0, int keys,
-                                           int lane) const {
+  // Into L2, the lines of keys [key0, key0 + keys) of this thread's rows (and, kSegments, of
+  // the batch entry's key ids): the quad's four threads a quarter of the keys each (clamped to
+  // S, where the tensors end).
+  template <bool kSegments>
+  __device__ __forceinline__ void prefetch(const AttentionParams& p, const DecodeSplit& sp,
+                                           int key0, int keys, int lane) const {
     const int64_t key = min(key0 + (lane % 4) * (keys / 4), int(p.seqlen_k) - 1);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -350,14 +354,16 @@ struct DecodeBiasAndMask {
                              (p.bias_dtype == ElemType::kFloat32 ? 4 : 2));
       if (p.mask != nullptr) ptx::prefetch_l2(p.mask + mask_row[h] + key * p.mask_strides.col);
     }
+    if constexpr (kSegments)
+      ptx::prefetch_l2(p.kv_segment_ids + int64_t(sp.b) * p.seqlen_k + key);
   }
 
   // Scores s of keys [key0, key0 + 8 kNTiles) as base-2 logits with the bias and ALiBi
-  // added, -inf where the mask hides them; the keys a row does not see keep a score, which
-  // DecodeRows::mask then hides. The bias's element type is asked per element: a copy of the
+  // added, -inf where the mask or the segment ids hide them; the keys a row does not see keep
+  // a score, which DecodeRows::mask then hides. The bias's element type is asked per element: a copy of the
   // loop per type (a switch once per step) spilled 32-152 bytes beside the decode kernels'
   // accumulators.
-  template <bool kAlibi, int kNTiles>
+  template <bool kAlibi, bool kSegments, int kNTiles>
   __device__ __forceinline__ void apply(const AttentionParams& p, const DecodeSplit& sp,
                                         const DecodeRows& rows, float (&s)[kNTiles][4],
                                         int key0, int quad_col) const {
@@ -384,6 +390,39 @@ struct DecodeBiasAndMask {
           if (p.mask != nullptr && !keep[c * mask_col]) x = -INFINITY;
         }
       if constexpr (kAlibi) add_alibi(p, sp, rows, h, s, key);
+    }
+    if constexpr (kSegments) hide_other_documents(p, sp, rows, s, key0, quad_col);
+  }
+
+  // kSegments: -inf for the scores of keys [key0, key0 + 8 kNTiles) whose id is not their row's
+  // query's. Each key's id is loaded once for both rows, every load before the first compare,
+  // at keys clamped to S - 1 (a key past S is hidden by DecodeRows::mask whatever its score).
+  // Every id 0, B = 8, N = 32, K = 8, S = 65536, over the call without ids: 1.56x at T = 1
+  // (mma.sync kernel), 2.10x at T = 16 (wgmma; H200 18f89092), where the ids loaded inside
+  // apply's bound tests, one at a time, took 1.92x and 2.92x (H200 8b41243d).
+  template <int kNTiles>
+  __device__ __forceinline__ static void hide_other_documents(const AttentionParams& p,
+                                                              const DecodeSplit& sp,
+                                                              const DecodeRows& rows,
+                                                              float (&s)[kNTiles][4], int key0,
+                                                              int quad_col) {
+    const int32_t* const key_ids = p.kv_segment_ids + int64_t(sp.b) * p.seqlen_k;
+    const int last = int(p.seqlen_k) - 1;
+    int32_t id[kNTiles][2];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        id[nt][e] = __ldg(key_ids + min(key0 + quad_col + 8 * nt + e, last));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int32_t row_id =
+          __ldg(p.q_segment_ids + int64_t(sp.b) * p.seqlen_q + query_of(p, sp, rows.row[h]));
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (id[nt][e] != row_id) s[nt][2 * h + e] = -INFINITY;
     }
   }
 
@@ -423,19 +462,24 @@ struct DecodeWithSoftCap : Config {
 // boolean mask (a serving bias [B, N, 1, S], a cache's mask) and ALiBi: the scores of each step
 // become base-2 logits with ALiBi and the bias added, -inf where the mask hides them
 // (DecodeBiasAndMask), before the row bounds mask them, and the softmax takes them with factor
-// 1. Instantiations of their own (the launches' kBiasAndMask, in the *_bias.cu.in translation
-// units), those with ALiBi (kWithAlibi) apart from the others; with a soft-cap or segment ids
-// too a call takes the normal kernels (decode_shape_fits).
+// 1; segment ids (kWithIds) hide the keys of other documents as the mask does. Instantiations
+// of their own (the launches' kBiasAndMask, in the *_bias.cu.in translation units), those with
+// ALiBi (kWithAlibi) and those with segment ids (kWithIds, besides a bias or mask but not
+// ALiBi) apart from the others; with a soft-cap too a call takes the normal kernels
+// (decode_shape_fits).
 // kStaged: the bias and mask copied with each K/V tile into shared memory (the calls whose
 // terms decode_terms_stage admits), each ring's stages of them after the family's shared
 // memory, Config::kTermStageBytes each, and the logits in natural-log units (apply_staged);
 // else each thread reads its elements from global memory.
-template <typename Config, bool kWithAlibi = false, bool kStaged = false>
+template <typename Config, bool kWithAlibi = false, bool kStaged = false, bool kWithIds = false>
 struct DecodeWithBiasAndMask : Config {
   static constexpr bool kBiasAndMask = true;
   static constexpr bool kAlibi = kWithAlibi;
   static constexpr bool kStagedTerms = kStaged;
+  static constexpr bool kSegments = kWithIds;
   static_assert(!(kWithAlibi && kStaged), "ALiBi's calls read their terms element by element");
+  static_assert(!(kWithIds && (kWithAlibi || kStaged)),
+                "calls with segment ids read their terms element by element, without ALiBi");
   static constexpr int kTermBytes = kStaged ? Config::kStages * Config::kTermStageBytes : 0;
   static constexpr int kSmemBytes = Config::kSmemBytes + Config::kRings * kTermBytes;
 };

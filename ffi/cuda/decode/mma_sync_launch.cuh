@@ -149,27 +149,32 @@ auto with_decode_config(const mma_sync::DecodePlan& plan, F&& f) {
 }
 
 // A decode configuration, with the soft-cap's terms where kSoftCap, the elementwise terms
-// (bias, mask, and ALiBi where kAlibi; staged in shared memory where kStaged) where
-// kBiasAndMask (not both: decode_shape_fits).
+// (bias, mask, and ALiBi where kAlibi, segment ids where kIds; staged in shared memory where
+// kStaged) where kBiasAndMask (not both: decode_shape_fits).
 template <typename Config, bool kSoftCap, bool kBiasAndMask, bool kAlibi = false,
-          bool kStaged = false>
+          bool kStaged = false, bool kIds = false>
 using DecodeVariant = std::conditional_t<
     kSoftCap, mma_sync::DecodeWithSoftCap<Config>,
-    std::conditional_t<kBiasAndMask, mma_sync::DecodeWithBiasAndMask<Config, kAlibi, kStaged>,
-                       Config>>;
+    std::conditional_t<kBiasAndMask,
+                       mma_sync::DecodeWithBiasAndMask<Config, kAlibi, kStaged, kIds>, Config>>;
 
-// Calls f with two std::bool_constant, whether the call takes the elementwise terms' kernels
-// with ALiBi (kBiasAndMask and the call's ALiBi slopes), and whether with its terms staged in
-// shared memory (kBiasAndMask, no ALiBi, and terms that decode_terms_stage admits at Config's
-// tiles; with ALiBi beside a bias or mask, a rare call, they are read element by element).
+// Calls f with three std::bool_constant, whether the call takes the elementwise terms' kernels
+// with ALiBi (kBiasAndMask and the call's ALiBi slopes), whether with its terms staged in
+// shared memory (kBiasAndMask, no ALiBi or segment ids, and terms that decode_terms_stage
+// admits at Config's tiles; with ALiBi beside a bias or mask, a rare call, they are read
+// element by element), and whether with segment ids (kBiasAndMask and the call's ids, never
+// beside ALiBi: decode_shape_fits).
 template <bool kBiasAndMask, typename Config, typename F>
 auto with_decode_terms(const AttentionParams& p, F&& f) {
   if constexpr (kBiasAndMask) {
-    if (p.alibi_slopes != nullptr) return f(std::true_type{}, std::false_type{});
+    if (p.q_segment_ids != nullptr)
+      return f(std::false_type{}, std::false_type{}, std::true_type{});
+    if (p.alibi_slopes != nullptr)
+      return f(std::true_type{}, std::false_type{}, std::false_type{});
     if (mma_sync::decode_terms_stage(p, Config::kBlockN, Config::kTermStageBytes))
-      return f(std::false_type{}, std::true_type{});
+      return f(std::false_type{}, std::true_type{}, std::false_type{});
   }
-  return f(std::false_type{}, std::false_type{});
+  return f(std::false_type{}, std::false_type{}, std::false_type{});
 }
 
 template <typename Elem, int kHeadDim, bool kSoftCap, bool kBiasAndMask>
@@ -177,9 +182,9 @@ cudaError_t launch_forward_decode(const AttentionParams& p, const mma_sync::Deco
                                   cudaStream_t stream) {
   return with_decode_config<kHeadDim>(plan, [&](auto config) {
     using Config = decltype(config);
-    return with_decode_terms<kBiasAndMask, Config>(p, [&](auto alibi, auto staged) {
+    return with_decode_terms<kBiasAndMask, Config>(p, [&](auto alibi, auto staged, auto ids) {
       using Traits = DecodeVariant<Config, kSoftCap, kBiasAndMask, decltype(alibi)::value,
-                                   decltype(staged)::value>;
+                                   decltype(staged)::value, decltype(ids)::value>;
       return launch_decode<Elem, mma_sync::decode_split_kernel<Elem, Traits>>(
           p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
     });
@@ -191,9 +196,9 @@ bool forward_decode_merges_in_cluster(const AttentionParams& p, const mma_sync::
                                       int device) {
   return with_decode_config<kHeadDim>(plan, [&](auto config) {
     using Config = decltype(config);
-    return with_decode_terms<kBiasAndMask, Config>(p, [&](auto alibi, auto staged) {
+    return with_decode_terms<kBiasAndMask, Config>(p, [&](auto alibi, auto staged, auto ids) {
       using Traits = DecodeVariant<Config, kSoftCap, kBiasAndMask, decltype(alibi)::value,
-                                   decltype(staged)::value>;
+                                   decltype(staged)::value, decltype(ids)::value>;
       return cluster_merge_fits<mma_sync::decode_split_kernel<Elem, Traits>>(
           plan, Traits::kThreads, Traits::kSmemBytes, device);
     });

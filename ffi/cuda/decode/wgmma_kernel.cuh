@@ -289,7 +289,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   if constexpr (Traits::kBiasAndMask) {
     terms = mma_sync::DecodeBiasAndMask::make<Traits::kStagedTerms>(p, sp, rows);
     if constexpr (!Traits::kStagedTerms)
-      terms.prefetch(p, sp.tile_begin * kBlockN, kBlockN, lane);
+      terms.template prefetch<Traits::kSegments>(p, sp, sp.tile_begin * kBlockN, kBlockN,
+                                                 lane);
   }
 
   const auto desc = DecodeDescriptors<Traits>::make(base);
@@ -302,7 +303,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       stage = 0;  // the products read the widened tiles
     }
     if constexpr (Traits::kBiasAndMask && !Traits::kStagedTerms)
-      if (tile + 1 < sp.tile_end) terms.prefetch(p, (tile + 1) * kBlockN, kBlockN, lane);
+      if (tile + 1 < sp.tile_end)
+        terms.template prefetch<Traits::kSegments>(p, sp, (tile + 1) * kBlockN, kBlockN, lane);
     Warpgroup::scores(s_acc[0], q_frag, desc, stage);
     if constexpr (!std::is_same_v<Mma, Elem>) cuda::scale_score_rows(s_acc[0], q_row_factor);
     const int key0 = tile * kBlockN;
@@ -311,7 +313,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       terms.template apply_staged<kBlockN>(p, sp, s_acc[0], key0, quad_col,
                                            terms_region + stage * Traits::kTermStageBytes);
     else if constexpr (Traits::kBiasAndMask)
-      terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
+      terms.template apply<Traits::kAlibi, Traits::kSegments>(p, sp, rows, s_acc[0], key0,
+                                                              quad_col);
     if (!rows.sees_all(key0, kBlockN)) rows.mask(s_acc[0], key0, quad_col);
     softmax.update(s_acc, o_acc, scale_log2);
     Warpgroup::add_pv(o_acc[0], s_acc[0], desc, stage);

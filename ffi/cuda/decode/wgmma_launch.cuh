@@ -26,9 +26,9 @@ cudaError_t launch_forward_decode_sm90(const AttentionParams& p, const mma_sync:
   if (plan.splits % plan.splits_per_block != 0) return cudaErrorInvalidValue;
   return with_sm90_decode_config<kHeadDim>(plan, [&](auto config) {
     using Config = decltype(config);
-    return with_decode_terms<kBiasAndMask, Config>(p, [&](auto alibi, auto staged) {
+    return with_decode_terms<kBiasAndMask, Config>(p, [&](auto alibi, auto staged, auto ids) {
       using Traits = DecodeVariant<Config, kSoftCap, kBiasAndMask, decltype(alibi)::value,
-                                   decltype(staged)::value>;
+                                   decltype(staged)::value, decltype(ids)::value>;
       return launch_decode<Elem, wgmma::decode_split_kernel<Elem, Traits>>(
           p, plan, Traits::kThreads, Traits::kSmemBytes, stream);
     });
@@ -40,9 +40,9 @@ bool forward_decode_sm90_merges_in_cluster(const AttentionParams& p,
                                            const mma_sync::DecodePlan& plan, int device) {
   return with_sm90_decode_config<kHeadDim>(plan, [&](auto config) {
     using Config = decltype(config);
-    return with_decode_terms<kBiasAndMask, Config>(p, [&](auto alibi, auto staged) {
+    return with_decode_terms<kBiasAndMask, Config>(p, [&](auto alibi, auto staged, auto ids) {
       using Traits = DecodeVariant<Config, kSoftCap, kBiasAndMask, decltype(alibi)::value,
-                                   decltype(staged)::value>;
+                                   decltype(staged)::value, decltype(ids)::value>;
       return cluster_merge_fits<wgmma::decode_split_kernel<Elem, Traits>>(
           plan, Traits::kThreads, Traits::kSmemBytes, device);
     });
