@@ -384,12 +384,14 @@ def test_decode_dispatch(monkeypatch):
     assert kernel(16, 32, 8, 65536, bias=bias, mask=mask) == wgmma
     assert kernel(16, 32, 8, 65536, logits_soft_cap=30.0) == wgmma
     assert kernel(1, 32, 8, 65536, bias=bias, logits_soft_cap=30.0) == "sm80"
-    ids = dict(query_segment_ids=jax.ShapeDtypeStruct((8, 16), jnp.int32),
-               key_value_segment_ids=jax.ShapeDtypeStruct((8, 65536), jnp.int32))
-    assert kernel(1, 32, 8, 65536, **ids) == "decode"
-    assert kernel(16, 32, 8, 65536, **ids) == wgmma
-    assert kernel(16, 32, 8, 65536, bias=bias, **ids) == wgmma
-    assert kernel(16, 32, 8, 65536, logits_soft_cap=30.0, **ids) == "sm80"
-    assert kernel(16, 32, 8, 65536, alibi_slopes=True, **ids) == "sm80"
+
+    def ids(t):
+        return dict(query_segment_ids=jax.ShapeDtypeStruct((8, t), jnp.int32),
+                    key_value_segment_ids=jax.ShapeDtypeStruct((8, 65536), jnp.int32))
+    assert kernel(1, 32, 8, 65536, **ids(1)) == "decode"
+    assert kernel(16, 32, 8, 65536, **ids(16)) == wgmma
+    assert kernel(16, 32, 8, 65536, bias=bias, **ids(16)) == wgmma
+    assert kernel(16, 32, 8, 65536, logits_soft_cap=30.0, **ids(16)) == "sm80"
+    assert kernel(16, 32, 8, 65536, alibi_slopes=True, **ids(16)) == "sm80"
     monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
     assert kernel(16, 32, 8, 65536) == "decode"

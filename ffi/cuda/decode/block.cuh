@@ -360,9 +360,9 @@ struct DecodeBiasAndMask {
 
   // Scores s of keys [key0, key0 + 8 kNTiles) as base-2 logits with the bias and ALiBi
   // added, -inf where the mask or the segment ids hide them; the keys a row does not see keep
-  // a score, which DecodeRows::mask then hides. The bias's element type is asked per element: a copy of the
-  // loop per type (a switch once per step) spilled 32-152 bytes beside the decode kernels'
-  // accumulators.
+  // a score, which DecodeRows::mask then hides. The bias's element type is asked per element:
+  // a copy of the loop per type (a switch once per step) spilled 32-152 bytes beside the
+  // decode kernels' accumulators.
   template <bool kAlibi, bool kSegments, int kNTiles>
   __device__ __forceinline__ void apply(const AttentionParams& p, const DecodeSplit& sp,
                                         const DecodeRows& rows, float (&s)[kNTiles][4],
