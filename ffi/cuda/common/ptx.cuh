@@ -46,6 +46,14 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 
+// cp.async.ca: 4 bytes global -> shared (the L1-cached form, the only one that copies fewer than
+// 16 bytes), zero-filling the destination where valid == false, for arrays whose rows are not
+// whole 16-byte pieces.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0));
+}
+
 // A hint that the 128-byte line holding `address` will be read soon: brought into L2, with no
 // register written and nothing to wait for. The address must lie inside an allocation.
 __device__ __forceinline__ void prefetch_l2(const void* address) {

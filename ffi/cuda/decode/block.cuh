@@ -141,7 +141,8 @@ struct DecodeRows {
 // T = 8 and 16 of the decode preset with a bias) as its slope and diagonal, made again at each
 // step from the parameters (a load that hits L1). Segment ids (kSegments, kernels of their
 // own: in the kernels without them, the ids' test and its pointers spilled 4-60 more bytes) as
-// a mask, the rows' query ids and the batch entry's key ids read at each step.
+// a mask: each tile's key ids staged with its K and V (copy_key_ids), the rows' query ids read
+// at each step.
 struct DecodeBiasAndMask {
   int64_t bias_row[2], mask_row[2];
   // kStagedTerms: row h's row g = row % group in the stage, or -1 where row h of every lane of
@@ -339,12 +340,10 @@ struct DecodeBiasAndMask {
     }
   }
 
-  // Into L2, the lines of keys [key0, key0 + keys) of this thread's rows (and, kSegments, of
-  // the batch entry's key ids): the quad's four threads a quarter of the keys each (clamped to
-  // S, where the tensors end).
-  template <bool kSegments>
-  __device__ __forceinline__ void prefetch(const AttentionParams& p, const DecodeSplit& sp,
-                                           int key0, int keys, int lane) const {
+  // Into L2, the lines of keys [key0, key0 + keys) of this thread's rows: the quad's four
+  // threads a quarter of the keys each (clamped to S, where the tensors end).
+  __device__ __forceinline__ void prefetch(const AttentionParams& p, int key0, int keys,
+                                           int lane) const {
     const int64_t key = min(key0 + (lane % 4) * (keys / 4), int(p.seqlen_k) - 1);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -354,8 +353,6 @@ struct DecodeBiasAndMask {
                              (p.bias_dtype == ElemType::kFloat32 ? 4 : 2));
       if (p.mask != nullptr) ptx::prefetch_l2(p.mask + mask_row[h] + key * p.mask_strides.col);
     }
-    if constexpr (kSegments)
-      ptx::prefetch_l2(p.kv_segment_ids + int64_t(sp.b) * p.seqlen_k + key);
   }
 
   // Scores s of keys [key0, key0 + 8 kNTiles) as base-2 logits with the bias and ALiBi
@@ -363,7 +360,7 @@ struct DecodeBiasAndMask {
   // a score, which DecodeRows::mask then hides. The bias's element type is asked per element:
   // a copy of the loop per type (a switch once per step) spilled 32-152 bytes beside the
   // decode kernels' accumulators.
-  template <bool kAlibi, bool kSegments, int kNTiles>
+  template <bool kAlibi, int kNTiles>
   __device__ __forceinline__ void apply(const AttentionParams& p, const DecodeSplit& sp,
                                         const DecodeRows& rows, float (&s)[kNTiles][4],
                                         int key0, int quad_col) const {
@@ -391,38 +388,49 @@ struct DecodeBiasAndMask {
         }
       if constexpr (kAlibi) add_alibi(p, sp, rows, h, s, key);
     }
-    if constexpr (kSegments) hide_other_documents(p, sp, rows, s, key0, quad_col);
+  }
+
+  // kSegments: key tile `tile`'s ids into `stage` in shared memory (after the tile's bias and
+  // mask rows, which a kernel with ids does not stage), 4 bytes a copy from thread `thread` of
+  // `threads` up, in the commit group of the tile's K and V; the ids of keys past S zero-filled
+  // (their scores are hidden whatever their ids). Any S: the batch entry's ids start at b S.
+  template <int kBlockN>
+  __device__ __forceinline__ static void copy_key_ids(unsigned char* stage,
+                                                      const AttentionParams& p,
+                                                      const DecodeSplit& sp, int tile,
+                                                      int thread, int threads) {
+    const int32_t* const ids = p.kv_segment_ids + int64_t(sp.b) * p.seqlen_k;
+    for (int i = thread; i < kBlockN; i += threads) {
+      const int key = tile * kBlockN + i;
+      const bool valid = key < p.seqlen_k;
+      ptx::cp_async_4(ptx::smem_address(stage + 4 * i), valid ? ids + key : ids, valid);
+    }
   }
 
   // kSegments: -inf for the scores of keys [key0, key0 + 8 kNTiles) whose id is not their row's
-  // query's. Each key's id is loaded once for both rows, every load before the first compare,
-  // at keys clamped to S - 1 (a key past S is hidden by DecodeRows::mask whatever its score).
-  // Every id 0, B = 8, N = 32, K = 8, S = 65536, over the call without ids: 1.56x at T = 1
-  // (mma.sync kernel), 2.10x at T = 16 (wgmma; H200 18f89092), where the ids loaded inside
-  // apply's bound tests, one at a time, took 1.92x and 2.92x (H200 8b41243d).
-  template <int kNTiles>
+  // query's, the keys' ids from the stage copy_key_ids filled with key0's tile: one shared load
+  // per pair of keys for both rows. Loaded from global memory instead, one id per load (all of
+  // a step's before the first compare), every id 0 took 1.56x (mma.sync kernel, T = 1) and
+  // 2.10x (wgmma, T = 16) the time of the call without ids (B = 8, N = 32, K = 8, S = 65536;
+  // H200 18f89092).
+  template <int kBlockN, int kNTiles>
   __device__ __forceinline__ static void hide_other_documents(const AttentionParams& p,
                                                               const DecodeSplit& sp,
                                                               const DecodeRows& rows,
                                                               float (&s)[kNTiles][4], int key0,
-                                                              int quad_col) {
-    const int32_t* const key_ids = p.kv_segment_ids + int64_t(sp.b) * p.seqlen_k;
-    const int last = int(p.seqlen_k) - 1;
-    int32_t id[kNTiles][2];
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        id[nt][e] = __ldg(key_ids + min(key0 + quad_col + 8 * nt + e, last));
+                                                              int quad_col,
+                                                              const unsigned char* stage) {
+    const unsigned char* const ids = stage + 4 * (key0 % kBlockN + quad_col);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int32_t row_id =
           __ldg(p.q_segment_ids + int64_t(sp.b) * p.seqlen_q + query_of(p, sp, rows.row[h]));
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (id[nt][e] != row_id) s[nt][2 * h + e] = -INFINITY;
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        const int2 id = *reinterpret_cast<const int2*>(ids + 32 * nt);
+        if (id.x != row_id) s[nt][2 * h] = -INFINITY;
+        if (id.y != row_id) s[nt][2 * h + 1] = -INFINITY;
+      }
     }
   }
 
@@ -470,7 +478,8 @@ struct DecodeWithSoftCap : Config {
 // kStaged: the bias and mask copied with each K/V tile into shared memory (the calls whose
 // terms decode_terms_stage admits), each ring's stages of them after the family's shared
 // memory, Config::kTermStageBytes each, and the logits in natural-log units (apply_staged);
-// else each thread reads its elements from global memory.
+// else each thread reads its elements from global memory. kWithIds: each tile's key ids in
+// those stages (copy_key_ids), the bias and mask read from global memory.
 template <typename Config, bool kWithAlibi = false, bool kStaged = false, bool kWithIds = false>
 struct DecodeWithBiasAndMask : Config {
   static constexpr bool kBiasAndMask = true;
@@ -480,7 +489,10 @@ struct DecodeWithBiasAndMask : Config {
   static_assert(!(kWithAlibi && kStaged), "ALiBi's calls read their terms element by element");
   static_assert(!(kWithIds && (kWithAlibi || kStaged)),
                 "calls with segment ids read their terms element by element, without ALiBi");
-  static constexpr int kTermBytes = kStaged ? Config::kStages * Config::kTermStageBytes : 0;
+  static_assert(!kWithIds || Config::kBlockN * 4 <= Config::kTermStageBytes,
+                "a tile's key ids fit a stage");
+  static constexpr int kTermBytes =
+      kStaged || kWithIds ? Config::kStages * Config::kTermStageBytes : 0;
   static constexpr int kSmemBytes = Config::kSmemBytes + Config::kRings * kTermBytes;
 };
 

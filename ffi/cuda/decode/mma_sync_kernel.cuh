@@ -100,6 +100,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     if constexpr (Traits::kStagedTerms)
       DecodeBiasAndMask::copy_tile<kBlockN>(stage_terms(stage), p, sp, tile, tid,
                                             Traits::kThreads);
+    if constexpr (Traits::kSegments)
+      DecodeBiasAndMask::copy_key_ids<kBlockN>(stage_terms(stage), p, sp, tile, tid,
+                                               Traits::kThreads);
   };
   // Prologue: kStages - 1 tiles in flight, one commit group each (possibly empty).
 #pragma unroll
@@ -137,8 +140,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   [[maybe_unused]] DecodeBiasAndMask terms;
   if constexpr (Traits::kBiasAndMask) {
     terms = DecodeBiasAndMask::make<Traits::kStagedTerms>(p, sp, rows);
-    if constexpr (!Traits::kStagedTerms)
-      terms.template prefetch<Traits::kSegments>(p, sp, tile_begin * kBlockN, kBlockN, lane);
+    if constexpr (!Traits::kStagedTerms) terms.prefetch(p, tile_begin * kBlockN, kBlockN, lane);
   }
 
   // ldmatrix lane addressing as in mma_sync/forward_kernel.cuh: K as B operand pairs (keys x k),
@@ -162,8 +164,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     }
     if (!computes) continue;
     if constexpr (Traits::kBiasAndMask && !Traits::kStagedTerms)
-      if (tile + 1 < tile_end)
-        terms.template prefetch<Traits::kSegments>(p, sp, (tile + 1) * kBlockN, kBlockN, lane);
+      if (tile + 1 < tile_end) terms.prefetch(p, (tile + 1) * kBlockN, kBlockN, lane);
 
     using Address = LdmatrixAddress<SwizzledRows<kReadDim>>;
     const void* k_tile = kWiden ? static_cast<const void*>(widened_k) : stage_k(stage);
@@ -211,8 +212,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         terms.template apply_staged<kBlockN>(p, sp, s_acc[0], key0, quad_col,
                                              stage_terms(stage));
       else if constexpr (Traits::kBiasAndMask)
-        terms.template apply<Traits::kAlibi, Traits::kSegments>(p, sp, rows, s_acc[0], key0,
-                                                                quad_col);
+        terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
+      if constexpr (Traits::kSegments)
+        DecodeBiasAndMask::hide_other_documents<kBlockN>(p, sp, rows, s_acc[0], key0, quad_col,
+                                                         stage_terms(stage));
       rows.mask(s_acc[0], key0, quad_col);
       softmax.update(s_acc, o_acc, scale_log2);
 

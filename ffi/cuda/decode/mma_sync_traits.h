@@ -64,6 +64,7 @@ struct DecodeTraits {
   // them, in kernels of its own.
   static constexpr bool kBiasAndMask = false;
   static constexpr bool kAlibi = false;
+  static constexpr bool kSegments = false;  // segment ids, with kBiasAndMask (kWithIds)
   // Bytes per K/V element: 2 (q's dtype), or 1 for float8_e4m3fn keys and values (kFp8Kv;
   // DecodeFp8Config below), widened (to float16 from sm_89, else to q's dtype: common/e4m3.cuh)
   // in registers after each ldmatrix, or with kWidenInSmem once per tile into a 2-byte tile

@@ -250,6 +250,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     if constexpr (Traits::kStagedTerms)
       mma_sync::DecodeBiasAndMask::copy_tile<kBlockN>(
           terms_region + stage * Traits::kTermStageBytes, p, sp, tile, group_tid, kGroupThreads);
+    if constexpr (Traits::kSegments)
+      mma_sync::DecodeBiasAndMask::copy_key_ids<kBlockN>(
+          terms_region + stage * Traits::kTermStageBytes, p, sp, tile, group_tid, kGroupThreads);
   };
   Warpgroup::start_loads(ring, p, sp, group_tid, copy_terms);
 
@@ -289,8 +292,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   if constexpr (Traits::kBiasAndMask) {
     terms = mma_sync::DecodeBiasAndMask::make<Traits::kStagedTerms>(p, sp, rows);
     if constexpr (!Traits::kStagedTerms)
-      terms.template prefetch<Traits::kSegments>(p, sp, sp.tile_begin * kBlockN, kBlockN,
-                                                 lane);
+      terms.prefetch(p, sp.tile_begin * kBlockN, kBlockN, lane);
   }
 
   const auto desc = DecodeDescriptors<Traits>::make(base);
@@ -304,7 +306,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     }
     if constexpr (Traits::kBiasAndMask && !Traits::kStagedTerms)
       if (tile + 1 < sp.tile_end)
-        terms.template prefetch<Traits::kSegments>(p, sp, (tile + 1) * kBlockN, kBlockN, lane);
+        terms.prefetch(p, (tile + 1) * kBlockN, kBlockN, lane);
     Warpgroup::scores(s_acc[0], q_frag, desc, stage);
     if constexpr (!std::is_same_v<Mma, Elem>) cuda::scale_score_rows(s_acc[0], q_row_factor);
     const int key0 = tile * kBlockN;
@@ -313,8 +315,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       terms.template apply_staged<kBlockN>(p, sp, s_acc[0], key0, quad_col,
                                            terms_region + stage * Traits::kTermStageBytes);
     else if constexpr (Traits::kBiasAndMask)
-      terms.template apply<Traits::kAlibi, Traits::kSegments>(p, sp, rows, s_acc[0], key0,
-                                                              quad_col);
+      terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
+    if constexpr (Traits::kSegments)
+      mma_sync::DecodeBiasAndMask::hide_other_documents<kBlockN>(
+          p, sp, rows, s_acc[0], key0, quad_col, terms_region + stage * Traits::kTermStageBytes);
     if (!rows.sees_all(key0, kBlockN)) rows.mask(s_acc[0], key0, quad_col);
     softmax.update(s_acc, o_acc, scale_log2);
     Warpgroup::add_pv(o_acc[0], s_acc[0], desc, stage);

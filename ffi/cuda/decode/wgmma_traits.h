@@ -53,6 +53,7 @@ struct DecodeTraits {
   // kAlibi: ALiBi among them, in kernels of its own.
   static constexpr bool kBiasAndMask = false;
   static constexpr bool kAlibi = false;
+  static constexpr bool kSegments = false;  // segment ids, with kBiasAndMask (kWithIds)
   // Bytes per K/V element: 2 (q's dtype), or 1 for float8_e4m3fn keys and values (kFp8Kv;
   // DecodeFp8Config below), which the ring holds as stored, rows of byte pairs (cuda::E4m3Pair)
   // one after another (kSmemDim pairs: only the widening reads them, 16 bytes a thread in row
