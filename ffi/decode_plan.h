@@ -135,10 +135,10 @@ inline bool decode_terms_stage(const AttentionParams& p, int64_t block_n, int64_
 inline int64_t decode_blocks_per_sm(const AttentionParams& p) {
   if (p.kv_seqlens != nullptr) return kDecodeBlocksPerSmRagged;
   // e4m3 keys and values (the widening, mma_sync::DecodeFp8Config) and the elementwise terms
-  // (a bias, a mask, ALiBi: their loads and arithmetic per score) make a block's warps wait on
-  // arithmetic, not only on memory, so one slab too takes two blocks per SM, whose warps hide
-  // each other's latencies.
-  const bool arithmetic = p.k_descale != nullptr || p.has_elementwise_terms();
+  // (a bias, a mask, ALiBi, segment ids: their loads and arithmetic per score) make a block's
+  // warps wait on arithmetic, not only on memory, so one slab too takes two blocks per SM,
+  // whose warps hide each other's latencies.
+  const bool arithmetic = p.k_descale != nullptr || decode_has_terms(p);
   return decode_rows(p) <= kDecodeOneSlabRows && !arithmetic ? kDecodeBlocksPerSmOneSlab
                                                              : kDecodeBlocksPerSmManyRows;
 }
