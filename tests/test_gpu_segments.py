@@ -324,6 +324,11 @@ def test_decoding_shapes_take_the_decode_kernels(rng, monkeypatch, family, t, n,
     bias = jnp.asarray(rng.standard_normal((b, n, t, s)), jnp.bfloat16)
     assert jax_flashattn.forward_kernel(q, k, bias, **ids) == expected
     check_cuda_forward(q, k, v, bias, **ids)
+    # Every query of the second batch entry in a document no key has: its units' key ranges
+    # narrow to nothing, every split is empty, and its rows are 0 with lse -inf.
+    q_ids[1] = 99
+    check_cuda_forward(q, k, v, query_segment_ids=jnp.asarray(q_ids),
+                       key_value_segment_ids=jnp.asarray(kv_ids))
 
 
 def test_families_with_segment_ids(rng):
