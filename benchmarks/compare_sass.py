@@ -58,10 +58,10 @@ FAMILIES = {
     "backward_mma_sync_segments": ("ffi/cuda/mma_sync/backward_traits.h", "kBackwardHeadDims"),
     "backward_mma_sync_softcap": ("ffi/cuda/mma_sync/backward_traits.h", "kBackwardHeadDims"),
     "backward_wgmma": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardHeadDims"),
-    "backward_wgmma_segments": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardHeadDims"),
-    "backward_wgmma_deterministic": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardHeadDims"),
-    "backward_wgmma_softcap": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardHeadDims"),
-    "backward_wgmma_bias": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardHeadDims"),
+    "backward_wgmma_segments": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardPaddedHeadDims"),
+    "backward_wgmma_deterministic": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardPaddedHeadDims"),
+    "backward_wgmma_softcap": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardPaddedHeadDims"),
+    "backward_wgmma_bias": ("ffi/cuda/wgmma/backward_traits.h", "kBackwardPaddedHeadDims"),
 }
 SIMT = ("ffi/cuda/simt/forward_simt.cu", "ffi/cuda/simt/backward_simt.cu")
 

@@ -155,16 +155,31 @@ def test_tc_head_dims(rng, dtype, head_dim, deterministic):
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
-@pytest.mark.parametrize("head_dim", [136, 192, 256])
+@pytest.mark.parametrize("head_dim", [136, 160, 192, 256])
 @pytest.mark.parametrize("kwargs", [dict(is_causal=True), dict(local_window_size=(70, 9)),
                                     dict(query_seq_lengths=np.array([201, 0, 57], np.int32),
                                          key_value_seq_lengths=np.array([333, 40, 0], np.int32),
                                          is_causal=True)])
 def test_tc_large_head_dims(rng, dtype, head_dim, kwargs, deterministic):
-    """Head dims above 128: on Hopper the Hopper backward's 256 configuration, elsewhere the
-    mma.sync large table (64-key blocks, 32-query tiles, rows padded to 256 elements; 136 runs
-    on 192): GQA 8 -> 2, several key blocks and query tiles, partial last ones, zero-length
-    rows."""
+    """Head dims above 128: on Hopper the Hopper backward's 192 configuration (256's layout,
+    S^T and dP^T reduced over 192 columns; 136 and 160 run on it, deterministic calls on 256's)
+    and its 256 one, elsewhere the mma.sync large table (64-key blocks, 32-query tiles, rows
+    padded to 256 elements; 136 and 160 run on 192): GQA 8 -> 2, several key blocks and query
+    tiles, partial last ones, zero-length rows."""
+    check_grads(rng, *random_qkv(rng, 3, 201, 333, 8, 2, head_dim, dtype),
+                deterministic=deterministic, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("head_dim", [72, 96])
+@pytest.mark.parametrize("kwargs", [dict(is_causal=True), dict(local_window_size=(70, 9)),
+                                    dict(query_seq_lengths=np.array([201, 0, 57], np.int32),
+                                         key_value_seq_lengths=np.array([333, 40, 0], np.int32),
+                                         is_causal=True)])
+def test_tc_head_dims_72_to_96(rng, dtype, head_dim, kwargs, deterministic):
+    """Head dims 72-96: on Hopper the backward's 96 configuration (128's layout, S^T and dP^T
+    reduced over 96 columns, dK and dV of 96), the deterministic calls on 128's: GQA 8 -> 2,
+    several key blocks and query tiles, partial last ones, zero-length rows."""
     check_grads(rng, *random_qkv(rng, 3, 201, 333, 8, 2, head_dim, dtype),
                 deterministic=deterministic, **kwargs)
 

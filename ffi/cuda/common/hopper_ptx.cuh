@@ -298,6 +298,16 @@ __device__ __forceinline__ void wgmma_rs_k_major(float (&d)[N / 8][4], const uin
   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
   "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+#define JAX_FLASHATTN_WGMMA_D96_REGS \
+  "{" "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47" "}"
+#define JAX_FLASHATTN_WGMMA_D96_OPERANDS(d) \
+  JAX_FLASHATTN_WGMMA_D64_OPERANDS(d), \
+  "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+  "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
+  "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
+  "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3])
 #define JAX_FLASHATTN_WGMMA_D128_OPERANDS(d) \
   JAX_FLASHATTN_WGMMA_D64_OPERANDS(d), \
   "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
@@ -406,6 +416,8 @@ JAX_FLASHATTN_WGMMA_SS(wgmma_ss_mn_major, 1, 128, JAX_FLASHATTN_WGMMA_D128_REGS,
                        JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66)
 JAX_FLASHATTN_WGMMA_RS(wgmma_rs, 1, 64, JAX_FLASHATTN_WGMMA_D64_REGS,
                        JAX_FLASHATTN_WGMMA_D64_OPERANDS, 32, 33, 34, 35, 36, 37)
+JAX_FLASHATTN_WGMMA_RS(wgmma_rs, 1, 96, JAX_FLASHATTN_WGMMA_D96_REGS,
+                       JAX_FLASHATTN_WGMMA_D96_OPERANDS, 48, 49, 50, 51, 52, 53)
 JAX_FLASHATTN_WGMMA_RS(wgmma_rs, 1, 128, JAX_FLASHATTN_WGMMA_D128_REGS,
                        JAX_FLASHATTN_WGMMA_D128_OPERANDS, 64, 65, 66, 67, 68, 69)
 JAX_FLASHATTN_WGMMA_RS(wgmma_rs_k_major, 0, 64, JAX_FLASHATTN_WGMMA_D64_REGS,

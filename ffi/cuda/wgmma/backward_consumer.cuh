@@ -59,7 +59,7 @@ struct BackwardConsumer {
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   static constexpr int kStages = Traits::kStages, kHeadDim = Traits::kHeadDim;
   static constexpr int kSpans = Traits::kSpans, kSpanElems = Traits::kSpanElems;
-  static constexpr int kKSteps = kHeadDim / 16;   // k16 steps of S^T and dP^T (over the head dim)
+  static constexpr int kKSteps = Traits::kUsedDim / 16;  // k16 steps of S^T and dP^T (head dim)
   static constexpr int kQSteps = kBlockM / 16;    // k16 steps of dV and dK (over the queries)
   static constexpr int kKeySteps = kBlockN / 16;  // k16 steps of dQ (over the block's keys)
   static constexpr int kQTiles = kBlockM / 8;     // 8-query column tiles of S^T and dP^T

@@ -39,7 +39,8 @@ __device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const Back
                                             uint32_t sK, uint32_t sV,
                                             const BackwardEpilogueThread& th) {
   constexpr int kBlockN = Traits::kBlockN, kDTiles = Traits::kDkvCols / 8;
-  constexpr int kSpans = Traits::kDkvCols / Traits::kSpanElems;  // this warpgroup's spans
+  // This warpgroup's spans, the last one half used at head dim 96 (the map clips the rest).
+  constexpr int kSpans = (Traits::kDkvCols + Traits::kSpanElems - 1) / Traits::kSpanElems;
   constexpr int kSpanElems = Traits::kSpanElems;
   const int span0 = th.dkv_span0;
   ptx::named_barrier_sync(BackwardNamedBarriers::kConsumers, 128 * Traits::kConsumers);

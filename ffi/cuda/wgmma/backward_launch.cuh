@@ -62,12 +62,15 @@ cudaError_t launch_backward_sm90_softcap(const AttentionParams& p, cudaStream_t 
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90_bias(const AttentionParams& p, cudaStream_t stream);
 
+// Calls with an option on the instantiations of kBackwardPaddedHeadDims (96 on 128's, 192 on
+// 256's); the others on their head dim's.
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
-  if (p.has_elementwise_terms()) return launch_backward_sm90_bias<Elem, kHeadDim>(p, stream);
-  if (p.soft_capped()) return launch_backward_sm90_softcap<Elem, kHeadDim>(p, stream);
-  if (p.q_segment_ids != nullptr) return launch_backward_sm90_segments<Elem, kHeadDim>(p, stream);
-  if (p.deterministic) return launch_backward_sm90_deterministic<Elem, kHeadDim>(p, stream);
+  constexpr int kPadded = wgmma::BackwardConfig<kHeadDim>::kHeadDim;
+  if (p.has_elementwise_terms()) return launch_backward_sm90_bias<Elem, kPadded>(p, stream);
+  if (p.soft_capped()) return launch_backward_sm90_softcap<Elem, kPadded>(p, stream);
+  if (p.q_segment_ids != nullptr) return launch_backward_sm90_segments<Elem, kPadded>(p, stream);
+  if (p.deterministic) return launch_backward_sm90_deterministic<Elem, kPadded>(p, stream);
   return launch_backward_sm90_with<Elem, wgmma::BackwardConfig<kHeadDim>>(p, stream);
 }
 
