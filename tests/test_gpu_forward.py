@@ -116,7 +116,7 @@ def test_dispatch_is_visible():
     assert jax_flashattn.forward_kernel(f32, f32) == "simt"
 
 
-@pytest.mark.parametrize("head_dim", [40, 64, 136, 256])
+@pytest.mark.parametrize("head_dim", [40, 64, 96, 136, 192, 256])
 @pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(70, 9)),
                                     dict(query_seq_lengths=np.array([900, 0, 5], np.int32),
                                          key_value_seq_lengths=np.array([1000, 40, 0], np.int32),
@@ -125,8 +125,9 @@ def test_many_tiles_per_block(rng, head_dim, kwargs):
     """More query tiles than SMs, so every block of the Hopper kernel runs several: head dims
     above 128 keep one Q buffer, which each next tile's Q waits for, and stage O in the K/V
     stage the ring lends after a tile's key tiles (at 136 most of the padded head dim is
-    zero-filled by TMA); head dims up to 64 run three consumer warpgroups (T >= 512), whose
-    turn order must carry across tiles."""
+    zero-filled by TMA; 96 and 192 run 128's and 256's layouts with S reduced over their
+    columns and O of their columns only); head dims up to 64 run three consumer warpgroups
+    (T >= 512), whose turn order must carry across tiles."""
     check_cuda_forward(*random_qkv(rng, 3, 1000, 1000, 48, 8, head_dim, jnp.bfloat16), **kwargs)
 
 

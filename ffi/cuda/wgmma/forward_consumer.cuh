@@ -102,7 +102,7 @@ struct ForwardConsumer {
   using ConsumerTile = ConsumerTileOf<Traits::kE4m3 ? 8 : 0>;
   static constexpr int kPSteps = kBlockN / kKStep<Traits>;  // k-steps of O += P V
   static constexpr int kNTiles = kBlockN / 8;            // 8-key column tiles of S
-  static constexpr int kDTiles = Traits::kHeadDim / 8;   // 8-wide column tiles of O
+  static constexpr int kDTiles = Traits::kUsedDim / 8;   // 8-wide column tiles of O
   using Named = NamedBarriers<Traits::kConsumers>;
   static_assert(kBlockN % 32 == 0, "half a key tile is whole k16 steps of O += P V");
   // A warpgroup's tail holds at most as many tiles as the (at most kBlockM - 64) block rows

@@ -27,10 +27,12 @@ struct EpilogueThread {
 template <typename Elem, typename Traits>
 __device__ __forceinline__ void store_tile_output(
     const AttentionParams& p, const ForwardMaps& maps,
-    float (&o_acc)[1][Traits::kHeadDim / 8][4], int b, int n, int row0,
+    float (&o_acc)[1][Traits::kUsedDim / 8][4], int b, int n, int row0,
     const float (&row_lse)[1][2], uint32_t o_tile, const EpilogueThread& th) {
-  constexpr int kBlockM = Traits::kBlockM, kDTiles = Traits::kHeadDim / 8;
-  constexpr int kSpans = Traits::kOutSpans, kSpanElems = Traits::kOutSpanElems;
+  constexpr int kBlockM = Traits::kBlockM, kDTiles = Traits::kUsedDim / 8;
+  // The spans O's columns start in (a span half used at head dim 96: the map clips the rest).
+  constexpr int kSpanElems = Traits::kOutSpanElems;
+  constexpr int kSpans = (Traits::kUsedDim + kSpanElems - 1) / kSpanElems;
   constexpr uint32_t kOSpanBytes = (Traits::kOInKV ? 64 : kBlockM) * kRowBytes;
   float* lse = p.lse + (int64_t(b) * p.num_heads + n) * p.seqlen_q;
   if constexpr (!Traits::kOInKV) {  // (the ring's full barrier says that o_tile is free)

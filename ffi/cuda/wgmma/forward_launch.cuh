@@ -86,12 +86,15 @@ cudaError_t launch_forward_sm90_bias(const AttentionParams& p, cudaStream_t stre
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90_alibi(const AttentionParams& p, cudaStream_t stream);
 
+// Calls with an option on the instantiations of kPaddedHeadDims (96 on 128's, 192 on 256's);
+// the others on their head dim's.
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
-  if (p.soft_capped()) return launch_forward_sm90_softcap<Elem, kHeadDim>(p, stream);
-  if (wgmma::alibi_fits(p)) return launch_forward_sm90_alibi<Elem, kHeadDim>(p, stream);
-  if (p.has_elementwise_terms()) return launch_forward_sm90_bias<Elem, kHeadDim>(p, stream);
-  if (p.q_segment_ids != nullptr) return launch_forward_sm90_segments<Elem, kHeadDim>(p, stream);
+  constexpr int kPadded = wgmma::ForwardConfig<kHeadDim>::kHeadDim;
+  if (p.soft_capped()) return launch_forward_sm90_softcap<Elem, kPadded>(p, stream);
+  if (wgmma::alibi_fits(p)) return launch_forward_sm90_alibi<Elem, kPadded>(p, stream);
+  if (p.has_elementwise_terms()) return launch_forward_sm90_bias<Elem, kPadded>(p, stream);
+  if (p.q_segment_ids != nullptr) return launch_forward_sm90_segments<Elem, kPadded>(p, stream);
   if constexpr (wgmma::kHasWideConfig<kHeadDim>) {
     if (wgmma::wide_config_pays<kHeadDim>(p))
       return launch_forward_sm90_with<Elem, wgmma::ForwardConfig<kHeadDim, true>>(p, stream);

@@ -73,7 +73,7 @@ __device__ __forceinline__ void issue_scores(float (&s_acc)[1][Traits::kBlockN /
   ptx::fence_registers(s_acc[0]);
   ptx::wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < Traits::kHeadDim / kKStep<Traits>; ++ks)
+  for (int ks = 0; ks < Traits::kUsedDim / kKStep<Traits>; ++ks)
     ptx::wgmma_ss<Traits::kBlockN, OperandOf<Elem, Traits>>(
         s_acc[0], ForwardDescriptors<Traits>::q(q_tile, ks), desc.k(stage, ks), ks > 0);
   ptx::wgmma_commit_group();
@@ -82,7 +82,7 @@ __device__ __forceinline__ void issue_scores(float (&s_acc)[1][Traits::kBlockN /
 // O += P V over the first kKeys keys of V stage `stage`, one wgmma group.
 template <int kKeys, typename Elem, typename Traits>
 __device__ __forceinline__ void issue_values(
-    float (&o_acc)[1][Traits::kHeadDim / 8][4],
+    float (&o_acc)[1][Traits::kUsedDim / 8][4],
     uint32_t (&p_frag)[Traits::kBlockN / kKStep<Traits>][4],
     const ForwardDescriptors<Traits>& desc, int stage) {
   ptx::fence_registers(o_acc[0]);
@@ -93,7 +93,7 @@ __device__ __forceinline__ void issue_values(
       ptx::wgmma_rs_k_major<Traits::kHeadDim, __nv_fp8_e4m3>(o_acc[0], p_frag[kk],
                                                              desc.v(stage, kk), true);
     else
-      ptx::wgmma_rs<Traits::kHeadDim, Elem>(o_acc[0], p_frag[kk], desc.v(stage, kk));
+      ptx::wgmma_rs<Traits::kUsedDim, Elem>(o_acc[0], p_frag[kk], desc.v(stage, kk));
   }
   ptx::wgmma_commit_group();
 }
@@ -112,7 +112,7 @@ __device__ __forceinline__ void recompute_warp_scores(
     float (&s_acc)[1][Traits::kBlockN / 8][4], uint32_t q_tile, const ForwardSmem<Traits>& smem,
     int stage, int lane, int warp) {
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
-  constexpr int kKSteps = Traits::kHeadDim / 16, kNTiles = kBlockN / 8;
+  constexpr int kKSteps = Traits::kUsedDim / 16, kNTiles = kBlockN / 8;
   const int l = int(ptx::opaque(uint32_t(lane))), matrix = l / 8;
   const auto chunk_offset = [&](int row, int chunk, int rows_per_span) {
     return uint32_t((chunk / 8) * rows_per_span * kRowBytes + row * kRowBytes +

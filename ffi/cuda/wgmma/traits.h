@@ -28,6 +28,9 @@ template <int kHeadDim_, int kBlockN_, int kStages_, int kQStages_, bool kOInKV_
           int kConsumers_ = 2, int kElemBytes_ = 2>
 struct ForwardTraits {
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim: a whole number of spans
+  // The head dims the calls have at most (the columns past them are zeros, which TMA fills
+  // in): S = Q K^T reduces over them and O += P V has their columns (Narrowed below).
+  static constexpr int kUsedDim = kHeadDim_;
   // Bytes per element of q, k and v: 2, or 1 for FP8 attention (kE4m3: float8_e4m3fn q, k
   // and v^T, out of 2-byte elements; ForwardE4m3Config below).
   static constexpr int kElemBytes = kElemBytes_;
@@ -79,7 +82,6 @@ struct ForwardTraits {
   static constexpr int kKVBytes = kBlockN * kHeadDim * kElemBytes;  // one K or one V tile
   // O is written in 2-byte elements, in spans of 64 (the epilogue's TMA boxes).
   static constexpr int kOutSpanElems = 64;
-  static constexpr int kOutSpans = kHeadDim / kOutSpanElems;
   // kQStages Q tiles, O (unless in the K/V ring), kStages K tiles and kStages V tiles,
   // 1024-byte aligned each (the swizzle pattern repeats every 8 rows of 128 bytes), then the
   // barriers; plus 1024 bytes to align the start.
@@ -171,6 +173,25 @@ struct ForwardConfig<256> : ForwardTraits<256, 64, 2, 1, true> {
   static constexpr int kProducerRegisters = 32;
   static constexpr int kConsumerRegisters = 232;
 };
+
+// Head dims 72-96 and 136-192 on the layouts, tiles and registers budgets of 128 and 256
+// (zero columns past the head dim, as every head dim between instantiations has), with
+// S = Q K^T reduced over kUsed columns (6 of 8, 12 of 16 k16 steps) and O of kUsed columns
+// (O += P V of N = kUsed: 48 registers at 96, 96 at 192); the epilogue stores the spans the
+// columns start in, whose map clips the rest. Calls with an option run on the padded
+// instantiations (kPaddedHeadDims).
+template <typename Config, int kUsed>
+struct Narrowed : Config {
+  static constexpr int kUsedDim = kUsed;
+  static_assert(kUsed % 32 == 0 && kUsed <= Config::kHeadDim && !Config::kE4m3,
+                "whole k16 steps of S and whole pairs of O's 8-column tiles, in bf16 / fp16");
+};
+template <>
+struct ForwardConfig<96> : Narrowed<ForwardConfig<128>, 96> {};
+template <>
+struct ForwardConfig<96, true> : Narrowed<ForwardConfig<128, true>, 96> {};
+template <>
+struct ForwardConfig<192> : Narrowed<ForwardConfig<256>, 192> {};
 
 // FP8 attention (params.h's e4m3_attention): q, k and v^T of float8_e4m3fn, S = Q K^T and
 // O += P V by wgmma's e4m3 k32 steps, P in [0, 256] converted to e4m3 in registers
@@ -334,24 +355,27 @@ constexpr bool register_budgets_fit() {
 
 // Head dims with a kWide configuration.
 template <int kHeadDim>
-inline constexpr bool kHasWideConfig = kHeadDim == 64 || kHeadDim == 128;
+inline constexpr bool kHasWideConfig = kHeadDim == 64 || kHeadDim == 96 || kHeadDim == 128;
 
 // Whether a call takes its head dim's kWide configuration (thresholds chosen in one process,
 // the dispatch switched between calls):
 // - 64, three consumers: T >= 512, causal or not: there a tile's softmax outlasts its
 //   products, and with the next Q issued a tile ahead three consumers gain from causal
 //   T = 512 on (docs/decisions/three-consumer-warpgroups-at-head-dim-64.md).
-// - 128, 160-key tiles: no causal or window bound (every key tile but the last is fully
+// - 96 and 128, 160-key tiles: no causal or window bound (every key tile but the last is fully
 //   visible) and S >= 16384; below that 128-key tiles are ahead
 //   (docs/decisions/160-key-tiles-from-s-16384.md).
 template <int kHeadDim>
 inline bool wide_config_pays(const AttentionParams& p) {
   if constexpr (kHeadDim == 64) return p.seqlen_q >= 512;
-  return kHeadDim == 128 && p.unwindowed() && p.seqlen_k >= 16384;
+  return (kHeadDim == 96 || kHeadDim == 128) && p.unwindowed() && p.seqlen_k >= 16384;
 }
 
 // The instantiated head dims, smallest first; a head dim (multiple of 8) runs on the first one
 // that is at least as large (TMA zero-fills the columns past it).
-inline constexpr int kHeadDims[] = {64, 128, 256};
+inline constexpr int kHeadDims[] = {64, 96, 128, 192, 256};
+// The head dims of the instantiations with an option (segment ids, a soft-cap, a bias, mask or
+// ALiBi): 96 and 192 run those on 128 and 256.
+inline constexpr int kPaddedHeadDims[] = {64, 128, 256};
 
 }  // namespace jax_flashattn::wgmma
