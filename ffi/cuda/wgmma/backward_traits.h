@@ -28,17 +28,18 @@ namespace jax_flashattn::wgmma {
 inline constexpr int kBackwardConsumers = 2;
 inline constexpr int kBackwardMinBlockN = 64;
 
-template <int kHeadDim_, bool kSplitHeadDim_, int kBlockM_, int kUsedDim_ = kHeadDim_>
+template <int kHeadDim_, bool kSplitHeadDim_, int kBlockM_>
 struct BackwardTraits {
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim: a whole number of spans
   // The head dims the calls have at most (the columns past them are zeros, which TMA fills in):
-  // the reduction of S^T and dP^T and, without the split, dK's and dV's columns stop there.
-  static constexpr int kUsedDim = kUsedDim_;
+  // the reduction of S^T and dP^T and, without the split, dK's and dV's columns stop there
+  // (BackwardNarrowed below).
+  static constexpr int kUsedDim = kHeadDim_;
   static constexpr bool kSplitHeadDim = kSplitHeadDim_;
   static constexpr int kConsumers = kBackwardConsumers;  // consumer warpgroups
   static constexpr int kBlockN = kSplitHeadDim ? 64 : 64 * kConsumers;
   // A consumer's dK / dV columns.
-  static constexpr int kDkvCols = kSplitHeadDim ? kHeadDim / kConsumers : kUsedDim;
+  static constexpr int kDkvCols = kSplitHeadDim ? kHeadDim / kConsumers : kHeadDim;
   // Queries per streamed Q/dO tile: the N of S^T = K Q^T and the K of dV += P^T dO; S^T and
   // dP^T hold kBlockM / 2 floats per thread each beside dK and dV (BackwardConfig).
   static constexpr int kBlockM = kBlockM_;
@@ -103,11 +104,8 @@ struct BackwardTraits {
   static_assert(kBlockM % kSpanElems == 0, "a dS^T row (kBlockM queries) is whole spans");
   static_assert(kDqRows == 64, "a consumer's dQ is one wgmma M");
   static_assert(!(kSplitHeadDim && kDqSplitRows), "dQ is split by columns or by rows");
-  static_assert(kDqCols % kDqBoxCols == 0 && kDkvCols % 32 == 0,
-                "a consumer's dQ columns are whole boxes, its dK / dV columns whole half spans");
-  static_assert(kUsedDim % 32 == 0 && kUsedDim <= kHeadDim &&
-                    (!kSplitHeadDim || kUsedDim > kHeadDim / 2),
-                "whole k16 steps of S^T, and with the split both consumers' dK / dV columns used");
+  static_assert(kDqCols % kDqBoxCols == 0 && kDkvCols % kSpanElems == 0,
+                "a consumer's dQ columns are whole boxes, its dK / dV columns whole spans");
   static_assert(kDqCols <= 256 && kDkvCols <= 256, "a wgmma N is at most 256");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kDsBytes % 1024 == 0 &&
                     kDqBytes % 1024 == 0,
@@ -146,13 +144,23 @@ struct BackwardConfig<256> : BackwardTraits<256, true, 64> {};
 // Head dims 72-96 and 136-192 on the layouts of 128 and 256 (zero columns past the head dim,
 // as every head dim between instantiations has), with the products cut to the head dim where
 // it is their reduction (S^T, dP^T: 6 of 8 and 12 of 16 k16 steps) or, at 96, dK's and dV's
-// columns (N = 96 of 128: dK+dV 96 registers). dQ keeps its columns (the second consumer's are
-// half zeros at 96; at 192 so are its dK and dV columns), and every other option runs on the
-// padded instantiation (launch_backward_sm90).
+// columns (N = 96 of 128: dK+dV 96 registers; the epilogue stores the half span, which the map
+// clips). dQ keeps its columns (the second consumer's are half zeros at 96; at 192 so are its
+// dK and dV columns), and every other option runs on the padded instantiation
+// (launch_backward_sm90). The forward's Narrowed (traits.h) is the same for its products.
+template <typename Config, int kUsed>
+struct BackwardNarrowed : Config {
+  static constexpr int kUsedDim = kUsed;
+  static constexpr int kDkvCols = Config::kSplitHeadDim ? Config::kDkvCols : kUsed;
+  static_assert(kUsed % 32 == 0 && kUsed <= Config::kHeadDim &&
+                    (!Config::kSplitHeadDim || kUsed > Config::kHeadDim / 2),
+                "whole k16 steps of S^T and half spans of dK / dV; with the split both "
+                "consumers' columns used");
+};
 template <>
-struct BackwardConfig<96> : BackwardTraits<128, false, 64, 96> {};
+struct BackwardConfig<96> : BackwardNarrowed<BackwardConfig<128>, 96> {};
 template <>
-struct BackwardConfig<192> : BackwardTraits<256, true, 64, 192> {};
+struct BackwardConfig<192> : BackwardNarrowed<BackwardConfig<256>, 192> {};
 
 // A configuration's tiles for calls with segment ids: each key block's query tiles narrowed to
 // the documents of its keys, and the ids' element test on the steps where a warp's keys and the
