@@ -68,7 +68,7 @@ struct ForwardTraits {
   // setmaxnreg budgets (a configuration may trade some, register_budgets_fit() below):
   // with two consumers 128 x 24 + 256 x 240 = 64512, within the 168 x 384 registers the block
   // is launched with. The producer only computes coordinates; the consumers hold S
-  // (kBlockN / 2), O (kHeadDim / 2) and P (kBlockN / 4) registers per thread. Every
+  // (kBlockN / 2), O (kUsedDim / 2) and P (kBlockN / 4) registers per thread. Every
   // configuration compiles without spills (docs/decisions/hopper-kernels-without-spills.md).
   static constexpr int kProducerRegisters = 24;
   static constexpr int kConsumerRegisters = 240;
