@@ -124,10 +124,11 @@ def test_dispatch_is_visible():
 def test_many_tiles_per_block(rng, head_dim, kwargs):
     """More query tiles than SMs, so every block of the Hopper kernel runs several: head dims
     above 128 keep one Q buffer, which each next tile's Q waits for, and stage O in the K/V
-    stage the ring lends after a tile's key tiles (at 136 most of the padded head dim is
-    zero-filled by TMA; 96 and 192 run 128's and 256's layouts with S reduced over their
-    columns and O of their columns only); head dims up to 64 run three consumer warpgroups
-    (T >= 512), whose turn order must carry across tiles."""
+    stage the ring lends after a tile's key tiles (192 on 96-key tiles, which a 128-row block's
+    causal diagonal crosses mid-tile; 136 on them, most of the last span zero-filled by TMA; 96
+    runs 128's layout with S reduced over its columns and O of its columns only); head dims up
+    to 64 run three consumer warpgroups (T >= 512), whose turn order must carry across
+    tiles."""
     check_cuda_forward(*random_qkv(rng, 3, 1000, 1000, 48, 8, head_dim, jnp.bfloat16), **kwargs)
 
 
@@ -173,6 +174,7 @@ def test_wide_key_tiles(rng, dtype, head_dim, kwargs):
     (128, 300, 16500, dict()),
     (128, 300, 500, dict(query_seq_lengths=np.array([300, 50], np.int32))),
     (256, 180, 300, dict()), (256, 180, 60, dict()),
+    (192, 180, 300, dict(is_causal=True)), (192, 180, 60, dict()),
 ])
 def test_warpgroups_past_the_query_length(rng, dtype, head_dim, t, s, kwargs):
     """Query blocks whose last consumer warpgroups (64 rows each) start at or past the query
@@ -180,13 +182,13 @@ def test_warpgroups_past_the_query_length(rng, dtype, head_dim, t, s, kwargs):
     and write zeros and -inf lse for the rows between the query length and T. Head dim 64 with
     three consumers (192-row blocks: T = 512 leaves one idle, 600 two, causal 2200 one, and a
     query length of 100 one in the first block) and with two (T = 300); head dim 128 with
-    160-key tiles and one Q buffer, and with two Q buffers and a query length; head dim 256
-    (O staged in a K/V stage, whose ring position an idle warpgroup takes too), with several
-    key tiles and with one."""
+    160-key tiles and one Q buffer, and with two Q buffers and a query length; head dims 256
+    and 192 (O staged in a K/V stage, whose ring position an idle warpgroup takes too; 192 on
+    96-key tiles), with several key tiles and with one."""
     check_cuda_forward(*random_qkv(rng, 2, t, s, 4, 2, head_dim, dtype), **kwargs)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 @pytest.mark.parametrize("window", [(-3, 40), (200, -1), (None, -1), (-130, None), (10**12, 2),
                                     (-(10**12), 10**12), (5, -(10**12)), (2**31 + 5, 2**32)])
 def test_kernel_windows(rng, head_dim, window):

@@ -99,7 +99,7 @@ struct ForwardTraits {
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "wgmma N is a multiple of 16 up to 256");
   static_assert(kQStages == 1 || kQStages == 2, "one Q buffer or two");
   static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
-  static_assert(!kOInKV || (kBlockN == 64 && kConsumers == 2),
+  static_assert(!kOInKV || (kKVBytes >= 64 * kHeadDim * 2 && kConsumers == 2),
                 "a K or V buffer holds one consumer's 64 rows of O");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0, "tiles stay 1024-byte aligned");
   static_assert(kSmemBytes <= 227 * 1024, "fits Hopper's 227 KiB of shared memory per block");
@@ -174,12 +174,25 @@ struct ForwardConfig<256> : ForwardTraits<256, 64, 2, 1, true> {
   static constexpr int kConsumerRegisters = 232;
 };
 
-// Head dims 72-96 and 136-192 on the layouts, tiles and registers budgets of 128 and 256
-// (zero columns past the head dim, as every head dim between instantiations has), with
-// S = Q K^T reduced over kUsed columns (6 of 8, 12 of 16 k16 steps) and O of kUsed columns
-// (O += P V of N = kUsed: 48 registers at 96, 96 at 192); the epilogue stores the spans the
-// columns start in, whose map clips the rest. Calls with an option run on the padded
-// instantiations (kPaddedHeadDims).
+// Head dims 136-192: three spans, and with O at 96 registers 96-key tiles: S and P 48 + 24
+// registers (168 with O, where 256's 64-key tiles hold 176); smem one Q tile of 48 KiB + 4 x
+// 36 KiB = 192 KiB, O staged in the K/V ring as at 256 (a consumer's 64 x 192 O, 24 KiB, in a
+// 36 KiB K or V buffer). On 256's 64-key tiles cut to 192 columns the forward trailed cuDNN
+// (0.86-0.96x; these tiles 1.10-1.32x, docs/decisions/head-dims-96-and-192-on-hopper.md): per
+// 64 x 64 scores it had three quarters of 256's products for the same softmax, barriers and O
+// rescaling, and loaded a span of zeros with each tile. Calls with an option run on 256's
+// instantiations (kPaddedHeadDims). ptxas (CUDA 13.0): 0 spills.
+template <>
+struct ForwardConfig<192> : ForwardTraits<192, 96, 2, 1, true> {
+  static constexpr int kProducerRegisters = 32;
+  static constexpr int kConsumerRegisters = 232;
+};
+
+// Head dims 72-96 on the layouts, tiles and registers budgets of 128 (zero columns past the
+// head dim, as every head dim between instantiations has), with S = Q K^T reduced over kUsed
+// columns (6 of 8 k16 steps) and O of kUsed columns (O += P V of N = kUsed: 48 registers); the
+// epilogue stores the spans the columns start in, whose map clips the rest. Calls with an
+// option run on the padded instantiations (kPaddedHeadDims).
 template <typename Config, int kUsed>
 struct Narrowed : Config {
   static constexpr int kUsedDim = kUsed;
@@ -190,8 +203,6 @@ template <>
 struct ForwardConfig<96> : Narrowed<ForwardConfig<128>, 96> {};
 template <>
 struct ForwardConfig<96, true> : Narrowed<ForwardConfig<128, true>, 96> {};
-template <>
-struct ForwardConfig<192> : Narrowed<ForwardConfig<256>, 192> {};
 
 // FP8 attention (params.h's e4m3_attention): q, k and v^T of float8_e4m3fn, S = Q K^T and
 // O += P V by wgmma's e4m3 k32 steps, P in [0, 256] converted to e4m3 in registers
@@ -377,5 +388,11 @@ inline constexpr int kHeadDims[] = {64, 96, 128, 192, 256};
 // The head dims of the instantiations with an option (segment ids, a soft-cap, a bias, mask or
 // ALiBi): 96 and 192 run those on 128 and 256.
 inline constexpr int kPaddedHeadDims[] = {64, 128, 256};
+// The first of kPaddedHeadDims that is at least head_dim.
+constexpr int padded_head_dim(int head_dim) {
+  for (const int h : kPaddedHeadDims)
+    if (h >= head_dim) return h;
+  return 0;
+}
 
 }  // namespace jax_flashattn::wgmma
