@@ -161,11 +161,11 @@ def test_tc_head_dims(rng, dtype, head_dim, deterministic):
                                          key_value_seq_lengths=np.array([333, 40, 0], np.int32),
                                          is_causal=True)])
 def test_tc_large_head_dims(rng, dtype, head_dim, kwargs, deterministic):
-    """Head dims above 128: on Hopper the Hopper backward's 192 configuration (256's layout,
-    S^T and dP^T reduced over 192 columns; 136 and 160 run on it, deterministic calls on 256's)
-    and its 256 one, elsewhere the mma.sync large table (64-key blocks, 32-query tiles, rows
-    padded to 256 elements; 136 and 160 run on 192): GQA 8 -> 2, several key blocks and query
-    tiles, partial last ones, zero-length rows."""
+    """Head dims above 128: on Hopper the Hopper backward's 192 configuration (three spans, the
+    first consumer two of dK, dV and dQ, the second one, dQ staged for TMA reductions; 136 and
+    160 run on it, deterministic calls on 256's) and its 256 one, elsewhere the mma.sync large
+    table (64-key blocks, 32-query tiles, rows padded to 256 elements; 136 and 160 run on 192):
+    GQA 8 -> 2, several key blocks and query tiles, partial last ones, zero-length rows."""
     check_grads(rng, *random_qkv(rng, 3, 201, 333, 8, 2, head_dim, dtype),
                 deterministic=deterministic, **kwargs)
 
@@ -450,7 +450,7 @@ def test_backward_dispatch_is_visible(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
-@pytest.mark.parametrize("head_dim", [40, 64, 72, 128, 200, 256])
+@pytest.mark.parametrize("head_dim", [40, 64, 72, 128, 192, 200, 256])
 @pytest.mark.parametrize("kwargs", [dict(), dict(is_causal=True), dict(local_window_size=(70, 9)),
                                     dict(query_seq_lengths=np.array([333, 0, 41], np.int32),
                                          key_value_seq_lengths=np.array([517, 77, 0], np.int32),
@@ -459,7 +459,8 @@ def test_sm90_many_tiles(rng, dtype, head_dim, kwargs):
     """GQA (4 query heads per kv head), T != S, several key blocks and 64-query tiles, so
     every block cycles its Q/dO ring and dS^T buffers many times; head dims 40, 72 and 200 run
     zero-filled on the 64, 128 and 256 configurations (256: 64-key blocks, the head dim split
-    between the consumers); rows and keys past the lengths get exactly 0."""
+    between the consumers; 192: split unevenly, each consumer's dQ staging tile reused every
+    step); rows and keys past the lengths get exactly 0."""
     q, k, v = random_qkv(rng, 3, 333, 517, 8, 2, head_dim, dtype)
     assert jax_flashattn.backward_kernel(q, k) == tensor_core_family(head_dim)
     dq, dk, dv = (np.asarray(g, np.float32) for g in check_grads(rng, q, k, v, **kwargs))

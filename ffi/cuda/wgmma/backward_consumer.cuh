@@ -1,5 +1,5 @@
 // The Hopper backward's consumers: warpgroups 1 and 2, 64 keys of the block each (with the head
-// dim split, the same 64 keys and half of the head-dim columns each). Per step (a query tile of
+// dim split, the same 64 keys and some of the head-dim columns each). Per step (a query tile of
 // one head) they compute
 //   S^T  = K_wg Q^T                 wgmma, both operands K-major in shared memory
 //   dP^T = V_wg dO^T                the same, in a second commit group
@@ -9,10 +9,11 @@
 //   dQ  += dS K                     wgmma from shared memory: dS^T of both consumers (A, read
 //                                   MN-major) times K (B, MN-major), each consumer taking half
 //                                   of the head-dim columns (of a 128-query tile, half of the
-//                                   queries) over all 128 keys; staged in shared memory and
+//                                   queries; with the split its dK / dV columns) over all the
+//                                   block's keys; staged in shared memory and
 //                                   added into the float32 accumulator (which other key
-//                                   blocks add to as well) by a TMA reduction
-//                                   (backward_dq_add.cuh)
+//                                   blocks add to as well) by a TMA reduction, at 256 by
+//                                   red.global.add (backward_dq_add.cuh)
 // Up to head dim 128 the products overlap the next step's and the elementwise work: a step's
 // S^T is issued by the step before, before that step waits for its dQ and stages it
 // (kScoresAhead), and at 128 dV is issued as soon as P^T is packed, under dS^T (kDvFirst).
@@ -54,7 +55,9 @@
 
 namespace jax_flashattn::wgmma {
 
-template <typename Elem, typename Traits>
+// kConsumer: with an uneven head dim split (Traits::kUnevenSplit) each consumer warpgroup runs
+// an instance of its own, for its number of columns; otherwise -1, one instance for both.
+template <typename Elem, typename Traits, int kConsumer = -1>
 struct BackwardConsumer {
   static constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   static constexpr int kStages = Traits::kStages, kHeadDim = Traits::kHeadDim;
@@ -63,8 +66,13 @@ struct BackwardConsumer {
   static constexpr int kQSteps = kBlockM / 16;    // k16 steps of dV and dK (over the queries)
   static constexpr int kKeySteps = kBlockN / 16;  // k16 steps of dQ (over the block's keys)
   static constexpr int kQTiles = kBlockM / 8;     // 8-query column tiles of S^T and dP^T
-  static constexpr int kDTiles = Traits::kDkvCols / 8;  // 8-wide column tiles of dK, dV
-  static constexpr int kDqTiles = Traits::kDqCols / 8;  // 8-wide column tiles of dQ
+  static_assert(Traits::kUnevenSplit == (kConsumer >= 0), "an instance per consumer if uneven");
+  static constexpr bool kLast = kConsumer == Traits::kConsumers - 1;
+  // This consumer's dK / dV and dQ columns.
+  static constexpr int kDkvCols = kLast ? Traits::kLastDkvCols : Traits::kDkvCols;
+  static constexpr int kDqCols = kLast ? Traits::kLastDqCols : Traits::kDqCols;
+  static constexpr int kDTiles = kDkvCols / 8;  // 8-wide column tiles of dK, dV
+  static constexpr int kDqTiles = kDqCols / 8;  // 8-wide column tiles of dQ
   static constexpr bool kSplit = Traits::kSplitHeadDim;
   // S^T of the next step issued before this step's dQ is added (run()). With the head dim
   // split, S^T beside dK, dV and dQ (224 accumulator registers) spills and serializes the
@@ -331,10 +339,10 @@ struct BackwardConsumer {
 #pragma unroll
     for (int kk = 0; kk < kQSteps; ++kk) {
       if constexpr (kDv)
-        ptx::wgmma_rs<Traits::kDkvCols, Elem>(
+        ptx::wgmma_rs<kDkvCols, Elem>(
             dv_acc, p_frag[kk], Desc::query_tile(smem.d_out(stage) + dkv_offset, kk));
       if constexpr (kDk)
-        ptx::wgmma_rs<Traits::kDkvCols, Elem>(
+        ptx::wgmma_rs<kDkvCols, Elem>(
             dk_acc, ds_frag[kk], Desc::query_tile(smem.q(stage) + dkv_offset, kk));
     }
     ptx::wgmma_commit_group();
@@ -351,8 +359,8 @@ struct BackwardConsumer {
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kKeySteps; ++kk)
-      ptx::wgmma_ss_mn_major<Traits::kDqCols, Elem>(dq_acc, Desc::ds(ds_rows, kk),
-                                                    Desc::k_for_dq(k_dq_tile, kk), kk > 0);
+      ptx::wgmma_ss_mn_major<kDqCols, Elem>(dq_acc, Desc::ds(ds_rows, kk),
+                                            Desc::k_for_dq(k_dq_tile, kk), kk > 0);
     ptx::wgmma_commit_group();
   }
 
@@ -550,16 +558,17 @@ struct BackwardConsumer {
         ptx::wgmma_wait<0>();
       }
       fence(dq_acc);
-      BackwardDqAdd<Traits>{p, maps, smem, block}.add(th, s, dq_acc);
+      BackwardDqAdd<Traits, kDqCols>{p, maps, smem, block}.add(th, s, dq_acc);
       if (++tile == block.tile_begin + block.tiles) tile = block.tile_begin, ++n;
     }
 
     if constexpr (kScoresAhead) ptx::wgmma_wait<0>();  // the discarded S^T, before K is reused
     if constexpr (Traits::kDqStaged && !Traits::kDeterministic)
       if (tid % 128 == 0) ptx::bulk_wait_group_read_all();  // the staging tiles outlive the reads
-    store_dk_dv<Elem, Traits>(p, maps, block, dk_acc, dv_acc, smem.k(), smem.v(),
-                              BackwardEpilogueThread{tid, consumer, th.wg_key0, th.warp_key0,
-                                                     th.quad_row, th.quad_col, th.dkv_span0});
+    store_dk_dv<Elem, Traits, kDkvCols>(
+        p, maps, block, dk_acc, dv_acc, smem.k(), smem.v(),
+        BackwardEpilogueThread{tid, consumer, th.wg_key0, th.warp_key0, th.quad_row, th.quad_col,
+                               th.dkv_span0});
   }
 };
 

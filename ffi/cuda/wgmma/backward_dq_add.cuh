@@ -1,6 +1,6 @@
 // The Hopper backward consumers' coordinates, and how a consumer adds a step's dQ into the float32
 // accumulator that every key block adds to: staged in shared memory and added by TMA reductions
-// (head dims 64 and 128), or by red.global.add from each thread (256); in deterministic mode
+// (head dims up to 192), or by red.global.add from each thread (256); in deterministic mode
 // in the tile's turn (backward_dq_writer.cuh). Used by backward_consumer.cuh.
 #pragma once
 
@@ -44,9 +44,11 @@ __device__ __forceinline__ void release_by_warp(const BackwardConsumerThread& th
   if (th.lane == 0) ptx::mbarrier_arrive(barrier);
 }
 
-template <typename Traits>
+// kDqCols: the consumer's dQ columns (Traits::kDqCols, or the last consumer's with an uneven
+// head dim split).
+template <typename Traits, int kDqCols = Traits::kDqCols>
 struct BackwardDqAdd {
-  static constexpr int kDqTiles = Traits::kDqCols / 8;  // 8-wide column tiles of dQ
+  static constexpr int kDqTiles = kDqCols / 8;  // 8-wide column tiles of dQ
   static constexpr int kWarpgroupBarrier = BackwardNamedBarriers::kWarpgroup;
   using Thread = BackwardConsumerThread;
 
@@ -94,7 +96,7 @@ struct BackwardDqAdd {
     } else {
       ptx::named_barrier_sync(kWarpgroupBarrier + th.consumer, 128);
       if (th.tid % 128 == 0) {
-        for (int box = 0; box < Traits::kDqBoxes; ++box)
+        for (int box = 0; box < kDqCols / Traits::kDqBoxCols; ++box)
           ptx::tma_reduce_add_4d(&maps.dq_accum,
                                  smem.dq(th.consumer) + box * Traits::kDqRows * kRowBytes,
                                  th.dq_col0 + box * Traits::kDqBoxCols, s.n, s.q0 + th.dq_row0,

@@ -31,16 +31,17 @@ struct BackwardNamedBarriers {
 // head-dim spans of the K and V tiles, in the swizzled layout the TMA store reads; one thread
 // stores each span. sK and sV: the K and V tiles' shared addresses, free once both consumers
 // have passed the first barrier below.
-template <typename Elem, typename Traits, typename Block>
+// kDkvCols: the warpgroup's dK / dV columns.
+template <typename Elem, typename Traits, int kDkvCols, typename Block>
 __device__ __forceinline__ void store_dk_dv(const AttentionParams& p, const BackwardMaps& maps,
                                             const Block& block,
-                                            float (&dk_acc)[Traits::kDkvCols / 8][4],
-                                            float (&dv_acc)[Traits::kDkvCols / 8][4],
+                                            float (&dk_acc)[kDkvCols / 8][4],
+                                            float (&dv_acc)[kDkvCols / 8][4],
                                             uint32_t sK, uint32_t sV,
                                             const BackwardEpilogueThread& th) {
-  constexpr int kBlockN = Traits::kBlockN, kDTiles = Traits::kDkvCols / 8;
+  constexpr int kBlockN = Traits::kBlockN, kDTiles = kDkvCols / 8;
   // This warpgroup's spans, the last one half used at head dim 96 (the map clips the rest).
-  constexpr int kSpans = (Traits::kDkvCols + Traits::kSpanElems - 1) / Traits::kSpanElems;
+  constexpr int kSpans = (kDkvCols + Traits::kSpanElems - 1) / Traits::kSpanElems;
   constexpr int kSpanElems = Traits::kSpanElems;
   const int span0 = th.dkv_span0;
   ptx::named_barrier_sync(BackwardNamedBarriers::kConsumers, 128 * Traits::kConsumers);

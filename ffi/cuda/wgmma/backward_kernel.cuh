@@ -10,8 +10,9 @@
 //                  of its second warp is the dQ writer, which adds each step's dQ into dq_accum
 //                  in the tile's turn (backward_dq_writer.cuh); with a staged bias or mask
 //                  (BackwardWithStagedTerm) its third warp copies each step's tile of it
-//   warpgroups 1.. the consumers (backward_consumer.cuh), 64 keys each (at head dim 256 the
-//                  same 64 keys, half of the head-dim columns each): per step S^T and dP^T by
+//   warpgroups 1.. the consumers (backward_consumer.cuh), 64 keys each (above head dim 128 the
+//                  same 64 keys, some of the head-dim columns each; at 192 unevenly, each
+//                  consumer on code of its own): per step S^T and dP^T by
 //                  wgmma, P^T and dS^T in registers, dV and dK accumulated, and dQ added into
 //                  its float32 accumulator; at the end dK and dV are stored
 //                  (backward_epilogue.cuh)
@@ -84,7 +85,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // The consumer index from the warpgroup index formed above: formed from tid in the consumer,
   // it changed the consumers' schedule (compare_sass).
   ptx::setmaxnreg_inc<Traits::kConsumerRegisters>();
-  BackwardConsumer<Elem, Traits>{p, maps, smem, block}.run(tid, warpgroup - 1);
+  if constexpr (Traits::kUnevenSplit) {
+    if (warpgroup == 1)
+      BackwardConsumer<Elem, Traits, 0>{p, maps, smem, block}.run(tid, 0);
+    else
+      BackwardConsumer<Elem, Traits, 1>{p, maps, smem, block}.run(tid, 1);
+  } else {
+    BackwardConsumer<Elem, Traits>{p, maps, smem, block}.run(tid, warpgroup - 1);
+  }
 #endif
 }
 

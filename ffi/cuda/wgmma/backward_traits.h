@@ -4,7 +4,8 @@
 // warpgroups. Up to head dim 128 the block has 128 keys, 64 per consumer, and each consumer
 // holds dK and dV of its keys for every head-dim column; above it (kSplitHeadDim) those would
 // not fit a consumer's registers, so the block has 64 keys that both consumers take, each
-// computing S^T and dP^T (the two products run twice) and half the columns of dK, dV and dQ.
+// computing S^T and dP^T (the two products run twice) and some of the columns of dK, dV and
+// dQ: half of them at 256, two spans and one at 192.
 // K and V of the block load once; the Q and dO tiles of every query head of the GQA group
 // (kBlockM queries each, with their lse and D) stream through a ring of kStages buffers guarded by
 // full/empty mbarriers. Every tile TMA writes is stored with the 128-byte swizzle exactly as the
@@ -28,7 +29,7 @@ namespace jax_flashattn::wgmma {
 inline constexpr int kBackwardConsumers = 2;
 inline constexpr int kBackwardMinBlockN = 64;
 
-template <int kHeadDim_, bool kSplitHeadDim_, int kBlockM_>
+template <int kHeadDim_, bool kSplitHeadDim_, int kBlockM_, int kFirstConsumerCols_ = 0>
 struct BackwardTraits {
   static constexpr int kHeadDim = kHeadDim_;  // padded head dim: a whole number of spans
   // The head dims the calls have at most (the columns past them are zeros, which TMA fills in):
@@ -38,8 +39,14 @@ struct BackwardTraits {
   static constexpr bool kSplitHeadDim = kSplitHeadDim_;
   static constexpr int kConsumers = kBackwardConsumers;  // consumer warpgroups
   static constexpr int kBlockN = kSplitHeadDim ? 64 : 64 * kConsumers;
-  // A consumer's dK / dV columns.
-  static constexpr int kDkvCols = kSplitHeadDim ? kHeadDim / kConsumers : kHeadDim;
+  // A consumer's dK / dV columns: every one, or with the split the first consumer's (half of
+  // them, or kFirstConsumerCols_) and the last consumer's the rest (kLastDkvCols). Consumers
+  // whose columns differ (kUnevenSplit) run code of their own (BackwardConsumer's kConsumer).
+  static constexpr int kDkvCols = !kSplitHeadDim        ? kHeadDim
+                                  : kFirstConsumerCols_ ? kFirstConsumerCols_
+                                                        : kHeadDim / kConsumers;
+  static constexpr int kLastDkvCols = kSplitHeadDim ? kHeadDim - kDkvCols : kDkvCols;
+  static constexpr bool kUnevenSplit = kLastDkvCols != kDkvCols;
   // Queries per streamed Q/dO tile: the N of S^T = K Q^T and the K of dV += P^T dO; S^T and
   // dP^T hold kBlockM / 2 floats per thread each beside dK and dV (BackwardConfig).
   static constexpr int kBlockM = kBlockM_;
@@ -68,11 +75,15 @@ struct BackwardTraits {
   static constexpr int kSpans = kHeadDim / kSpanElems;  // TMA boxes per tile
   // dQ = dS K, reducing over all kBlockN keys (splitting the keys instead doubles the bytes
   // added into dq_accum: docs/decisions/backward-kernels.md), is one wgmma M of 64 queries per
-  // consumer: of a 64-query tile each consumer computes kHeadDim / 2 of the columns, of a
-  // 128-query tile (kDqSplitRows) half of the queries, every column.
+  // consumer: of a 64-query tile each consumer computes some of the columns (kHeadDim / 2, or
+  // with the split its dK / dV columns), of a 128-query tile (kDqSplitRows) half of the
+  // queries, every column. kDqCols: the first consumer's, kLastDqCols the last one's.
   static constexpr bool kDqSplitRows = kBlockM == 64 * kConsumers;
   static constexpr int kDqRows = kDqSplitRows ? kBlockM / kConsumers : kBlockM;
-  static constexpr int kDqCols = kDqSplitRows ? kHeadDim : kHeadDim / kConsumers;
+  static constexpr int kDqCols = kDqSplitRows    ? kHeadDim
+                                 : kSplitHeadDim ? kDkvCols
+                                                 : kHeadDim / kConsumers;
+  static constexpr int kLastDqCols = kDqSplitRows ? kHeadDim : kHeadDim - kDqCols;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or one dO tile
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V (later dK or dV staged)
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer
@@ -86,10 +97,11 @@ struct BackwardTraits {
   // Query ids per Q stage (BackwardWithSegmentIds below); none here.
   using QIdBox = NoIdBox;
   // A consumer's dQ of a tile in float32, staged for the TMA reduction into dq_accum: boxes of
-  // 32 columns (128 bytes, swizzled as the tiles) x kDqRows rows, kDqBoxes of them. With
-  // kSplitHeadDim the staging (64 KiB at head dim 256) does not fit beside the K, V, Q and dO
+  // 32 columns (128 bytes, swizzled as the tiles) x kDqRows rows, kDqBoxes of them (the first
+  // consumer's; each consumer's staging tile has the room of the first's). With the head dim
+  // split in halves the staging (64 KiB at head dim 256) does not fit beside the K, V, Q and dO
   // tiles: there each thread adds its dQ with red.global.add instead.
-  static constexpr bool kDqStaged = !kSplitHeadDim;
+  static constexpr bool kDqStaged = !kSplitHeadDim || kUnevenSplit;
   static constexpr int kDqBoxCols = 32;
   static constexpr int kDqBoxes = kDqCols / kDqBoxCols;
   static constexpr int kDqBytes = kDqStaged ? kDqRows * kDqCols * 4 : 0;
@@ -104,9 +116,12 @@ struct BackwardTraits {
   static_assert(kBlockM % kSpanElems == 0, "a dS^T row (kBlockM queries) is whole spans");
   static_assert(kDqRows == 64, "a consumer's dQ is one wgmma M");
   static_assert(!(kSplitHeadDim && kDqSplitRows), "dQ is split by columns or by rows");
-  static_assert(kDqCols % kDqBoxCols == 0 && kDkvCols % kSpanElems == 0,
+  static_assert(kDqCols % kDqBoxCols == 0 && kLastDqCols % kDqBoxCols == 0 &&
+                    kDkvCols % kSpanElems == 0 && kLastDkvCols % kSpanElems == 0,
                 "a consumer's dQ columns are whole boxes, its dK / dV columns whole spans");
   static_assert(kDqCols <= 256 && kDkvCols <= 256, "a wgmma N is at most 256");
+  static_assert(kLastDkvCols <= kDkvCols && kLastDqCols <= kDqCols && kConsumers == 2,
+                "the first of two consumers has the most columns");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kDsBytes % 1024 == 0 &&
                     kDqBytes % 1024 == 0,
                 "tiles stay 1024-byte aligned");
@@ -141,26 +156,31 @@ struct BackwardConfig<128> : BackwardTraits<128, false, 64> {};
 // wgmma (its warning C7512), 6-10% slower on an H200.
 template <>
 struct BackwardConfig<256> : BackwardTraits<256, true, 64> {};
-// Head dims 72-96 and 136-192 on the layouts of 128 and 256 (zero columns past the head dim,
-// as every head dim between instantiations has), with the products cut to the head dim where
-// it is their reduction (S^T, dP^T: 6 of 8 and 12 of 16 k16 steps) or, at 96, dK's and dV's
-// columns (N = 96 of 128: dK+dV 96 registers; the epilogue stores the half span, which the map
-// clips). dQ keeps its columns (the second consumer's are half zeros at 96; at 192 so are its
-// dK and dV columns), and every other option runs on the padded instantiation
-// (launch_backward_sm90). The forward's Narrowed (traits.h) is the same for its products.
+// Head dims 136-192: three spans, split as 256's is, the first consumer taking two spans of dK,
+// dV and dQ (its registers are 256's) and the second one span, on code of its own
+// (kUnevenSplit; the second's dK+dV 64 registers, dQ 32). Three spans leave room to stage dQ
+// for TMA reductions, as up to 128: smem 2 x 24 + 4 x 24 + 2 x 8 + 2 x 32 (dQ) KiB + 1.5 KiB
+// stats + 1 KiB alignment = 226.5 KiB. On 256's layout cut to 192 columns (each consumer 128
+// of dK, dV and dQ, the second's half zeros, dQ by red.global.add) forward+backward ran at
+// 0.86-0.99x cuDNN on an H200, on these 1.04-1.19x.
+template <>
+struct BackwardConfig<192> : BackwardTraits<192, true, 64, 128> {};
+// Head dims 72-96 on the layout of 128 (zero columns past the head dim, as every head dim
+// between instantiations has), with the products cut to the head dim where it is their
+// reduction (S^T, dP^T: 6 of 8 k16 steps) or their columns (dK, dV: N = 96 of 128, dK+dV 96
+// registers; the epilogue stores the half span, which the map clips). dQ keeps its columns
+// (the second consumer's are half zeros), and every other option runs on the padded
+// instantiation (launch_backward_sm90). The forward's Narrowed (traits.h) is the same for its
+// products.
 template <typename Config, int kUsed>
 struct BackwardNarrowed : Config {
   static constexpr int kUsedDim = kUsed;
-  static constexpr int kDkvCols = Config::kSplitHeadDim ? Config::kDkvCols : kUsed;
-  static_assert(kUsed % 32 == 0 && kUsed <= Config::kHeadDim &&
-                    (!Config::kSplitHeadDim || kUsed > Config::kHeadDim / 2),
-                "whole k16 steps of S^T and half spans of dK / dV; with the split both "
-                "consumers' columns used");
+  static constexpr int kDkvCols = kUsed, kLastDkvCols = kUsed;
+  static_assert(kUsed % 32 == 0 && kUsed <= Config::kHeadDim && !Config::kSplitHeadDim,
+                "whole k16 steps of S^T and half spans of dK / dV, every column a consumer's");
 };
 template <>
 struct BackwardConfig<96> : BackwardNarrowed<BackwardConfig<128>, 96> {};
-template <>
-struct BackwardConfig<192> : BackwardNarrowed<BackwardConfig<256>, 192> {};
 
 // A configuration's tiles for calls with segment ids: each key block's query tiles narrowed to
 // the documents of its keys, and the ids' element test on the steps where a warp's keys and the
@@ -173,6 +193,7 @@ struct BackwardConfig<192> : BackwardNarrowed<BackwardConfig<256>, 192> {};
 // tile's products, their latency stalled every step.
 template <typename Config>
 struct BackwardWithSegmentIds : Config {
+  static_assert(!Config::kUnevenSplit, "options run on the padded instantiations");
   static constexpr bool kSegments = true;
   using QIdBox = FlatIdBox<Config::kBlockM>;
   static constexpr int kSmemBytes = Config::kSmemBytes + Config::kStages * QIdBox::kStageBytes;
@@ -189,6 +210,7 @@ struct BackwardWithSegmentIds : Config {
 // translation units of their own (cuda/instantiations/backward_wgmma_deterministic.cu.in).
 template <typename Config>
 struct BackwardDeterministic : Config {
+  static_assert(!Config::kUnevenSplit, "options run on the padded instantiations");
   static constexpr bool kDeterministic = true;
   static constexpr int kWriterBarrierBytes = 8 * 2 * Config::kConsumers;  // DqWriterBarriers
   static constexpr int kSmemBytes = Config::kSmemBytes + kWriterBarrierBytes;
@@ -206,6 +228,7 @@ struct BackwardDeterministic : Config {
 // and a soft-cap take the mma.sync family.
 template <typename Config>
 struct BackwardWithSoftCap : Config {
+  static_assert(!Config::kUnevenSplit, "options run on the padded instantiations");
   static_assert(!Config::kSegments, "soft-capped calls with segment ids take the mma.sync family");
   static constexpr bool kSoftCap = true;
 };
@@ -219,6 +242,7 @@ struct BackwardWithSoftCap : Config {
 // element); calls that also have segment ids or a soft-cap take the mma.sync family.
 template <typename Config>
 struct BackwardWithBiasAndMask : Config {
+  static_assert(!Config::kUnevenSplit, "options run on the padded instantiations");
   static_assert(!Config::kSegments && !Config::kSoftCap && !Config::kDeterministic,
                 "the bias and mask's calls have neither ids nor a soft-cap; ordered dQ wraps it");
   static constexpr bool kBiasAndMask = true;
@@ -261,5 +285,11 @@ inline constexpr int kBackwardHeadDims[] = {64, 96, 128, 192, 256};
 // The head dims of the instantiations with an option (segment ids, deterministic dQ, a
 // soft-cap, a bias or mask): 96 and 192 run those on 128 and 256.
 inline constexpr int kBackwardPaddedHeadDims[] = {64, 128, 256};
+// The first of kBackwardPaddedHeadDims that is at least head_dim.
+constexpr int backward_padded_head_dim(int head_dim) {
+  for (const int h : kBackwardPaddedHeadDims)
+    if (h >= head_dim) return h;
+  return 0;
+}
 
 }  // namespace jax_flashattn::wgmma
