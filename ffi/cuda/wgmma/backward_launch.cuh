@@ -66,7 +66,7 @@ cudaError_t launch_backward_sm90_bias(const AttentionParams& p, cudaStream_t str
 // 256's); the others on their head dim's.
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
-  constexpr int kPadded = wgmma::backward_padded_head_dim(kHeadDim);
+  constexpr int kPadded = wgmma::padded_head_dim(wgmma::kBackwardPaddedHeadDims, kHeadDim);
   if (p.has_elementwise_terms()) return launch_backward_sm90_bias<Elem, kPadded>(p, stream);
   if (p.soft_capped()) return launch_backward_sm90_softcap<Elem, kPadded>(p, stream);
   if (p.q_segment_ids != nullptr) return launch_backward_sm90_segments<Elem, kPadded>(p, stream);

@@ -285,11 +285,5 @@ inline constexpr int kBackwardHeadDims[] = {64, 96, 128, 192, 256};
 // The head dims of the instantiations with an option (segment ids, deterministic dQ, a
 // soft-cap, a bias or mask): 96 and 192 run those on 128 and 256.
 inline constexpr int kBackwardPaddedHeadDims[] = {64, 128, 256};
-// The first of kBackwardPaddedHeadDims that is at least head_dim.
-constexpr int backward_padded_head_dim(int head_dim) {
-  for (const int h : kBackwardPaddedHeadDims)
-    if (h >= head_dim) return h;
-  return 0;
-}
 
 }  // namespace jax_flashattn::wgmma

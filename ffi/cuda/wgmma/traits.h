@@ -388,9 +388,11 @@ inline constexpr int kHeadDims[] = {64, 96, 128, 192, 256};
 // The head dims of the instantiations with an option (segment ids, a soft-cap, a bias, mask or
 // ALiBi): 96 and 192 run those on 128 and 256.
 inline constexpr int kPaddedHeadDims[] = {64, 128, 256};
-// The first of kPaddedHeadDims that is at least head_dim.
-constexpr int padded_head_dim(int head_dim) {
-  for (const int h : kPaddedHeadDims)
+// The first of `dims` (smallest first) that is at least head_dim, or 0: the instantiation a
+// call with an option runs on (kPaddedHeadDims, backward_traits.h's kBackwardPaddedHeadDims).
+template <int N>
+constexpr int padded_head_dim(const int (&dims)[N], int head_dim) {
+  for (const int h : dims)
     if (h >= head_dim) return h;
   return 0;
 }
