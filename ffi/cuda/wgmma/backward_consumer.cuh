@@ -368,7 +368,7 @@ struct BackwardConsumer {
   // split this one's warps have. The thread that issues this warpgroup's dQ reductions first
   // waits for the last one to have read its staging tile, which the warpgroup overwrites after
   // the barrier (in deterministic mode the dQ writer issues them: dq_free). dV and dK run on
-  // while the consumers meet, but with the head dim split they hold 2 x 64 accumulator
+  // while the consumers meet, but with the head dim split they hold up to 2 x 64 accumulator
   // registers: dQ issued while they are in flight leaves ptxas too few registers to keep the
   // wgmma chain asynchronous, and it serializes every wgmma of the kernel
   // (BackwardConfig<256>), so there they are waited for first.

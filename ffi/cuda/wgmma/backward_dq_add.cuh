@@ -46,7 +46,7 @@ __device__ __forceinline__ void release_by_warp(const BackwardConsumerThread& th
 
 // kDqCols: the consumer's dQ columns (Traits::kDqCols, or the last consumer's with an uneven
 // head dim split).
-template <typename Traits, int kDqCols = Traits::kDqCols>
+template <typename Traits, int kDqCols>
 struct BackwardDqAdd {
   static constexpr int kDqTiles = kDqCols / 8;  // 8-wide column tiles of dQ
   static constexpr int kWarpgroupBarrier = BackwardNamedBarriers::kWarpgroup;

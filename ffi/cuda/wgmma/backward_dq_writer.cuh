@@ -35,6 +35,7 @@ __device__ __forceinline__ void write_dq_in_order(const AttentionParams& p, cons
                                                   uint32_t bars, uint32_t staging) {
   constexpr int kBlockM = Traits::kBlockM, kConsumers = Traits::kConsumers;
   static_assert(kConsumers == 2, "one reduction group in flight past the first's read");
+  static_assert(!Traits::kUnevenSplit, "every consumer's dQ columns as the first's");
   using Bars = DqWriterBarriers;
   // 32-bit indices: the launch checks indices_fit_32_bits, which bounds B N (T / 64 + 1).
   const int tiles_per_head = int((p.seqlen_q + kBlockM - 1) / kBlockM);

@@ -67,6 +67,7 @@ cudaError_t launch_backward_sm90_bias(const AttentionParams& p, cudaStream_t str
 template <typename Elem, int kHeadDim>
 cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream) {
   constexpr int kPadded = wgmma::padded_head_dim(wgmma::kBackwardPaddedHeadDims, kHeadDim);
+  static_assert(kPadded != 0, "a padded instantiation holds the head dim");
   if (p.has_elementwise_terms()) return launch_backward_sm90_bias<Elem, kPadded>(p, stream);
   if (p.soft_capped()) return launch_backward_sm90_softcap<Elem, kPadded>(p, stream);
   if (p.q_segment_ids != nullptr) return launch_backward_sm90_segments<Elem, kPadded>(p, stream);

@@ -98,7 +98,8 @@ struct BackwardTraits {
   using QIdBox = NoIdBox;
   // A consumer's dQ of a tile in float32, staged for the TMA reduction into dq_accum: boxes of
   // 32 columns (128 bytes, swizzled as the tiles) x kDqRows rows, kDqBoxes of them (the first
-  // consumer's; each consumer's staging tile has the room of the first's). With the head dim
+  // consumer's; each consumer's staging tile has the room of the first's, at 192 the second
+  // using half of its tile). With the head dim
   // split in halves the staging (64 KiB at head dim 256) does not fit beside the K, V, Q and dO
   // tiles: there each thread adds its dQ with red.global.add instead.
   static constexpr bool kDqStaged = !kSplitHeadDim || kUnevenSplit;
@@ -120,8 +121,11 @@ struct BackwardTraits {
                     kDkvCols % kSpanElems == 0 && kLastDkvCols % kSpanElems == 0,
                 "a consumer's dQ columns are whole boxes, its dK / dV columns whole spans");
   static_assert(kDqCols <= 256 && kDkvCols <= 256, "a wgmma N is at most 256");
-  static_assert(kLastDkvCols <= kDkvCols && kLastDqCols <= kDqCols && kConsumers == 2,
-                "the first of two consumers has the most columns");
+  static_assert(kSplitHeadDim || kFirstConsumerCols_ == 0, "columns are split only with the split");
+  static_assert(kLastDkvCols > 0 && kLastDkvCols <= kDkvCols && kLastDqCols <= kDqCols &&
+                    kConsumers == 2,
+                "the first of two consumers has the most columns: the staging tiles have its "
+                "size, and the second consumer's first column is consumer * kDqCols");
   static_assert(kQBytes % 1024 == 0 && kKVBytes % 1024 == 0 && kDsBytes % 1024 == 0 &&
                     kDqBytes % 1024 == 0,
                 "tiles stay 1024-byte aligned");
@@ -131,10 +135,10 @@ struct BackwardTraits {
 
 // Registers per consumer thread: dK + dV kDkvCols floats, S^T + dP^T kBlockM / 2 each, then P^T
 // and dS^T as A fragments (kBlockM / 4 each) and dQ kDqCols / 2. The peak is during P^T: dK, dV,
-// S^T and dP^T (192 at every head dim), which leaves 48 of the 240 for everything else; holding
-// the block's 64-bit visibility bounds or the loop-invariant descriptors through the tile loop,
-// or masking with per-element branches, spills (see backward_kernel.cuh;
-// docs/decisions/hopper-kernels-without-spills.md, backward-kernels.md).
+// S^T and dP^T (192 at every head dim; at 192 the first consumer's), which leaves 48 of the 240
+// for everything else; holding the block's 64-bit visibility bounds or the loop-invariant
+// descriptors through the tile loop, or masking with per-element branches, spills (see
+// backward_kernel.cuh; docs/decisions/hopper-kernels-without-spills.md, backward-kernels.md).
 // ptxas (CUDA 13.0, sm_90a, bf16 and fp16 alike): 168 registers at launch (setmaxnreg moves
 // them), no spills, at every head dim.
 template <int kHeadDim>
@@ -210,6 +214,7 @@ struct BackwardWithSegmentIds : Config {
 // translation units of their own (cuda/instantiations/backward_wgmma_deterministic.cu.in).
 template <typename Config>
 struct BackwardDeterministic : Config {
+  // The dQ writer takes every consumer's columns as the first's (backward_dq_writer.cuh).
   static_assert(!Config::kUnevenSplit, "options run on the padded instantiations");
   static constexpr bool kDeterministic = true;
   static constexpr int kWriterBarrierBytes = 8 * 2 * Config::kConsumers;  // DqWriterBarriers

@@ -18,8 +18,9 @@
 // (ping-pong on named barriers, round robin), so one's softmax runs under the others'
 // tensor-core work. O is normalised once and kept in registers until the consumer has issued
 // its next tile's first S = Q K^T; then, under that product, staged in shared memory and
-// written with a TMA store that runs on (forward_epilogue.cuh); at head dim 256 (kOInKV), right
-// after the tile, in a K/V stage that the ring lends for it after the tile's key tiles.
+// written with a TMA store that runs on (forward_epilogue.cuh); at head dims 192 and 256
+// (kOInKV), right after the tile, in a K/V stage that the ring lends for it after the tile's key
+// tiles.
 //
 // Turns. Every consumer takes num_kv_tiles + 1 turns per tile: turn r issues S_r (r <
 // num_kv_tiles) and P_{r-1} V_{r-1} (r > 0) on the computing path. A warpgroup that computes

@@ -91,6 +91,7 @@ cudaError_t launch_forward_sm90_alibi(const AttentionParams& p, cudaStream_t str
 template <typename Elem, int kHeadDim>
 cudaError_t launch_forward_sm90(const AttentionParams& p, cudaStream_t stream) {
   constexpr int kPadded = wgmma::padded_head_dim(wgmma::kPaddedHeadDims, kHeadDim);
+  static_assert(kPadded != 0, "a padded instantiation holds the head dim");
   if (p.soft_capped()) return launch_forward_sm90_softcap<Elem, kPadded>(p, stream);
   if (wgmma::alibi_fits(p)) return launch_forward_sm90_alibi<Elem, kPadded>(p, stream);
   if (p.has_elementwise_terms()) return launch_forward_sm90_bias<Elem, kPadded>(p, stream);

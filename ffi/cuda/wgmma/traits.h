@@ -6,8 +6,8 @@
 // spans, each span a [rows][64] array of 128-byte rows, spans one after another (FP8
 // attention's V^T of 64-key tiles alone has 64-byte rows in the 64-byte swizzle). K and V
 // cycle through kStages buffers guarded by full/empty mbarriers, Q through kQStages. O is
-// staged for its TMA store in a buffer of its own, or (kOInKV: head dim 256, where shared
-// memory has no room for a second Q-sized tile) in a K/V stage that the ring lends for it.
+// staged for its TMA store in a buffer of its own, or (kOInKV: head dims 192 and 256, where
+// shared memory has no room for a second Q-sized tile) in a K/V stage that the ring lends for it.
 #pragma once
 
 #include <cstdint>
@@ -181,7 +181,9 @@ struct ForwardConfig<256> : ForwardTraits<256, 64, 2, 1, true> {
 // (0.86-0.96x; these tiles 1.10-1.32x, docs/decisions/head-dims-96-and-192-on-hopper.md): per
 // 64 x 64 scores it had three quarters of 256's products for the same softmax, barriers and O
 // rescaling, and loaded a span of zeros with each tile. Calls with an option run on 256's
-// instantiations (kPaddedHeadDims). ptxas (CUDA 13.0): 0 spills.
+// instantiations (kPaddedHeadDims). The registers of 256: 32 for the producer (three TMA boxes
+// per tile here, where 24 spilled at 256's four; not tried at 192), 232 for the consumers.
+// ptxas (CUDA 13.0): 0 spills.
 template <>
 struct ForwardConfig<192> : ForwardTraits<192, 96, 2, 1, true> {
   static constexpr int kProducerRegisters = 32;
