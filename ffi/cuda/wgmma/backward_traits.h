@@ -197,7 +197,6 @@ struct BackwardConfig<96> : BackwardNarrowed<BackwardConfig<128>, 96> {};
 // tile's products, their latency stalled every step.
 template <typename Config>
 struct BackwardWithSegmentIds : Config {
-  static_assert(!Config::kUnevenSplit, "options run on the padded instantiations");
   static constexpr bool kSegments = true;
   using QIdBox = FlatIdBox<Config::kBlockM>;
   static constexpr int kSmemBytes = Config::kSmemBytes + Config::kStages * QIdBox::kStageBytes;
@@ -214,8 +213,6 @@ struct BackwardWithSegmentIds : Config {
 // translation units of their own (cuda/instantiations/backward_wgmma_deterministic.cu.in).
 template <typename Config>
 struct BackwardDeterministic : Config {
-  // The dQ writer takes every consumer's columns as the first's (backward_dq_writer.cuh).
-  static_assert(!Config::kUnevenSplit, "options run on the padded instantiations");
   static constexpr bool kDeterministic = true;
   static constexpr int kWriterBarrierBytes = 8 * 2 * Config::kConsumers;  // DqWriterBarriers
   static constexpr int kSmemBytes = Config::kSmemBytes + kWriterBarrierBytes;
@@ -233,7 +230,6 @@ struct BackwardDeterministic : Config {
 // and a soft-cap take the mma.sync family.
 template <typename Config>
 struct BackwardWithSoftCap : Config {
-  static_assert(!Config::kUnevenSplit, "options run on the padded instantiations");
   static_assert(!Config::kSegments, "soft-capped calls with segment ids take the mma.sync family");
   static constexpr bool kSoftCap = true;
 };
@@ -247,7 +243,6 @@ struct BackwardWithSoftCap : Config {
 // element); calls that also have segment ids or a soft-cap take the mma.sync family.
 template <typename Config>
 struct BackwardWithBiasAndMask : Config {
-  static_assert(!Config::kUnevenSplit, "options run on the padded instantiations");
   static_assert(!Config::kSegments && !Config::kSoftCap && !Config::kDeterministic,
                 "the bias and mask's calls have neither ids nor a soft-cap; ordered dQ wraps it");
   static constexpr bool kBiasAndMask = true;
