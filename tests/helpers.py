@@ -3,6 +3,7 @@ reference."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import pathlib
 
@@ -54,6 +55,31 @@ def fill_past_lengths(key, value, kv_lens, fill):
     (NaN, Inf: what a padded cache may hold there)."""
     past = np.arange(key.shape[1])[None, :, None, None] >= np.asarray(kv_lens)[:, None, None, None]
     return tuple(jnp.where(past, jnp.asarray(fill, x.dtype), x) for x in (key, value))
+
+
+def _static_options(args, kwargs):
+    """(positional, arrays, static) for the jitted reference gradients: the array options
+    traced, the rest (flags, scales, window sizes, dtypes) static; None where an option is
+    neither an array nor hashable (a list), which the caller then runs eagerly."""
+    def is_array(x):
+        return isinstance(x, (np.ndarray, jax.Array))
+    if not all(a is None or is_array(a) for a in args):
+        return None
+    arrays = {name: x for name, x in kwargs.items() if is_array(x)}
+    static = tuple(sorted((name, x) for name, x in kwargs.items() if name not in arrays))
+    try:
+        hash(static)
+    except TypeError:
+        return None
+    return tuple(args), arrays, static
+
+
+# The reference's gradients jitted once per (options, shapes) and reused by every check with
+# the same ones (each fresh jit of them compiled anew: most of the gradient tests' time). The
+# forward reference stays eager: its operations' small programs are shared across options.
+@functools.partial(jax.jit, static_argnames=("static",))
+def _jitted_reference_grads(q, k, v, bias, d_out, positional, arrays, static):
+    return grads(reference.attention, q, k, v, bias, d_out, *positional, **arrays, **dict(static))
 
 
 def reference_attention(query, key, value, *args, return_residual=False, p_dtype=None,
@@ -228,8 +254,10 @@ def grads(fn, q, k, v, bias, d_out, *args, **kwargs):
 def reference_grads(q, k, v, bias, d_out, *args, **kwargs):
     """Float32 reference gradients (inputs upcast), cast back to the inputs' dtypes."""
     f32 = [None if x is None else jnp.asarray(x, jnp.float32) for x in (q, k, v, bias, d_out)]
-    # One jitted computation (the extra arguments become constants): much faster than eager.
-    return jax.jit(lambda *a: grads(reference.attention, *a, *args, **kwargs))(*f32)
+    split = _static_options(args, kwargs)
+    if split is None:  # one jitted computation, the options as its constants
+        return jax.jit(lambda *a: grads(reference.attention, *a, *args, **kwargs))(*f32)
+    return _jitted_reference_grads(*f32, *split[:2], static=split[2])
 
 
 def assert_grads_close(got, want, *, normwise=None, name=""):
