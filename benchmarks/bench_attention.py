@@ -40,7 +40,8 @@ T/16 queries against T keys, causal with the diagonal at the bottom right (jax.n
 stands for); its FLOPs count only the visible logits. The rows with a bias or a mask also give our
 time of the full row over theirs (ours/plain) and the bias's or mask's bytes per second of ours
 (term GB/s). --seqlen, --dtype, --head-dim and --hidden (N = hidden/H) override its sizes, --rows
-keeps some of its rows; --causal and --tokens do not apply. Packed
+keeps some of its rows, --tokens sets B = tokens/T (e.g. one 131072-token sequence: --seqlen
+131072 --tokens 131072 --rows GQA); --causal does not apply. Packed
 preset: bf16, N=16, H=128, causal, T in {8192, 32768} at 32768 tokens per batch (B = 32768/T),
 rows packed with documents whose lengths are drawn (fixed seed, each row its own draw) from a
 log-normal of mean 1024, and of mean 4096 (sigma 1 of the logarithm), the last one cut at T;
@@ -165,8 +166,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "packed preset's default is ours,cudnn,cudnn-packed); cudnn and "
                         "cudnn-packed are dropped off a GPU")
     p.add_argument("--tokens", type=int, default=None,
-                   help="tokens per batch: B = tokens / T (default %d; packed: %d)"
-                        % (_bench.STANDARD_TOKENS, _bench.PACKED_TOKENS))
+                   help="tokens per batch: B = tokens / T (default %d; packed: %d; variants: "
+                        "B = %d)" % (_bench.STANDARD_TOKENS, _bench.PACKED_TOKENS,
+                                     _bench.VARIANTS_SHAPE["batch"]))
     p.add_argument("--hidden", type=int, default=None,
                    help="N = hidden / H (default %d)" % _bench.STANDARD_HIDDEN)
     p.add_argument("--kv-len", type=int, default=None,
@@ -226,7 +228,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.dtype = args.dtype or ["bf16", "fp16"]
     args.causal = args.causal or "both"
     args.impls = args.impls or list(_bench.IMPLS)
-    args.tokens = args.tokens or _bench.STANDARD_TOKENS
+    if not args.variants:  # the variants preset's B is 4 unless --tokens sets it
+        args.tokens = args.tokens or _bench.STANDARD_TOKENS
     args.hidden = args.hidden or _bench.STANDARD_HIDDEN
     return args
 
@@ -240,7 +243,8 @@ def build_configs(args) -> list[_bench.Config]:
                                                 if args.bias else None))
                 for c in configs]
     if args.variants:
-        configs = _bench.variants_grid(args.dtype, args.seqlen, args.head_dim, hidden=args.hidden)
+        configs = _bench.variants_grid(args.dtype, args.seqlen, args.head_dim, hidden=args.hidden,
+                                       tokens=args.tokens)
         if args.rows:
             unknown = [r for r in args.rows if not any(c.variant.startswith(r) for c in configs)]
             if unknown:

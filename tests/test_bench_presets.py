@@ -48,6 +48,15 @@ def test_bench_script_variants_preset_and_exclusive_with_decode():
     rows = bench.build_configs(bench.parse_args(["--variants", "--rows",
                                                  "full,bias [B,N,T,S],mask [B,1,T,S]"]))
     assert [c.variant for c in rows] == ["full", "bias [B,N,T,S]", "mask [B,1,T,S]"]
+    # --tokens sets B = tokens / T: one 131072-token sequence, or two entries of 4096.
+    rows = bench.build_configs(bench.parse_args(["--variants", "--rows", "GQA", "--seqlen",
+                                                 "131072", "--tokens", "131072"]))
+    assert [(c.batch, c.seqlen_q, c.seqlen_k, c.num_heads, c.num_kv_heads, c.causal)
+            for c in rows] == [(1, 131072, 131072, 16, 4, True)]
+    rows = bench.build_configs(bench.parse_args(["--variants", "--rows", "lengths,bias [B,1,T,S]",
+                                                 "--tokens", "8192"]))
+    assert [(c.batch, c.q_lens, c.bias_shape) for c in rows] == [
+        (2, (4096, 2048), None), (2, None, (2, 1, 4096, 4096))]
     assert all(c.soft_cap is None for c in _bench.variants_grid(soft_cap=None))
     assert {(c.dtype, c.batch, c.seqlen_q, c.seqlen_k, c.num_heads, c.head_dim)
             for c in configs[:-1]} == {("bf16", 4, 4096, 4096, 16, 128)}

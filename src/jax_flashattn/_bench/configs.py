@@ -267,9 +267,9 @@ def decode_grid(dtypes=("bf16", "fp16"), seqlens=DECODE_SEQLENS, kv_len=None,
 def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
                   head_dims=(VARIANTS_SHAPE["head_dim"],), batch=VARIANTS_SHAPE["batch"],
                   hidden=VARIANTS_SHAPE["hidden"], kv_group=VARIANTS_SHAPE["kv_group"],
-                  window=None, soft_cap=VARIANTS_SHAPE["soft_cap"]) -> list[Config]:
-    """The variants preset: one row per option users pass, at B = `batch`, T = S, N =
-    hidden / H: full, causal, a causal sliding window (`window`, default min(1024, T/4),
+                  window=None, soft_cap=VARIANTS_SHAPE["soft_cap"], tokens=None) -> list[Config]:
+    """The variants preset: one row per option users pass, at B = `batch` (or tokens / T
+    when `tokens` is given), T = S, N = hidden / H: full, causal, a causal sliding window (`window`, default min(1024, T/4),
     right side 0), per-batch lengths (queries and keys alike: T·(B-i)/B for entry i, so
     4096, 3072, 2048, 1024), GQA (N over N/kv_group kv heads, causal), a bias of q's dtype
     in three shapes, full (rows "bias [1,N,T,S]", "bias [B,1,T,S]", "bias [B,N,T,S]"), a
@@ -288,11 +288,11 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
             if n % kv:
                 raise ValueError(f"{n} heads do not split into groups of {kv_group}")
             for t in seqlens:
-                base = Config(batch, t, t, n, n, h, dtype, False, kind="variants",
-                              variant="full")
+                b = max(1, tokens // t) if tokens else batch
+                base = Config(b, t, t, n, n, h, dtype, False, kind="variants", variant="full")
                 side = window or max(1, min(VARIANTS_SHAPE["window"], t // 4))
-                lens = tuple(max(1, t * (batch - i) // batch) for i in range(batch))
-                docs = tuple(min(2 ** i, t) for i in range(batch))
+                lens = tuple(max(1, t * (b - i) // b) for i in range(b))
+                docs = tuple(min(2 ** i, t) for i in range(b))
                 configs += [
                     base,
                     dataclasses.replace(base, causal=True, variant="causal"),
@@ -302,9 +302,9 @@ def variants_grid(dtypes=("bf16",), seqlens=VARIANTS_SEQLENS,
                     dataclasses.replace(base, causal=True, num_kv_heads=kv,
                                         variant=f"GQA {n}/{kv}"),
                     dataclasses.replace(base, bias_shape=(1, n, t, t), variant="bias [1,N,T,S]"),
-                    dataclasses.replace(base, bias_shape=(batch, 1, t, t),
+                    dataclasses.replace(base, bias_shape=(b, 1, t, t),
                                         variant="bias [B,1,T,S]"),
-                    dataclasses.replace(base, bias_shape=(batch, n, t, t),
+                    dataclasses.replace(base, bias_shape=(b, n, t, t),
                                         variant="bias [B,N,T,S]"),
                     dataclasses.replace(base, mask_docs=docs, variant="mask [B,1,T,S]"),
                     dataclasses.replace(base, segment_docs=docs, variant="segment ids"),
