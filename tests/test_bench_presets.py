@@ -476,3 +476,35 @@ def test_bench_script_packed_smoke(tmp_path, capsys):
             for r in report["results"]} == {("packed", 2, 16, 128, True)}
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "packed_bf16_fwd.png").stat().st_size > 0
+
+
+def test_chunked_gradient_reference_matches_the_whole(monkeypatch):
+    """The forward+backward reference by row chunks (what a sequence too long for the host's
+    reference takes) gives every row's out and dq, and dk and dv summed over the chunks, as
+    the whole-row reference does: the options whose terms depend on the rows (a bias, ids,
+    ALiBi, the bottom-right diagonal; a window, lengths and GQA with T != S below), chunks of
+    5 rows that do not divide T."""
+    from jax_flashattn._bench import checks
+    configs = [c for c in _tiny_variants()
+               if c.variant.startswith(("bias [B,N", "segment ids, causal", "ALiBi, causal",
+                                        "prefill"))]
+    assert len(configs) == 4
+    configs += [_bench.Config(2, 23, 37, 4, 2, 16, "bf16", True, kind="variants",
+                              window=(9, 2), q_lens=(23, 11), kv_lens=(30, 37))]
+    for cfg in configs:
+        inputs = _bench.Inputs(cfg, 1)
+        whole = checks.reference_slice(cfg, inputs, True, budget=1)
+        monkeypatch.setattr(checks, "CHUNKED_GRADIENT_LOGITS", 0)
+        monkeypatch.setattr(checks, "GRADIENT_CHUNK_LOGITS",
+                            5 * 2 * cfg.group * cfg.seqlen_k)  # 5 rows of the two entries
+        chunked = checks.reference_slice(cfg, inputs, True)
+        monkeypatch.undo()
+        assert chunked.rows is None and chunked.kv_heads == whole.kv_heads == 1, cfg.variant
+        # The rounded outputs are bf16: a float32 value a hair apart may round an ulp away.
+        for name, rtol in (("exact", 1e-5), ("rounded", 2.0 ** -6), ("magnitude", 1e-5)):
+            np.testing.assert_allclose(np.asarray(getattr(chunked, name), np.float32),
+                                       np.asarray(getattr(whole, name), np.float32),
+                                       rtol=rtol, atol=1e-5, err_msg=f"{cfg.variant} {name}")
+        for name in ("dq", "dk", "dv"):
+            np.testing.assert_allclose(chunked.grads[name], whole.grads[name], rtol=1e-4,
+                                       atol=1e-5, err_msg=f"{cfg.variant} {name}")

@@ -94,7 +94,9 @@ positions). Batch entries, heads and query rows are independent in the forward, 
 the full-size result must equal the reference on the sliced inputs. The forward+backward
 check needs every query row (dk and dv sum over them) and so covers fewer heads. The references
 run on the host's CPU backend: no GPU compile (and autotuning) per shape, nothing on the GPU
-that is being measured.
+that is being measured. A forward+backward check past CHUNKED_GRADIENT_LOGITS logits (one
+131072-token sequence) runs on the benchmark's device instead, by chunks of query rows at
+float32's full matmul precision, before the timing.
 * forward, bf16/fp16, each element: |out - ref| <= max(2 · max |ref_rounded - ref|, ulp(ref),
   u · sum_j p_j |v_j| + ulp(ref) / 2) + 1e-5 (max |ref| + 1), where ref_rounded rounds P and
   the output to the input dtype, ulp(ref) is the input dtype's spacing at that element and u

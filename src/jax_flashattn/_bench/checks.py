@@ -24,6 +24,13 @@ GRAD_RTOL = {"bf16": 2e-2, "fp16": 1e-2, "fp32": 1e-4}
 DEFAULT_CHECK_BUDGET = 1 << 24
 FORWARD_CHECK_BUDGET = 1 << 23
 FORWARD_CHECK_ROWS = 256
+# Past this many logits in the forward+backward check's one kv head (8 GiB of float32: one
+# 131072-token sequence of 4 query heads per kv head has 2^36), the host could not hold its
+# reference and would take minutes over it: it runs on the benchmark's device instead, at
+# float32's full matmul precision, GRADIENT_CHUNK_LOGITS logits of query rows at a time,
+# each chunk's out and dq kept and its dk and dv summed.
+CHUNKED_GRADIENT_LOGITS = 1 << 31
+GRADIENT_CHUNK_LOGITS = 1 << 28
 
 
 
@@ -189,13 +196,10 @@ def _row_visibility(rows, seqlen_k, *, causal, window, q_lens, kv_lens, mask, q_
     return keep
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("causal", "window", "dtype", "soft_cap", "shift"))
-def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype, soft_cap, shift):
-    """Exact and P-rounded reference outputs for query rows `rows` (causal, window, lengths,
-    mask and segment ids mask by the rows' true positions, as the full problem would, and ALiBi
-    is the dense bias of those positions; `extras` are sliced by `ReferenceSlice.take_extras`)."""
-    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+def _rows_attention(k, rows, extras, *, causal, window, soft_cap, shift):
+    """`reference.attention` for query rows `rows` (causal, window, lengths, mask and segment
+    ids mask by the rows' true positions, as the full problem would, and ALiBi is the dense
+    bias of those positions; `extras` are sliced by `ReferenceSlice.take_extras`)."""
     bias = extras.get("bias")
     if extras.get("alibi_slopes") is not None:
         distance = jnp.abs(rows[:, None] + shift - jnp.arange(k.shape[1])[None, :])
@@ -206,12 +210,60 @@ def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype, soft_cap
                            kv_lens=extras.get("key_value_seq_lengths"), mask=extras.get("mask"),
                            q_ids=extras.get("query_segment_ids"),
                            kv_ids=extras.get("key_value_segment_ids"), shift=shift)
-    f = functools.partial(reference.attention, bias=bias, mask=mask,
-                          logits_soft_cap=soft_cap, sinks=extras.get("sinks"))
+    return functools.partial(reference.attention, bias=bias, mask=mask,
+                             logits_soft_cap=soft_cap, sinks=extras.get("sinks"))
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("causal", "window", "dtype", "soft_cap", "shift"))
+def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype, soft_cap, shift):
+    """Exact and P-rounded reference outputs for query rows `rows` (`_rows_attention`)."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    f = _rows_attention(k, rows, extras, causal=causal, window=window, soft_cap=soft_cap,
+                        shift=shift)
     exact = f(q, k, v)
     rounded = f(q, k, v, p_dtype=DTYPES[dtype])
     magnitude = f(q, k, jnp.abs(v))
     return exact, rounded.astype(DTYPES[dtype]), magnitude
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("causal", "window", "dtype", "soft_cap", "shift"))
+def _reference_rows_forward_backward(q, k, v, g, rows, extras, *, causal, window, dtype,
+                                     soft_cap, shift):
+    """`_reference_forward` and the gradients of query rows `rows` for their cotangent g: their
+    dq, and their share of dk and dv."""
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    f = _rows_attention(k, rows, extras, causal=causal, window=window, soft_cap=soft_cap,
+                        shift=shift)
+    exact, vjp = jax.vjp(f, q, k, v)
+    rounded = f(q, k, v, p_dtype=DTYPES[dtype])
+    magnitude = f(q, k, jnp.abs(v))
+    return (exact, rounded.astype(DTYPES[dtype]), magnitude, *vjp(g.astype(jnp.float32)))
+
+
+def _reference_by_row_chunks(cfg: Config, inputs: Inputs, q, k, v, batch_index,
+                             chunk_logits: int) -> ReferenceSlice:
+    """The forward+backward reference of every query row and one kv head, on the device that
+    holds the inputs, `chunk_logits` logits of rows at a time (CHUNKED_GRADIENT_LOGITS)."""
+    per_row = len(batch_index) * cfg.group * cfg.seqlen_k
+    chunk = max(1, chunk_logits // per_row)
+    options = dict(causal=cfg.causal, window=cfg.window, dtype=cfg.dtype, soft_cap=cfg.soft_cap,
+                   shift=cfg.diagonal_shift if cfg.bottom_right else 0)
+    parts, dk, dv = [], 0.0, 0.0
+    with jax.default_matmul_precision("highest"):
+        for r0 in range(0, cfg.seqlen_q, chunk):
+            rows = np.arange(r0, min(r0 + chunk, cfg.seqlen_q), dtype=np.int32)
+            rows_slice = ReferenceSlice(batch_index, rows, 1, None, None, None)
+            *outputs, dk_rows, dv_rows = _reference_rows_forward_backward(
+                rows_slice.take(cfg, q), rows_slice.take(cfg, k, False),
+                rows_slice.take(cfg, v, False), rows_slice.take(cfg, inputs.g), rows,
+                rows_slice.take_extras(cfg, inputs.extras), **options)
+            parts.append(outputs)
+            dk, dv = dk + dk_rows, dv + dv_rows
+    exact, rounded, magnitude, dq = (jnp.concatenate(x, axis=1) for x in zip(*parts))
+    return ReferenceSlice(batch_index, None, 1, exact, rounded, dict(dq=dq, dk=dk, dv=dv),
+                          magnitude)
 
 
 @functools.partial(jax.jit,
@@ -241,7 +293,8 @@ def _reference_device():
 def reference_slice(cfg: Config, inputs: Inputs, with_grads: bool,
                     budget: int = DEFAULT_CHECK_BUDGET) -> ReferenceSlice:
     """Forward: up to FORWARD_CHECK_ROWS query rows against all keys. Forward+backward: every
-    row (dk and dv sum over all of them) of fewer heads. Both on the host CPU. An e4m3 row's
+    row (dk and dv sum over all of them) of fewer heads. Both on the host CPU, except a
+    forward+backward too large for it (CHUNKED_GRADIENT_LOGITS). An e4m3 row's
     reference reads the K and V its call reads, the e4m3 values times their descales: the
     rounding to e4m3 is the cache's, not the kernel's, and the gate judges the kernel."""
     q, k, v = inputs.sets[0]
@@ -250,6 +303,11 @@ def reference_slice(cfg: Config, inputs: Inputs, with_grads: bool,
         v = dequantize_fp8(inputs.extras["value_e4m3"], inputs.extras["descale_v"])
     if with_grads:
         batch_index, rows, kv_heads = _slice_plan(cfg, budget, None)
+        if len(batch_index) * cfg.group * cfg.seqlen_q * cfg.seqlen_k > CHUNKED_GRADIENT_LOGITS:
+            plan = _reference_by_row_chunks(cfg, inputs, q, k, v, batch_index,
+                                            GRADIENT_CHUNK_LOGITS)
+            jax.block_until_ready((plan.exact, plan.grads))
+            return plan
     else:
         batch_index, rows, kv_heads = _slice_plan(cfg, FORWARD_CHECK_BUDGET,
                                                   FORWARD_CHECK_ROWS)
