@@ -214,6 +214,12 @@ def _rows_attention(k, rows, extras, *, causal, window, soft_cap, shift):
                              logits_soft_cap=soft_cap, sinks=extras.get("sinks"))
 
 
+def _rounded_and_magnitude(f, q, k, v, dtype):
+    """The reference `f`'s output with P rounded to `dtype` (cast to it), and with |v| (the
+    error budget's sum_j p_j |v_j|)."""
+    return f(q, k, v, p_dtype=DTYPES[dtype]).astype(DTYPES[dtype]), f(q, k, jnp.abs(v))
+
+
 @functools.partial(jax.jit,
                    static_argnames=("causal", "window", "dtype", "soft_cap", "shift"))
 def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype, soft_cap, shift):
@@ -221,10 +227,7 @@ def _reference_forward(q, k, v, rows, extras, *, causal, window, dtype, soft_cap
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     f = _rows_attention(k, rows, extras, causal=causal, window=window, soft_cap=soft_cap,
                         shift=shift)
-    exact = f(q, k, v)
-    rounded = f(q, k, v, p_dtype=DTYPES[dtype])
-    magnitude = f(q, k, jnp.abs(v))
-    return exact, rounded.astype(DTYPES[dtype]), magnitude
+    return (f(q, k, v), *_rounded_and_magnitude(f, q, k, v, dtype))
 
 
 @functools.partial(jax.jit,
@@ -237,9 +240,7 @@ def _reference_rows_forward_backward(q, k, v, g, rows, extras, *, causal, window
     f = _rows_attention(k, rows, extras, causal=causal, window=window, soft_cap=soft_cap,
                         shift=shift)
     exact, vjp = jax.vjp(f, q, k, v)
-    rounded = f(q, k, v, p_dtype=DTYPES[dtype])
-    magnitude = f(q, k, jnp.abs(v))
-    return (exact, rounded.astype(DTYPES[dtype]), magnitude, *vjp(g.astype(jnp.float32)))
+    return (exact, *_rounded_and_magnitude(f, q, k, v, dtype), *vjp(g.astype(jnp.float32)))
 
 
 def _reference_by_row_chunks(cfg: Config, inputs: Inputs, q, k, v, batch_index,
@@ -275,10 +276,8 @@ def _reference_forward_backward(q, k, v, g, extras, *, causal, window, dtype, so
     f = functools.partial(reference.attention, is_causal=causal, local_window_size=window,
                           logits_soft_cap=soft_cap, diagonal_alignment=alignment, **extras)
     exact, vjp = jax.vjp(f, q, k, v)
-    rounded = f(q, k, v, p_dtype=DTYPES[dtype])
-    magnitude = f(q, k, jnp.abs(v))
     grads = dict(zip(("dq", "dk", "dv"), vjp(g.astype(jnp.float32))))
-    return exact, rounded.astype(DTYPES[dtype]), magnitude, grads
+    return (exact, *_rounded_and_magnitude(f, q, k, v, dtype), grads)
 
 
 def _reference_device():
