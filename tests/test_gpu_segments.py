@@ -300,7 +300,7 @@ def test_decoding_shapes_take_the_decode_kernels(rng, monkeypatch, family, t, n,
     """A decoding shape (few query rows per kv head, many keys) with segment ids takes a split-KV
     decode kernel ("sm80": the mma.sync one): key documents of random lengths from 1 up, each
     query in one of them or in one no key has (that row sees nothing: 0, lse -inf), an odd S,
-    and with the keys' lengths, causal at the bottom right, a bias beside the ids."""
+    and with the keys' lengths, causal at the bottom right, a bias or a mask beside the ids."""
     if family == "sm80":
         monkeypatch.setenv("JAX_FLASHATTN_DISABLE_SM90", "1")
     b, s = 2, 4099
@@ -324,6 +324,9 @@ def test_decoding_shapes_take_the_decode_kernels(rng, monkeypatch, family, t, n,
     bias = jnp.asarray(rng.standard_normal((b, n, t, s)), jnp.bfloat16)
     assert jax_flashattn.forward_kernel(q, k, bias, **ids) == expected
     check_cuda_forward(q, k, v, bias, **ids)
+    mask = jnp.asarray(rng.random((b, 1, t, s)) > 0.25)
+    assert jax_flashattn.forward_kernel(q, k, mask=mask, **ids) == expected
+    check_cuda_forward(q, k, v, mask=mask, **ids)
     # Every query of the second batch entry in a document no key has: its units' key ranges
     # narrow to nothing, every split is empty, and its rows are 0 with lse -inf.
     q_ids[1] = 99

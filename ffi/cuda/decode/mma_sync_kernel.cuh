@@ -212,7 +212,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         terms.template apply_staged<kBlockN>(p, sp, s_acc[0], key0, quad_col,
                                              stage_terms(stage));
       else if constexpr (Traits::kBiasAndMask)
-        terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
+        if (decode_applies_terms<Traits>(p))
+          terms.template apply<Traits::kAlibi>(p, sp, rows, s_acc[0], key0, quad_col);
       if constexpr (Traits::kSegments)
         DecodeBiasAndMask::hide_other_documents<kBlockN>(p, sp, rows, s_acc[0], key0, quad_col,
                                                          stage_terms(stage));
