@@ -4,8 +4,7 @@
 
 #include <cuda_runtime.h>
 
-#include <iterator>
-#include <mutex>
+#include <atomic>
 #include <type_traits>
 #include <utility>
 
@@ -22,7 +21,7 @@ namespace jax_flashattn::cuda {
 template <const auto& kHeadDims, size_t kIndex = 0, typename F>
 auto for_head_dim(int64_t head_dim, F&& f) {
   constexpr int kDim = kHeadDims[kIndex];
-  if constexpr (kIndex + 1 == std::size(kHeadDims)) {
+  if constexpr (kIndex + 1 == std::extent_v<std::remove_reference_t<decltype(kHeadDims)>>) {
     return f(std::integral_constant<int, kDim>{});
   } else {
     if (head_dim <= kDim) return f(std::integral_constant<int, kDim>{});
@@ -111,16 +110,37 @@ cudaError_t launch_backward_sm90(const AttentionParams& p, cudaStream_t stream);
 // otherwise bit-identical across runs.
 cudaError_t launch_backward_simt(const AttentionParams& p, cudaStream_t stream);
 
+// Holds the process-wide lock under which once_per_device's queries run (launch.cu), for its
+// lifetime. A recursive lock, so that a query may itself ask once_per_device. Out of line so
+// that this header, which every kernel's translation unit includes, need not include <mutex>:
+// with it and <iterator> each unit took about 1.5 s more to compile (its front end runs once
+// per architecture), some 3 minutes of a two-core build.
+class OnceLock {
+ public:
+  OnceLock();
+  ~OnceLock();
+  OnceLock(const OnceLock&) = delete;
+  OnceLock& operator=(const OnceLock&) = delete;
+};
+
 // query(device), computed once per CUDA device and cached (out_of_range for ordinals past the
-// cache); thread-safe, so concurrent handlers on several GPUs each ask exactly once. Every call
-// site's query is a lambda of its own type, so each has its own cache.
+// cache); thread-safe, so concurrent handlers on several GPUs each ask exactly once: a device's
+// first callers take OnceLock, and the first of them asks; once its result is published
+// (release), callers read it without the lock (acquire). Every call site's query is a lambda of
+// its own type, so each has its own cache.
 template <typename Result, typename Query>
 Result once_per_device(int device, Result out_of_range, const Query& query) {
   constexpr int kMaxDevices = 64;
-  static std::once_flag flags[kMaxDevices];
+  static std::atomic<bool> ready[kMaxDevices];  // static storage: false until published
   static Result results[kMaxDevices];
   if (device < 0 || device >= kMaxDevices) return out_of_range;
-  std::call_once(flags[device], [&] { results[device] = query(device); });
+  if (!ready[device].load(std::memory_order_acquire)) {
+    const OnceLock lock;
+    if (!ready[device].load(std::memory_order_relaxed)) {
+      results[device] = query(device);
+      ready[device].store(true, std::memory_order_release);
+    }
+  }
   return results[device];
 }
 

@@ -2,14 +2,20 @@
 // module links against cudart only and loads wherever the driver does.
 #include "ffi/cuda/common/tensor_maps.h"
 
+#include <cuda.h>
 #include <cudaTypedefs.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace jax_flashattn::wgmma {
 namespace {
 
 using EncodeTiled = PFN_cuTensorMapEncodeTiled_v12000;
+
+static_assert(sizeof(TensorMap) == sizeof(CUtensorMap) &&
+                  alignof(TensorMap) % alignof(CUtensorMap) == 0,
+              "the kernels' TensorMap holds the driver's CUtensorMap");
 
 EncodeTiled encode_tiled() {
   static const EncodeTiled function = [] {
@@ -28,11 +34,20 @@ EncodeTiled encode_tiled() {
   return function;
 }
 
+// The driver's encoder into a CUtensorMap, then its bytes into `map`.
+template <typename... Args>
+CUresult encode_into(EncodeTiled encoder, TensorMap& map, Args... args) {
+  CUtensorMap encoded;
+  const CUresult result = encoder(&encoded, args...);
+  std::memcpy(&map, &encoded, sizeof encoded);
+  return result;
+}
+
 constexpr int64_t kElemBytes = 2;
 constexpr int64_t kSwizzleBytes = 128;  // the widest box row the 128-byte swizzle allows
 
 // A tensor of `type` elements of `elem_bytes` bytes, boxes of 128 bytes of head dim.
-cudaError_t encode(CUtensorMap& map, CUtensorMapDataType type, int64_t elem_bytes,
+cudaError_t encode(TensorMap& map, CUtensorMapDataType type, int64_t elem_bytes,
                    const void* base, int64_t head_dim, int64_t heads, int64_t rows,
                    int64_t batch, int64_t head_stride, int64_t row_stride, int64_t batch_stride,
                    int box_rows) {
@@ -47,8 +62,8 @@ cudaError_t encode(CUtensorMap& map, CUtensorMapDataType type, int64_t elem_byte
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   // Out-of-bounds elements (rows past T or S, head dims past H) read as zero and are not
   // written by stores or reductions: the kernel needs no predication on tile edges.
-  const CUresult result = encode_function(
-      &map, type, 4, const_cast<void*>(base), dims, strides, box, element_strides,
+  const CUresult result = encode_into(
+      encode_function, map, type, 4, const_cast<void*>(base), dims, strides, box, element_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
@@ -56,7 +71,7 @@ cudaError_t encode(CUtensorMap& map, CUtensorMapDataType type, int64_t elem_byte
 
 // An array of `elements` 4-byte elements of `type` as one flat row, read in boxes of `box`
 // elements without swizzle.
-cudaError_t encode_flat_4byte(CUtensorMap& map, CUtensorMapDataType type, const void* base,
+cudaError_t encode_flat_4byte(TensorMap& map, CUtensorMapDataType type, const void* base,
                               int64_t elements, int box) {
   const EncodeTiled encode_function = encode_tiled();
   if (encode_function == nullptr) return cudaErrorInvalidValue;
@@ -65,14 +80,14 @@ cudaError_t encode_flat_4byte(CUtensorMap& map, CUtensorMapDataType type, const 
   const cuuint64_t strides[1] = {cuuint64_t((elements * 4 + 15) / 16 * 16)};
   const cuuint32_t box_dims[1] = {cuuint32_t(box)};
   const cuuint32_t element_strides[1] = {1};
-  const CUresult result = encode_function(
-      &map, type, 1, const_cast<void*>(base), dims, strides, box_dims, element_strides,
+  const CUresult result = encode_into(
+      encode_function, map, type, 1, const_cast<void*>(base), dims, strides, box_dims, element_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
-cudaError_t encode_flat_f32(CUtensorMap& map, const float* base, int64_t elements, int box) {
+cudaError_t encode_flat_f32(TensorMap& map, const float* base, int64_t elements, int box) {
   return encode_flat_4byte(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, base, elements, box);
 }
 
@@ -82,14 +97,14 @@ CUtensorMapDataType elem_type(const AttentionParams& p) {
 }
 
 // A [batch, T, N, H] tensor of the call (q, out, d_out) in boxes of `rows` rows.
-cudaError_t encode_query_like(CUtensorMap& map, const AttentionParams& p, const void* base,
+cudaError_t encode_query_like(TensorMap& map, const AttentionParams& p, const void* base,
                               int rows) {
   return encode(map, elem_type(p), kElemBytes, base, p.head_dim, p.num_heads, p.seqlen_q,
                 p.batch, p.q_head_stride, p.q_row_stride, p.q_batch_stride, rows);
 }
 
 // A [batch, S, K, H] tensor of the call (k, v, dk, dv) in boxes of `rows` rows.
-cudaError_t encode_key_like(CUtensorMap& map, const AttentionParams& p, const void* base,
+cudaError_t encode_key_like(TensorMap& map, const AttentionParams& p, const void* base,
                             int rows) {
   return encode(map, elem_type(p), kElemBytes, base, p.head_dim, p.num_kv_heads, p.seqlen_k,
                 p.batch, p.kv_head_stride, p.kv_row_stride, p.kv_batch_stride, rows);
@@ -147,11 +162,12 @@ cudaError_t encode_e4m3_forward_maps(const AttentionParams& p, int q_rows, int k
                                  cuuint64_t(p.num_kv_heads * p.head_dim * p.vt_keys)};
   const cuuint32_t box[4] = {cuuint32_t(vt_box_keys), cuuint32_t(vt_rows), 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  if (encode_function(&maps.v, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(p.v), dims,
-                      strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                      vt_box_keys == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+  if (encode_into(encode_function, maps.v, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4,
+                  const_cast<void*>(p.v), dims, strides, box, element_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  vt_box_keys == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
     return cudaErrorInvalidValue;
   const cudaError_t errors[3] = {
       encode(maps.q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.q, p.head_dim, p.num_heads, p.seqlen_q,
@@ -172,13 +188,13 @@ bool segment_ids_tma_compatible(const AttentionParams& p) {
           p.batch * p.seqlen_q <= kLimit && p.batch * p.seqlen_k <= kLimit);
 }
 
-cudaError_t encode_key_ids_map(const AttentionParams& p, int box_ids, CUtensorMap& map) {
+cudaError_t encode_key_ids_map(const AttentionParams& p, int box_ids, TensorMap& map) {
   if (p.kv_segment_ids == nullptr || !segment_ids_tma_compatible(p)) return cudaErrorInvalidValue;
   return encode_flat_4byte(map, CU_TENSOR_MAP_DATA_TYPE_INT32, p.kv_segment_ids,
                            p.batch * p.seqlen_k, box_ids);
 }
 
-cudaError_t encode_query_ids_map(const AttentionParams& p, int box_ids, CUtensorMap& map) {
+cudaError_t encode_query_ids_map(const AttentionParams& p, int box_ids, TensorMap& map) {
   if (p.q_segment_ids == nullptr || !segment_ids_tma_compatible(p)) return cudaErrorInvalidValue;
   return encode_flat_4byte(map, CU_TENSOR_MAP_DATA_TYPE_INT32, p.q_segment_ids,
                            p.batch * p.seqlen_q, box_ids);

@@ -2,7 +2,6 @@
 // microseconds, no device memory: they travel as __grid_constant__ kernel parameters).
 #pragma once
 
-#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -11,11 +10,19 @@
 
 namespace jax_flashattn::wgmma {
 
+// A TMA tensor map as the kernels take it: the driver's CUtensorMap, 128 opaque bytes (aligned
+// to 128 as CUDA 13 declares it; 64, as TMA requires, in CUDA 12), which tensor_maps.cu encodes
+// and copies in (checking that the two agree). A type of our own so that the kernels'
+// translation units need not include the driver API's cuda.h.
+struct alignas(128) TensorMap {
+  unsigned long long opaque[16];
+};
+
 // q and out [batch, T, N, H], k and v [batch, S, K, H], each viewed as the 4-D tensor
 // {H, heads, rows, batch} (innermost first) and read or written in boxes of 64 head-dim
 // elements x 1 head x `rows` rows x 1 batch entry with the 128-byte swizzle.
 struct ForwardMaps {
-  CUtensorMap q, k, v, out;
+  TensorMap q, k, v, out;
 };
 
 // Calls with segment ids: also the key ids (int32 [batch, S]) as one flat row of batch x S ids
@@ -23,7 +30,7 @@ struct ForwardMaps {
 // start at a 16-byte boundary (a flat box's rule, kFlatAlignElems below). The Hopper forward
 // loads each key tile's ids beside its K, so that its consumers test them in shared memory.
 struct ForwardMapsWithIds : ForwardMaps {
-  CUtensorMap kv_ids;
+  TensorMap kv_ids;
 };
 
 template <bool kSegmentIds>
@@ -35,8 +42,8 @@ bool segment_ids_tma_compatible(const AttentionParams& p);
 
 // The key ids' (the query ids') map in boxes of box_ids ids. Fail like encode_forward_maps,
 // and where segment_ids_tma_compatible does not hold.
-cudaError_t encode_key_ids_map(const AttentionParams& p, int box_ids, CUtensorMap& map);
-cudaError_t encode_query_ids_map(const AttentionParams& p, int box_ids, CUtensorMap& map);
+cudaError_t encode_key_ids_map(const AttentionParams& p, int box_ids, TensorMap& map);
+cudaError_t encode_query_ids_map(const AttentionParams& p, int box_ids, TensorMap& map);
 
 // Whether TMA can address the call's tensors: 16-byte aligned base addresses and strides.
 bool tma_compatible(const AttentionParams& p);
@@ -62,7 +69,7 @@ cudaError_t encode_e4m3_forward_maps(const AttentionParams& p, int q_rows, int k
 // k and v alone, in the same view, for the mma.sync forward's K/V tile loads on Hopper
 // (mma_sync::forward_kernel with kTmaKV), in boxes of kv_rows rows.
 struct KVMaps {
-  CUtensorMap k, v;
+  TensorMap k, v;
 };
 
 cudaError_t encode_kv_maps(const AttentionParams& p, int kv_rows, KVMaps& maps);
@@ -97,13 +104,13 @@ struct NoIdBox {
 };
 
 struct BackwardMaps {
-  CUtensorMap q, d_out, k, v, dk, dv, lse, delta, dq_accum;
+  TensorMap q, d_out, k, v, dk, dv, lse, delta, dq_accum;
 };
 
 // Calls with segment ids: also the query ids, flat as ForwardMapsWithIds's key ids, which the
 // backward loads beside each Q tile.
 struct BackwardMapsWithIds : BackwardMaps {
-  CUtensorMap q_ids;
+  TensorMap q_ids;
 };
 
 template <bool kSegmentIds>
