@@ -409,10 +409,10 @@ struct DecodeBiasAndMask {
 
   // kSegments: -inf for the scores of keys [key0, key0 + 8 kNTiles) whose id is not their row's
   // query's, the keys' ids from the stage copy_key_ids filled with key0's tile: one shared load
-  // per pair of keys for both rows. Every id 0 (B = 8, N = 32, K = 8, S = 65536) takes 1.01-1.06x
-  // the time of the call without ids at T = 1 (mma.sync kernel) and 2.06x at T = 16 (wgmma;
-  // H200 801ccd96), where the ids loaded from global memory, one id per load, took 1.56x and
-  // 2.10x (H200 18f89092).
+  // per pair of keys for both rows. Every id 0 (B = 8, N = 32, K = 8, S = 65536) takes
+  // 1.07-1.08x the time of the call without ids at T = 1 (mma.sync kernel) and 1.03-1.08x at
+  // T = 16 (wgmma; H200 0277696f), where the ids loaded from global memory, one id per load,
+  // took 1.56x and 2.10x (H200 18f89092).
   template <int kBlockN, int kNTiles>
   __device__ __forceinline__ static void hide_other_documents(const AttentionParams& p,
                                                               const DecodeSplit& sp,
