@@ -76,10 +76,29 @@ def _static_options(args, kwargs):
 
 # The reference's gradients jitted once per (options, shapes) and reused by every check with
 # the same ones (each fresh jit of them compiled anew: most of the gradient tests' time). The
-# forward reference stays eager: its operations' small programs are shared across options.
+# forward reference stays eager unless a check asks for jitted_reference: its operations' small
+# programs are shared across options where checks share shapes.
 @functools.partial(jax.jit, static_argnames=("static",))
 def _jitted_reference_grads(q, k, v, bias, d_out, positional, arrays, static):
     return grads(reference.attention, q, k, v, bias, d_out, *positional, **arrays, **dict(static))
+
+
+@functools.partial(jax.jit, static_argnames=("static",))
+def _jitted_reference(q, k, v, positional, arrays, static):
+    return reference.attention(q, k, v, *positional, **arrays, **dict(static))
+
+
+def jitted_reference(query, key, value, *args, **kwargs):
+    """`reference.attention` as one jitted program per (options, shapes), the array options
+    traced: for a check whose shapes no other check of its file shares (sharded and ring
+    tests), one compilation instead of one per operation, eagerly (~35 for a forward). Where
+    many checks share a shape, the eager reference, whose small programs they share, is
+    cheaper (assert_attention_close)."""
+    split = _static_options(args, kwargs)
+    if split is None:  # one jitted computation, the options as its constants
+        return jax.jit(lambda q, k, v: reference.attention(q, k, v, *args, **kwargs))(
+            query, key, value)
+    return _jitted_reference(query, key, value, *split[:2], static=split[2])
 
 
 def reference_attention(query, key, value, *args, return_residual=False, p_dtype=None,
@@ -122,7 +141,8 @@ def finite_max_abs(x) -> float:
     return float(np.max(x, where=np.isfinite(x), initial=0.0))
 
 
-def assert_attention_close(out, query, key, value, *args, nan_rows=False, **kwargs):
+def assert_attention_close(out, query, key, value, *args, nan_rows=False, jit_reference=False,
+                           **kwargs):
     """Checks `out` against the float32 reference with the error-ratio rule: a float32 result
     must match to ~1e-5 relative; a low-precision one may err by at most ~2x what the
     reference itself errs when it rounds P and the output to the input dtype, at least one ulp
@@ -131,10 +151,15 @@ def assert_attention_close(out, query, key, value, *args, nan_rows=False, **kwar
 
     NaN never passes, except with `nan_rows` (inputs holding NaN or Inf): then the output rows
     (one query of one head) holding NaN must be exactly the reference's, the rows where a NaN
-    or +inf logit is visible, and every other row is checked as above."""
+    or +inf logit is visible, and every other row is checked as above.
+
+    `jit_reference`: the reference as one jitted program (`jitted_reference`), for a check
+    whose shapes no other check shares; else eagerly, its small programs shared by checks of
+    the same shapes."""
+    reference_attention_ = jitted_reference if jit_reference else reference_attention
     out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
     q32, k32, v32 = (jnp.asarray(x, jnp.float32) for x in (query, key, value))
-    ref, ref_lse = reference_attention(q32, k32, v32, *args, return_residual=True, **kwargs)
+    ref, ref_lse = reference_attention_(q32, k32, v32, *args, return_residual=True, **kwargs)
     ref = np.asarray(ref, np.float64)
     ref_nan = np.isnan(ref).any(axis=-1, keepdims=True)
     out_nan = np.isnan(out).any(axis=-1, keepdims=True)
@@ -159,9 +184,10 @@ def assert_attention_close(out, query, key, value, *args, nan_rows=False, **kwar
         logit_size = max(1.0, finite_max_abs(logits) + bias_size)
         bound = 2e-5 * (np.max(np.abs(ref), initial=0.0) + 1) * logit_size
     else:
-        rounded = reference_attention(q32, k32, v32, *args, p_dtype=dtype, **kwargs).astype(dtype)
+        rounded = reference_attention_(q32, k32, v32, *args, p_dtype=dtype,
+                                       **kwargs).astype(dtype)
         rounded = np.where(ref_nan, 0.0, np.asarray(rounded, np.float64))
-        magnitude = reference_attention(q32, k32, jnp.abs(v32), *args, **kwargs)
+        magnitude = reference_attention_(q32, k32, jnp.abs(v32), *args, **kwargs)
         magnitude = np.where(ref_nan, 0.0, np.asarray(magnitude, np.float64))
         bound = reference.error_budget(ref, rounded, dtype, magnitude)
     errors = np.abs(out - ref)

@@ -18,7 +18,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashattn
-from jax_flashattn import _ops, _ring, reference, sharding
+from jax_flashattn import _ops, _ring, sharding
+from helpers import jitted_reference, reference_grads
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
 
@@ -86,7 +87,7 @@ def _check_sharded(mesh, spec_q, spec_kv, q, k, v, *, expect, **kwargs):
     _assert_close(out, want_out, "out")
     for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
         _assert_close(g, w, name)
-    _assert_close(want_out, reference.attention(q, k, v, **kwargs), "unsharded out vs reference")
+    _assert_close(want_out, jitted_reference(q, k, v, **kwargs), "unsharded out vs reference")
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec_q), q.ndim), out.sharding
     _assert_communication(compiled, expect)
     return compiled
@@ -434,9 +435,11 @@ def _segment_program(**kwargs):
 
 
 def _reference_out_and_grads(q, k, v, q_ids, kv_ids, d_out, **kwargs):
-    out, vjp = jax.vjp(lambda q, k, v: reference.attention(
-        q, k, v, query_segment_ids=q_ids, key_value_segment_ids=kv_ids, **kwargs), q, k, v)
-    return out, vjp(d_out)
+    """The reference's (out, (dq, dk, dv)), one jitted program per options and shapes (each
+    case's shapes are its own: eagerly, one compilation per operation)."""
+    out, dq, dk, dv, _ = reference_grads(q, k, v, None, d_out, query_segment_ids=q_ids,
+                                         key_value_segment_ids=kv_ids, **kwargs)
+    return out, (dq, dk, dv)
 
 
 def _assert_grads_near_reference(grads, want_grads):
@@ -474,7 +477,7 @@ def _check_sharded_segments(mesh, spec_q, spec_kv, q, k, v, q_ids, kv_ids, *, ex
     _assert_close(want_out, ref_out, "unsharded out vs reference")
     _assert_grads_near_reference(want_grads, ref_grads)
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, spec_q), q.ndim), out.sharding
-    plain = jax.jit(_out_and_grads(**kwargs))(q, k, v, d_out)[0]
+    plain = jax.jit(lambda q, k, v: jax_flashattn.attention(q, k, v, **kwargs))(q, k, v)
     assert np.max(np.abs(np.asarray(out) - np.asarray(plain))) > 0.1, "the ids changed nothing"
     _assert_communication(compiled, expect)
     return compiled
