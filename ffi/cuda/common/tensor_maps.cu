@@ -81,9 +81,9 @@ cudaError_t encode_flat_4byte(TensorMap& map, CUtensorMapDataType type, const vo
   const cuuint32_t box_dims[1] = {cuuint32_t(box)};
   const cuuint32_t element_strides[1] = {1};
   const CUresult result = encode_into(
-      encode_function, map, type, 1, const_cast<void*>(base), dims, strides, box_dims, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      encode_function, map, type, 1, const_cast<void*>(base), dims, strides, box_dims,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+      CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
 }
 
