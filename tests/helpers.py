@@ -93,7 +93,8 @@ def jitted_reference(query, key, value, *args, **kwargs):
     traced: for a check whose shapes no other check of its file shares (sharded and ring
     tests), one compilation instead of one per operation, eagerly (~35 for a forward). Where
     many checks share a shape, the eager reference, whose small programs they share, is
-    cheaper (assert_attention_close)."""
+    cheaper (assert_attention_close). The whole batch at once: not for problems large enough
+    that reference_attention splits them by batch entry."""
     split = _static_options(args, kwargs)
     if split is None:  # one jitted computation, the options as its constants
         return jax.jit(lambda q, k, v: reference.attention(q, k, v, *args, **kwargs))(
