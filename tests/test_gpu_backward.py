@@ -353,31 +353,33 @@ _MANY_WAVES = """
 import jax, jax.numpy as jnp, numpy as np
 import jax_flashattn
 rng = np.random.default_rng(0)
-# 3 x 8 kv heads x 32 key blocks = 768 blocks: more than 4 per SM, so each (batch, kv head)'s
-# blocks are consecutive and several waves run, and under causal the later waves hold the
-# blocks that add first.
-q, k, v, d_out = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-                  for shape in ((3, 4096, 16, 64), (3, 4096, 8, 64), (3, 4096, 8, 64),
-                                (3, 4096, 16, 64)))
-for causal in (True, False):
-    def grads(deterministic):
-        f = lambda *a: jax_flashattn.attention(*a, is_causal=causal, implementation="cuda",
-                                               deterministic_backward=deterministic)
-        return [np.asarray(g) for g in jax.jit(lambda *a: jax.vjp(f, *a)[1](d_out))(q, k, v)]
-    first, again, atomic = grads(True), grads(True), grads(False)
-    assert all(a.tobytes() == b.tobytes() for a, b in zip(first, again)), causal
-    np.testing.assert_allclose(first[0].astype(np.float32), atomic[0].astype(np.float32),
-                               rtol=2e-2, atol=2e-3)
-    assert all(a.tobytes() == b.tobytes() for a, b in zip(first[1:], atomic[1:])), causal
+# 768 blocks, more than 4 per SM, so several waves run. 3 x 32 kv heads x 8 key blocks: more
+# (batch, kv head) pairs than a quarter of the SMs, so each pair's blocks are consecutive and
+# under causal the later waves hold the blocks that add first. 3 x 8 kv heads x 32 key blocks:
+# fewer, so under causal the key block is outermost (reversed: the blocks that add first lead).
+for t, n, kv in ((1024, 64, 32), (4096, 16, 8)):
+    q, k, v, d_out = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+                      for shape in ((3, t, n, 64), (3, t, kv, 64), (3, t, kv, 64), (3, t, n, 64)))
+    for causal in (True, False):
+        def grads(deterministic):
+            f = lambda *a: jax_flashattn.attention(*a, is_causal=causal, implementation="cuda",
+                                                   deterministic_backward=deterministic)
+            vjp = jax.jit(lambda *a: jax.vjp(f, *a)[1](d_out))
+            return [np.asarray(g) for g in vjp(q, k, v)]
+        first, again, atomic = grads(True), grads(True), grads(False)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(first, again)), (t, causal)
+        np.testing.assert_allclose(first[0].astype(np.float32), atomic[0].astype(np.float32),
+                                   rtol=2e-2, atol=2e-3)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(first[1:], atomic[1:])), (t, causal)
 print("ok")
 """
 
 
 def test_hopper_deterministic_many_waves():
-    """A grid of several waves, causal (key blocks launched in reverse) and full, in a
-    subprocess with a time limit: an order that waited for a block that is never launched
-    fails here instead of hanging the suite. dQ bit-identical across runs and equal to the
-    atomic mode's up to rounding, dK and dV bit-identical to it."""
+    """Grids of several waves in both block orders, causal (key blocks launched in reverse)
+    and full, in a subprocess with a time limit: an order that waited for a block that is never
+    launched fails here instead of hanging the suite. dQ bit-identical across runs and equal to
+    the atomic mode's up to rounding, dK and dV bit-identical to it."""
     import os
     import subprocess
     import sys
