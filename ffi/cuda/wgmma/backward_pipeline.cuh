@@ -96,11 +96,11 @@ struct BackwardBlock {
     // longest blocks run first and the grid ends on short ones. With more waves that tail is
     // small and the L2 reuse worth more, unless the pairs are few (at most a quarter of the
     // SMs: GQA groups, long sequences): then the blocks running together with the key block
-    // outermost are still several consecutive key blocks of each pair
-    // (docs/decisions/backward-kernels.md). In deterministic
-    // mode under a bounded right window the key blocks run in reverse (dq_order_descending),
-    // shortest first. With segment ids they run in the call's block order where it has one
-    // (tile_order.cuh: the long blocks in this index order, then the short ones by length).
+    // outermost are still several consecutive key blocks of each pair (measured in
+    // docs/decisions/backward-kernels.md). In deterministic mode under a bounded right window
+    // the key blocks run in reverse (dq_order_descending), shortest first. With segment ids
+    // they run in the call's block order where it has one (tile_order.cuh: the long blocks in
+    // this index order, then the short ones by length).
     const int key_blocks = int((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
     const int groups = int(p.batch * p.num_kv_heads);
     int index = int(blockIdx.x);
