@@ -83,9 +83,18 @@ def _jitted_reference_grads(q, k, v, bias, d_out, positional, arrays, static):
     return grads(reference.attention, q, k, v, bias, d_out, *positional, **arrays, **dict(static))
 
 
-@functools.partial(jax.jit, static_argnames=("static",))
-def _jitted_reference(q, k, v, positional, arrays, static):
-    return reference.attention(q, k, v, *positional, **arrays, **dict(static))
+@functools.partial(jax.jit, static_argnames=("fn", "static"))
+def _jitted(fn, q, k, v, positional, arrays, static):
+    return fn(q, k, v, *positional, **arrays, **dict(static))
+
+
+def _jit_with_options(fn, query, key, value, args, kwargs):
+    """fn(query, key, value, *args, **kwargs) as one jitted program per (fn, options, shapes),
+    the array options traced."""
+    split = _static_options(args, kwargs)
+    if split is None:  # one jitted computation, the options as its constants
+        return jax.jit(lambda q, k, v: fn(q, k, v, *args, **kwargs))(query, key, value)
+    return _jitted(fn, query, key, value, *split[:2], static=split[2])
 
 
 def jitted_reference(query, key, value, *args, **kwargs):
@@ -95,11 +104,7 @@ def jitted_reference(query, key, value, *args, **kwargs):
     many checks share a shape, the eager reference, whose small programs they share, is
     cheaper (assert_attention_close). The whole batch at once: not for problems large enough
     that reference_attention splits them by batch entry."""
-    split = _static_options(args, kwargs)
-    if split is None:  # one jitted computation, the options as its constants
-        return jax.jit(lambda q, k, v: reference.attention(q, k, v, *args, **kwargs))(
-            query, key, value)
-    return _jitted_reference(query, key, value, *split[:2], static=split[2])
+    return _jit_with_options(reference.attention, query, key, value, args, kwargs)
 
 
 def reference_attention(query, key, value, *args, return_residual=False, p_dtype=None,
@@ -142,6 +147,26 @@ def finite_max_abs(x) -> float:
     return float(np.max(x, where=np.isfinite(x), initial=0.0))
 
 
+def _reference_terms(attention, query, key, value, *args, **kwargs):
+    """What assert_attention_close compares with, from the float32 reference `attention` of the
+    inputs upcast: (out, lse), and for low-precision inputs error_budget's terms, the output
+    with P and itself rounded to their dtype and the output with |V| (None for float32)."""
+    q32, k32, v32 = (jnp.asarray(x, jnp.float32) for x in (query, key, value))
+    out, lse = attention(q32, k32, v32, *args, return_residual=True, **kwargs)
+    dtype = jnp.asarray(query).dtype
+    if dtype == jnp.float32:
+        return out, lse, None, None
+    rounded = attention(q32, k32, v32, *args, p_dtype=dtype, **kwargs).astype(dtype)
+    magnitude = attention(q32, k32, jnp.abs(v32), *args, **kwargs)
+    return out, lse, rounded, magnitude
+
+
+# _reference_terms of the reference, for _jit_with_options (this one object its static key):
+# low-precision inputs' three references as one program, one compilation (~0.3 s on 2 CPU cores)
+# where three jitted references took three (~0.6 s).
+_jitted_reference_terms = functools.partial(_reference_terms, reference.attention)
+
+
 def assert_attention_close(out, query, key, value, *args, nan_rows=False, jit_reference=False,
                            **kwargs):
     """Checks `out` against the float32 reference with the error-ratio rule: a float32 result
@@ -154,13 +179,15 @@ def assert_attention_close(out, query, key, value, *args, nan_rows=False, jit_re
     (one query of one head) holding NaN must be exactly the reference's, the rows where a NaN
     or +inf logit is visible, and every other row is checked as above.
 
-    `jit_reference`: the reference as one jitted program (`jitted_reference`), for a check
-    whose shapes no other check shares; else eagerly, its small programs shared by checks of
-    the same shapes."""
-    reference_attention_ = jitted_reference if jit_reference else reference_attention
+    `jit_reference`: the reference as one jitted program (as `jitted_reference`; for
+    low-precision inputs, with the budget's two other references), for a check whose shapes no
+    other check shares; else eagerly, its small programs shared by checks of the same shapes."""
+    if jit_reference:
+        terms = _jit_with_options(_jitted_reference_terms, query, key, value, args, kwargs)
+    else:
+        terms = _reference_terms(reference_attention, query, key, value, *args, **kwargs)
+    ref, ref_lse, rounded, magnitude = terms
     out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    q32, k32, v32 = (jnp.asarray(x, jnp.float32) for x in (query, key, value))
-    ref, ref_lse = reference_attention_(q32, k32, v32, *args, return_residual=True, **kwargs)
     ref = np.asarray(ref, np.float64)
     ref_nan = np.isnan(ref).any(axis=-1, keepdims=True)
     out_nan = np.isnan(out).any(axis=-1, keepdims=True)
@@ -174,7 +201,7 @@ def assert_attention_close(out, query, key, value, *args, nan_rows=False, jit_re
         # float32 rounding of a logit x moves exp(x) by ~eps * |x|: the budget grows with the
         # largest logit, bias included (x10 inputs give logits in the hundreds, test_large_bias
         # biases of 1e4).
-        q64, k64 = (np.asarray(x, np.float64) for x in (q32, k32))
+        q64, k64 = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (query, key))
         if q64.ndim == 3:
             q64, k64 = q64[None], k64[None]
         group = q64.shape[2] // k64.shape[2]
@@ -185,10 +212,7 @@ def assert_attention_close(out, query, key, value, *args, nan_rows=False, jit_re
         logit_size = max(1.0, finite_max_abs(logits) + bias_size)
         bound = 2e-5 * (np.max(np.abs(ref), initial=0.0) + 1) * logit_size
     else:
-        rounded = reference_attention_(q32, k32, v32, *args, p_dtype=dtype,
-                                       **kwargs).astype(dtype)
         rounded = np.where(ref_nan, 0.0, np.asarray(rounded, np.float64))
-        magnitude = reference_attention_(q32, k32, jnp.abs(v32), *args, **kwargs)
         magnitude = np.where(ref_nan, 0.0, np.asarray(magnitude, np.float64))
         bound = reference.error_budget(ref, rounded, dtype, magnitude)
     errors = np.abs(out - ref)

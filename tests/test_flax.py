@@ -21,7 +21,7 @@ from flax import nnx  # noqa: E402
 
 import jax_flashattn.flax as jfa_flax  # noqa: E402
 from jax_flashattn import reference  # noqa: E402
-from helpers import random_qkv  # noqa: E402
+from helpers import jitted_reference, random_qkv  # noqa: E402
 
 B, T, F, HEADS = 2, 16, 32, 4
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
@@ -445,11 +445,9 @@ def test_nnx_layer_with_soft_cap_and_sinks(inputs):
     kernels as through the float32 reference."""
     x, _ = inputs
 
-    def reference_fn(q, k, v, **kwargs):
-        return reference.attention(q, k, v, **kwargs)
-
     results = []
-    for attention_fn in (jfa_flax.dot_product_attention, reference_fn):
+    # The reference jitted: eagerly, its forward and backward operations compiled one by one.
+    for attention_fn in (jfa_flax.dot_product_attention, jitted_reference):
         model = _CappedSinkAttention(attention_fn, rngs=nnx.Rngs(0))
 
         def loss(model, x):

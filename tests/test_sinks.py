@@ -3,6 +3,8 @@ The reference against a direct numpy formula, then `attention` (values, lse, gra
 v and the sinks) against the float32 reference with every option, under jit and vmap, the Flax
 adapter, batch and sequence sharding and ring attention, and the errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,6 +61,13 @@ def sinks_grads(fn, q, k, v, bias, sinks, d_out, **kwargs):
     return (out, *vjp(d_out))
 
 
+# The reference's values and gradients jitted once per option, for the option's float32 and
+# bfloat16 cases alike (both take the inputs upcast): a jit per case compiled it twice.
+@functools.partial(jax.jit, static_argnames="option")
+def reference_sinks_grads(q, k, v, bias, sinks, d_out, option):
+    return sinks_grads(reference.attention, q, k, v, bias, sinks, d_out, **OPTIONS[option])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_gradients_match_reference(rng, dtype, option):
@@ -70,7 +79,7 @@ def test_gradients_match_reference(rng, dtype, option):
     got = jax.jit(lambda *a: sinks_grads(jax_flashattn.attention, *a, **kwargs))(
         q, k, v, bias, sinks, d_out)
     f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, bias, sinks, d_out)]
-    want = jax.jit(lambda *a: sinks_grads(reference.attention, *a, **kwargs))(*f32)
+    want = reference_sinks_grads(*f32, option=option)
     normwise = None if dtype == jnp.float32 else 2e-2
     for name, g, w in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
         assert_grads_close(g, w, normwise=normwise, name=name)
@@ -188,6 +197,17 @@ def test_jax_nn_implementations_refuse_them(rng):
         jax_flashattn.attention(q, k, v, sinks=jnp.zeros(N), implementation="xla")
 
 
+def sin_loss(fn):
+    return lambda q, k, v, s: jnp.sum(jnp.sin(fn(q, k, v, s)))
+
+
+# The reference's gradients of the test below, jitted once for its four cases (same shapes and
+# options): eagerly, its first case compiled each of their operations (~2 s on 2 CPU cores).
+reference_sin_grads = jax.jit(jax.grad(sin_loss(
+    lambda q, k, v, s: reference.attention(q, k, v, is_causal=True, sinks=s)),
+    argnums=(0, 1, 2, 3)))
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 @pytest.mark.parametrize("call", ["attention", "ring_attention"])
 def test_gradient_outside_shard_map_is_summed_once(rng, check_vma, call):
@@ -205,13 +225,8 @@ def test_gradient_outside_shard_map_is_summed_once(rng, check_vma, call):
         return sharding.ring_attention(q, k, v, axis_name="d", is_causal=True, sinks=sinks)
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=spec,
                             check_vma=check_vma)
-
-    def loss(fn):
-        return lambda q, k, v, s: jnp.sum(jnp.sin(fn(q, k, v, s)))
-    got = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
-    want = jax.grad(loss(lambda q, k, v, s: reference.attention(q, k, v, is_causal=True,
-                                                                sinks=s)),
-                    argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    got = jax.jit(jax.grad(sin_loss(sharded), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    want = reference_sin_grads(q, k, v, sinks)
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5,
                                    err_msg=name)
